@@ -1,0 +1,110 @@
+"""Node configuration: where desired files live, how to reach Ceph, what is allowed."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from .diagnostics import Diagnostic, format_field
+from .schemas import schema_errors
+from .yamldoc import Document, YamlError, load_documents
+
+DEFAULT_CONFIG_PATH = Path("/etc/rbd-reconciler/config.yaml")
+MAX_CONFIG_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class CephConfig:
+    conf: str
+    user: str
+    keyring: str | None  # None: whatever ceph.conf / librados defaults find
+
+
+@dataclass(frozen=True)
+class Config:
+    desired_dir: Path
+    state_dir: Path
+    node_name: str
+    ceph: CephConfig
+    allowed_roots: tuple[str, ...]
+    mapper: str
+    on_remove: str
+    source: Path | None  # the file it came from; None = built-in defaults
+
+    @property
+    def staging_root(self) -> Path:
+        return self.state_dir / "staging"
+
+
+class ConfigError(Exception):
+    def __init__(self, diagnostics: list[Diagnostic]) -> None:
+        super().__init__("\n".join(str(d) for d in diagnostics))
+        self.diagnostics = diagnostics
+
+
+def _build(data: dict, source: Path | None) -> Config:
+    ceph = data.get("ceph", {})
+    return Config(
+        desired_dir=Path(data.get("desiredDir", "/etc/rbd-reconciler/volumes.d")),
+        state_dir=Path(data.get("stateDir", "/var/lib/rbd-reconciler")),
+        node_name=data.get("nodeName") or socket.gethostname(),
+        ceph=CephConfig(
+            conf=ceph.get("conf", "/etc/ceph/ceph.conf"),
+            user=ceph.get("user", "admin"),
+            keyring=ceph.get("keyring"),
+        ),
+        allowed_roots=tuple(data.get("allowedRoots", ["/srv", "/mnt"])),
+        mapper=data.get("mapper", "auto"),
+        on_remove=data.get("onRemove", "release"),
+        source=source,
+    )
+
+
+def default_config() -> Config:
+    return _build({}, None)
+
+
+def load_config(path: Path | None) -> Config:
+    """Load and validate the node config.
+
+    ``None`` means the default path, which may be missing (built-in defaults
+    then apply); a path given explicitly must exist. Raises ConfigError with
+    every problem found.
+    """
+    explicit = path is not None
+    path = path or DEFAULT_CONFIG_PATH
+    try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError([Diagnostic(path, 1, 1, "(file)", "larger than 1 MiB")])
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        if explicit:
+            raise ConfigError([Diagnostic(path, 1, 1, "(file)", "no such file")]) from None
+        return default_config()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([Diagnostic(path, 1, 1, "(file)", f"cannot read: {exc}")]) from None
+    docs = list(load_documents(text))
+    diags: list[Diagnostic] = []
+    for d in docs:
+        if isinstance(d, YamlError):
+            diags.append(Diagnostic(path, d.line, d.column, format_field(d.path), d.message))
+    if diags:
+        raise ConfigError(diags)
+    if len(docs) > 1:
+        raise ConfigError([Diagnostic(path, docs[1].line, 1, "(document)",
+                                      "the config is one YAML document")])
+    doc = docs[0] if docs else Document(data={}, line=1, column=1)
+    if doc.data is None:
+        doc.data = {}
+    diags = [Diagnostic(path, *where, field, msg)
+             for where, field, msg in schema_errors("config", doc)]
+    for i, root in enumerate(doc.data.get("allowedRoots", []) if not diags else []):
+        if os.path.normpath(root) != root or root == "/":
+            line, col = doc.where(("allowedRoots", i))
+            diags.append(Diagnostic(path, line, col, f"allowedRoots[{i}]",
+                                    f"{root!r} must be a normalised absolute path other than /"))
+    if diags:
+        raise ConfigError(diags)
+    return _build(doc.data, path)

@@ -1,0 +1,305 @@
+"""Read desired-volume files: every error at once, never a half-loaded file.
+
+A file either contributes all of its volumes or none. Errors never raise out
+of ``load``: they come back as diagnostics, and the names a broken file still
+declares come back as ``frozen_names`` so later layers leave them alone (a
+parse error is never read as "absent").
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .config import Config
+from .diagnostics import Diagnostic, format_field
+from .schemas import schema_errors
+from .spec import (
+    DEFAULT_FEATURES,
+    XFS_MIN_BYTES,
+    ImageSpec,
+    MapSpec,
+    PublishSpec,
+    Source,
+    StageSpec,
+    Volume,
+)
+from .units import MiB, parse_size
+from .yamldoc import Document, YamlError, load_documents
+
+MAX_FILE_BYTES = 1 << 20
+YAML_SUFFIXES = (".yaml", ".yml")
+# Editors and tools leave these next to real files; they are never specs.
+IGNORED_PATTERNS = (".*", "*~", "*.swp", "*.swo", "*.tmp", "#*#")
+
+FEATURE_NEEDS = {
+    "object-map": "exclusive-lock",
+    "fast-diff": "object-map",
+    "journaling": "exclusive-lock",
+}
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    volumes: tuple[Volume, ...]
+    diagnostics: tuple[Diagnostic, ...]
+    files: tuple[Path, ...]
+    failed_files: frozenset[Path]
+    frozen_names: frozenset[str]  # declared by a file that failed: do not touch
+
+    @property
+    def ok(self) -> bool:
+        return not self.diagnostics
+
+
+def is_ignored(name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, pat) for pat in IGNORED_PATTERNS)
+
+
+def discover(paths: Iterable[Path]) -> tuple[list[Path], list[Diagnostic]]:
+    """The spec files named by ``paths``: YAML files directly inside a
+    directory (not recursive; sorted), or files given by name."""
+    files: list[Path] = []
+    diags: list[Diagnostic] = []
+    for p in paths:
+        if p.is_dir():
+            files.extend(
+                sorted(
+                    c for c in p.iterdir()
+                    if c.suffix in YAML_SUFFIXES and not is_ignored(c.name) and not c.is_dir()
+                )
+            )
+        elif p.exists():
+            files.append(p)
+        else:
+            diags.append(Diagnostic(p, 1, 1, "(file)", "no such file or directory"))
+    return files, diags
+
+
+@dataclass
+class _FileResult:
+    path: Path
+    docs: list[tuple[Document, Volume]] = field(default_factory=list)
+    diags: list[Diagnostic] = field(default_factory=list)
+    names: set[str] = field(default_factory=set)
+
+
+def _under(path: str, root: str) -> bool:
+    return path.startswith(root.rstrip("/") + "/")
+
+
+class _VolumeBuilder:
+    """Fills defaults (in this one place) and checks the rules the schema cannot say."""
+
+    def __init__(self, file: Path, doc: Document, config: Config) -> None:
+        self.file = file
+        self.doc = doc
+        self.config = config
+        self.diags: list[Diagnostic] = []
+
+    def error(self, path: tuple[str | int, ...], message: str) -> None:
+        line, col = self.doc.where(path)
+        self.diags.append(Diagnostic(self.file, line, col, format_field(path), message))
+
+    def check_path(self, path: tuple[str | int, ...], value: str, what: str,
+                   extra_roots: tuple[str, ...] = ()) -> None:
+        if os.path.normpath(value) != value:
+            self.error(path, f"{value!r} is not normalised (expected {os.path.normpath(value)!r})")
+            return
+        roots = self.config.allowed_roots + extra_roots
+        if not any(_under(value, r) for r in roots):
+            self.error(path, f"{what} {value!r} is not under an allowed root "
+                             f"({', '.join(roots)}; see allowedRoots in the node config)")
+
+    def build(self) -> Volume | None:
+        d: dict[str, Any] = self.doc.data
+        name: str = d["metadata"]["name"]
+        spec = d["spec"]
+        img = spec["image"]
+
+        size = None
+        if "size" in img:
+            size = parse_size(img["size"])  # the schema guarantees the syntax
+            if size < MiB:
+                self.error(("spec", "image", "size"), f"{size} bytes is below the 1Mi minimum")
+        features = tuple(img.get("features", DEFAULT_FEATURES))
+        for feat, needs in FEATURE_NEEDS.items():
+            if feat in features and needs not in features:
+                self.error(("spec", "image", "features"), f"feature {feat!r} needs {needs!r}")
+        image = ImageSpec(
+            pool=img["pool"], name=img.get("name", name), size=size, features=features,
+            reclaim_policy=img.get("reclaimPolicy", "Retain"),
+        )
+
+        mapping = None
+        if "map" in spec:
+            m = spec["map"]
+            mapping = MapSpec(mapper=m.get("mapper", self.config.mapper),
+                              options=tuple(m.get("options", ())))
+
+        stage = None
+        if "stage" in spec:
+            s = spec["stage"]
+            if mapping is None:
+                self.error(("spec", "stage"), "stage needs a map section (a device to stage)")
+            mode = s.get("mode", "filesystem")
+            fs_type = s.get("fsType")
+            if mode == "block":
+                if fs_type is not None:
+                    self.error(("spec", "stage", "fsType"),
+                               "block mode exposes the raw device; it has no fsType")
+                for key in ("mkfsOptions", "mountOptions"):
+                    if s.get(key):
+                        self.error(("spec", "stage", key), f"block mode takes no {key}")
+            else:
+                fs_type = fs_type or "ext4"
+                if fs_type == "xfs" and size is not None and size < XFS_MIN_BYTES:
+                    self.error(("spec", "image", "size"),
+                               f"xfs needs at least 300Mi; the image is {img['size']}")
+            staging = s.get("path") or str(self.config.staging_root / name)
+            if s.get("path"):
+                self.check_path(("spec", "stage", "path"), staging, "staging path",
+                                (str(self.config.staging_root),))
+            stage = StageSpec(
+                mode=mode, fs_type=fs_type, mkfs_options=tuple(s.get("mkfsOptions", ())),
+                mount_options=tuple(s.get("mountOptions", ())), path=staging,
+            )
+
+        publish = []
+        for i, p in enumerate(spec.get("publish", [])):
+            self.check_path(("spec", "publish", i, "path"), p["path"], "publish path")
+            if stage is not None and (p["path"] == stage.path or _under(p["path"], stage.path)):
+                self.error(("spec", "publish", i, "path"),
+                           "publish path is inside the staging path")
+            publish.append(PublishSpec(path=p["path"], read_only=p.get("readOnly", False),
+                                       mount_options=tuple(p.get("mountOptions", ()))))
+        if publish and stage is None:
+            self.error(("spec", "publish"), "publish needs a stage section (a staged volume)")
+        seen: dict[str, int] = {}
+        for i, p in enumerate(publish):
+            if p.path in seen:
+                self.error(("spec", "publish", i, "path"),
+                           f"{p.path!r} is listed twice (also publish[{seen[p.path]}])")
+            seen.setdefault(p.path, i)
+
+        if self.diags:
+            return None
+        return Volume(
+            name=name, state=spec.get("state", "present"), image=image, map=mapping,
+            stage=stage, publish=tuple(publish), on_remove=spec.get("onRemove"),
+            source=Source(self.file, self.doc.line),
+        )
+
+
+def _declared_name(data: Any) -> str | None:
+    if isinstance(data, dict) and isinstance(data.get("metadata"), dict):
+        name = data["metadata"].get("name")
+        if isinstance(name, str):
+            return name
+    return None
+
+
+def _load_file(path: Path, config: Config) -> _FileResult:
+    res = _FileResult(path)
+
+    def fail(line: int, col: int, field_: str, msg: str) -> _FileResult:
+        res.diags.append(Diagnostic(path, line, col, field_, msg))
+        return res
+
+    try:
+        st = path.stat()
+        if st.st_size > MAX_FILE_BYTES:
+            return fail(1, 1, "(file)", f"file is {st.st_size} bytes; the limit is "
+                                        f"{MAX_FILE_BYTES} (a desired-volume file is small)")
+        raw = path.read_bytes()[: MAX_FILE_BYTES + 1]  # it may grow between stat and read
+        if len(raw) > MAX_FILE_BYTES:
+            return fail(1, 1, "(file)", f"file is larger than {MAX_FILE_BYTES} bytes")
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        before = raw[: exc.start]
+        line = before.count(b"\n") + 1
+        col = exc.start - (before.rfind(b"\n") + 1) + 1
+        return fail(line, col, "(file)", f"not UTF-8 text (byte 0x{raw[exc.start]:02x})")
+    except OSError as exc:
+        return fail(1, 1, "(file)", f"cannot read: {exc.strerror or exc}")
+
+    try:
+        for item in load_documents(text):
+            if isinstance(item, YamlError):
+                res.diags.append(Diagnostic(path, item.line, item.column,
+                                            format_field(item.path), item.message))
+                continue
+            if (declared := _declared_name(item.data)) is not None:
+                res.names.add(declared)
+            found = [Diagnostic(path, *where, f, m)
+                     for where, f, m in schema_errors("volume", item)]
+            if found:
+                res.diags.extend(found)
+                continue
+            builder = _VolumeBuilder(path, item, config)
+            volume = builder.build()
+            res.diags.extend(builder.diags)
+            if volume is not None:
+                res.docs.append((item, volume))
+    except RecursionError:
+        res.diags.append(Diagnostic(path, 1, 1, "(file)", "structure nested too deeply"))
+    if not res.docs and not res.diags:
+        return fail(1, 1, "(file)", "no Volume documents in this file")
+    return res
+
+
+def _cross_file_checks(results: list[_FileResult]) -> None:
+    """Names, images, staging and publish paths are each claimed once on a node."""
+    claims: dict[tuple[str, str], tuple[_FileResult, Document, tuple[str | int, ...]]] = {}
+    for res in results:
+        for doc, vol in res.docs:
+            keys: list[tuple[str, str, tuple[str | int, ...]]] = [
+                ("volume name", vol.name, ("metadata", "name")),
+                ("image", vol.image.spec, ("spec", "image")),
+            ]
+            if vol.stage is not None:
+                keys.append(("staging path", vol.stage.path, ("spec", "stage")))
+            keys += [("publish path", p.path, ("spec", "publish", i, "path"))
+                     for i, p in enumerate(vol.publish)]
+            for kind, value, fpath in keys:
+                first = claims.get((kind, value))
+                if first is None:
+                    claims[(kind, value)] = (res, doc, fpath)
+                    continue
+                fres, fdoc, ffpath = first
+                fline, fcol = fdoc.where(ffpath)
+                line, col = doc.where(fpath)
+                res.diags.append(Diagnostic(
+                    res.path, line, col, format_field(fpath),
+                    f"{kind} {value!r} is already claimed at {fres.path}:{fline}:{fcol}"))
+                fres.diags.append(Diagnostic(
+                    fres.path, fline, fcol, format_field(ffpath),
+                    f"{kind} {value!r} is also claimed at {res.path}:{line}:{col}"))
+
+
+def load(paths: Iterable[Path], config: Config) -> LoadResult:
+    """Load every desired volume under ``paths``. Never raises for bad input."""
+    files, diags = discover(paths)
+    results = [_load_file(f, config) for f in files]
+    _cross_file_checks(results)
+    volumes: list[Volume] = []
+    failed: set[Path] = set()
+    frozen: set[str] = set()
+    for res in results:
+        diags.extend(res.diags)
+        if res.diags:
+            failed.add(res.path)
+            frozen |= res.names
+        else:
+            volumes.extend(v for _, v in res.docs)
+    return LoadResult(
+        volumes=tuple(sorted(volumes, key=lambda v: v.name)),
+        diagnostics=tuple(sorted(set(diags))),
+        files=tuple(files),
+        failed_files=frozenset(failed),
+        frozen_names=frozenset(frozen),
+    )

@@ -1,0 +1,163 @@
+"""YAML documents that remember where every field came from.
+
+PyYAML's composer keeps a source mark on every node; we construct plain data
+from the nodes ourselves so that each JSON path maps to the line and column
+it was written at. That is what lets every error name ``file:line:column``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+Path_ = tuple[str | int, ...]
+
+# Deeper nesting than this is never a volume spec; refusing it keeps the
+# recursive walk far from Python's recursion limit on hostile input.
+MAX_DEPTH = 64
+
+
+class YamlError(Exception):
+    """A document that is not valid YAML or not plain data."""
+
+    def __init__(self, message: str, line: int, column: int, path: Path_ = ()) -> None:
+        super().__init__(message)
+        self.message = message
+        self.line = line
+        self.column = column
+        self.path = path
+
+
+@dataclass
+class Document:
+    """One YAML document: its data, and the source position of every path."""
+
+    data: Any
+    line: int
+    column: int
+    marks: dict[Path_, tuple[int, int]] = field(default_factory=dict)
+    key_marks: dict[Path_, tuple[int, int]] = field(default_factory=dict)
+
+    def where(self, path: Path_, *, key: bool = False) -> tuple[int, int]:
+        """Line and column of ``path``, or of its deepest ancestor that exists.
+
+        The key is preferred when asked for (an unknown field is the key the
+        user wrote) or when the value starts on another line (a block mapping
+        or list: the line that names the field is the one to show).
+        """
+        p = tuple(path)
+        while p not in self.marks and p:
+            p = p[:-1]
+        value = self.marks.get(p, (self.line, self.column))
+        at_key = self.key_marks.get(p)
+        if at_key is not None and (key or at_key[0] != value[0]):
+            return at_key
+        return value
+
+
+def _pos(node: yaml.Node) -> tuple[int, int]:
+    return node.start_mark.line + 1, node.start_mark.column + 1
+
+
+class _Builder:
+    def __init__(self, loader: yaml.SafeLoader, doc: Document) -> None:
+        self.loader = loader
+        self.doc = doc
+
+    def build(self, node: yaml.Node, path: Path_, depth: int = 0) -> Any:
+        self.doc.marks[path] = _pos(node)
+        if depth > MAX_DEPTH:
+            raise YamlError(f"nesting deeper than {MAX_DEPTH} levels", *_pos(node), path)
+        if isinstance(node, yaml.MappingNode):
+            self.loader.flatten_mapping(node)  # resolves "<<" merge keys
+            out: dict[str, Any] = {}
+            for key_node, value_node in node.value:
+                if not isinstance(key_node, yaml.ScalarNode):
+                    raise YamlError("mapping keys must be plain strings", *_pos(key_node), path)
+                key = self.loader.construct_object(key_node)
+                if not isinstance(key, str):
+                    raise YamlError(
+                        f"mapping key {key!r} must be a string", *_pos(key_node), path
+                    )
+                child = (*path, key)
+                if key in out:
+                    line, _ = self.doc.key_marks[child]
+                    raise YamlError(
+                        f"duplicate key {key!r} (first at line {line})", *_pos(key_node), child
+                    )
+                self.doc.key_marks[child] = _pos(key_node)
+                out[key] = self.build(value_node, child, depth + 1)
+            return out
+        if isinstance(node, yaml.SequenceNode):
+            return [self.build(v, (*path, i), depth + 1) for i, v in enumerate(node.value)]
+        value = self.loader.construct_object(node)
+        if not isinstance(value, str | int | float | bool | type(None)):
+            # Timestamps, binary and the like are never meaningful in a spec;
+            # say so instead of letting a datetime reach the schema checker.
+            raise YamlError(
+                f"unsupported value of type {type(value).__name__}; quote it to make a string",
+                *_pos(node),
+                path,
+            )
+        return value
+
+
+def _line_col(text: str, offset: int) -> tuple[int, int]:
+    before = text[:offset]
+    return before.count("\n") + 1, offset - (before.rfind("\n") + 1) + 1
+
+
+def _syntax_error(exc: yaml.YAMLError, text: str, kind: str = "YAML syntax error") -> YamlError:
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
+        problem = "; ".join(p for p in (exc.context, exc.problem) if p) or "invalid YAML"
+        return YamlError(f"{kind}: {problem}", line, col)
+    position = getattr(exc, "position", None)
+    line, col = _line_col(text, position) if isinstance(position, int) else (1, 1)
+    reason = getattr(exc, "reason", None) or str(exc).splitlines()[0]
+    return YamlError(f"unreadable YAML: {reason}", line, col)
+
+
+def load_documents(text: str) -> Iterator[Document | YamlError]:
+    """Yield every document in ``text``; a YAML syntax error ends the stream.
+
+    Empty documents (``---`` with nothing after it) are skipped, like kubectl.
+    """
+    try:
+        loader = yaml.SafeLoader(text)
+    except yaml.YAMLError as exc:  # the reader rejects control characters up front
+        yield _syntax_error(exc, text)
+        return
+    try:
+        while True:
+            try:
+                if not loader.check_node():
+                    return
+                node = loader.get_node()
+            except yaml.YAMLError as exc:
+                yield _syntax_error(exc, text)
+                return
+            if node is None or (isinstance(node, yaml.ScalarNode)
+                                and node.tag == "tag:yaml.org,2002:null" and node.value == ""):
+                continue  # an empty document, e.g. a trailing "---"
+            doc = Document(data=None, line=node.start_mark.line + 1,
+                           column=node.start_mark.column + 1)
+            try:
+                doc.data = _Builder(loader, doc).build(node, ())
+            except YamlError as exc:
+                yield exc
+                continue
+            except yaml.YAMLError as exc:  # an unknown tag
+                yield _syntax_error(exc, text, "invalid value")
+                continue
+            except (ValueError, TypeError, OverflowError) as exc:
+                # Constructor failures (a bad !!int, an invalid timestamp...).
+                yield YamlError(f"invalid value: {exc}", doc.line, doc.column)
+                continue
+            yield doc
+    finally:
+        loader.dispose()

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Install everything a fresh Debian 12 machine needs (as root), idempotently:
+# Ceph (mon, osd, client tools, Python bindings), the fuse-loop mapper,
+# filesystem tools, and a venv that sees Debian's rados/rbd bindings.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(ceph-mon ceph-osd ceph-common python3-rados python3-rbd rbd-fuse rbd-nbd
+              xfsprogs e2fsprogs kmod util-linux fuse3 python3-venv python3-pip)
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# Debian's rados/rbd modules are built for /usr/bin/python3 (3.11); a venv made
+# from it with --system-site-packages is the one environment that imports them.
+if [[ ! -x .venv/bin/python ]] || ! .venv/bin/python -c 'import rados, rbd' 2>/dev/null; then
+  rm -rf .venv
+  /usr/bin/python3 -m venv --system-site-packages .venv
+fi
+stamp=.venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)
+if [[ ! -e $stamp ]]; then
+  .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+  touch "$stamp"
+fi

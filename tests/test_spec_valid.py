@@ -1,0 +1,138 @@
+"""Examples validate; defaults are filled; the CLI speaks as documented."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from reconciler.cli import main
+from reconciler.config import ConfigError, default_config, load_config
+from reconciler.loader import load
+from reconciler.spec import DEFAULT_FEATURES, Phase
+from reconciler.units import format_size, parse_size
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+
+def test_every_example_is_valid() -> None:
+    result = load([EXAMPLES], default_config())
+    assert result.ok, "\n".join(map(str, result.diagnostics))
+    phases = {v.name: v.wanted_phase for v in result.volumes}
+    # The examples cover each shape the README promises.
+    assert phases["pgdata"] is Phase.PUBLISHED
+    assert phases["metrics"] is Phase.PUBLISHED
+    assert phases["scratch"] is Phase.PUBLISHED
+    assert phases["archive"] is Phase.CREATED
+    assert phases["old-cache"] is Phase.ABSENT
+    by = {v.name: v for v in result.volumes}
+    assert [p.read_only for p in by["pgdata"].publish] == [False, True]
+    assert by["metrics"].stage.fs_type == "xfs"
+    assert by["scratch"].stage.mode == "block" and by["scratch"].stage.fs_type is None
+
+
+@pytest.mark.parametrize("path", sorted((EXAMPLES / "config").glob("*.yaml")), ids=str)
+def test_example_configs_are_valid(path: Path) -> None:
+    config = load_config(path)
+    assert config.source == path
+
+
+def test_defaults_are_filled(tmp_path: Path) -> None:
+    (tmp_path / "v.yaml").write_text(
+        "apiVersion: rbd-reconciler/v1\nkind: Volume\nmetadata: {name: v}\n"
+        "spec:\n  image: {pool: rbd, size: 2Gi}\n  map: {}\n  stage: {}\n"
+    )
+    [v] = load([tmp_path], default_config()).volumes
+    assert v.state == "present"
+    assert v.image.name == "v" and v.image.size == 2 * 2**30
+    assert v.image.features == DEFAULT_FEATURES and v.image.reclaim_policy == "Retain"
+    assert v.map.mapper == "auto"
+    assert v.stage.mode == "filesystem" and v.stage.fs_type == "ext4"
+    assert v.stage.path == "/var/lib/rbd-reconciler/staging/v"
+    assert v.wanted_phase is Phase.STAGED
+    assert v.on_remove is None
+
+
+def test_spec_hash_ignores_source_and_tracks_content(tmp_path: Path) -> None:
+    body = ("apiVersion: rbd-reconciler/v1\nkind: Volume\nmetadata: {name: v}\n"
+            "spec:\n  image: {pool: rbd, size: SIZE}\n")
+    (tmp_path / "a.yaml").write_text(body.replace("SIZE", "1Gi"))
+    a = load([tmp_path / "a.yaml"], default_config()).volumes[0]
+    (tmp_path / "b.yaml").write_text("# moved\n" + body.replace("SIZE", "1073741824"))
+    b = load([tmp_path / "b.yaml"], default_config()).volumes[0]
+    (tmp_path / "c.yaml").write_text(body.replace("SIZE", "2Gi"))
+    c = load([tmp_path / "c.yaml"], default_config()).volumes[0]
+    assert a.spec_hash == b.spec_hash != c.spec_hash
+
+
+@pytest.mark.parametrize(("text", "size"), [
+    ("1", 1), (1024, 1024), ("1Ki", 1024), ("10Gi", 10 * 2**30), ("10G", 10**10),
+    ("3Ti", 3 * 2**40), ("512Mi", 512 * 2**20), ("7K", 7000),
+])
+def test_parse_size(text: str | int, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["10GB", "-1", "1.5Gi", "0", "", "Gi", "1 Gi", "01Gi", True])
+def test_parse_size_rejects(text: str | bool) -> None:
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+def test_format_size_round_trips() -> None:
+    for n in (1, 1024, 512 * 2**20, 3 * 2**30 + 2**20, 10**10):
+        assert parse_size(format_size(n)) == n
+
+
+def test_config_errors_name_file_line_field(tmp_path: Path) -> None:
+    f = tmp_path / "config.yaml"
+    f.write_text("desiredDir: /etc/x\nstateDir: relative\nceph:\n  conf: /c\n  bogus: 1\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(f)
+    got = sorted((d.line, d.field) for d in exc.value.diagnostics)
+    assert got == [(2, "stateDir"), (5, "ceph.bogus")]
+
+
+def test_explicit_missing_config_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "absent.yaml")
+
+
+def test_cli_validate_examples_exit_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", str(EXAMPLES)]) == 0
+
+
+def test_cli_validate_broken_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "bad.yaml").write_text(
+        "apiVersion: rbd-reconciler/v1\nkind: Volume\nmetadata: {name: v}\n"
+        "spec:\n  image:\n    pool: rbd\n    size: 10GB\n")
+    assert main(["validate", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"{tmp_path / 'bad.yaml'}:7:11: spec.image.size: '10GB' is not valid")
+
+
+def test_cli_validate_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "bad.yaml").write_text("kind: [")
+    assert main(["validate", "-o", "json", str(tmp_path)]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["valid"] is False
+    [err] = doc["errors"]
+    assert err["line"] == 1 and err["field"] == "(document)" and err["file"].endswith("bad.yaml")
+
+
+def test_cli_bad_config_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "c.yaml").write_text("mapper: iscsi\n")
+    assert main(["--config", str(tmp_path / "c.yaml"), "validate", str(EXAMPLES)]) == 1
+    assert "c.yaml:1:9: mapper:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [["--help"], ["validate", "--help"], ["--version"]])
+def test_cli_help_and_version(args: list[str]) -> None:
+    proc = subprocess.run([sys.executable, "-m", "reconciler", *args],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0
+    assert "rbd-reconciler" in proc.stdout
