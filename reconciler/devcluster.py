@@ -1,0 +1,518 @@
+"""A disposable, real, single-node Ceph cluster for tests and demos.
+
+One ceph-mon and one memstore ceph-osd on 127.0.0.1 with cephx auth, all state
+under one temporary directory. No ceph-mgr: the RBD data path does not need it
+(but `ceph pg ...`, `ceph osd df` and `rbd perf` hang without one — never call
+them). Data lives in the OSD's RAM, so the cluster is throw-away by design.
+
+    with start_cluster() as cluster:
+        subprocess.run(["rbd", "ls"], env={**os.environ, **cluster.client_env()})
+
+CLI (used by the README demo):
+
+    python -m reconciler.devcluster run [--dir DIR] [--pool rbd] -- CMD ARGS...
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the bindings come from Debian packages; import them lazily
+    import rados
+
+__all__ = ["DevCluster", "DevClusterError", "main", "start_cluster"]
+
+MON_ID = "a"
+OSD_ID = 0
+STOP_TIMEOUT = 10.0  # per daemon, before SIGKILL; memstore OSDs exit in ~0.1 s
+LOG_TAIL_LINES = 20
+
+
+class DevClusterError(RuntimeError):
+    """Start failed (the message carries the daemons' log tails), or stop left mounts."""
+
+
+@dataclass
+class DevCluster:
+    root: Path
+    conf: Path
+    keyring: Path
+    user: str
+    pool: str
+    mon_addr: str
+    _procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
+    # False when the caller handed us an existing (empty) directory: then we
+    # empty it on stop instead of deleting it.
+    _owns_root: bool = field(default=True, repr=False)
+    _stopped: bool = field(default=False, repr=False)
+
+    @property
+    def pids(self) -> dict[str, int]:
+        """Daemon name -> pid, e.g. {"mon.a": 123, "osd.0": 124}."""
+        return {name: p.pid for name, p in self._procs.items()}
+
+    def client_env(self) -> dict[str, str]:
+        """Environment for client subprocesses (rbd, rbd-fuse, ceph): no -c/--id needed."""
+        return {
+            "CEPH_CONF": str(self.conf),
+            "CEPH_ARGS": f"--id {self.user} --keyring {self.keyring}",
+        }
+
+    def connect(self, timeout: float = 30, osd_op_timeout: float | None = None) -> rados.Rados:
+        """A connected librados handle; the caller must shutdown() it (or use client()).
+
+        `timeout` bounds connecting and mon commands: a dead cluster should fail
+        a test, not hang it. `osd_op_timeout` bounds data I/O (a full memstore
+        blocks writes forever); unset, I/O waits as long as it takes.
+        """
+        import rados
+
+        conf = {"keyring": str(self.keyring)}
+        conf["client_mount_timeout"] = conf["rados_mon_op_timeout"] = _secs(timeout)
+        if osd_op_timeout is not None:
+            conf["rados_osd_op_timeout"] = _secs(osd_op_timeout)
+        handle = rados.Rados(conffile=str(self.conf), rados_id=self.user, conf=conf)
+        try:
+            handle.connect()
+        except BaseException:
+            handle.shutdown()
+            raise
+        return handle
+
+    @contextlib.contextmanager
+    def client(
+        self, timeout: float = 30, osd_op_timeout: float | None = None
+    ) -> Iterator[rados.Rados]:
+        """`with cluster.client() as r:` — connect() that shuts down on exit."""
+        handle = self.connect(timeout, osd_op_timeout)
+        try:
+            yield handle
+        finally:
+            handle.shutdown()
+
+    def stop(self) -> None:
+        """Stop the OSD, then the mon (by pid), and remove the state. Idempotent.
+
+        Mount points under root are never entered (a stat on an rbd-fuse mount
+        whose cluster is gone hangs, and a filesystem mounted there is not ours
+        to delete): they are left in place and reported with DevClusterError;
+        call stop() again after unmounting them.
+        """
+        if self._stopped:
+            return
+        # OSD first: a mon-less OSD would otherwise wait for its mon until killed.
+        for name in sorted(self._procs, key=lambda n: not n.startswith("osd")):
+            _terminate(self._procs[name])
+        left = _remove_tree(self.root, keep_root=not self._owns_root)
+        if left:
+            raise DevClusterError(
+                f"dev cluster stopped, but {self.root} still holds mounts, left untouched "
+                f"(unmount them, then call stop() again): {', '.join(left)}"
+            )
+        self._stopped = True
+
+    def __enter__(self) -> DevCluster:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def start_cluster(
+    root: Path | None = None,
+    pool: str = "rbd",
+    memstore_bytes: int = 3 << 30,
+    timeout: float = 60,
+) -> DevCluster:
+    """Bootstrap and start a 1-mon + 1-OSD cluster with an rbd-initialised `pool`.
+
+    `root` must be absent or empty (it is emptied again on stop); by default a
+    fresh temporary directory is used and deleted on stop. On any failure the
+    started daemons are killed, the state removed, and DevClusterError raised
+    with the tails of the mon and OSD logs.
+    """
+    missing = [t for t in ("ceph-mon", "ceph-osd", "ceph-authtool", "monmaptool")
+               if shutil.which(t) is None]
+    if missing:
+        raise DevClusterError(f"missing Ceph tools: {', '.join(missing)}")
+    deadline = time.monotonic() + timeout
+    if root is None:
+        root, owns_root = Path(tempfile.mkdtemp(prefix="rbd-reconciler-ceph-")), True
+    else:
+        root = root.absolute()
+        owns_root = not root.exists()
+        if not owns_root and any(root.iterdir()):
+            raise DevClusterError(f"{root} is not empty; refusing to put a cluster there")
+        root.mkdir(parents=True, exist_ok=True)
+
+    port = _free_port()
+    cluster = DevCluster(
+        root=root,
+        conf=root / "ceph.conf",
+        keyring=root / "ceph.client.admin.keyring",
+        user="admin",
+        pool=pool,
+        mon_addr=f"127.0.0.1:{port}",
+        _owns_root=owns_root,
+    )
+    try:
+        _bootstrap(cluster, memstore_bytes, deadline)
+    except BaseException as e:  # also KeyboardInterrupt/SystemExit: never leak daemons
+        logs = _log_tails(root)
+        cluster.stop()
+        if isinstance(e, Exception):
+            raise DevClusterError(f"could not start dev cluster in {root}: {e}\n{logs}") from e
+        raise
+    return cluster
+
+
+# --- bootstrap ---------------------------------------------------------------
+
+
+def _bootstrap(c: DevCluster, memstore_bytes: int, deadline: float) -> None:
+    root = c.root
+    fsid, osd_uuid = str(uuid.uuid4()), str(uuid.uuid4())
+    mon_data, osd_data = root / "mon" / f"ceph-{MON_ID}", root / "osd" / f"ceph-{OSD_ID}"
+    for d in (mon_data, osd_data, root / "run", root / "log", root / "crash"):
+        d.mkdir(parents=True)
+    c.conf.write_text(_render_conf(root, fsid, c.mon_addr, c.keyring, memstore_bytes))
+    conf = ["-c", str(c.conf)]
+
+    mon_keyring, osd_keyring = root / "mon.keyring", osd_data / "keyring"
+    _tool(["ceph-authtool", "--create-keyring", mon_keyring, "--gen-key", "-n", "mon.",
+           "--cap", "mon", "allow *"], deadline)
+    _tool(["ceph-authtool", "--create-keyring", c.keyring, "--gen-key", "-n", "client.admin",
+           "--cap", "mon", "allow *", "--cap", "osd", "allow *",
+           "--cap", "mds", "allow *", "--cap", "mgr", "allow *"], deadline)
+    _tool(["ceph-authtool", mon_keyring, "--import-keyring", c.keyring], deadline)
+    _tool(["ceph-authtool", "--create-keyring", osd_keyring, "--gen-key", "-n", f"osd.{OSD_ID}"],
+          deadline)
+    osd_key = _read_key(osd_keyring)
+
+    # The OSD's mkfs needs no mon (fsid comes from the conf): run it alongside the mon's.
+    osd_mkfs = _spawn(["ceph-osd", *conf, "--no-mon-config", "-i", str(OSD_ID), "--mkfs",
+                       "--osd-uuid", osd_uuid], root / "log" / "osd-mkfs.out", daemon=False)
+    try:
+        _tool(["monmaptool", "--create", "--fsid", fsid, "--addv", MON_ID,
+               f"[v2:{c.mon_addr}]", root / "monmap"], deadline)
+        _tool(["ceph-mon", *conf, "--mkfs", "-i", MON_ID, "--monmap", root / "monmap",
+               "--keyring", mon_keyring], deadline)
+        c._procs[f"mon.{MON_ID}"] = _spawn(["ceph-mon", *conf, "-f", "-i", MON_ID],
+                                           root / "log" / f"mon.{MON_ID}.out")
+        rc = osd_mkfs.wait(timeout=max(0.1, deadline - time.monotonic()))
+        if rc != 0:
+            raise DevClusterError(f"ceph-osd --mkfs exited {rc}")
+    finally:
+        _terminate(osd_mkfs)
+
+    port = int(c.mon_addr.rsplit(":", 1)[1])
+    _wait_for(lambda: _port_open(port), c, deadline, "mon to listen")
+    left = deadline - time.monotonic()
+    handle = c.connect(timeout=left, osd_op_timeout=left)
+    try:
+        _mon_cmd(handle, {"prefix": "osd new", "uuid": osd_uuid, "id": OSD_ID},
+                 json.dumps({"cephx_secret": osd_key}))
+        c._procs[f"osd.{OSD_ID}"] = _spawn(["ceph-osd", *conf, "-f", "-i", str(OSD_ID)],
+                                           root / "log" / f"osd.{OSD_ID}.out")
+        _wait_for(lambda: _osd_up(handle), c, deadline, "osd.0 to be up")
+        # Without a mgr, MGR_DOWN appears after 120 s; sticky so it holds before it fires.
+        _mon_cmd(handle, {"prefix": "health mute", "code": "MGR_DOWN", "sticky": True})
+        _mon_cmd(handle, {"prefix": "osd pool create", "pool": c.pool, "pg_num": 8,
+                          "pgp_num": 8})
+        import rbd
+
+        with handle.open_ioctx(c.pool) as ioctx:
+            rbd.RBD().pool_init(ioctx, False)  # == `rbd pool init`; waits for active PGs
+    finally:
+        handle.shutdown()
+
+
+def _render_conf(root: Path, fsid: str, mon_addr: str, keyring: Path, memstore_bytes: int) -> str:
+    # Daemon logs and data go to sections only daemons read, so clients that
+    # share this conf (rbd, rbd-fuse, librados in tests) log nowhere by default.
+    return f"""\
+[global]
+fsid = {fsid}
+mon host = [v2:{mon_addr}]
+public addr = 127.0.0.1
+auth cluster required = cephx
+auth service required = cephx
+auth client required = cephx
+run dir = {root}/run
+crash dir = {root}/crash
+osd pool default size = 1
+osd pool default min size = 1
+osd pool default pg autoscale mode = off
+mon allow pool size one = true
+mon allow pool delete = true
+osd crush chooseleaf type = 0
+mon data avail warn = 1
+mon warn on pool no redundancy = false
+mon warn on insecure global id reclaim allowed = false
+osd objectstore = memstore
+memstore device bytes = {memstore_bytes}
+
+[client]
+keyring = {keyring}
+
+[mon]
+mon data = {root}/mon/$cluster-$id
+log file = {root}/log/$name.log
+mon cluster log file = {root}/log/cluster.log
+# Commits every paxos proposal at once: pool init and snapshots get ~20x faster.
+paxos propose interval = 0.01
+
+[osd]
+osd data = {root}/osd/$cluster-$id
+keyring = {root}/osd/$cluster-$id/keyring
+log file = {root}/log/$name.log
+"""
+
+
+def _tool(argv: Sequence[str | Path], deadline: float) -> None:
+    # Each tool finishes in milliseconds; the start deadline only bounds a wedged one.
+    args = [str(a) for a in argv]
+    try:
+        r = subprocess.run(args, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                           timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired as e:
+        raise DevClusterError(f"{args[0]} did not finish before the start deadline") from e
+    if r.returncode != 0:
+        raise DevClusterError(f"{' '.join(args)} exited {r.returncode}: {r.stderr.strip()}")
+
+
+def _spawn(argv: list[str], out: Path, daemon: bool = True) -> subprocess.Popen[bytes]:
+    # Our own session: a terminal's Ctrl-C reaches only us, and we stop the
+    # daemons in order. setpriv --pdeathsig kills them if we die without
+    # stopping them (PID 1 here reaps nothing, so orphans would linger).
+    prefix = ["setpriv", "--pdeathsig", "KILL", "--"] if shutil.which("setpriv") else []
+    with out.open("ab") as f:
+        return subprocess.Popen([*prefix, *argv], stdin=subprocess.DEVNULL, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=daemon)
+
+
+def _terminate(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=STOP_TIMEOUT)
+            return
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    proc.wait()  # reap, always: nobody else will
+
+
+def _mon_cmd(handle: rados.Rados, cmd: dict[str, object], inbuf: str = "") -> bytes:
+    rc, out, err = handle.mon_command(json.dumps({**cmd, "format": "json"}), inbuf.encode())
+    if rc != 0:
+        raise DevClusterError(f"mon command {cmd['prefix']!r} failed ({rc}): {err}")
+    return out
+
+
+def _osd_up(handle: rados.Rados) -> bool:
+    dump = json.loads(_mon_cmd(handle, {"prefix": "osd dump"}))
+    return any(o["osd"] == OSD_ID and o["up"] == 1 for o in dump["osds"])
+
+
+def _wait_for(cond: Callable[[], bool], c: DevCluster, deadline: float, what: str) -> None:
+    while not cond():
+        for name, p in c._procs.items():
+            if p.poll() is not None:
+                raise DevClusterError(f"{name} exited {p.returncode} while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise DevClusterError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def _secs(t: float) -> str:
+    return str(max(1, int(t)))  # whole seconds, and 0 would mean "no timeout"
+
+
+def _read_key(keyring: Path) -> str:
+    for line in keyring.read_text().splitlines():
+        k, sep, v = line.partition("=")
+        if sep and k.strip() == "key":
+            return v.strip()
+    raise DevClusterError(f"no key in {keyring}")
+
+
+def _free_port() -> int:
+    # Below 32768 (the kernel's ephemeral range starts there) and outside the
+    # OSD's default 6800-7300 range; bind-tested, so only a race can lose it.
+    for _ in range(200):
+        port = random.randrange(10000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise DevClusterError("no free port found for the mon")
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _log_tails(root: Path) -> str:
+    parts = []
+    for log in sorted((root / "log").glob("*")):
+        with contextlib.suppress(OSError):
+            lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+            if lines:
+                parts.append(f"--- {log.name} (tail) ---\n" + "\n".join(lines))
+    return "\n".join(parts)
+
+
+def _mount_points() -> set[str]:
+    points = set()
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        if len(fields) > 4:  # field 5 is the mount point, with \040-style escapes
+            points.add(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4]))
+    return points
+
+
+def _remove_tree(root: Path, keep_root: bool) -> list[str]:
+    """Remove root (or only its contents) without entering mount points; return those left."""
+    top = os.path.normpath(root)
+    points = _mount_points()
+    blockers = sorted(m for m in points if m.startswith(f"{top}/"))
+    if top in points and not keep_root:
+        return [top]  # someone mounted over our dir: nothing below it is ours
+    if not os.path.lexists(top):
+        return blockers
+    if not blockers:
+        if keep_root:
+            _clear(top, set())
+        else:
+            shutil.rmtree(top)
+        return []
+    _clear(top, set(blockers))
+    return blockers
+
+
+def _clear(directory: str, mounts: set[str]) -> None:
+    # Delete everything in directory except the mount points and the dirs leading to them.
+    # Mount points are recognised by path before any syscall touches them.
+    with os.scandir(directory) as it:
+        entries = list(it)
+    for e in entries:
+        if e.path in mounts:
+            continue
+        if any(m.startswith(f"{e.path}/") for m in mounts):
+            _clear(e.path, mounts)
+        elif e.is_dir(follow_symlinks=False):
+            shutil.rmtree(e.path)
+        else:
+            os.unlink(e.path)
+
+
+# --- CLI -----------------------------------------------------------------------
+
+
+def _run(args: argparse.Namespace) -> int:
+    cmd: list[str] = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        print("devcluster run: missing command after --", file=sys.stderr)
+        return 2
+    child: subprocess.Popen[bytes] | None = None
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if child is None:
+            raise SystemExit(128 + signum)  # unwinds start_cluster, which cleans up
+        # A terminal's Ctrl-C already reached the command (same foreground process
+        # group); anything else is forwarded. The cluster stops once it exits.
+        if child.poll() is None and not (signum == signal.SIGINT and _tty_foreground()):
+            child.send_signal(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    cluster: DevCluster | None = None
+    rc = 1
+    try:
+        t0 = time.monotonic()
+        cluster = start_cluster(root=args.dir, pool=args.pool, timeout=args.timeout)
+        print(f"devcluster: up in {time.monotonic() - t0:.1f}s at {cluster.root} "
+              f"(mon {cluster.mon_addr}, pool {cluster.pool})", file=sys.stderr)
+        env = {
+            **os.environ,
+            **cluster.client_env(),
+            "RBD_RECONCILER_CEPH_CONF": str(cluster.conf),
+            "RBD_RECONCILER_CEPH_KEYRING": str(cluster.keyring),
+            "RBD_RECONCILER_CEPH_USER": cluster.user,
+            "RBD_RECONCILER_POOL": cluster.pool,
+        }
+        try:
+            child = subprocess.Popen(cmd, env=env)
+        except OSError as e:
+            print(f"devcluster run: {cmd[0]}: {e}", file=sys.stderr)
+            return 127
+        rc = child.wait()
+        rc = rc if rc >= 0 else 128 - rc
+    except DevClusterError as e:
+        print(f"devcluster: {e}", file=sys.stderr)
+    finally:
+        # Stopping is bounded; a second signal must not leave daemons half-stopped.
+        for s in old:
+            signal.signal(s, signal.SIG_IGN)
+        if child is not None and child.poll() is None:
+            child.kill()
+            child.wait()
+        if cluster is not None:
+            try:
+                cluster.stop()
+            except DevClusterError as e:
+                print(f"devcluster: {e}", file=sys.stderr)
+                rc = rc or 1
+        for s, h in old.items():
+            signal.signal(s, h)
+    return rc
+
+
+def _tty_foreground() -> bool:
+    try:
+        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
+    except (OSError, ValueError):
+        return False
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m reconciler.devcluster",
+                                description="Run a command against a disposable Ceph cluster.")
+    sub = p.add_subparsers(dest="action", required=True)
+    run = sub.add_parser("run", help="start a cluster, run CMD with client env set, stop it")
+    run.add_argument("--dir", type=Path, help="state directory (absent or empty; emptied after)")
+    run.add_argument("--pool", default="rbd")
+    run.add_argument("--timeout", type=float, default=60, help="startup deadline in seconds")
+    run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
+    args = p.parse_args(argv)
+    return _run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
