@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from .config import Config, ConfigError, load_config
+from .engine import Busy, Pass, apply_pass, context, plan_pass, state_lock
 from .loader import load
+from .observe import Node
+from .plan import VolumePlan, actual_state
+from .steps import Step
+from .units import format_size
 
 EXIT_OK = 0
 EXIT_FAILED = 1
+EXIT_CHANGES = 2
 
 
 def _version() -> str:
@@ -37,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-c", "--config", type=Path, default=None,
                         help="node config file (default: /etc/rbd-reconciler/config.yaml; "
                              "built-in defaults if that is missing)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log every command run")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("validate", help="check desired-volume files; change nothing",
@@ -47,7 +55,144 @@ def build_parser() -> argparse.ArgumentParser:
                    help="files or directories (default: the config's desiredDir)")
     _add_output(p)
     p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("plan", help="show what apply would change (check + diff); change nothing",
+                       description="Observe the node and Ceph, and print the steps that would "
+                                   "converge them to the desired files. Exit 0: nothing to do; "
+                                   "2: changes pending; 1: an error or a refusal.")
+    p.add_argument("paths", nargs="*", type=Path, metavar="PATH",
+                   help="files or directories (default: the config's desiredDir)")
+    _add_output(p)
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("apply", help="converge the node to the desired files",
+                       description="Plan and execute. Prints each volume's result (ok, "
+                                   "changed, failed) and a recap; exit 1 if any failed.")
+    p.add_argument("paths", nargs="*", type=Path, metavar="PATH",
+                   help="files or directories (default: the config's desiredDir)")
+    _add_output(p)
+    p.set_defaults(func=cmd_apply)
+
+    p = sub.add_parser("status", help="show the observed state of every desired volume",
+                       description="Phase (ABSENT, CREATED, MAPPED, STAGED, PUBLISHED), "
+                                   "device, mounts and size of each desired volume.")
+    p.add_argument("paths", nargs="*", type=Path, metavar="PATH",
+                   help="files or directories (default: the config's desiredDir)")
+    _add_output(p)
+    p.set_defaults(func=cmd_status)
     return parser
+
+
+def _marker(step: Step) -> str:
+    if step.destructive:
+        return "!"
+    if step.disruptive:
+        return "-"
+    return "+" if step.before in ("absent", "unmapped", "not staged", "not published") else "~"
+
+
+def _print_plans(plans: list[VolumePlan]) -> None:
+    for vp in plans:
+        if vp.refusal:
+            print(f"volume {vp.name}: REFUSED: {vp.refusal}")
+            continue
+        arrow = f"{vp.phase.name} -> {vp.wanted.name}" if vp.wanted is not None else ""
+        if not vp.steps:
+            print(f"volume {vp.name}: ok ({vp.phase.name})")
+        else:
+            print(f"volume {vp.name}: {arrow}")
+        for s in vp.steps:
+            flag = "  (destructive)" if s.destructive else ""
+            print(f"  {_marker(s)} {s.action:<16} {s.target}: {s.before} -> {s.after}{flag}")
+        for note in vp.notes:
+            print(f"  note: {note}")
+
+
+def _print_load_errors(p: Pass) -> None:
+    for d in p.loaded.diagnostics:
+        print(d, file=sys.stderr)
+
+
+def _paths(args: argparse.Namespace, config: Config) -> list[Path]:
+    return args.paths or [config.desired_dir]
+
+
+def cmd_plan(args: argparse.Namespace, config: Config) -> int:
+    p = plan_pass(_paths(args, config), config, Node.from_config(config))
+    steps = sum(len(vp.steps) for vp in p.plans)
+    refused = [vp for vp in p.plans if vp.refusal]
+    failed = bool(refused or p.loaded.diagnostics)
+    if args.output == "json":
+        json.dump({
+            "changes": steps > 0,
+            "errors": [d.as_dict() for d in p.loaded.diagnostics],
+            "volumes": [{"name": vp.name, "phase": vp.phase.name,
+                         "wanted": vp.wanted.name if vp.wanted is not None else None,
+                         "refusal": vp.refusal, "notes": vp.notes,
+                         "steps": [s.as_dict() for s in vp.steps]} for vp in p.plans],
+        }, sys.stdout, indent=2)
+        print()
+    else:
+        _print_load_errors(p)
+        _print_plans(p.plans)
+        destructive = sum(s.destructive for vp in p.plans for s in vp.steps)
+        print(f"Plan: {steps} step(s) for {sum(bool(vp.steps) for vp in p.plans)} volume(s), "
+              f"{destructive} destructive; {len(refused)} refused.")
+    if failed:
+        return EXIT_FAILED
+    return EXIT_CHANGES if steps else EXIT_OK
+
+
+def cmd_apply(args: argparse.Namespace, config: Config) -> int:
+    node = Node.from_config(config)
+    try:
+        with state_lock(config):
+            p = plan_pass(_paths(args, config), config, node)
+            outcomes = apply_pass(p, node)
+    except Busy as exc:
+        print(f"rbd-reconciler: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    counts = {k: sum(o.status == k for o in outcomes) for k in ("ok", "changed", "failed")}
+    if args.output == "json":
+        json.dump({"recap": counts, "errors": [d.as_dict() for d in p.loaded.diagnostics],
+                   "volumes": [o.as_dict() for o in outcomes]}, sys.stdout, indent=2)
+        print()
+    else:
+        _print_load_errors(p)
+        for o in outcomes:
+            print(f"{o.status}: [{o.name}]" + (f" {o.error}" if o.error else ""))
+            for s in o.steps:
+                msg = f" ({s.message})" if s.message else ""
+                print(f"  {s.status:<7} {s.step.action:<16} {s.step.target}{msg}")
+            for u in o.undone:
+                print(f"  undone  {u}")
+            for note in o.notes:
+                print(f"  note: {note}")
+        print("recap: " + " ".join(f"{k}={v}" for k, v in counts.items()))
+    return EXIT_FAILED if counts["failed"] or p.loaded.diagnostics else EXIT_OK
+
+
+def cmd_status(args: argparse.Namespace, config: Config) -> int:
+    node = Node.from_config(config)
+    p = plan_pass(_paths(args, config), config, node)
+    ctx = context(config, node)
+    rows = [actual_state(v, p.observed, ctx) for v in p.loaded.volumes]
+    if args.output == "json":
+        json.dump({"volumes": rows, "frozen": sorted(p.loaded.frozen_names),
+                   "errors": [d.as_dict() for d in p.loaded.diagnostics]}, sys.stdout, indent=2)
+        print()
+        return EXIT_FAILED if p.loaded.diagnostics else EXIT_OK
+    _print_load_errors(p)
+    print(f"{'VOLUME':<16} {'PHASE':<10} {'WANTED':<10} {'SIZE':>7}  {'DEVICE':<11} MOUNTS")
+    for r in rows:
+        size = format_size(r["size"]) if r["size"] else "-"  # type: ignore[arg-type]
+        mounts = [f"{r['staging']} (staging)"] if r["staging"] else []
+        mounts += [f"{path} ({mode})" for path, mode in r["published"]]  # type: ignore[union-attr]
+        print(f"{r['name']:<16} {r['phase']:<10} {r['wanted']:<10} {size:>7}  "
+              f"{r['device'] or '-':<11} {', '.join(mounts) or '-'}")
+    for name in sorted(p.loaded.frozen_names):
+        print(f"{name:<16} {'FROZEN':<10} (its file failed to load; left as it is)")
+    return EXIT_FAILED if p.loaded.diagnostics else EXIT_OK
 
 
 def cmd_validate(args: argparse.Namespace, config: Config) -> int:
@@ -74,6 +219,8 @@ def cmd_validate(args: argparse.Namespace, config: Config) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(args.config)
     except ConfigError as exc:

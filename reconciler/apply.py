@@ -1,0 +1,275 @@
+"""Execute planned steps through the drivers.
+
+A volume's chain stops at its first failure. A half-done stage (mapped or
+mounted in this run, but not yet staged) is undone in reverse so nothing
+leaks; a later run starts again from a fresh observation. Each step checks
+its safety condition again right before acting: the plan may be stale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import rados
+
+from . import meta
+from .drivers import ceph
+from .drivers.fs import OnlineGrowRefused
+from .observe import Node
+from .observed import Mapping, Observed
+from .parsers import parse_mountinfo
+from .plan import VolumePlan
+from .spec import Volume
+from .steps import (
+    CreateImage,
+    DeleteImage,
+    FormatDevice,
+    GrowFilesystem,
+    MapImage,
+    MountStaging,
+    Publish,
+    RefreshDevice,
+    Remount,
+    ResizeImage,
+    SetImageMeta,
+    Step,
+    Unmap,
+    Unpublish,
+    Unstage,
+)
+
+log = logging.getLogger(__name__)
+
+CEPH_STEPS = (CreateImage, ResizeImage, SetImageMeta, DeleteImage, FormatDevice, GrowFilesystem,
+              MountStaging)
+# Failures here leave a stage half done: undo what this run acquired.
+STAGE_CHAIN = (MapImage, RefreshDevice, FormatDevice, MountStaging)
+
+
+class StepRefused(Exception):
+    """A safety check at execution time said no."""
+
+
+@dataclass
+class StepOutcome:
+    step: Step
+    status: str  # changed | ok | failed
+    message: str = ""
+
+    def as_dict(self) -> dict[str, object]:
+        return {**self.step.as_dict(), "status": self.status, "message": self.message}
+
+
+@dataclass
+class VolumeOutcome:
+    name: str
+    status: str = "ok"  # ok | changed | failed
+    steps: list[StepOutcome] = field(default_factory=list)
+    error: str | None = None
+    notes: list[str] = field(default_factory=list)
+    undone: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"name": self.name, "status": self.status, "error": self.error,
+                "notes": self.notes, "undone": self.undone,
+                "steps": [s.as_dict() for s in self.steps]}
+
+
+class _VolumeRun:
+    def __init__(self, node: Node, cluster: rados.Rados | None, plan: VolumePlan,
+                 volume: Volume | None, observed: Observed) -> None:
+        self.node = node
+        self.cluster = cluster
+        self.plan = plan
+        self.volume = volume
+        self.device: str | None = None
+        if volume is not None:
+            maps = observed.mappings_by_image.get((volume.image.pool, volume.image.name), [])
+            self.device = maps[0].device if maps else None
+        self.acquired: list[tuple[str, Callable[[], None]]] = []
+        self.out = VolumeOutcome(plan.name, notes=list(plan.notes))
+
+    def need_cluster(self) -> rados.Rados:
+        if self.cluster is None:
+            raise ceph.CephError("not connected to Ceph")
+        return self.cluster
+
+    def dev(self, step_device: str | None) -> str:
+        dev = step_device or self.device
+        if not dev:
+            raise StepRefused("no mapped device for this volume")
+        return dev
+
+    def run(self) -> VolumeOutcome:
+        if self.plan.refusal:
+            self.out.status, self.out.error = "failed", self.plan.refusal
+            return self.out
+        for step in self.plan.steps:
+            try:
+                status, message = self.execute(step)
+            except Exception as exc:  # every failure is reported, never raised past a volume
+                log.warning("%s: %s %s failed: %s", step.volume, step.action, step.target, exc)
+                self.out.steps.append(StepOutcome(step, "failed", str(exc)))
+                self.out.status, self.out.error = "failed", f"{step.action} {step.target}: {exc}"
+                if isinstance(step, STAGE_CHAIN):
+                    self.undo()
+                return self.out
+            self.out.steps.append(StepOutcome(step, status, message))
+            if status == "changed":
+                self.out.status = "changed"
+        return self.out
+
+    def undo(self) -> None:
+        for what, fn in reversed(self.acquired):
+            try:
+                fn()
+                self.out.undone.append(what)
+            except Exception as exc:  # keep undoing the rest; report what stayed
+                self.out.undone.append(f"{what} FAILED: {exc}")
+        self.acquired.clear()
+
+    # -- one step --------------------------------------------------------------
+    def execute(self, step: Step) -> tuple[str, str]:
+        node, fs = self.node, self.node.fs
+        match step:
+            case CreateImage():
+                ceph.create_image(self.need_cluster(), step.pool, step.image, step.size,
+                                  step.features,
+                                  {meta.OWNER: node.config.node_name,
+                                   meta.SPEC_HASH: self.volume.spec_hash if self.volume else ""})
+            case ResizeImage():
+                ceph.resize_image(self.need_cluster(), step.pool, step.image, step.new_size)
+            case SetImageMeta():
+                ceph.set_meta(self.need_cluster(), step.pool, step.image, step.key, step.new)
+            case MapImage():
+                mapper = node.mapper(step.mapper)
+                self.device = mapper.map(step.pool, step.image, step.options)
+                mapping = Mapping(step.mapper, step.pool, step.image, self.device,
+                                  str(node.fuse.mount_point(step.pool, step.image))
+                                  if step.mapper == "fuse" else None)
+                self.acquired.append((f"unmap {self.device}", lambda: mapper.unmap(mapping)))
+                return "changed", self.device
+            case RefreshDevice():
+                node.mapper(step.mapper).refresh(self.dev(step.device))
+            case FormatDevice():
+                return self.format(step)
+            case MountStaging():
+                return self.stage(step)
+            case Remount():
+                if step.bind:
+                    ro = "ro" in step.options
+                    rest = tuple(o for o in step.options if o not in ("ro", "rw"))
+                    fs.remount_bind(step.path, ro, rest)
+                else:
+                    fs.remount(step.path, step.options)
+            case GrowFilesystem():
+                dev = self.dev(step.device)
+                try:
+                    fs.grow_online(dev, step.path, step.fs_type)
+                except OnlineGrowRefused as exc:
+                    assert self.volume is not None
+                    ceph.set_meta(self.need_cluster(), self.volume.image.pool,
+                                  self.volume.image.name, meta.GROW_PENDING, "offline")
+                    return "ok", f"online grow refused ({exc}); grows offline at next stage"
+            case Publish():
+                self.check_staged(step.staging, step.mode)
+                fs.bind(step.staging, step.path, step.mode == "block", step.read_only,
+                        step.options)
+            case Unpublish() | Unstage():
+                fs.unmount(step.path)
+            case Unmap():
+                node.mapper(step.mapper).unmap(
+                    Mapping(step.mapper, step.pool, step.image, step.device, step.fuse_mount))
+                self.device = None
+            case DeleteImage():
+                self.delete(step)
+            case _:
+                raise NotImplementedError(type(step).__name__)
+        return "changed", ""
+
+    def format(self, step: FormatDevice) -> tuple[str, str]:
+        dev = self.dev(step.device)
+        probe = self.node.fs.probe(dev)
+        if probe.fs_type == step.fs_type:
+            return "ok", f"{dev} already carries {step.fs_type}; not formatted"
+        if probe.signature:
+            raise StepRefused(f"{dev} carries {probe.signature}, not {step.fs_type}; "
+                              "refusing to format over it")
+        cluster = self.need_cluster()
+        formatted = ceph.get_meta(cluster, step.pool, step.image).get(meta.FORMATTED)
+        if formatted:
+            raise StepRefused(f"image-meta says it was formatted {formatted} but {dev} is "
+                              "blank; refusing to mkfs over possible data")
+        self.node.fs.mkfs(dev, step.fs_type, step.mkfs_options)
+        ceph.set_meta(cluster, step.pool, step.image, meta.FORMATTED, step.fs_type)
+        return "changed", f"mkfs.{step.fs_type} {dev}"
+
+    def stage(self, step: MountStaging) -> tuple[str, str]:
+        dev = self.dev(step.device)
+        fs = self.node.fs
+        if step.mode == "block":
+            fs.expose_device(dev, step.path)
+        else:
+            assert step.fs_type is not None
+            message = ""
+            if step.grow_offline:
+                fs.grow_offline(dev, step.fs_type)
+                if self.volume is not None and self.cluster is not None:
+                    with contextlib.suppress(rados.Error):
+                        ceph.remove_meta(self.cluster, self.volume.image.pool,
+                                         self.volume.image.name, meta.GROW_PENDING)
+                message = "grew ext4 offline before mounting"
+            fs.mount(dev, step.path, step.fs_type, step.options)
+        self.acquired.append((f"unstage {step.path}", lambda: fs.unmount(step.path)))
+        return "changed", message if step.mode != "block" else ""
+
+    def check_staged(self, staging: str, mode: str) -> None:
+        """Safety rule 2: publish only from a staging path that is a mount of our
+        device. An empty staging directory bound into an app writes to root."""
+        dev = self.dev(None)
+        rdev = os.stat(dev).st_rdev
+        want = (os.major(rdev), os.minor(rdev))
+        if mode == "block":
+            st = os.stat(staging)
+            if (os.major(st.st_rdev), os.minor(st.st_rdev)) != want:
+                raise StepRefused(f"staging path {staging} is not the device node of {dev}")
+            return
+        mounts = {m.mount_point: m for m in parse_mountinfo(
+            Path("/proc/self/mountinfo").read_text())}
+        m = mounts.get(staging)
+        if m is None or (m.major, m.minor) != want:
+            raise StepRefused(f"staging path {staging} is not a mount of {dev}; refusing to "
+                              "publish it (it would expose the node's own disk)")
+
+    def delete(self, step: DeleteImage) -> None:
+        cluster = self.need_cluster()
+        found = ceph.observe_images(cluster, [(step.pool, step.image)]).images.get(
+            (step.pool, step.image))
+        if found is None:
+            return
+        owner = found.meta.get(meta.OWNER)
+        if owner != self.node.config.node_name:
+            raise StepRefused(f"{step.pool}/{step.image} is owned by {owner or 'nobody'}")
+        if found.watchers:
+            raise StepRefused(f"{step.pool}/{step.image} is still open by "
+                              f"{', '.join(found.watchers)}")
+        ceph.remove_image(cluster, step.pool, step.image)
+
+
+def apply(plans: list[VolumePlan], volumes: dict[str, Volume], observed: Observed,
+          node: Node) -> list[VolumeOutcome]:
+    needed = any(isinstance(s, CEPH_STEPS) for p in plans for s in p.steps)
+    with contextlib.ExitStack() as stack:
+        cluster = None
+        if needed:
+            try:
+                cluster = stack.enter_context(ceph.connect(node.config.ceph))
+            except ceph.CephError as exc:
+                # Each volume that needs Ceph fails at its first Ceph step, saying why.
+                log.error("%s", exc)
+        return [_VolumeRun(node, cluster, p, volumes.get(p.name), observed).run() for p in plans]

@@ -1,0 +1,1 @@
+"""Thin drivers: Ceph (librbd), mappers (krbd, nbd, fuse-loop), filesystems."""

@@ -1,0 +1,221 @@
+"""Mappers: make an RBD image a local block device, and undo it.
+
+- krbd: the kernel client (``rbd device map``).
+- nbd: ``rbd-nbd`` through ``rbd device map -t nbd``.
+- fuse: ``rbd-fuse`` exposes the image as a file in a private FUSE mount and
+  a loop device (``losetup --direct-io=on``) turns the file into a block
+  device. Works where the kernel has neither rbd nor nbd. Teardown order
+  matters: loop device first, then the FUSE mount.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import CephConfig
+from ..observed import Mapping
+from ..parsers import (
+    explain_map_failure,
+    parse_losetup_json,
+    parse_mountinfo,
+    parse_rbd_device_list,
+)
+from .run import CommandError, Runner
+
+log = logging.getLogger(__name__)
+
+FUSE_FSTYPE = "fuse.rbd-fuse"
+FUSE_START_TIMEOUT = 30.0
+# rbd-fuse children we started, by mount point, so we can reap them.
+_fuse_children: dict[str, subprocess.Popen[bytes]] = {}
+
+
+def available_mappers() -> frozenset[str]:
+    """What ``mapper: auto`` may choose here: krbd needs /sys/bus/rbd (the
+    rbd module), nbd the nbd module; fuse-loop works wherever FUSE does."""
+    found = {"fuse"}
+    if Path("/sys/bus/rbd").exists():
+        found.add("krbd")
+    if Path("/sys/module/nbd").exists():
+        found.add("nbd")
+    return frozenset(found)
+
+
+def _ceph_args(ceph: CephConfig) -> list[str]:
+    args = ["-c", ceph.conf, "--id", ceph.user]
+    if ceph.keyring:
+        args += ["--keyring", ceph.keyring]
+    return args
+
+
+@dataclass
+class KernelMapper:
+    """krbd and nbd differ only in ``-t nbd``; both go through ``rbd device``."""
+
+    kind: str  # krbd | nbd
+    ceph: CephConfig
+    runner: Runner
+
+    def _type(self) -> list[str]:
+        return ["-t", "nbd"] if self.kind == "nbd" else []
+
+    def map_command(self, pool: str, image: str, options: tuple[str, ...]) -> list[str]:
+        argv = ["rbd", "device", "map", *self._type(), "--pool", pool, "--image", image,
+                *_ceph_args(self.ceph)]
+        if options:
+            argv += ["--options", ",".join(options)]
+        return argv
+
+    def map(self, pool: str, image: str, options: tuple[str, ...]) -> str:
+        try:
+            out = self.runner.run(self.map_command(pool, image, options)).stdout
+        except CommandError as exc:
+            raise explain_map_failure(self.kind, exc.returncode, exc.stderr) from None
+        device = out.strip().splitlines()[-1] if out.strip() else ""
+        if not device.startswith("/dev/"):
+            raise explain_map_failure(self.kind, 0, f"unexpected output {out!r}")
+        return device
+
+    def unmap(self, mapping: Mapping) -> None:
+        self.runner.run(["rbd", "device", "unmap", *self._type(), mapping.device or
+                         f"{mapping.pool}/{mapping.image}"])
+
+    def refresh(self, device: str) -> None:
+        """The kernel client follows image resizes by itself."""
+
+    def list(self) -> list[Mapping]:
+        out = self.runner.run(["rbd", "device", "list", *self._type(), "--format", "json"])
+        return [Mapping(self.kind, d.pool, d.image, d.device)
+                for d in parse_rbd_device_list(out.stdout) if d.snap is None and not d.namespace]
+
+
+@dataclass
+class FuseMapper:
+    ceph: CephConfig
+    root: Path  # <stateDir>/fuse: one private mount directory per image
+    runner: Runner
+    kind: str = "fuse"
+
+    def mount_point(self, pool: str, image: str) -> Path:
+        # '@' is in neither pool nor image names (the schema forbids it).
+        return self.root / f"{pool}@{image}"
+
+    def map(self, pool: str, image: str, options: tuple[str, ...]) -> str:
+        mnt = self.mount_point(pool, image)
+        mnt.mkdir(parents=True, exist_ok=True)
+        if not _is_mounted(str(mnt)):
+            self._start_fuse(pool, image, mnt)
+        try:
+            out = self.runner.run(["losetup", "--find", "--show", "--direct-io=on",
+                                   str(mnt / image)])
+        except CommandError:
+            self._stop_fuse(mnt)
+            raise
+        return out.stdout.strip()
+
+    def _start_fuse(self, pool: str, image: str, mnt: Path) -> None:
+        logfile = mnt.with_suffix(".log")
+        argv = ["rbd-fuse", *_ceph_args(self.ceph), "-p", pool, "-r", image, str(mnt), "-f"]
+        self.runner.history.append(argv)
+        with open(logfile, "ab") as out:
+            # Own session: a Ctrl-C at the CLI must not kill the volume's I/O path.
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                    start_new_session=True)
+        _fuse_children[str(mnt)] = proc
+        deadline = time.monotonic() + FUSE_START_TIMEOUT
+        while not _is_mounted(str(mnt)):
+            if proc.poll() is not None:
+                _fuse_children.pop(str(mnt), None)
+                raise CommandError(argv, proc.returncode, _tail(logfile))
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                _fuse_children.pop(str(mnt), None)
+                raise CommandError(argv, 124, "rbd-fuse did not mount in time; "
+                                   + _tail(logfile))
+            time.sleep(0.02)
+
+    def _stop_fuse(self, mnt: Path) -> None:
+        if _is_mounted(str(mnt)):
+            _retry_busy(lambda: self.runner.run(["umount", str(mnt)]))
+        proc = _fuse_children.pop(str(mnt), None)
+        if proc is not None:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        with contextlib.suppress(FileNotFoundError):
+            mnt.rmdir()
+
+    def unmap(self, mapping: Mapping) -> None:
+        mnt = Path(mapping.fuse_mount) if mapping.fuse_mount else self.mount_point(
+            mapping.pool, mapping.image)
+        if mapping.device:
+            self.runner.run(["losetup", "-d", mapping.device])
+        self._stop_fuse(mnt)
+
+    def refresh(self, device: str) -> None:
+        self.runner.run(["losetup", "-c", device])
+
+    def list(self, mountinfo: str | None = None, losetup_json: str | None = None
+             ) -> list[Mapping]:
+        mounts = parse_mountinfo(mountinfo if mountinfo is not None else
+                                 Path("/proc/self/mountinfo").read_text())
+        if losetup_json is None:
+            losetup_json = self.runner.run(["losetup", "--json", "--list"]).stdout
+        loops = {lo.back_file: lo.name for lo in parse_losetup_json(losetup_json)}
+        prefix = str(self.root) + "/"
+        out = []
+        for m in mounts:
+            if m.fs_type != FUSE_FSTYPE or not m.mount_point.startswith(prefix):
+                continue
+            pool, _, image = m.mount_point[len(prefix):].partition("@")
+            if not image or "/" in image:
+                continue
+            out.append(Mapping("fuse", pool, image, loops.get(f"{m.mount_point}/{image}"),
+                               fuse_mount=m.mount_point))
+        return out
+
+
+def _is_mounted(path: str) -> bool:
+    return any(m.mount_point == path
+               for m in parse_mountinfo(Path("/proc/self/mountinfo").read_text()))
+
+
+def _retry_busy(fn: Callable[[], object], timeout: float = 10.0) -> None:
+    """umount right after ``losetup -d`` can see EBUSY while the kernel lets go."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fn()
+            return
+        except CommandError as exc:
+            if "busy" not in exc.stderr.lower() or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    try:
+        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def reap_fuse_children() -> None:
+    """Collect rbd-fuse processes that exited (their mount went away)."""
+    for mnt, proc in list(_fuse_children.items()):
+        if proc.poll() is not None:
+            del _fuse_children[mnt]
+
+
+def fuse_pids() -> dict[str, int]:
+    return {mnt: p.pid for mnt, p in _fuse_children.items()}
+

@@ -1,0 +1,63 @@
+"""One reconcile pass: load -> observe -> plan (-> apply). Shared by the CLI and daemon."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from .apply import VolumeOutcome, apply
+from .config import Config
+from .loader import LoadResult, load
+from .observe import Node, observe
+from .observed import Observed
+from .plan import Context, VolumePlan, plan
+
+
+@dataclass
+class Pass:
+    loaded: LoadResult
+    observed: Observed
+    plans: list[VolumePlan]
+
+
+class Busy(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def state_lock(config: Config, wait: bool = False) -> Iterator[None]:
+    """One actor per stateDir: the daemon, or one CLI apply, never both."""
+    config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(config.state_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise Busy(f"{config.state_dir} is in use by another rbd-reconciler "
+                           "(the daemon, or another apply)") from None
+            raise
+        yield
+    finally:
+        os.close(fd)
+
+
+def context(config: Config, node: Node) -> Context:
+    return Context(node_name=config.node_name, staging_root=str(config.staging_root),
+                   mappers_available=node.mappers_available)
+
+
+def plan_pass(paths: Iterable[Path], config: Config, node: Node) -> Pass:
+    loaded = load(paths, config)
+    observed = observe(node, loaded.volumes)
+    plans = plan(loaded.volumes, observed, context(config, node), loaded.frozen_names)
+    return Pass(loaded, observed, plans)
+
+
+def apply_pass(p: Pass, node: Node) -> list[VolumeOutcome]:
+    return apply(p.plans, {v.name: v for v in p.loaded.volumes}, p.observed, node)

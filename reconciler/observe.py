@@ -1,0 +1,115 @@
+"""Gather the actual state in one pass: Ceph images, mappings, devices, mounts."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import stat
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import Config
+from .drivers import ceph
+from .drivers.fs import Filesystems
+from .drivers.mappers import FuseMapper, KernelMapper, available_mappers
+from .drivers.run import CommandError, Runner
+from .observed import Device, Mapping, Observed
+from .parsers import parse_mountinfo
+from .spec import Volume
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Node:
+    """The drivers for one node, built from its config."""
+
+    config: Config
+    runner: Runner
+    fs: Filesystems
+    fuse: FuseMapper
+    krbd: KernelMapper
+    nbd: KernelMapper
+    mappers_available: frozenset[str]
+
+    @classmethod
+    def from_config(cls, config: Config, runner: Runner | None = None) -> Node:
+        runner = runner or Runner()
+        return cls(
+            config=config, runner=runner, fs=Filesystems(runner),
+            fuse=FuseMapper(config.ceph, config.state_dir / "fuse", runner),
+            krbd=KernelMapper("krbd", config.ceph, runner),
+            nbd=KernelMapper("nbd", config.ceph, runner),
+            mappers_available=available_mappers(),
+        )
+
+    def mapper(self, kind: str) -> FuseMapper | KernelMapper:
+        return {"fuse": self.fuse, "krbd": self.krbd, "nbd": self.nbd}[kind]
+
+
+def _device(node: Node, path: str) -> Device | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISBLK(st.st_mode):
+        return None
+    name = os.path.basename(path)
+    try:
+        size = int(Path(f"/sys/class/block/{name}/size").read_text()) * 512
+    except (OSError, ValueError):
+        size = 0
+    try:
+        probe = node.fs.probe(path)
+    except (CommandError, ValueError) as exc:
+        # A failed probe is never "blank": report a signature we cannot name.
+        log.warning("probe of %s failed: %s", path, exc)
+        return Device(path, os.major(st.st_rdev), os.minor(st.st_rdev), size, None, None,
+                      "unknown (probe failed)")
+    fs_size = node.fs.fs_size(path, probe.fs_type) if probe.fs_type in ("ext4", "xfs") else None
+    return Device(path, os.major(st.st_rdev), os.minor(st.st_rdev), size, probe.fs_type,
+                  probe.uuid, probe.signature, fs_size)
+
+
+def observe(node: Node, volumes: Iterable[Volume]) -> Observed:
+    volumes = list(volumes)
+    wanted = {(v.image.pool, v.image.name) for v in volumes}
+    try:
+        with ceph.connect(node.config.ceph) as cluster:
+            imgs = ceph.observe_images(cluster, wanted)
+        images, listed, pool_errors = imgs.images, frozenset(imgs.listed), imgs.errors
+    except ceph.CephError as exc:
+        images, listed = {}, frozenset()
+        pool_errors = {pool: str(exc) for pool, _ in wanted}
+
+    mountinfo = Path("/proc/self/mountinfo").read_text()
+    mounts = parse_mountinfo(mountinfo)
+    mappings: list[Mapping] = list(node.fuse.list(mountinfo=mountinfo))
+    for kind in ("krbd", "nbd"):
+        if kind in node.mappers_available:
+            try:
+                mappings += node.mapper(kind).list()
+            except CommandError as exc:
+                log.warning("listing %s mappings failed: %s", kind, exc)
+
+    devices = {}
+    for m in mappings:
+        if m.device and m.device not in devices and (d := _device(node, m.device)):
+            devices[m.device] = d
+
+    by_point = {m.mount_point for m in mounts}
+    path_rdev = {}
+    for v in volumes:
+        if v.stage is None or v.stage.mode != "block":
+            continue
+        for p in (v.stage.path, *(t.path for t in v.publish)):
+            if p in by_point:
+                with contextlib.suppress(OSError):
+                    st = os.stat(p)
+                    if stat.S_ISBLK(st.st_mode):
+                        path_rdev[p] = (os.major(st.st_rdev), os.minor(st.st_rdev))
+    return Observed(images=images, pools_listed=listed, pool_errors=pool_errors,
+                    mappings=tuple(mappings), devices=devices, mounts=mounts,
+                    path_rdev=path_rdev, mappers_available=node.mappers_available)

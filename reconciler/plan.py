@@ -1,0 +1,370 @@
+"""The planner: ``plan(desired, observed) -> [VolumePlan]``. Pure; no I/O.
+
+Level-triggered: it looks only at what is wanted and what is there, never
+at what happened before. Deterministic: volumes by name, steps in lifecycle
+order (forward: create, map, stage, publish; back: unpublish, unstage,
+unmap, delete). A volume that must not be touched gets a refusal and no
+steps at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from . import meta
+from .observed import Device, ImageState, Mapping, Mount, Observed
+from .spec import Phase, Volume
+from .steps import (
+    CreateImage,
+    DeleteImage,
+    FormatDevice,
+    GrowFilesystem,
+    MapImage,
+    MountStaging,
+    Publish,
+    RefreshDevice,
+    Remount,
+    ResizeImage,
+    SetImageMeta,
+    Step,
+    Unmap,
+    Unpublish,
+    Unstage,
+)
+from .units import format_size
+
+# A filesystem this much smaller than its device is grown; less is alignment slack.
+GROW_SLACK = 16 * 2**20
+MAPPER_PREFERENCE = ("krbd", "nbd", "fuse")
+# Options the kernel adds or implies; they never make a mount "different".
+_IMPLIED_OPTIONS = frozenset({"rw", "relatime", "seclabel"})
+
+
+@dataclass(frozen=True)
+class Context:
+    node_name: str
+    staging_root: str
+    mappers_available: frozenset[str] = frozenset({"fuse"})
+
+
+@dataclass
+class VolumePlan:
+    name: str
+    steps: list[Step] = field(default_factory=list)
+    refusal: str | None = None  # set: nothing may be done to this volume
+    notes: list[str] = field(default_factory=list)
+    phase: Phase = Phase.ABSENT  # observed
+    wanted: Phase | None = None
+
+    @property
+    def changes(self) -> bool:
+        return bool(self.steps)
+
+
+class Refused(Exception):
+    """Raised inside the planner to abandon one volume's plan with a reason."""
+
+
+def resolve_mapper(wanted: str, available: frozenset[str]) -> str:
+    if wanted != "auto":
+        return wanted
+    for m in MAPPER_PREFERENCE:
+        if m in available:
+            return m
+    return "fuse"
+
+
+def _same_device(mount: Mount | None, dev: Device | None) -> bool:
+    return mount is not None and dev is not None and (mount.major, mount.minor) == (
+        dev.major, dev.minor)
+
+
+def _device_node_at(obs: Observed, path: str, dev: Device | None) -> bool:
+    return dev is not None and obs.path_rdev.get(path) == (dev.major, dev.minor)
+
+
+def _missing_options(mount: Mount, wanted: Iterable[str]) -> tuple[str, ...]:
+    have = mount.options | mount.super_options
+    return tuple(o for o in wanted if o not in have and o not in _IMPLIED_OPTIONS)
+
+
+class _VolumePlanner:
+    def __init__(self, vol: Volume, obs: Observed, ctx: Context) -> None:
+        self.v = vol
+        self.obs = obs
+        self.ctx = ctx
+        self.plan = VolumePlan(vol.name, wanted=vol.wanted_phase)
+        key = (vol.image.pool, vol.image.name)
+        self.img: ImageState | None = obs.images.get(key)
+        maps = obs.mappings_by_image.get(key, [])
+        self.mapping: Mapping | None = maps[0] if maps else None
+        self.extra_mappings = maps[1:]
+        self.staging_path = vol.stage.path if vol.stage else f"{ctx.staging_root}/{vol.name}"
+        self.dev: Device | None = (
+            obs.devices.get(self.mapping.device) if self.mapping and self.mapping.device
+            else None)
+
+    # -- observation ---------------------------------------------------------
+    def staged_mount(self) -> Mount | None:
+        st = self.v.stage
+        if st is None or self.dev is None:
+            return None
+        m = self.obs.mounts_by_point.get(st.path)
+        return m if _same_device(m, self.dev) else None
+
+    def is_staged(self) -> bool:
+        st = self.v.stage
+        if st is None:
+            return False
+        if st.mode == "block":
+            return _device_node_at(self.obs, st.path, self.dev)
+        return self.staged_mount() is not None
+
+    def published_targets(self) -> list[Mount]:
+        """Mounts of our device outside the staging path: our binds."""
+        if self.dev is None:
+            return []
+        rdev = (self.dev.major, self.dev.minor)
+        found = list(self.obs.mounts_by_dev.get(rdev, ()))
+        # Block mode binds a device node: the mount is of /dev's filesystem.
+        found += [self.obs.mounts_by_point[p] for p in self.obs.paths_by_rdev.get(rdev, ())
+                  if p in self.obs.mounts_by_point]
+        return [m for m in found if m.mount_point != self.staging_path]
+
+    def observed_phase(self) -> Phase:
+        if self.img is None:
+            return Phase.ABSENT
+        if self.mapping is None:
+            return Phase.CREATED
+        if self.v.stage is not None and self.is_staged():
+            wanted_targets = {p.path for p in self.v.publish}
+            if any(m.mount_point in wanted_targets for m in self.published_targets()):
+                return Phase.PUBLISHED
+            return Phase.STAGED
+        return Phase.MAPPED
+
+    def foreign_watchers(self) -> int:
+        assert self.img is not None
+        ours = len(self.obs.mappings_by_image.get((self.v.image.pool, self.v.image.name), []))
+        return max(0, len(self.img.watchers) - ours)
+
+    # -- planning ------------------------------------------------------------
+    def add(self, step: Step) -> None:
+        self.plan.steps.append(step)
+
+    def run(self) -> VolumePlan:
+        self.plan.phase = self.observed_phase()
+        try:
+            if self.v.image.pool not in self.obs.pools_listed:
+                why = self.obs.pool_errors.get(self.v.image.pool, "not listed")
+                raise Refused(f"cannot see pool {self.v.image.pool!r} ({why}); "
+                              "an image there is unknown, not absent")
+            if self.v.state == "absent":
+                self.teardown(Phase.ABSENT)
+            else:
+                self.teardown(self.v.wanted_phase)
+                self.forward()
+        except Refused as exc:
+            self.plan.refusal = str(exc)
+            self.plan.steps = []
+        return self.plan
+
+    def forward(self) -> None:
+        v, img = self.v, self.v.image
+        new_size = img.size
+        if self.img is None:
+            if img.size is None:
+                raise Refused(f"image {img.spec} does not exist and no size is given "
+                              "(without a size the image is adopted, never created)")
+            self.add(CreateImage(v.name, img.pool, img.name, img.size, img.features))
+        else:
+            if img.size is not None and img.size < self.img.size:
+                raise Refused(f"shrinking {img.spec} from {format_size(self.img.size)} to "
+                              f"{format_size(img.size)} is refused: it would cut off data")
+            if img.size is not None and img.size > self.img.size:
+                self.add(ResizeImage(v.name, img.pool, img.name, self.img.size, img.size))
+            else:
+                new_size = self.img.size
+            owned = self.img.meta.get(meta.OWNER) == self.ctx.node_name
+            if owned and self.img.meta.get(meta.SPEC_HASH) != v.spec_hash:
+                self.add(SetImageMeta(v.name, img.pool, img.name, meta.SPEC_HASH,
+                                      self.img.meta.get(meta.SPEC_HASH), v.spec_hash))
+        if v.wanted_phase >= Phase.MAPPED:
+            self.forward_map(new_size)
+        if v.wanted_phase >= Phase.STAGED:
+            self.forward_stage(new_size)
+        if v.wanted_phase >= Phase.PUBLISHED:
+            self.forward_publish()
+
+    def forward_map(self, new_size: int | None) -> None:
+        v = self.v
+        assert v.map is not None
+        if self.mapping is not None and self.mapping.device is None:
+            # A fuse mount without its loop device: half mapped. Redo it.
+            self.add(Unmap(v.name, v.image.pool, v.image.name, "fuse", None,
+                           self.mapping.fuse_mount))
+            self.mapping = None
+        if self.mapping is None:
+            if self.img is not None and self.foreign_watchers():
+                raise Refused(f"image {v.image.spec} is open by {self.foreign_watchers()} "
+                              f"other client(s) ({', '.join(self.img.watchers)}); mapping it "
+                              "here too could corrupt it")
+            mapper = resolve_mapper(v.map.mapper, self.ctx.mappers_available)
+            self.add(MapImage(v.name, v.image.pool, v.image.name, mapper, v.map.options))
+            return
+        # krbd and nbd pick up a resize by themselves; a loop device over the
+        # rbd-fuse file keeps its old size until told (losetup -c).
+        if (self.mapping.kind == "fuse" and self.dev is not None and new_size is not None
+                and self.dev.size < new_size):
+            self.add(RefreshDevice(v.name, self.mapping.device, "fuse", new_size))
+
+    def forward_stage(self, new_size: int | None) -> None:
+        v, st = self.v, self.v.stage
+        assert st is not None
+        device = self.dev.path if self.dev else None
+        img_meta = self.img.meta if self.img else {}
+        if st.mode == "block":
+            if not self.is_staged():
+                self._check_path_free(st.path, "staging")
+                self.add(MountStaging(v.name, device, st.path, "block", None, (), False))
+            return
+        assert st.fs_type is not None
+        formatted = img_meta.get(meta.FORMATTED)
+        fs_size = None
+        if self.dev is not None:
+            found = self.dev.fs_type
+            if found == st.fs_type:
+                fs_size = self.dev.fs_size
+            elif self.dev.signature:
+                raise Refused(f"{self.dev.path} ({v.image.spec}) carries {self.dev.signature}, "
+                              f"not {st.fs_type}; refusing to format over it (fix by hand)")
+            elif formatted:
+                raise Refused(f"{v.image.spec} was formatted {formatted} by this reconciler "
+                              f"but {self.dev.path} shows no filesystem now; refusing to mkfs "
+                              "over possible data")
+            else:
+                self.add(FormatDevice(v.name, device, st.fs_type, st.mkfs_options,
+                                      v.image.pool, v.image.name))
+        elif formatted and formatted != st.fs_type:
+            raise Refused(f"{v.image.spec} holds {formatted} (image-meta), not {st.fs_type}")
+        elif not formatted:
+            self.add(FormatDevice(v.name, None, st.fs_type, st.mkfs_options,
+                                  v.image.pool, v.image.name))
+        size_after = new_size if new_size is not None else (self.dev.size if self.dev else None)
+        smaller = fs_size is not None and size_after is not None and (
+            size_after - fs_size > GROW_SLACK)
+        mount = self.staged_mount()
+        if mount is None:
+            self._check_path_free(st.path, "staging")
+            self.add(MountStaging(v.name, device, st.path, "filesystem", st.fs_type,
+                                  st.mount_options, smaller and st.fs_type == "ext4"))
+            if smaller and st.fs_type == "xfs":
+                self.add(GrowFilesystem(v.name, device, st.path, "xfs", fs_size,
+                                        size_after or 0))
+            return
+        missing = _missing_options(mount, st.mount_options)
+        if missing:
+            self.add(Remount(v.name, st.path, tuple(sorted(mount.options)),
+                             st.mount_options, bind=False))
+        if smaller:
+            if st.fs_type == "ext4" and img_meta.get(meta.GROW_PENDING):
+                self.plan.notes.append(
+                    f"ext4 on {st.path} is {format_size(fs_size or 0)}, the device "
+                    f"{format_size(size_after or 0)}: online grow was refused on this node; "
+                    "it grows offline at the next stage")
+            else:
+                self.add(GrowFilesystem(v.name, device, st.path, st.fs_type, fs_size,
+                                        size_after or 0))
+
+    def _check_path_free(self, path: str, what: str) -> None:
+        other = self.obs.mounts_by_point.get(path)
+        if other is not None:
+            raise Refused(f"{what} path {path} already has a mount of something else "
+                          f"({other.source}, {other.fs_type}); refusing to stack on it")
+
+    def forward_publish(self) -> None:
+        v, st = self.v, self.v.stage
+        assert st is not None
+        ours = {m.mount_point: m for m in self.published_targets()}
+        for p in v.publish:
+            m = ours.get(p.path)
+            if m is None:
+                self._check_path_free(p.path, "publish")
+                self.add(Publish(v.name, st.path, p.path, st.mode, p.read_only,
+                                 p.mount_options))
+                continue
+            if m.read_only != p.read_only or _missing_options(m, p.mount_options):
+                want = ("ro" if p.read_only else "rw", *p.mount_options)
+                self.add(Remount(v.name, p.path, tuple(sorted(m.options)), want, bind=True))
+
+    def teardown(self, wanted: Phase) -> None:
+        """Steps that take the volume down to ``wanted`` (reverse order)."""
+        v = self.v
+        keep_targets = {p.path for p in v.publish} if wanted >= Phase.PUBLISHED else set()
+        # Unpublish binds that are not wanted (all of them below PUBLISHED).
+        for m in sorted(self.published_targets(), key=lambda m: m.mount_point, reverse=True):
+            if m.mount_point not in keep_targets:
+                self.add(Unpublish(v.name, m.mount_point))
+        if wanted < Phase.STAGED and v.stage is not None and self.is_staged():
+            self.add(Unstage(v.name, v.stage.path))
+        elif wanted < Phase.STAGED and v.stage is None:
+            # The stage section was dropped: its mount sits at the default path.
+            m = self.obs.mounts_by_point.get(self.staging_path)
+            if _same_device(m, self.dev) or _device_node_at(self.obs, self.staging_path,
+                                                              self.dev):
+                self.add(Unstage(v.name, self.staging_path))
+        mappings = ([self.mapping] if self.mapping else []) + self.extra_mappings
+        if wanted < Phase.MAPPED:
+            for mp in mappings:
+                self.add(Unmap(v.name, mp.pool, mp.image, mp.kind, mp.device, mp.fuse_mount))
+            self.mapping = None
+        if wanted < Phase.CREATED and self.img is not None:
+            self.plan_delete()
+
+    def plan_delete(self) -> None:
+        v, img = self.v, self.img
+        assert img is not None
+        if v.image.reclaim_policy != "Delete":
+            self.plan.notes.append(f"image {v.image.spec} kept: reclaimPolicy is Retain")
+            return
+        owner = img.meta.get(meta.OWNER)
+        if owner != self.ctx.node_name:
+            raise Refused(f"refusing to delete {v.image.spec}: it was not created by this node "
+                          f"(owner: {owner or 'none recorded'})")
+        if self.foreign_watchers():
+            raise Refused(f"refusing to delete {v.image.spec}: it is open by "
+                          f"{self.foreign_watchers()} other client(s) "
+                          f"({', '.join(img.watchers)})")
+        self.add(DeleteImage(v.name, v.image.pool, v.image.name))
+
+
+def plan(desired: Iterable[Volume], observed: Observed, ctx: Context,
+         frozen: Iterable[str] = ()) -> list[VolumePlan]:
+    """Plan every desired volume; ``frozen`` names get a refusal and no steps."""
+    plans = {v.name: _VolumePlanner(v, observed, ctx).run() for v in desired}
+    for name in frozen:
+        plans[name] = VolumePlan(
+            name, refusal="its file failed to load; left exactly as it is (see validate)")
+    return [plans[n] for n in sorted(plans)]
+
+
+def actual_state(vol: Volume, observed: Observed, ctx: Context) -> dict[str, object]:
+    """What is there for one desired volume, in the planner's own terms."""
+    p = _VolumePlanner(vol, observed, ctx)
+    staged = p.staged_mount()
+    return {
+        "name": vol.name,
+        "phase": p.observed_phase().name,
+        "wanted": vol.wanted_phase.name,
+        "image": vol.image.spec,
+        "size": p.img.size if p.img else None,
+        "mapper": p.mapping.kind if p.mapping else None,
+        "device": p.mapping.device if p.mapping else None,
+        "filesystem": p.dev.fs_type if p.dev else None,
+        "staging": (vol.stage.path if p.is_staged() and vol.stage else None),
+        "stagingOptions": sorted(staged.options) if staged else None,
+        "published": sorted((m.mount_point, "ro" if m.read_only else "rw")
+                            for m in p.published_targets()),
+        "watchers": list(p.img.watchers) if p.img else [],
+    }

@@ -1,0 +1,231 @@
+"""Steps: one change each, with what it changes (``before -> after``).
+
+The planner emits them; ``apply`` executes them through drivers. A step
+holds only data; nothing here knows how a command is spelled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .units import format_size
+
+
+@dataclass(frozen=True)
+class Step:
+    volume: str
+    # destructive: may lose data if wrong (mkfs, delete). disruptive: takes
+    # a volume away from its users (unpublish, unstage, unmap).
+    destructive: ClassVar[bool] = False
+    disruptive: ClassVar[bool] = False
+    action: ClassVar[str] = "step"
+
+    @property
+    def target(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def before(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def after(self) -> str:
+        raise NotImplementedError
+
+    def as_dict(self) -> dict[str, object]:
+        return {"volume": self.volume, "action": self.action, "target": self.target,
+                "from": self.before, "to": self.after, "destructive": self.destructive,
+                "disruptive": self.disruptive}
+
+
+@dataclass(frozen=True)
+class CreateImage(Step):
+    pool: str
+    image: str
+    size: int
+    features: tuple[str, ...]
+    action: ClassVar[str] = "create image"
+
+    target = property(lambda self: f"{self.pool}/{self.image}")
+    before = property(lambda self: "absent")
+    after = property(lambda self: f"{format_size(self.size)} [{','.join(self.features)}]")
+
+
+@dataclass(frozen=True)
+class ResizeImage(Step):
+    pool: str
+    image: str
+    old_size: int
+    new_size: int
+    action: ClassVar[str] = "resize image"
+
+    target = property(lambda self: f"{self.pool}/{self.image}")
+    before = property(lambda self: format_size(self.old_size))
+    after = property(lambda self: format_size(self.new_size))
+
+
+@dataclass(frozen=True)
+class SetImageMeta(Step):
+    pool: str
+    image: str
+    key: str
+    old: str | None
+    new: str
+    action: ClassVar[str] = "set image-meta"
+
+    target = property(lambda self: f"{self.pool}/{self.image} {self.key}")
+    before = property(lambda self: self.old if self.old is not None else "(unset)")
+    after = property(lambda self: self.new)
+
+
+@dataclass(frozen=True)
+class MapImage(Step):
+    pool: str
+    image: str
+    mapper: str  # resolved: krbd | nbd | fuse
+    options: tuple[str, ...]
+    action: ClassVar[str] = "map"
+
+    target = property(lambda self: f"{self.pool}/{self.image}")
+    before = property(lambda self: "unmapped")
+    after = property(lambda self: f"mapped ({self.mapper})")
+
+
+@dataclass(frozen=True)
+class RefreshDevice(Step):
+    """Make a mapped device see the image's new size (losetup -c for fuse)."""
+
+    device: str | None
+    mapper: str
+    new_size: int
+    action: ClassVar[str] = "refresh device"
+
+    target = property(lambda self: self.device or "(mapped device)")
+    before = property(lambda self: "old size")
+    after = property(lambda self: format_size(self.new_size))
+
+
+@dataclass(frozen=True)
+class FormatDevice(Step):
+    """mkfs, only after probing at apply time that the device is blank."""
+
+    device: str | None  # None: the device this run maps
+    fs_type: str
+    mkfs_options: tuple[str, ...]
+    pool: str
+    image: str
+    destructive: ClassVar[bool] = True
+    action: ClassVar[str] = "format"
+
+    target = property(lambda self: self.device or f"{self.pool}/{self.image} (once mapped)")
+    before = property(lambda self: "blank" if self.device else "blank (probed before mkfs)")
+    after = property(lambda self: self.fs_type)
+
+
+@dataclass(frozen=True)
+class MountStaging(Step):
+    device: str | None
+    path: str
+    mode: str  # filesystem | block
+    fs_type: str | None
+    options: tuple[str, ...]
+    grow_offline: bool  # ext4 smaller than its device: e2fsck + resize2fs first
+    action: ClassVar[str] = "stage"
+
+    target = property(lambda self: self.path)
+    before = property(lambda self: "not staged")
+    after = property(lambda self: (f"device node of {self.device or 'mapped device'}"
+                                   if self.mode == "block" else
+                                   f"{self.fs_type} mounted"
+                                   + (" (grown offline first)" if self.grow_offline else "")))
+
+
+@dataclass(frozen=True)
+class Remount(Step):
+    path: str
+    old_options: tuple[str, ...]
+    options: tuple[str, ...]
+    bind: bool
+    action: ClassVar[str] = "remount"
+
+    target = property(lambda self: self.path)
+    before = property(lambda self: ",".join(self.old_options))
+    after = property(lambda self: ",".join(self.options))
+
+
+@dataclass(frozen=True)
+class GrowFilesystem(Step):
+    device: str | None
+    path: str
+    fs_type: str
+    old_size: int | None
+    new_size: int
+    action: ClassVar[str] = "grow filesystem"
+
+    target = property(lambda self: self.path)
+    before = property(lambda self: format_size(self.old_size) if self.old_size else "smaller")
+    after = property(lambda self: format_size(self.new_size))
+
+
+@dataclass(frozen=True)
+class Publish(Step):
+    staging: str
+    path: str
+    mode: str
+    read_only: bool
+    options: tuple[str, ...]
+    action: ClassVar[str] = "publish"
+
+    target = property(lambda self: self.path)
+    before = property(lambda self: "not published")
+    after = property(lambda self: f"bind of {self.staging} ({'ro' if self.read_only else 'rw'})")
+
+
+@dataclass(frozen=True)
+class Unpublish(Step):
+    path: str
+    disruptive: ClassVar[bool] = True
+    action: ClassVar[str] = "unpublish"
+
+    target = property(lambda self: self.path)
+    before = property(lambda self: "published")
+    after = property(lambda self: "not published")
+
+
+@dataclass(frozen=True)
+class Unstage(Step):
+    path: str
+    disruptive: ClassVar[bool] = True
+    action: ClassVar[str] = "unstage"
+
+    target = property(lambda self: self.path)
+    before = property(lambda self: "staged")
+    after = property(lambda self: "not staged")
+
+
+@dataclass(frozen=True)
+class Unmap(Step):
+    pool: str
+    image: str
+    mapper: str
+    device: str | None
+    fuse_mount: str | None
+    disruptive: ClassVar[bool] = True
+    action: ClassVar[str] = "unmap"
+
+    target = property(lambda self: f"{self.pool}/{self.image}")
+    before = property(lambda self: f"mapped ({self.mapper} {self.device or 'no device'})")
+    after = property(lambda self: "unmapped")
+
+
+@dataclass(frozen=True)
+class DeleteImage(Step):
+    pool: str
+    image: str
+    destructive: ClassVar[bool] = True
+    action: ClassVar[str] = "delete image"
+
+    target = property(lambda self: f"{self.pool}/{self.image}")
+    before = property(lambda self: "exists")
+    after = property(lambda self: "deleted")
