@@ -73,6 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output(p)
     p.set_defaults(func=cmd_apply)
 
+    p = sub.add_parser("release", help="unpublish, unstage and unmap; keep every image",
+                       description="Take the volumes of the given files down to CREATED "
+                                   "(unpublish, unstage, unmap) whatever the files want. "
+                                   "Images are never deleted. For maintenance, and for "
+                                   "giving a node back.")
+    p.add_argument("paths", nargs="*", type=Path, metavar="PATH",
+                   help="files or directories (default: the config's desiredDir)")
+    _add_output(p)
+    p.set_defaults(func=cmd_apply, release=True)
+
     p = sub.add_parser("status", help="show the observed state of every desired volume",
                        description="Phase (ABSENT, CREATED, MAPPED, STAGED, PUBLISHED), "
                                    "device, mounts and size of each desired volume.")
@@ -147,7 +157,8 @@ def cmd_apply(args: argparse.Namespace, config: Config) -> int:
     node = Node.from_config(config)
     try:
         with state_lock(config):
-            p = plan_pass(_paths(args, config), config, node)
+            p = plan_pass(_paths(args, config), config, node,
+                          release=getattr(args, "release", False))
             outcomes = apply_pass(p, node)
     except Busy as exc:
         print(f"rbd-reconciler: {exc}", file=sys.stderr)

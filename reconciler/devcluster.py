@@ -35,6 +35,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from .reaper import become_subreaper, reap_zombies
+
 if TYPE_CHECKING:  # the bindings come from Debian packages; import them lazily
     import rados
 
@@ -452,6 +454,8 @@ def _run(args: argparse.Namespace) -> int:
             child.send_signal(signum)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    # rbd-fuse outlives the command that mapped; have it reparented here, not to PID 1.
+    become_subreaper()
     cluster: DevCluster | None = None
     rc = 1
     try:
@@ -483,6 +487,7 @@ def _run(args: argparse.Namespace) -> int:
         if child is not None and child.poll() is None:
             child.kill()
             child.wait()
+        reap_zombies()
         if cluster is not None:
             try:
                 cluster.stop()

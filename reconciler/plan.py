@@ -153,8 +153,13 @@ class _VolumePlanner:
     def add(self, step: Step) -> None:
         self.plan.steps.append(step)
 
-    def run(self) -> VolumePlan:
+    def run(self, release: bool = False) -> VolumePlan:
         self.plan.phase = self.observed_phase()
+        if release:
+            # Give the node's resources back; the image is never touched.
+            self.plan.wanted = min(self.plan.phase, Phase.CREATED)
+            self.teardown(Phase.CREATED)
+            return self.plan
         try:
             if self.v.image.pool not in self.obs.pools_listed:
                 why = self.obs.pool_errors.get(self.v.image.pool, "not listed")
@@ -340,9 +345,11 @@ class _VolumePlanner:
 
 
 def plan(desired: Iterable[Volume], observed: Observed, ctx: Context,
-         frozen: Iterable[str] = ()) -> list[VolumePlan]:
-    """Plan every desired volume; ``frozen`` names get a refusal and no steps."""
-    plans = {v.name: _VolumePlanner(v, observed, ctx).run() for v in desired}
+         frozen: Iterable[str] = (), release: Iterable[str] = ()) -> list[VolumePlan]:
+    """Plan every desired volume; ``frozen`` names get a refusal and no steps;
+    ``release`` names are only taken down to CREATED (unpublish, unstage, unmap)."""
+    release = set(release)
+    plans = {v.name: _VolumePlanner(v, observed, ctx).run(v.name in release) for v in desired}
     for name in frozen:
         plans[name] = VolumePlan(
             name, refusal="its file failed to load; left exactly as it is (see validate)")

@@ -34,8 +34,8 @@ def parse_size(value: int | str) -> int:
 
 
 def format_size(n: int) -> str:
-    """The shortest exact binary spelling: 536870912 -> ``512Mi``."""
-    for suffix in ("Ti", "Gi", "Mi", "Ki"):
+    """The shortest exact spelling: 536870912 -> ``512Mi``, 10**8 -> ``100M``."""
+    for suffix in ("Ti", "Gi", "Mi", "Ki", "T", "G", "M", "K"):
         unit = _SUFFIX[suffix]
         if n >= unit and n % unit == 0:
             return f"{n // unit}{suffix}"

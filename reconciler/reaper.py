@@ -1,0 +1,42 @@
+"""Adopt and reap orphaned helpers (rbd-fuse) where PID 1 does not.
+
+rbd-fuse must outlive the ``apply`` that started it, so it is orphaned when
+that command exits. Under systemd it is reaped; in a container whose PID 1
+does not reap, it would linger as a zombie after its mount goes away. A long
+running parent (the daemon, the demo runner, the test session) can declare
+itself a child subreaper so such orphans come back to it, and reap them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+from pathlib import Path
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def reap_zombies(names: tuple[str, ...] = ("rbd-fuse",)) -> list[int]:
+    """Reap our zombie children with the given command names, and only those:
+    reaping a child that ``subprocess`` still waits for would steal its status."""
+    me = os.getpid()
+    reaped = []
+    for stat_path in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            text = stat_path.read_text()
+            comm = text[text.index("(") + 1: text.rindex(")")]
+            state, ppid = text[text.rindex(")") + 2:].split()[:2]
+            if state == "Z" and int(ppid) == me and comm in names:
+                pid = int(stat_path.parent.name)
+                os.waitpid(pid, os.WNOHANG)
+                reaped.append(pid)
+    return reaped
