@@ -19,11 +19,11 @@ import rados
 
 from . import meta
 from .drivers import ceph
-from .drivers.fs import OnlineGrowRefused
+from .drivers.fs import OnlineGrowRefused, block_device_size
 from .observe import Node
 from .observed import Mapping, Observed
 from .parsers import parse_mountinfo
-from .plan import VolumePlan
+from .plan import GROW_SLACK, VolumePlan
 from .spec import Volume
 from .steps import (
     CreateImage,
@@ -155,7 +155,7 @@ class _VolumeRun:
                 self.acquired.append((f"unmap {self.device}", lambda: mapper.unmap(mapping)))
                 return "changed", self.device
             case RefreshDevice():
-                node.mapper(step.mapper).refresh(self.dev(step.device))
+                node.mapper(step.mapper).refresh(self.dev(step.device), step.new_size)
             case FormatDevice():
                 return self.format(step)
             case MountStaging():
@@ -217,7 +217,12 @@ class _VolumeRun:
         else:
             assert step.fs_type is not None
             message = ""
-            if step.grow_offline:
+            # Decided here, not only in the plan: an unmapped device's size was
+            # unknown at plan time. ext4 cannot always grow online (it needs
+            # CAP_SYS_RESOURCE), but it always can before it is mounted.
+            fs_size = fs.fs_size(dev, "ext4") if step.fs_type == "ext4" else None
+            if step.grow_offline or (
+                    fs_size is not None and block_device_size(dev) - fs_size > GROW_SLACK):
                 fs.grow_offline(dev, step.fs_type)
                 if self.volume is not None and self.cluster is not None:
                     with contextlib.suppress(rados.Error):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .config import Config
 from .drivers import ceph
-from .drivers.fs import Filesystems
+from .drivers.fs import Filesystems, block_device_size
 from .drivers.mappers import FuseMapper, KernelMapper, available_mappers
 from .drivers.run import CommandError, Runner
 from .observed import Device, Mapping, Observed
@@ -49,16 +49,15 @@ class Node:
         return {"fuse": self.fuse, "krbd": self.krbd, "nbd": self.nbd}[kind]
 
 
-def _device(node: Node, path: str) -> Device | None:
+def _device(node: Node, path: str, mounts: dict[tuple[int, int], str]) -> Device | None:
     try:
         st = os.stat(path)
     except OSError:
         return None
     if not stat.S_ISBLK(st.st_mode):
         return None
-    name = os.path.basename(path)
     try:
-        size = int(Path(f"/sys/class/block/{name}/size").read_text()) * 512
+        size = block_device_size(path)
     except (OSError, ValueError):
         size = 0
     try:
@@ -68,8 +67,10 @@ def _device(node: Node, path: str) -> Device | None:
         log.warning("probe of %s failed: %s", path, exc)
         return Device(path, os.major(st.st_rdev), os.minor(st.st_rdev), size, None, None,
                       "unknown (probe failed)")
-    fs_size = node.fs.fs_size(path, probe.fs_type) if probe.fs_type in ("ext4", "xfs") else None
-    return Device(path, os.major(st.st_rdev), os.minor(st.st_rdev), size, probe.fs_type,
+    rdev = (os.major(st.st_rdev), os.minor(st.st_rdev))
+    fs_size = (node.fs.fs_size(path, probe.fs_type, mounts.get(rdev))
+               if probe.fs_type in ("ext4", "xfs") else None)
+    return Device(path, *rdev, size, probe.fs_type,
                   probe.uuid, probe.signature, fs_size)
 
 
@@ -94,9 +95,10 @@ def observe(node: Node, volumes: Iterable[Volume]) -> Observed:
             except CommandError as exc:
                 log.warning("listing %s mappings failed: %s", kind, exc)
 
+    mounted = {(m.major, m.minor): m.mount_point for m in mounts}
     devices = {}
     for m in mappings:
-        if m.device and m.device not in devices and (d := _device(node, m.device)):
+        if m.device and m.device not in devices and (d := _device(node, m.device, mounted)):
             devices[m.device] = d
 
     by_point = {m.mount_point for m in mounts}

@@ -78,14 +78,19 @@ class RbdDevice:
 
 
 def parse_rbd_device_list(text: str) -> tuple[RbdDevice, ...]:
-    """``rbd device list [-t nbd] --format json``."""
+    """``rbd device list [-t nbd] --format json``.
+
+    krbd writes the image as "name" and the head as snap "-"; ``rbd-nbd
+    list-mapped`` (what ``-t nbd`` runs) writes "image" and snap "".
+    """
     if not text.strip():
         return ()
     out = []
     for d in json.loads(text):
         snap = d.get("snap")
         out.append(RbdDevice(pool=d["pool"], namespace=d.get("namespace") or "",
-                             image=d["name"], snap=None if snap in (None, "-") else snap,
+                             image=d["name"] if "name" in d else d["image"],
+                             snap=None if snap in (None, "", "-") else snap,
                              device=d["device"]))
     return tuple(out)
 
@@ -133,6 +138,19 @@ def parse_xfs_db_size(text: str) -> int | None:
         return int(values["dblocks"]) * int(values["blocksize"])
     except (KeyError, ValueError):
         return None
+
+
+_XFS_DATA = re.compile(r"^data\s+=.*?\bbsize=(\d+)\s+blocks=(\d+)", re.MULTILINE)
+
+
+def parse_xfs_info_size(text: str) -> int | None:
+    """Filesystem size in bytes from ``xfs_info`` (the ``data`` section).
+
+    On a mount point xfs_info asks the live filesystem; the on-disk
+    superblock that xfs_db reads can lag behind an online grow.
+    """
+    m = _XFS_DATA.search(text)
+    return int(m.group(1)) * int(m.group(2)) if m else None
 
 
 class MapError(Exception):

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import shutil
+import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
+import rbd
 
+from reconciler import cli
 from reconciler.devcluster import DevCluster, start_cluster
+from reconciler.parsers import parse_losetup_json, parse_mountinfo
+from reconciler.reaper import become_subreaper, reap_zombies
 
 # --- real Ceph cluster (reconciler.devcluster) ---------------------------------
 # One disposable 1-mon + 1-memstore-OSD cluster per test session. Startup takes
@@ -26,3 +36,119 @@ def ceph_cluster() -> Iterator[DevCluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+# --- a node under test: config, desired dir, state dir, allowed root ----------
+# Everything lives under the test's tmp_path; teardown releases what the test
+# left published, deletes the images it made, and asserts nothing leaked.
+
+
+
+
+
+@dataclass
+class NodeUnderTest:
+    root: Path
+    cluster: DevCluster
+    config: Path
+    desired: Path
+    state: Path
+    srv: Path
+    tag: str
+    images: set[str] = field(default_factory=set)
+
+    def name(self, base: str) -> str:
+        return f"{base}-{self.tag}"
+
+    def write(self, name: str, body: str, filename: str | None = None) -> Path:
+        """Write a volume file; ``body`` is the YAML under ``spec:`` (indented 2)."""
+        text = (f"apiVersion: rbd-reconciler/v1\nkind: Volume\nmetadata:\n  name: {name}\n"
+                f"spec:\n{body}")
+        path = self.desired / (filename or f"{name}.yaml")
+        path.write_text(text)
+        for line in body.splitlines():
+            if line.strip().startswith("name:"):
+                self.images.add(line.split(":", 1)[1].strip())
+        self.images.add(name)
+        return path
+
+    def cli(self, *args: str) -> tuple[int, str]:
+        """Run the CLI in-process (rbd-fuse stays our child and is reaped)."""
+        import io
+        import sys
+
+        out = io.StringIO()
+        old = sys.stdout
+        sys.stdout = out
+        try:
+            rc = cli.main(["--config", str(self.config), *args])
+        finally:
+            sys.stdout = old
+        return rc, out.getvalue()
+
+    def cli_json(self, *args: str) -> tuple[int, dict]:
+        rc, out = self.cli(*args, "-o", "json")
+        return rc, json.loads(out)
+
+    def apply(self) -> dict:
+        rc, doc = self.cli_json("apply")
+        doc["rc"] = rc
+        return doc
+
+    def plan(self) -> tuple[int, dict]:
+        return self.cli_json("plan")
+
+    def mounts(self) -> dict[str, object]:
+        return {m.mount_point: m for m in parse_mountinfo(Path("/proc/self/mountinfo").read_text())
+                if m.mount_point.startswith(str(self.root))}
+
+    def image_exists(self, name: str) -> bool:
+        with self.cluster.client() as c, c.open_ioctx(self.cluster.pool) as io:
+            return name in rbd.RBD().list(io)
+
+
+def _loops_under(root: Path) -> list[str]:
+    import subprocess
+
+    out = subprocess.run(["losetup", "--json", "--list"], capture_output=True, text=True,
+                         check=True).stdout
+    return [lo.name for lo in parse_losetup_json(out)
+            if lo.back_file and lo.back_file.startswith(str(root))]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _subreaper() -> None:
+    become_subreaper()
+
+
+@pytest.fixture
+def node(tmp_path: Path, ceph_cluster: DevCluster) -> Iterator[NodeUnderTest]:
+    tag = uuid.uuid4().hex[:6]
+    desired, state, srv = tmp_path / "desired", tmp_path / "state", tmp_path / "srv"
+    for d in (desired, state, srv):
+        d.mkdir()
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"desiredDir: {desired}\nstateDir: {state}\nnodeName: test-node\n"
+        f"ceph:\n  conf: {ceph_cluster.conf}\n  user: {ceph_cluster.user}\n"
+        f"  keyring: {ceph_cluster.keyring}\n"
+        f"allowedRoots: [{srv}]\nmapper: fuse\n")
+    n = NodeUnderTest(tmp_path, ceph_cluster, config, desired, state, srv, tag)
+    yield n
+    # Teardown: give everything back, then prove nothing leaked.
+    if any(desired.iterdir()):
+        n.cli("release")
+    with ceph_cluster.client() as c, c.open_ioctx(ceph_cluster.pool) as io:
+        for name in n.images:
+            with contextlib.suppress(rbd.ImageNotFound):
+                rbd.RBD().remove(io, name)
+    reap_zombies()
+    leaked_mounts = sorted(n.mounts())
+    leaked_loops = _loops_under(tmp_path)
+    if leaked_mounts or leaked_loops:
+        for mp in reversed(leaked_mounts):  # best effort so the next test starts clean
+            os.system(f"umount -l '{mp}'")
+        for lo in leaked_loops:
+            os.system(f"losetup -d {lo}")
+    assert not leaked_mounts, f"mounts leaked: {leaked_mounts}"
+    assert not leaked_loops, f"loop devices leaked: {leaked_loops}"

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..parsers import Probe, parse_blkid_export, parse_dumpe2fs_size, parse_xfs_db_size
+from ..parsers import Probe, parse_blkid_export, parse_dumpe2fs_size, parse_xfs_info_size
 from .run import CommandError, Runner
 
 # -m0: no root reserve on a data volume; nodiscard/lazy init: mkfs does not
@@ -30,14 +30,15 @@ class Filesystems:
         res = self.runner.run(["blkid", "-p", "-o", "export", device], ok_codes=(0, 2))
         return parse_blkid_export(res.stdout, res.returncode)
 
-    def fs_size(self, device: str, fs_type: str) -> int | None:
+    def fs_size(self, device: str, fs_type: str, mount_point: str | None = None) -> int | None:
+        """Bytes the filesystem spans; for a mounted xfs pass its mount point
+        (the live geometry; the on-disk superblock may lag an online grow)."""
         try:
             if fs_type == "ext4":
                 return parse_dumpe2fs_size(self.runner.run(["dumpe2fs", "-h", device]).stdout)
             if fs_type == "xfs":
-                out = self.runner.run(["xfs_db", "-r", "-c", "sb 0", "-c", "p dblocks blocksize",
-                                       device]).stdout
-                return parse_xfs_db_size(out)
+                out = self.runner.run(["xfs_info", mount_point or device]).stdout
+                return parse_xfs_info_size(out)
         except CommandError:
             return None
         return None
@@ -110,6 +111,12 @@ class Filesystems:
         # e2fsck -p exits 1 when it fixed something: still fine to resize.
         self.runner.run(["e2fsck", "-f", "-p", device], ok_codes=(0, 1), timeout=600)
         self.runner.run(["resize2fs", device], timeout=600)
+
+
+def block_device_size(path: str) -> int:
+    """Bytes, from sysfs (the loop/rbd/nbd driver's current idea of the size)."""
+    name = os.path.basename(os.path.realpath(path))
+    return int(Path(f"/sys/class/block/{name}/size").read_text()) * 512
 
 
 def _ensure_file(path: str) -> None:

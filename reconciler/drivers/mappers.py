@@ -26,6 +26,7 @@ from ..parsers import (
     parse_mountinfo,
     parse_rbd_device_list,
 )
+from .fs import block_device_size
 from .run import CommandError, Runner
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class KernelMapper:
         self.runner.run(["rbd", "device", "unmap", *self._type(), mapping.device or
                          f"{mapping.pool}/{mapping.image}"])
 
-    def refresh(self, device: str) -> None:
+    def refresh(self, device: str, size: int) -> None:
         """The kernel client follows image resizes by itself."""
 
     def list(self) -> list[Mapping]:
@@ -161,8 +162,20 @@ class FuseMapper:
             self.runner.run(["losetup", "-d", mapping.device])
         self._stop_fuse(mnt)
 
-    def refresh(self, device: str) -> None:
-        self.runner.run(["losetup", "-c", device])
+    def refresh(self, device: str, size: int, timeout: float = 15.0) -> None:
+        """Make the loop device see the resized image. The kernel caches the
+        FUSE file's attributes (about 1 s), so ``losetup -c`` right after a
+        resize can read the old size: repeat until the device is ``size``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.runner.run(["losetup", "-c", device])
+            now = block_device_size(device)
+            if now >= size:
+                return
+            if time.monotonic() > deadline:
+                raise CommandError(["losetup", "-c", device], 1,
+                                   f"{device} is still {now} bytes, expected {size}")
+            time.sleep(0.1)
 
     def list(self, mountinfo: str | None = None, losetup_json: str | None = None
              ) -> list[Mapping]:
