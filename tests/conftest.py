@@ -16,7 +16,8 @@ import rbd
 
 from reconciler import cli
 from reconciler.devcluster import DevCluster, start_cluster
-from reconciler.parsers import parse_losetup_json, parse_mountinfo
+from reconciler.drivers.mappers import fuse_pids, loop_devices, reap_fuse_children
+from reconciler.parsers import parse_mountinfo
 from reconciler.reaper import become_subreaper, reap_zombies
 
 # --- real Ceph cluster (reconciler.devcluster) ---------------------------------
@@ -108,11 +109,7 @@ class NodeUnderTest:
 
 
 def _loops_under(root: Path) -> list[str]:
-    import subprocess
-
-    out = subprocess.run(["losetup", "--json", "--list"], capture_output=True, text=True,
-                         check=True).stdout
-    return [lo.name for lo in parse_losetup_json(out)
+    return [lo.name for lo in loop_devices()
             if lo.back_file and lo.back_file.startswith(str(root))]
 
 
@@ -135,20 +132,34 @@ def node(tmp_path: Path, ceph_cluster: DevCluster) -> Iterator[NodeUnderTest]:
         f"allowedRoots: [{srv}]\nmapper: fuse\n")
     n = NodeUnderTest(tmp_path, ceph_cluster, config, desired, state, srv, tag)
     yield n
-    # Teardown: give everything back, then prove nothing leaked.
-    if any(desired.iterdir()):
-        n.cli("release")
-    with ceph_cluster.client() as c, c.open_ioctx(ceph_cluster.pool) as io:
-        for name in n.images:
-            with contextlib.suppress(rbd.ImageNotFound):
-                rbd.RBD().remove(io, name)
-    reap_zombies()
-    leaked_mounts = sorted(n.mounts())
-    leaked_loops = _loops_under(tmp_path)
-    if leaked_mounts or leaked_loops:
-        for mp in reversed(leaked_mounts):  # best effort so the next test starts clean
-            os.system(f"umount -l '{mp}'")
-        for lo in leaked_loops:
-            os.system(f"losetup -d {lo}")
+    # Teardown: give everything back, then prove nothing leaked. Leftovers are
+    # removed forcibly either way: a FUSE mount outliving the session cluster
+    # would hang every later losetup/umount on this machine.
+    try:
+        if any(desired.iterdir()):
+            n.cli("release")
+        with ceph_cluster.client() as c, c.open_ioctx(ceph_cluster.pool) as io:
+            for name in n.images:
+                with contextlib.suppress(rbd.ImageNotFound, rbd.ImageBusy):
+                    rbd.RBD().remove(io, name)
+    finally:
+        reap_zombies()
+        leaked_mounts = sorted(n.mounts())
+        leaked_loops = _loops_under(tmp_path)
+        _force_cleanup(leaked_mounts, leaked_loops)
     assert not leaked_mounts, f"mounts leaked: {leaked_mounts}"
     assert not leaked_loops, f"loop devices leaked: {leaked_loops}"
+
+
+def _force_cleanup(mounts: list[str], loops: list[str]) -> None:
+    import subprocess
+
+    for mp in reversed(mounts):  # children before parents
+        subprocess.run(["umount", "-l", mp], check=False, timeout=30)
+    for lo in loops:
+        subprocess.run(["losetup", "-d", lo], check=False, timeout=30)
+    for mnt, pid in fuse_pids().items():
+        if mnt.startswith(tuple(mounts)) or not Path(mnt).exists():
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
+    reap_fuse_children()

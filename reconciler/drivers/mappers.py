@@ -21,6 +21,7 @@ from pathlib import Path
 from ..config import CephConfig
 from ..observed import Mapping
 from ..parsers import (
+    LoopDevice,
     explain_map_failure,
     parse_losetup_json,
     parse_mountinfo,
@@ -181,9 +182,9 @@ class FuseMapper:
              ) -> list[Mapping]:
         mounts = parse_mountinfo(mountinfo if mountinfo is not None else
                                  Path("/proc/self/mountinfo").read_text())
-        if losetup_json is None:
-            losetup_json = self.runner.run(["losetup", "--json", "--list"]).stdout
-        loops = {lo.back_file: lo.name for lo in parse_losetup_json(losetup_json)}
+        found = (parse_losetup_json(losetup_json) if losetup_json is not None
+                 else loop_devices())
+        loops = {lo.back_file: lo.name for lo in found}
         prefix = str(self.root) + "/"
         out = []
         for m in mounts:
@@ -195,6 +196,20 @@ class FuseMapper:
             out.append(Mapping("fuse", pool, image, loops.get(f"{m.mount_point}/{image}"),
                                fuse_mount=m.mount_point))
         return out
+
+
+def loop_devices(sys_block: Path = Path("/sys/block")) -> tuple[LoopDevice, ...]:
+    """Loop devices and their backing files, from sysfs.
+
+    Not ``losetup --list``: it stats every backing file, and one on a FUSE
+    mount whose rbd-fuse hangs (Ceph down) hangs it in the kernel for good.
+    """
+    out = []
+    for backing in sorted(sys_block.glob("loop*/loop/backing_file")):
+        with contextlib.suppress(OSError):
+            path = backing.read_text().rstrip("\n").removesuffix(" (deleted)")
+            out.append(LoopDevice(name=f"/dev/{backing.parent.parent.name}", back_file=path))
+    return tuple(out)
 
 
 def _is_mounted(path: str) -> bool:
