@@ -171,8 +171,10 @@ def explain_map_failure(kind: str, returncode: int, stderr: str) -> MapError:
     lines = [line for line in stderr.strip().splitlines() if line.strip()]
     detail = lines[-1].strip() if lines else f"exit status {returncode}"
     low = stderr.lower()
-    if kind == "krbd" and ("(2) no such file" in low or "modprobe" in low or
-                           "kernel module" in low):
+    # ENOENT after "sysfs write failed" comes from a loaded module (no such image
+    # or pool); without the module, rbd fails before writing or says modprobe failed.
+    if kind == "krbd" and ("modprobe" in low or "kernel module" in low or (
+            "(2) no such file" in low and "sysfs write failed" not in low)):
         return MapError("the kernel has no rbd module (krbd unavailable)", detail)
     if kind == "nbd" and (returncode == 22 or ("nbd" in low and "module" in low)):
         return MapError("rbd-nbd could not attach (no nbd kernel module?)", detail)

@@ -1,0 +1,452 @@
+"""Mappers without a kernel client: the exact command lines, and recorded replies.
+
+krbd and rbd-nbd cannot run here (no kernel modules), so a recording Runner
+stands in for the node and answers with output recorded on a real machine
+(tests/data/README.md). The fuse-loop listing runs on recorded mountinfo and
+``losetup --json`` taken with two real rbd-fuse mounts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from reconciler.config import CephConfig
+from reconciler.drivers import mappers
+from reconciler.drivers.mappers import FuseMapper, KernelMapper
+from reconciler.drivers.run import CommandError, Result, Runner
+from reconciler.observed import Mapping
+from reconciler.parsers import LoopDevice, MapError
+
+DATA = Path(__file__).resolve().parent / "data"
+CEPH = CephConfig(conf="/etc/ceph/ceph.conf", user="admin", keyring="/k")
+CEPH_ARGS = ["-c", "/etc/ceph/ceph.conf", "--id", "admin", "--keyring", "/k"]
+RECORDED_FUSE_ROOT = "/tmp/rec.PL1R/node/state dir/fuse"
+
+
+def data(name: str) -> str:
+    return (DATA / name).read_text()
+
+
+@dataclass(frozen=True)
+class Fail:
+    """A canned failure: the runner raises CommandError with this exit and stderr."""
+
+    returncode: int
+    stderr: str
+
+
+@dataclass
+class RecordingRunner(Runner):
+    """Records every argv; answers from ``replies`` in order (default: success, no output)."""
+
+    replies: list[Result | Fail] = field(default_factory=list)
+
+    def run(self, argv: Sequence[str], *, ok_codes: Sequence[int] = (0,),
+            timeout: float | None = None, env: dict[str, str] | None = None) -> Result:
+        argv = [str(a) for a in argv]
+        self.history.append(argv)
+        reply = self.replies.pop(0) if self.replies else Result(0, "", "")
+        if isinstance(reply, Fail):
+            raise CommandError(argv, reply.returncode, reply.stderr)
+        return reply
+
+
+def ok(stdout: str = "") -> Result:
+    return Result(0, stdout, "")
+
+
+def kernel(kind: str, *replies: Result | Fail) -> tuple[KernelMapper, RecordingRunner]:
+    runner = RecordingRunner(replies=list(replies))
+    return KernelMapper(kind, CEPH, runner), runner
+
+
+# --- krbd / nbd: map ---------------------------------------------------------------
+
+
+def test_krbd_map_command_line() -> None:
+    m, runner = kernel("krbd", ok(data("krbd_map_ok.stdout")))
+    assert m.map("rbd", "pgdata", ()) == "/dev/rbd0"
+    assert runner.history == [["rbd", "device", "map", "--pool", "rbd", "--image", "pgdata",
+                               *CEPH_ARGS]]
+
+
+def test_krbd_map_with_options() -> None:
+    m, runner = kernel("krbd", ok("/dev/rbd3\n"))
+    assert m.map("fast", "metrics-xfs", ("noshare", "queue_depth=128")) == "/dev/rbd3"
+    assert runner.history == [["rbd", "device", "map", "--pool", "fast", "--image",
+                               "metrics-xfs", *CEPH_ARGS,
+                               "--options", "noshare,queue_depth=128"]]
+
+
+def test_nbd_map_command_line() -> None:
+    m, runner = kernel("nbd", ok(data("nbd_map_ok.stdout")))
+    assert m.map("rbd", "pgdata", ()) == "/dev/nbd0"
+    assert runner.history == [["rbd", "device", "map", "-t", "nbd", "--pool", "rbd",
+                               "--image", "pgdata", *CEPH_ARGS]]
+
+
+def test_nbd_map_with_options() -> None:
+    m, runner = kernel("nbd", ok("/dev/nbd2\n"))
+    assert m.map("rbd", "pgdata", ("try-netlink", "timeout=120")) == "/dev/nbd2"
+    assert runner.history == [["rbd", "device", "map", "-t", "nbd", "--pool", "rbd",
+                               "--image", "pgdata", *CEPH_ARGS,
+                               "--options", "try-netlink,timeout=120"]]
+
+
+def test_map_command_without_keyring_leaves_it_to_ceph_conf() -> None:
+    m = KernelMapper("krbd", CephConfig("/etc/ceph/ceph.conf", "client-a", None),
+                     RecordingRunner())
+    assert m.map_command("rbd", "x", ()) == ["rbd", "device", "map", "--pool", "rbd",
+                                             "--image", "x", "-c", "/etc/ceph/ceph.conf",
+                                             "--id", "client-a"]
+
+
+def test_map_command_matches_what_map_runs() -> None:
+    m, runner = kernel("nbd", ok("/dev/nbd0\n"))
+    m.map("rbd", "pgdata", ("exclusive",))
+    assert runner.history == [m.map_command("rbd", "pgdata", ("exclusive",))]
+
+
+def test_map_takes_the_last_line_of_stdout() -> None:
+    m, _ = kernel("nbd", ok("some warning\n/dev/nbd5\n"))
+    assert m.map("rbd", "pgdata", ()) == "/dev/nbd5"
+
+
+@pytest.mark.parametrize("stdout", ["", "\n", "rbd: mapped\n"])
+def test_map_without_a_device_in_stdout_is_an_error(stdout: str) -> None:
+    m, _ = kernel("krbd", ok(stdout))
+    with pytest.raises(MapError) as info:
+        m.map("rbd", "pgdata", ())
+    assert info.value.reason == "krbd map failed (exit 0)"
+    assert info.value.detail == f"unexpected output {stdout!r}"
+
+
+def test_krbd_map_failure_without_module() -> None:
+    m, runner = kernel("krbd", Fail(2, data("krbd_map_no_module.stderr")))
+    with pytest.raises(MapError) as info:
+        m.map("rbd", "pgdata", ())
+    assert info.value.reason == "the kernel has no rbd module (krbd unavailable)"
+    assert info.value.detail == "rbd: map failed: (2) No such file or directory"
+    assert str(info.value) == ("the kernel has no rbd module (krbd unavailable): "
+                               "rbd: map failed: (2) No such file or directory")
+    assert len(runner.history) == 1  # no retry, no fallback behind the operator's back
+
+
+def test_nbd_map_failure_exit_22() -> None:
+    m, _ = kernel("nbd", Fail(22, data("nbd_map_no_module.stderr")))
+    with pytest.raises(MapError) as info:
+        m.map("rbd", "pgdata", ())
+    assert info.value.reason == "rbd-nbd could not attach (no nbd kernel module?)"
+    assert info.value.detail == "rbd: rbd-nbd failed with error: /usr/bin/rbd-nbd: exit status: 1"
+
+
+def test_krbd_map_failure_permission_denied() -> None:
+    m, _ = kernel("krbd", Fail(13, data("krbd_map_permission_denied.stderr")))
+    with pytest.raises(MapError, match="permission denied by Ceph"):
+        m.map("rbd", "pgdata", ())
+
+
+def test_map_failure_generic_keeps_the_last_stderr_line() -> None:
+    m, _ = kernel("krbd", Fail(13, data("map_no_auth.stderr")))
+    with pytest.raises(MapError) as info:
+        m.map("rbd", "pgdata", ())
+    assert info.value.reason == "krbd map failed (exit 13)"
+    assert info.value.detail == "rbd: couldn't connect to the cluster!"
+
+
+def test_map_error_is_not_a_command_error() -> None:
+    # apply reports MapError.reason; a bare CommandError would leak the raw command.
+    m, _ = kernel("krbd", Fail(2, data("krbd_map_no_module.stderr")))
+    with pytest.raises(MapError) as info:
+        m.map("rbd", "pgdata", ())
+    assert not isinstance(info.value, CommandError)
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+# --- krbd / nbd: unmap, refresh, list ----------------------------------------------
+
+
+@pytest.mark.parametrize(("kind", "mapping", "argv"), [
+    ("krbd", Mapping("krbd", "rbd", "pgdata", "/dev/rbd0"),
+     ["rbd", "device", "unmap", "/dev/rbd0"]),
+    ("krbd", Mapping("krbd", "rbd", "pgdata", None),
+     ["rbd", "device", "unmap", "rbd/pgdata"]),
+    ("nbd", Mapping("nbd", "rbd", "pgdata", "/dev/nbd0"),
+     ["rbd", "device", "unmap", "-t", "nbd", "/dev/nbd0"]),
+    ("nbd", Mapping("nbd", "fast", "metrics-xfs", None),
+     ["rbd", "device", "unmap", "-t", "nbd", "fast/metrics-xfs"]),
+])
+def test_unmap_command_line(kind: str, mapping: Mapping, argv: list[str]) -> None:
+    m, runner = kernel(kind)
+    m.unmap(mapping)
+    assert runner.history == [argv]
+
+
+def test_unmap_failure_propagates() -> None:
+    m, _ = kernel("krbd", Fail(16, "rbd: sysfs write failed\nrbd: unmap failed: (16) Device "
+                                   "or resource busy\n"))
+    with pytest.raises(CommandError) as info:
+        m.unmap(Mapping("krbd", "rbd", "pgdata", "/dev/rbd0"))
+    assert info.value.returncode == 16
+
+
+@pytest.mark.parametrize("kind", ["krbd", "nbd"])
+def test_kernel_refresh_runs_nothing(kind: str) -> None:
+    m, runner = kernel(kind)
+    m.refresh("/dev/rbd0", 2**30)
+    assert runner.history == []
+
+
+def test_krbd_list() -> None:
+    m, runner = kernel("krbd", ok(data("rbd_device_list_krbd.json")))
+    # Snapshot and namespace mappings are not volumes this reconciler manages.
+    assert m.list() == [Mapping("krbd", "rbd", "pgdata", "/dev/rbd0"),
+                        Mapping("krbd", "fast", "metrics-xfs", "/dev/rbd3")]
+    assert runner.history == [["rbd", "device", "list", "--format", "json"]]
+
+
+def test_nbd_list() -> None:
+    m, runner = kernel("nbd", ok(data("rbd_device_list_nbd.json")))
+    assert m.list() == [Mapping("nbd", "rbd", "pgdata", "/dev/nbd0"),
+                        Mapping("nbd", "fast", "metrics-xfs", "/dev/nbd2")]
+    assert runner.history == [["rbd", "device", "list", "-t", "nbd", "--format", "json"]]
+
+
+@pytest.mark.parametrize(("kind", "name"), [("krbd", "rbd_device_list_krbd_empty.json"),
+                                            ("nbd", "rbd_device_list_nbd_empty.json")])
+def test_list_recorded_empty(kind: str, name: str) -> None:
+    m, _ = kernel(kind, ok(data(name)))
+    assert m.list() == []
+
+
+# --- fuse-loop ---------------------------------------------------------------------
+
+
+def fuse(root: str | Path = RECORDED_FUSE_ROOT, *replies: Result | Fail
+         ) -> tuple[FuseMapper, RecordingRunner]:
+    runner = RecordingRunner(replies=list(replies))
+    return FuseMapper(CEPH, Path(root), runner), runner
+
+
+def test_fuse_list_on_recorded_mounts() -> None:
+    m, runner = fuse()
+    found = m.list(data("mountinfo.txt"), data("losetup_fuse_and_deleted.json"))
+    assert found == [
+        # rbd-fuse is mounted but no loop device reads its file: half mapped.
+        Mapping("fuse", "rbd", "orphan", None,
+                fuse_mount=f"{RECORDED_FUSE_ROOT}/rbd@orphan"),
+        Mapping("fuse", "rbd", "pgdata", "/dev/loop0",
+                fuse_mount=f"{RECORDED_FUSE_ROOT}/rbd@pgdata"),
+    ]
+    assert runner.history == []  # both inputs given: nothing is run
+
+
+def test_fuse_list_without_loop_devices() -> None:
+    m, _ = fuse()
+    found = m.list(data("mountinfo.txt"), data("losetup_none.json"))
+    assert [(x.image, x.device) for x in found] == [("orphan", None), ("pgdata", None)]
+
+
+def fake_sys_block(root: Path, backing: dict[str, str | None]) -> Path:
+    """A /sys/block with loop devices; None: a loop device with nothing attached."""
+    for name, path in backing.items():
+        (root / name).mkdir(parents=True)
+        if path is not None:
+            (root / name / "loop").mkdir()
+            (root / name / "loop" / "backing_file").write_text(path + "\n")
+    (root / "vda").mkdir()
+    return root
+
+
+def test_loop_devices_from_sysfs(tmp_path: Path) -> None:
+    sys_block = fake_sys_block(tmp_path, {
+        "loop0": f"{RECORDED_FUSE_ROOT}/rbd@pgdata/pgdata",
+        "loop1": "/tmp/rec.PL1R/node/gone.img (deleted)",
+        "loop2": None,
+    })
+    assert mappers.loop_devices(sys_block) == (
+        LoopDevice("/dev/loop0", f"{RECORDED_FUSE_ROOT}/rbd@pgdata/pgdata"),
+        LoopDevice("/dev/loop1", "/tmp/rec.PL1R/node/gone.img"),
+    )
+
+
+def test_fuse_list_reads_sysfs_not_losetup_when_not_given(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # losetup --list stats backing files: on a hung rbd-fuse mount it would hang too.
+    sys_block = fake_sys_block(tmp_path, {"loop0": f"{RECORDED_FUSE_ROOT}/rbd@pgdata/pgdata"})
+    real = mappers.loop_devices
+    monkeypatch.setattr(mappers, "loop_devices", lambda: real(sys_block))
+    m, runner = fuse()
+    found = m.list(data("mountinfo.txt"))
+    assert runner.history == []
+    assert [x.device for x in found] == [None, "/dev/loop0"]
+
+
+def test_fuse_list_other_root_sees_nothing() -> None:
+    m, _ = fuse("/var/lib/rbd-reconciler/fuse")
+    assert m.list(data("mountinfo.txt"), data("losetup_fuse_and_deleted.json")) == []
+
+
+def test_fuse_list_root_prefix_is_a_directory_boundary() -> None:
+    # ".../fuse2/rbd@x" is not under ".../fuse".
+    text = ("60 27 0:50 / /var/lib/r/fuse2/rbd@x rw,nosuid,nodev,relatime - fuse.rbd-fuse "
+            "rbd-fuse rw,user_id=0,group_id=0\n")
+    m, _ = fuse("/var/lib/r/fuse")
+    assert m.list(text, "") == []
+
+
+def test_fuse_list_ignores_foreign_and_odd_mounts() -> None:
+    root = "/var/lib/r/fuse"
+    text = "\n".join([
+        # not rbd-fuse, though under the root
+        f"60 27 0:50 / {root}/rbd@a rw - tmpfs tmpfs rw",
+        # rbd-fuse without the pool@image naming
+        f"61 27 0:51 / {root}/scratch rw - fuse.rbd-fuse rbd-fuse rw",
+        # nested deeper than one level
+        f"62 27 0:52 / {root}/rbd@b/c rw - fuse.rbd-fuse rbd-fuse rw",
+        # rbd-fuse somewhere else entirely
+        "63 27 0:53 / /mnt/rbd@c rw - fuse.rbd-fuse rbd-fuse rw",
+        f"64 27 0:54 / {root}/fast@metrics-xfs rw - fuse.rbd-fuse rbd-fuse rw",
+    ])
+    losetup = ('{"loopdevices": [{"name": "/dev/loop7", "back-file": '
+               f'"{root}/fast@metrics-xfs/metrics-xfs"'
+               '}, {"name": "/dev/loop8", "back-file": "/mnt/rbd@c/c"}]}')
+    m, _ = fuse(root)
+    assert m.list(text, losetup) == [
+        Mapping("fuse", "fast", "metrics-xfs", "/dev/loop7", fuse_mount=f"{root}/fast@metrics-xfs"),
+    ]
+
+
+def test_fuse_list_loop_over_a_deleted_image_file_still_matches() -> None:
+    root = "/var/lib/r/fuse"
+    text = f"60 27 0:50 / {root}/rbd@a rw - fuse.rbd-fuse rbd-fuse rw\n"
+    losetup = ('{"loopdevices": [{"name": "/dev/loop2", '
+               f'"back-file": "{root}/rbd@a/a (deleted)"'
+               '}]}')
+    m, _ = fuse(root)
+    assert [x.device for x in m.list(text, losetup)] == ["/dev/loop2"]
+
+
+def test_fuse_refresh_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mappers, "block_device_size", lambda dev: 512 * 2**20)
+    m, runner = fuse()
+    m.refresh("/dev/loop0", 512 * 2**20)
+    assert runner.history == [["losetup", "-c", "/dev/loop0"]]
+
+
+def test_fuse_refresh_repeats_until_the_loop_device_has_grown(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The kernel caches the FUSE file's size for a moment: the first -c can see the old one.
+    sizes = iter([256 * 2**20, 256 * 2**20, 512 * 2**20])
+    monkeypatch.setattr(mappers, "block_device_size", lambda dev: next(sizes))
+    monkeypatch.setattr(mappers.time, "sleep", lambda s: None)
+    m, runner = fuse()
+    m.refresh("/dev/loop0", 512 * 2**20)
+    assert runner.history == [["losetup", "-c", "/dev/loop0"]] * 3
+
+
+def test_fuse_mount_point() -> None:
+    m, _ = fuse("/var/lib/rbd-reconciler/fuse")
+    assert m.mount_point("rbd", "pgdata") == Path("/var/lib/rbd-reconciler/fuse/rbd@pgdata")
+
+
+class _FakeFuseProcess:
+    """Stands in for a running ``rbd-fuse -f``."""
+
+    def __init__(self, argv: list[str], **_kwargs: object) -> None:
+        self.argv = argv
+        self.pid = 4242
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.returncode = 0
+        return 0
+
+    def kill(self) -> None:
+        self.returncode = -9
+
+
+def test_fuse_map_command_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[_FakeFuseProcess] = []
+    mounted: set[str] = set()
+
+    def popen(argv: list[str], **kwargs: object) -> _FakeFuseProcess:
+        proc = _FakeFuseProcess(argv, **kwargs)
+        started.append(proc)
+        mounted.add(argv[-2])  # the mount point: rbd-fuse "mounts" at once
+        return proc
+
+    monkeypatch.setattr(mappers, "_is_mounted", lambda p: p in mounted)
+    monkeypatch.setattr(mappers.subprocess, "Popen", popen)
+    m, runner = fuse(tmp_path / "fuse", ok("/dev/loop3\n"))
+    mnt = tmp_path / "fuse" / "rbd@pgdata"
+    try:
+        assert m.map("rbd", "pgdata", ()) == "/dev/loop3"
+        assert runner.history == [
+            ["rbd-fuse", *CEPH_ARGS, "-p", "rbd", "-r", "pgdata", str(mnt), "-f"],
+            ["losetup", "--find", "--show", "--direct-io=on", str(mnt / "pgdata")],
+        ]
+        assert [p.argv for p in started] == [runner.history[0]]
+        assert mappers.fuse_pids() == {str(mnt): 4242}
+        # Mapping again reuses the FUSE mount: only a new loop device.
+        runner.replies.append(ok("/dev/loop4\n"))
+        assert m.map("rbd", "pgdata", ()) == "/dev/loop4"
+        assert len(started) == 1 and runner.history[-1][0] == "losetup"
+    finally:
+        mappers._fuse_children.pop(str(mnt), None)
+
+
+def test_fuse_map_undoes_the_fuse_mount_when_losetup_fails(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mnt = tmp_path / "fuse" / "rbd@pgdata"
+    mounted = {str(mnt)}
+    monkeypatch.setattr(mappers, "_is_mounted", lambda p: p in mounted)
+    m, runner = fuse(tmp_path / "fuse", Fail(1, "losetup: cannot find an unused loop device"))
+
+    with pytest.raises(CommandError):
+        m.map("rbd", "pgdata", ())
+    assert runner.history == [
+        ["losetup", "--find", "--show", "--direct-io=on", str(mnt / "pgdata")],
+        ["umount", str(mnt)],
+    ]
+    assert not mnt.exists()
+
+
+def test_fuse_unmap_order_loop_then_fuse(tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    mnt = tmp_path / "fuse" / "rbd@pgdata"
+    mnt.mkdir(parents=True)
+    mounted = {str(mnt)}
+    monkeypatch.setattr(mappers, "_is_mounted", lambda p: p in mounted)
+    m, runner = fuse(tmp_path / "fuse")
+    m.unmap(Mapping("fuse", "rbd", "pgdata", "/dev/loop0", fuse_mount=str(mnt)))
+    assert runner.history == [["losetup", "-d", "/dev/loop0"], ["umount", str(mnt)]]
+    assert not mnt.exists()
+
+
+def test_fuse_unmap_half_mapped_only_unmounts(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    mnt = tmp_path / "fuse" / "rbd@orphan"
+    mnt.mkdir(parents=True)
+    monkeypatch.setattr(mappers, "_is_mounted", lambda p: p == str(mnt))
+    m, runner = fuse(tmp_path / "fuse")
+    m.unmap(Mapping("fuse", "rbd", "orphan", None, fuse_mount=None))
+    assert runner.history == [["umount", str(mnt)]]
+
+
+def test_fuse_unmount_retries_while_busy(tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    mnt = tmp_path / "fuse" / "rbd@pgdata"
+    monkeypatch.setattr(mappers, "_is_mounted", lambda p: p == str(mnt))
+    busy = Fail(32, f"umount: {mnt}: target is busy.")
+    m, runner = fuse(tmp_path / "fuse", ok(), busy, ok())
+    m.unmap(Mapping("fuse", "rbd", "pgdata", "/dev/loop0", fuse_mount=str(mnt)))
+    assert runner.history == [["losetup", "-d", "/dev/loop0"],
+                              ["umount", str(mnt)], ["umount", str(mnt)]]
