@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,6 +195,9 @@ class _VolumeRun:
 
     def format(self, step: FormatDevice) -> tuple[str, str]:
         dev = self.dev(step.device)
+        # blkid says "nothing found" for a path that is no device at all too.
+        if not stat.S_ISBLK(os.stat(dev).st_mode):
+            raise StepRefused(f"{dev} is not a block device")
         probe = self.node.fs.probe(dev)
         if probe.fs_type == step.fs_type:
             return "ok", f"{dev} already carries {step.fs_type}; not formatted"

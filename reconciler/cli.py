@@ -83,6 +83,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output(p)
     p.set_defaults(func=cmd_apply, release=True)
 
+    p = sub.add_parser("run", help="the daemon: watch desiredDir and converge continuously",
+                       description="Watch the desired directory, converge on every change and "
+                                   "every resyncSeconds, write status under stateDir/status. "
+                                   "SIGTERM finishes the chains in flight and exits; SIGHUP "
+                                   "reloads the config. Speaks sd_notify under systemd.")
+    p.add_argument("--allow-mass-removal", action="store_true",
+                   help="let volumes go even when most or all files vanish at once")
+    p.add_argument("--log-format", choices=("journal", "json", "plain"), default="journal",
+                   help="stderr log lines: <N> priority prefixes (default), JSON, or plain")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("explain", help="why a volume is where it is",
+                       description="Image watchers, mapping, device holders, mounts, the "
+                                   "daemon's last result and the next steps the planner would "
+                                   "take.")
+    p.add_argument("name", help="volume name (metadata.name)")
+    _add_output(p)
+    p.set_defaults(func=cmd_explain)
+
     p = sub.add_parser("status", help="show the observed state of every desired volume",
                        description="Phase (ABSENT, CREATED, MAPPED, STAGED, PUBLISHED), "
                                    "device, mounts and size of each desired volume.")
@@ -188,6 +207,8 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
     p = plan_pass(_paths(args, config), config, node)
     ctx = context(config, node)
     rows = [actual_state(v, p.observed, ctx) for v in p.loaded.volumes]
+    for r in rows:
+        r["daemon"] = _daemon_status(config, str(r["name"]))
     if args.output == "json":
         json.dump({"volumes": rows, "frozen": sorted(p.loaded.frozen_names),
                    "errors": [d.as_dict() for d in p.loaded.diagnostics]}, sys.stdout, indent=2)
@@ -225,6 +246,81 @@ def cmd_validate(args: argparse.Namespace, config: Config) -> int:
         print(f"{len(result.files)} file(s), {len(result.volumes)} valid volume(s): {status}",
               file=sys.stderr)
     return EXIT_OK if result.ok else EXIT_FAILED
+
+
+def cmd_run(args: argparse.Namespace, config: Config) -> int:
+    from .daemon import Daemon
+    from .logfmt import setup
+
+    setup(args.log_format, args.verbose)
+    return Daemon(config, args.config, args.allow_mass_removal).run()
+
+
+def _daemon_status(config: Config, name: str) -> dict | None:
+    from .statefiles import read_json
+
+    return read_json(config.state_dir / "status" / f"{name}.json")
+
+
+def cmd_explain(args: argparse.Namespace, config: Config) -> int:
+    node = Node.from_config(config)
+    p = plan_pass([config.desired_dir], config, node)
+    vols = {v.name: v for v in p.loaded.volumes}
+    daemon = _daemon_status(config, args.name)
+    if args.name not in vols and args.name not in p.loaded.frozen_names and daemon is None:
+        print(f"rbd-reconciler: no volume {args.name!r} in {config.desired_dir}", file=sys.stderr)
+        return EXIT_FAILED
+    vp = next((x for x in p.plans if x.name == args.name), None)
+    actual = actual_state(vols[args.name], p.observed, context(config, node)) \
+        if args.name in vols else None
+    holders: list[str] = []
+    if actual and actual["device"]:
+        dev = Path(str(actual["device"])).name
+        holders = sorted(h.name for h in Path(f"/sys/class/block/{dev}/holders").glob("*"))
+    doc = {
+        "name": args.name,
+        "declaredIn": str(vols[args.name].source) if args.name in vols else None,
+        "frozen": args.name in p.loaded.frozen_names,
+        "loadErrors": [str(d) for d in p.loaded.diagnostics
+                       if args.name in p.loaded.frozen_names],
+        "actual": actual,
+        "deviceHolders": holders,
+        "daemon": daemon,
+        "refusal": vp.refusal if vp else None,
+        "notes": vp.notes if vp else [],
+        "nextSteps": [s.as_dict() for s in vp.steps] if vp else [],
+    }
+    if args.output == "json":
+        json.dump(doc, sys.stdout, indent=2)
+        print()
+        return EXIT_OK
+    print(f"volume {args.name}" + (f" ({doc['declaredIn']})" if doc["declaredIn"] else ""))
+    if doc["frozen"]:
+        print("  FROZEN: its file failed to load; nothing is done to it until it loads:")
+        for e in doc["loadErrors"]:
+            print(f"    {e}")
+    if actual:
+        print(f"  phase:    {actual['phase']} (wanted {actual['wanted']})")
+        size = format_size(actual["size"]) if actual["size"] else "-"
+        print(f"  image:    {actual['image']}  size {size}")
+        print(f"  watchers: {', '.join(actual['watchers']) or 'none'}")
+        print(f"  mapping:  {actual['mapper'] or '-'} {actual['device'] or ''}")
+        print(f"  holders:  {', '.join(holders) or 'none'}")
+        print(f"  staging:  {actual['staging'] or '-'}")
+        for path, mode in actual["published"]:
+            print(f"  published {path} ({mode})")
+    if daemon:
+        print(f"  daemon:   {daemon.get('phase')} at {daemon.get('updated')}"
+              + (f"; last error: {daemon['lastError']}" if daemon.get("lastError") else ""))
+    if doc["refusal"]:
+        print(f"  REFUSED:  {doc['refusal']}")
+    for n in doc["notes"]:
+        print(f"  note:     {n}")
+    for s in doc["nextSteps"]:
+        print(f"  next:     {s['action']} {s['target']}: {s['from']} -> {s['to']}")
+    if not doc["nextSteps"] and not doc["refusal"]:
+        print("  next:     nothing; it is where it should be")
+    return EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:

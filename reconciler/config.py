@@ -31,7 +31,10 @@ class Config:
     allowed_roots: tuple[str, ...]
     mapper: str
     on_remove: str
-    source: Path | None  # the file it came from; None = built-in defaults
+    source: Path | None
+    resync_seconds: float = 60.0
+    mass_removal_share: float = 0.5
+    parallel: int = 4  # the file it came from; None = built-in defaults
 
     @property
     def staging_root(self) -> Path:
@@ -59,6 +62,9 @@ def _build(data: dict, source: Path | None) -> Config:
         mapper=data.get("mapper", "auto"),
         on_remove=data.get("onRemove", "release"),
         source=source,
+        resync_seconds=float(data.get("resyncSeconds", 60)),
+        mass_removal_share=float(data.get("massRemovalShare", 0.5)),
+        parallel=int(data.get("parallel", 4)),
     )
 
 

@@ -99,3 +99,26 @@ class Volume:
         del data["source"]
         blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def volume_to_dict(v: Volume) -> dict[str, object]:
+    d = asdict(v)
+    d["source"] = {"file": str(v.source.file), "line": v.source.line}
+    return d
+
+
+def volume_from_dict(d: dict) -> Volume:
+    """Inverse of ``volume_to_dict`` (the daemon's record of managed volumes)."""
+    img, mp, st = d["image"], d.get("map"), d.get("stage")
+    return Volume(
+        name=d["name"], state=d["state"],
+        image=ImageSpec(img["pool"], img["name"], img["size"], tuple(img["features"]),
+                        img["reclaim_policy"]),
+        map=MapSpec(mp["mapper"], tuple(mp["options"])) if mp else None,
+        stage=StageSpec(st["mode"], st["fs_type"], tuple(st["mkfs_options"]),
+                        tuple(st["mount_options"]), st["path"]) if st else None,
+        publish=tuple(PublishSpec(p["path"], p["read_only"], tuple(p["mount_options"]))
+                      for p in d["publish"]),
+        on_remove=d.get("on_remove"),
+        source=Source(Path(d["source"]["file"]), d["source"]["line"]),
+    )

@@ -9,7 +9,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import NodeUnderTest
 
 pytestmark = pytest.mark.ceph

@@ -18,6 +18,9 @@ MKFS_DEFAULTS = {
 }
 
 
+ONLINE_EXT4_GROW_TIMEOUT = 30.0
+
+
 class OnlineGrowRefused(Exception):
     """The kernel refused an online grow (ext4 without CAP_SYS_RESOURCE here)."""
 
@@ -99,9 +102,12 @@ class Filesystems:
             self.runner.run(["xfs_growfs", path])
             return
         try:
-            self.runner.run(["resize2fs", device], timeout=600)
+            # Online ext4 growth is quick or refused; seen hanging in a sandbox
+            # without CAP_SYS_RESOURCE, so a short deadline counts as refused.
+            self.runner.run(["resize2fs", device], timeout=ONLINE_EXT4_GROW_TIMEOUT)
         except CommandError as exc:
-            if "permission denied" in exc.stderr.lower() or "not permitted" in exc.stderr.lower():
+            err = exc.stderr.lower()
+            if exc.returncode == 124 or "permission denied" in err or "not permitted" in err:
                 raise OnlineGrowRefused(str(exc)) from None
             raise
 

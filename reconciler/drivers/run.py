@@ -1,16 +1,22 @@
-"""Running node commands through ``sh``, with a deadline and honest errors.
+"""Running node commands with a deadline and honest errors.
 
 Every command the drivers run goes through a ``Runner`` so that tests can
 record the exact command lines of mappers that cannot run here (krbd, nbd).
+
+Why ``subprocess`` and not ``sh``: with a timeout, ``sh`` polls in a helper
+thread every 100 ms and joins it after the command ends, so each command
+costs at least ~100 ms (measured: ``true`` takes 106 ms through it, 1.2 ms
+through ``subprocess.run``). A publish runs six commands and every observe
+two per device; the standard library does this job better.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
+import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-import sh
 
 log = logging.getLogger(__name__)
 
@@ -46,25 +52,19 @@ class Runner:
         argv = [str(a) for a in argv]
         self.history.append(argv)
         log.debug("run: %s", " ".join(argv))
-        kwargs: dict[str, object] = {}
-        if env is not None:
-            kwargs["_env"] = env
+        if shutil.which(argv[0]) is None:
+            raise CommandError(argv, 127, f"{argv[0]}: command not found")
+        limit = timeout or self.timeout
         try:
-            cmd = sh.Command(argv[0])
-        except sh.CommandNotFound:
-            raise CommandError(argv, 127, f"{argv[0]}: command not found") from None
-        try:
-            proc = cmd(*argv[1:], _ok_code=list(ok_codes), _return_cmd=True,
-                       _timeout=timeout or self.timeout, _in="", **kwargs)
-        except sh.TimeoutException:
-            raise CommandError(argv, 124, f"timed out after {timeout or self.timeout:.0f} s") \
-                from None
-        except sh.ErrorReturnCode as exc:
-            raise CommandError(argv, exc.exit_code, _text(exc.stderr)) from None
-        return Result(proc.exit_code, _text(proc.stdout), _text(proc.stderr))
+            proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
+                                  env=env, timeout=limit, check=False)
+        except subprocess.TimeoutExpired:
+            raise CommandError(argv, 124, f"timed out after {limit:.0f} s") from None
+        out = Result(proc.returncode, _text(proc.stdout), _text(proc.stderr))
+        if proc.returncode not in ok_codes:
+            raise CommandError(argv, proc.returncode, out.stderr)
+        return out
 
 
-def _text(b: bytes | str | None) -> str:
-    if b is None:
-        return ""
-    return b.decode("utf-8", "replace") if isinstance(b, bytes) else b
+def _text(b: bytes | None) -> str:
+    return b.decode("utf-8", "replace") if b else ""

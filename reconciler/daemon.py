@@ -1,0 +1,383 @@
+"""``rbd-reconciler run``: watch the desired directory and converge continuously.
+
+Level-triggered: file events and the periodic resync only say *when* to look;
+every pass loads the files and observes the node afresh. Volumes converge in
+a bounded thread pool, one chain per volume at a time; a slow or failing
+volume never holds up the others (a failing one backs off exponentially,
+with jitter, until its spec changes).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+
+from . import sdnotify
+from .apply import VolumeOutcome, apply
+from .config import Config, ConfigError, load_config
+from .engine import Busy, context, state_lock
+from .loader import discover, is_ignored, load
+from .observe import Node, observe
+from .plan import VolumePlan, actual_state, plan
+from .reaper import become_subreaper, reap_zombies
+from .security import desired_dir_problems
+from .spec import Volume, volume_from_dict, volume_to_dict
+from .statefiles import read_json, write_json
+
+log = logging.getLogger("rbd-reconciler")
+
+DEBOUNCE_S = 0.05  # quiet time after an event burst (a git pull touching 50 files)
+DEBOUNCE_MAX_S = 1.0  # ...but never wait longer than this after the first event
+BACKOFF_BASE_S = 2.0
+BACKOFF_MAX_S = 300.0
+
+PHASE_NAMES = {"ABSENT": "Absent", "CREATED": "Created", "MAPPED": "Mapped",
+               "STAGED": "Staged", "PUBLISHED": "Published"}
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
+@dataclass
+class Backoff:
+    failures: int
+    until: float
+    spec_hash: str
+
+
+class _Wake(FileSystemEventHandler):
+    """Wake the loop for events that can change the desired set: files in the
+    directory (not editor droppings), or, in the parent, the directory entry
+    itself being replaced. Other traffic in the parent (logs, state) is noise
+    that would otherwise wake the loop forever."""
+
+    def __init__(self, wake: Callable[[], None], only: Path | None = None) -> None:
+        self.wake = wake
+        self.only = only
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        if event.event_type in ("opened", "closed", "closed_no_write"):
+            return
+        paths = [Path(str(p)) for p in (event.src_path, getattr(event, "dest_path", "")) if p]
+        if self.only is not None:
+            if self.only in paths:
+                self.wake()
+            return
+        if any(not is_ignored(p.name) for p in paths):
+            self.wake()
+
+
+class Daemon:
+    def __init__(self, config: Config, config_path: Path | None,
+                 allow_mass_removal: bool = False) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.allow_mass_removal = allow_mass_removal
+        self.node = Node.from_config(config)
+        self.wake_event = threading.Event()
+        self.stopping = threading.Event()
+        self.reload_wanted = threading.Event()
+        self.lock = threading.Lock()  # records, in-flight set, backoff
+        self.inflight: dict[str, Future[None]] = {}
+        self.backoff: dict[str, Backoff] = {}
+        self.records: dict[str, dict] = {}
+        self.pool = ThreadPoolExecutor(max_workers=config.parallel,
+                                       thread_name_prefix="volume")
+        self.observer: Observer | None = None
+        self.watched: tuple[Path, Path] | None = None
+        self.first_step_at: dict[str, float] = {}  # for the P3 benchmark's log lines
+
+    # -- paths ----------------------------------------------------------------
+    @property
+    def records_path(self) -> Path:
+        return self.config.state_dir / "managed.json"
+
+    def status_path(self, name: str) -> Path:
+        return self.config.state_dir / "status" / f"{name}.json"
+
+    # -- lifecycle ------------------------------------------------------------
+    def wake(self) -> None:
+        self.wake_event.set()
+
+    def install_signals(self) -> None:
+        def stop(signum: int, _frame: object) -> None:
+            log.info("signal %d: finishing steps in flight, then exiting", signum)
+            self.stopping.set()
+            self.wake()
+
+        def reload(_signum: int, _frame: object) -> None:
+            self.reload_wanted.set()
+            self.wake()
+
+        # SIGUSR1 dumps every thread's stack to stderr: for "why is it stuck?"
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+        signal.signal(signal.SIGHUP, reload)
+
+    def preflight(self) -> list[str]:
+        files, _ = discover([self.config.desired_dir])
+        return desired_dir_problems(self.config.desired_dir, files)
+
+    def run(self) -> int:
+        problems = self.preflight()
+        if problems:
+            for p in problems:
+                log.error("refusing to start: %s", p)
+            return 1
+        try:
+            with state_lock(self.config):
+                become_subreaper()
+                self.records = read_json(self.records_path, {}) or {}
+                self.install_signals()
+                self._watch()
+                self._serve()
+        except Busy as exc:
+            log.error("%s", exc)
+            return 1
+        return 0
+
+    def _serve(self) -> None:
+        self.reconcile()
+        sdnotify.notify("READY=1")
+        next_resync = time.monotonic() + self.config.resync_seconds
+        ping = sdnotify.watchdog_interval()
+        next_ping = time.monotonic()
+        while not self.stopping.is_set():
+            now = time.monotonic()
+            if ping is not None and now >= next_ping:
+                sdnotify.notify("WATCHDOG=1")
+                next_ping = now + ping
+            timeout = next_resync - now
+            if ping is not None:
+                timeout = min(timeout, next_ping - now)
+            woke = self.wake_event.wait(max(0.0, timeout))
+            if self.stopping.is_set():
+                break
+            if woke:
+                self._debounce()
+            if self.reload_wanted.is_set():
+                self._reload()
+            if woke or time.monotonic() >= next_resync:
+                self.reconcile()
+                if not woke:
+                    next_resync = time.monotonic() + self.config.resync_seconds
+        sdnotify.notify("STOPPING=1")
+        self.pool.shutdown(wait=True)  # chains in flight finish: no half stage
+        if self.observer is not None:
+            self.observer.stop()
+            self.observer.join(timeout=5)
+        reap_zombies()
+
+    def _debounce(self) -> None:
+        first = time.monotonic()
+        self.wake_event.clear()
+        while time.monotonic() - first < DEBOUNCE_MAX_S:
+            if not self.wake_event.wait(DEBOUNCE_S):
+                return
+            self.wake_event.clear()
+
+    def _reload(self) -> None:
+        self.reload_wanted.clear()
+        try:
+            config = load_config(self.config_path)
+        except ConfigError as exc:
+            log.error("reload refused, keeping the running config: %s", exc)
+            return
+        self.config = config
+        self.node = Node.from_config(config)
+        log.info("config reloaded from %s", config.source or "built-in defaults")
+        self._watch()
+
+    def _watch(self) -> None:
+        """Watch the directory (through its symlink, re-resolved each time) and
+        its parent, where git-sync and ConfigMaps swap the link atomically."""
+        desired = self.config.desired_dir
+        target = desired.resolve()
+        want = (target, desired.parent)
+        if self.watched == want:
+            return
+        if self.observer is not None:
+            self.observer.stop()
+            self.observer.join(timeout=5)
+        observer = Observer()
+        if target.is_dir():
+            observer.schedule(_Wake(self.wake), str(target), recursive=False)
+        if desired.parent.is_dir() and desired.parent != target:
+            observer.schedule(_Wake(self.wake, only=desired), str(desired.parent),
+                              recursive=False)
+        observer.daemon = True
+        observer.start()
+        self.observer, self.watched = observer, want
+
+    # -- one pass -------------------------------------------------------------
+    def reconcile(self) -> None:
+        self._watch()  # the link may point elsewhere now
+        reap_zombies()
+        problems = self.preflight()
+        if problems:
+            for p in problems:
+                log.error("not reconciling: %s", p)
+            sdnotify.notify(f"STATUS=refusing: {problems[0]}")
+            return
+        loaded = load([self.config.desired_dir], self.config)
+        for d in loaded.diagnostics:
+            log.error("%s", d)
+        current = {v.name: v for v in loaded.volumes}
+        failed_files = {str(f) for f in loaded.failed_files}
+        frozen = set(loaded.frozen_names) | {
+            n for n, r in self.records.items() if r["file"] in failed_files}
+        removed = sorted(set(self.records) - set(current) - frozen)
+
+        release: list[Volume] = []
+        with self.lock:
+            if removed and self._mass_removal(len(removed), len(current)):
+                msg = (f"{len(removed)} of {len(self.records)} managed volume(s) vanished in "
+                       f"one pass; doing nothing to them (a checkout gone wrong?). Start with "
+                       f"--allow-mass-removal to let them go.")
+                log.error("%s", msg)
+                sdnotify.notify(f"STATUS=mass removal refused: {len(removed)} volume(s)")
+                removed = []
+            for name in removed:
+                vol = volume_from_dict(self.records[name]["volume"])
+                if (vol.on_remove or self.config.on_remove) == "keep":
+                    log.info("%s: file removed; onRemove=keep leaves it as it is", name)
+                    del self.records[name]
+                    self._write_status(name, {"phase": "Released", "reason": "FileRemovedKept"})
+                else:
+                    release.append(vol)
+            for v in current.values():
+                self.records[v.name] = {"file": str(v.source.file), "volume": volume_to_dict(v)}
+            self._save_records()
+
+        candidates = [v for v in [*current.values(), *release] if self._due(v)]
+        observed = observe(self.node, candidates)
+        plans = plan(candidates, observed, context(self.config, self.node),
+                     release=[v.name for v in release])
+        by_name = {v.name: v for v in candidates}
+        for name in sorted(frozen):
+            self._write_status(name, {"phase": "Frozen", "reason": "FileFailedToLoad",
+                                      "message": "its file failed to load; left as it is"})
+        busy = 0
+        for vp in plans:
+            vol = by_name[vp.name]
+            if not vp.steps and not vp.refusal:
+                self._converged(vol, vp, observed, released=vol in release)
+                continue
+            busy += 1
+            self._submit(vol, vp, observed, released=vol in release)
+        sdnotify.notify(f"STATUS={len(current)} volume(s), {busy} converging, "
+                        f"{len(frozen)} frozen")
+
+    def _mass_removal(self, removed: int, remaining: int) -> bool:
+        if self.allow_mass_removal:
+            return False
+        if remaining == 0:
+            return True
+        return removed > 1 and removed / max(1, len(self.records)) > \
+            self.config.mass_removal_share
+
+    def _due(self, v: Volume) -> bool:
+        with self.lock:
+            if v.name in self.inflight:
+                return False
+            b = self.backoff.get(v.name)
+            if b is None:
+                return True
+            if b.spec_hash != v.spec_hash:  # a new spec deserves a try at once
+                del self.backoff[v.name]
+                return True
+            return time.monotonic() >= b.until
+
+    def _submit(self, vol: Volume, vp: VolumePlan, observed: object, released: bool) -> None:
+        with self.lock:
+            self.first_step_at.setdefault(vol.name, time.monotonic())
+            fut = self.pool.submit(self._converge, vol, vp, observed, released)
+            self.inflight[vol.name] = fut
+
+    def _converge(self, vol: Volume, vp: VolumePlan, observed: object, released: bool) -> None:
+        log.info("%s: %d step(s) start", vol.name, len(vp.steps))
+        try:
+            [outcome] = apply([vp], {vol.name: vol}, observed, self.node)  # type: ignore[arg-type]
+        except Exception as exc:  # a driver bug must not kill the worker silently
+            log.exception("%s: apply crashed", vol.name)
+            outcome = VolumeOutcome(vol.name, status="failed", error=str(exc))
+        self._record_outcome(vol, vp, outcome, released)
+
+    def _record_outcome(self, vol: Volume, vp: VolumePlan, out: VolumeOutcome,
+                        released: bool) -> None:
+        with self.lock:
+            self.inflight.pop(vol.name, None)
+            if out.status == "failed":
+                prev = self.backoff.get(vol.name)
+                n = (prev.failures + 1) if prev and prev.spec_hash == vol.spec_hash else 1
+                delay = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (n - 1))
+                delay *= random.uniform(0.5, 1.0)  # jitter: failing volumes do not align
+                self.backoff[vol.name] = Backoff(n, time.monotonic() + delay, vol.spec_hash)
+                log.warning("%s: failed (%s); next try in %.0f s", vol.name, out.error, delay)
+            else:
+                self.backoff.pop(vol.name, None)
+                if released and vol.name in self.records:
+                    del self.records[vol.name]
+                    self._save_records()
+                log.info("%s: %s", vol.name, out.status)
+        phase = ("Released" if released else
+                 "Failed" if out.status == "failed" else
+                 PHASE_NAMES[vp.wanted.name] if vp.wanted is not None else "Pending")
+        self._write_status(vol.name, {
+            "phase": phase,
+            "observedGeneration": vol.spec_hash,
+            "lastResult": out.status,
+            "lastError": out.error,
+            "notes": out.notes,
+            "undone": out.undone,
+            "steps": [s.as_dict() for s in out.steps],
+            "conditions": [{"type": "Converged", "status": out.status != "failed",
+                            "reason": "Applied" if out.status != "failed" else "StepFailed",
+                            "message": out.error or "", "lastTransitionTime": _now()}],
+        })
+        self.wake()  # look again: level-triggered, the next pass confirms
+
+    def _converged(self, vol: Volume, vp: VolumePlan, observed: object, released: bool) -> None:
+        with self.lock:
+            self.backoff.pop(vol.name, None)
+            if released and vol.name in self.records:
+                del self.records[vol.name]
+                self._save_records()
+        actual = actual_state(vol, observed, context(self.config, self.node))  # type: ignore[arg-type]
+        self._write_status(vol.name, {
+            "phase": "Released" if released else PHASE_NAMES[vp.phase.name],
+            "observedGeneration": vol.spec_hash,
+            "notes": vp.notes,
+            "device": actual["device"], "staging": actual["staging"],
+            "published": actual["published"], "size": actual["size"],
+            "conditions": [{"type": "Converged", "status": True, "reason": "UpToDate",
+                            "message": "", "lastTransitionTime": _now()}],
+        })
+
+    def _write_status(self, name: str, data: dict) -> None:
+        path = self.status_path(name)
+        old = read_json(path, {}) or {}
+        merged = {**{k: v for k, v in old.items() if k in ("lastError",)}, **data,
+                  "name": name, "updated": _now()}
+        if old.get("phase") == merged.get("phase") and old.get("observedGeneration") == \
+                merged.get("observedGeneration") and old.get("lastResult") == \
+                merged.get("lastResult") and "steps" not in data:
+            return  # unchanged: spare the disk a write every resync
+        write_json(path, merged)
+
+    def _save_records(self) -> None:
+        write_json(self.records_path, self.records)

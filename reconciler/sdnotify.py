@@ -1,0 +1,33 @@
+"""The sd_notify protocol: datagrams to $NOTIFY_SOCKET (see sd_notify(3)).
+
+Small enough to speak ourselves: one sendto per message, no dependency.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+
+def notify(message: str) -> bool:
+    """Send ``READY=1``, ``STATUS=...``, ``WATCHDOG=1`` ...; False without systemd."""
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return False
+    if addr.startswith("@"):  # abstract namespace
+        addr = "\0" + addr[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+        try:
+            s.sendto(message.encode(), addr)
+        except OSError:
+            return False
+    return True
+
+
+def watchdog_interval() -> float | None:
+    """Seconds between WATCHDOG=1 pings: half of WatchdogSec, as systemd advises."""
+    usec = os.environ.get("WATCHDOG_USEC")
+    pid = os.environ.get("WATCHDOG_PID")
+    if not usec or (pid and int(pid) != os.getpid()):
+        return None
+    return int(usec) / 2e6
