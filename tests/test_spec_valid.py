@@ -136,3 +136,12 @@ def test_cli_help_and_version(args: list[str]) -> None:
                           capture_output=True, text=True, check=False)
     assert proc.returncode == 0
     assert "rbd-reconciler" in proc.stdout
+
+
+@pytest.mark.parametrize("name", ["volume", "config"])
+def test_schemas_are_valid_draft_2020_12(name: str) -> None:
+    import jsonschema
+
+    from reconciler.schemas import validator
+
+    jsonschema.Draft202012Validator.check_schema(validator(name).schema)

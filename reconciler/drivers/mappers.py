@@ -141,7 +141,7 @@ class FuseMapper:
                 _fuse_children.pop(str(mnt), None)
                 raise CommandError(argv, 124, "rbd-fuse did not mount in time; "
                                    + _tail(logfile))
-            time.sleep(0.02)
+            time.sleep(0.005)  # rbd-fuse mounts in ~30 ms; do not add a tick to it
 
     def _stop_fuse(self, mnt: Path) -> None:
         if _is_mounted(str(mnt)):
