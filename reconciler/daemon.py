@@ -303,6 +303,10 @@ class Daemon:
             return time.monotonic() >= b.until
 
     def _submit(self, vol: Volume, vp: VolumePlan, observed: object, released: bool) -> None:
+        if vp.refusal is None and not self.status_path(vol.name).exists():
+            self._write_status(vol.name, {"phase": "Pending"})
+        elif vol.state == "absent" and vp.refusal is None:
+            self._write_status(vol.name, {"phase": "Deleting"})
         with self.lock:
             self.first_step_at.setdefault(vol.name, time.monotonic())
             fut = self.pool.submit(self._converge, vol, vp, observed, released)
