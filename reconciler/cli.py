@@ -33,6 +33,12 @@ def _add_output(p: argparse.ArgumentParser) -> None:
                    help="output format (default: human)")
 
 
+def _add_paths_and_output(p: argparse.ArgumentParser) -> None:
+    p.add_argument("paths", nargs="*", type=Path, metavar="PATH",
+                   help="files or directories (default: the config's desiredDir)")
+    _add_output(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rbd-reconciler",
@@ -49,26 +55,20 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Load and validate desired-volume files. Exit 0 when all "
                                    "are valid, 1 otherwise; every error is reported as "
                                    "file:line:column: field: message.")
-    p.add_argument("paths", nargs="*", type=Path, metavar="PATH",
-                   help="files or directories (default: the config's desiredDir)")
-    _add_output(p)
+    _add_paths_and_output(p)
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("plan", help="show what apply would change (check + diff); change nothing",
                        description="Observe the node and Ceph, and print the steps that would "
                                    "converge them to the desired files. Exit 0: nothing to do; "
                                    "2: changes pending; 1: an error or a refusal.")
-    p.add_argument("paths", nargs="*", type=Path, metavar="PATH",
-                   help="files or directories (default: the config's desiredDir)")
-    _add_output(p)
+    _add_paths_and_output(p)
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("apply", help="converge the node to the desired files",
                        description="Plan and execute. Prints each volume's result (ok, "
                                    "changed, failed) and a recap; exit 1 if any failed.")
-    p.add_argument("paths", nargs="*", type=Path, metavar="PATH",
-                   help="files or directories (default: the config's desiredDir)")
-    _add_output(p)
+    _add_paths_and_output(p)
     p.set_defaults(func=cmd_apply)
 
     p = sub.add_parser("release", help="unpublish, unstage and unmap; keep every image",
@@ -76,9 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(unpublish, unstage, unmap) whatever the files want. "
                                    "Images are never deleted. For maintenance, and for "
                                    "giving a node back.")
-    p.add_argument("paths", nargs="*", type=Path, metavar="PATH",
-                   help="files or directories (default: the config's desiredDir)")
-    _add_output(p)
+    _add_paths_and_output(p)
     p.set_defaults(func=cmd_apply, release=True)
 
     p = sub.add_parser("run", help="the daemon: watch desiredDir and converge continuously",
@@ -103,9 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="show the observed state of every desired volume",
                        description="Phase (ABSENT, CREATED, MAPPED, STAGED, PUBLISHED), "
                                    "device, mounts and size of each desired volume.")
-    p.add_argument("paths", nargs="*", type=Path, metavar="PATH",
-                   help="files or directories (default: the config's desiredDir)")
-    _add_output(p)
+    _add_paths_and_output(p)
     p.set_defaults(func=cmd_status)
     return parser
 
