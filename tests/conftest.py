@@ -114,8 +114,22 @@ def _loops_under(root: Path) -> list[str]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _subreaper() -> None:
+def _subreaper() -> Iterator[None]:
+    """rbd-fuse helpers orphaned by CLI/daemon processes come back to the test
+    session; at its end none may still run (each test released its volumes)."""
     become_subreaper()
+    yield
+    reap_zombies()
+    reap_fuse_children()
+    me = str(os.getpid())
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            text = stat.read_text()
+            rest = text[text.rindex(")") + 2:].split()
+            if "(rbd-fuse)" in text and rest[1] == me and rest[0] != "Z":
+                alive.append(stat.parent.name)
+    assert not alive, f"rbd-fuse processes left running: {alive}"
 
 
 @pytest.fixture
