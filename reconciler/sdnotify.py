@@ -18,7 +18,8 @@ def notify(message: str) -> bool:
         addr = "\0" + addr[1:]
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
         try:
-            s.sendto(message.encode(), addr)
+            # Never block: a reader that stopped reading must not freeze the daemon.
+            s.sendto(message.encode(), socket.MSG_DONTWAIT, addr)
         except OSError:
             return False
     return True

@@ -1,0 +1,390 @@
+#!/usr/bin/env python3
+"""P3: daemon reaction latency — a new Volume file in desiredDir to its first step and to PUBLISHED.
+
+What is measured: one `rbd-reconciler --config CFG run --log-format json` process
+runs for the whole benchmark on a disposable local Ceph cluster
+(reconciler.devcluster), with resyncSeconds 3600 so that only file events
+trigger passes. Each run writes a new Volume file (unique name; 64Mi, mapper
+fuse, stage ext4, one publish target under the allowed root) atomically: the
+file is written next to desiredDir, then os.rename()d into it; t0 = time.time()
+just before the rename. Then a tight loop (1 ms sleeps) watches the daemon's log
+and the status file stateDir/status/<name>.json and records the wall-clock time:
+
+- first step: when the log line "<name>: N step(s) start" first appears
+  (also reported: the same figure from the line's own "time" field, which has
+  ms resolution);
+- published: when the status file first says phase "Published".
+
+After each run (untimed): the file is removed, the daemon releases the volume
+(phase "Released") and its rbd-fuse process exits. The daemon runs with
+--allow-mass-removal, since each removal takes the only managed volume away.
+Printed: p50, p99 and max of both, and whether p99 to first step <= 100 ms.
+
+At the end (and on any failure or Ctrl-C): SIGTERM to the daemon (if it hangs: its
+thread stacks are printed, then SIGKILL); if anything is
+still mounted, `rbd-reconciler release` on a directory holding every volume file
+written; then the same sweep as P1 (unmount, losetup -d, FUSE mounts, rbd-fuse
+processes by pid), the images are removed, the cluster stopped and the temporary
+directory deleted.
+
+Usage: .venv/bin/python benchmarks/p3_daemon_latency.py [--runs N]   (default 50)
+Needs root, FUSE and loop devices (see /work/shared/DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+# P1's helpers; importing p1_publish also puts this tree's reconciler first on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from p1_publish import (
+    BenchError,
+    assert_published,
+    find_cli,
+    fuse_pids_under,
+    loops_under,
+    mounts_under,
+    run,
+    signals_ignored,
+    signals_raise,
+    sweep,
+    wait_exit,
+)
+
+from reconciler.devcluster import DevCluster, start_cluster
+from reconciler.reaper import become_subreaper, reap_zombies
+
+TARGET_P99_FIRST_STEP = 0.100
+POLL_S = 0.001
+RUN_TIMEOUT = 60.0  # never wait unbounded for one volume
+READY_TIMEOUT = 60.0
+STOP_TIMEOUT = 30.0
+
+VOLUME_YAML = """\
+apiVersion: rbd-reconciler/v1
+kind: Volume
+metadata:
+  name: {name}
+spec:
+  image:
+    pool: {pool}
+    size: 64Mi
+  map:
+    mapper: fuse
+  stage:
+    fsType: ext4
+  publish:
+    - path: {target}
+"""
+
+CONFIG_YAML = """\
+desiredDir: {desired}
+stateDir: {state}
+nodeName: p3-bench
+ceph:
+  conf: {conf}
+  user: {user}
+  keyring: {keyring}
+allowedRoots: [{srv}]
+resyncSeconds: 3600
+"""
+
+
+class DaemonProc:
+    """The daemon under test: a subprocess logging JSON lines to a file."""
+
+    def __init__(self, root: Path, cli: Path, config: Path) -> None:
+        self.log = root / "daemon.log"
+        self.notify_path = root / "notify.sock"
+        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.notify.bind(str(self.notify_path))
+        self.notify.setblocking(False)
+        self.logf = open(self.log, "ab")  # noqa: SIM115 - closed in stop()
+        self.reader = open(self.log, "rb")  # noqa: SIM115 - closed in stop()
+        self.buf = b""
+        env = {**os.environ, "NOTIFY_SOCKET": str(self.notify_path)}
+        # setpriv --pdeathsig: a SIGKILLed benchmark takes its daemon along.
+        self.proc = subprocess.Popen(
+            ["setpriv", "--pdeathsig", "KILL", str(cli), "--config", str(config), "run",
+             "--log-format", "json", "--allow-mass-removal"],
+            env=env, stdin=subprocess.DEVNULL, stdout=self.logf, stderr=self.logf)
+
+    def tail(self, n: int = 3000) -> str:
+        with contextlib.suppress(OSError):
+            return self.log.read_text(errors="replace")[-n:]
+        return ""
+
+    def drain_notify(self) -> list[bytes]:
+        """Read what the daemon sent to NOTIFY_SOCKET. It must be read: the datagram
+        queue holds net.unix.max_dgram_qlen (10) messages, then the daemon's sendto blocks."""
+        out = []
+        while self.notify.fileno() != -1:
+            try:
+                out.append(self.notify.recv(4096))
+            except BlockingIOError:
+                break
+        return out
+
+    def check_alive(self) -> None:
+        self.drain_notify()
+        if self.proc.poll() is not None:
+            raise BenchError(f"daemon exited {self.proc.returncode}; log:\n{self.tail()}")
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT
+        while True:
+            if any(m.startswith(b"READY=1") for m in self.drain_notify()):
+                return
+            if self.proc.poll() is not None:
+                raise BenchError(f"daemon exited {self.proc.returncode}; log:\n{self.tail()}")
+            if time.monotonic() > deadline:
+                raise BenchError(f"no READY=1 from the daemon; log:\n{self.tail()}")
+            time.sleep(0.01)
+
+    def new_lines(self) -> list[dict]:
+        """JSON log records appended since the last call (non-JSON lines skipped)."""
+        self.buf += self.reader.read()
+        *complete, self.buf = self.buf.split(b"\n")
+        out = []
+        for line in complete:
+            with contextlib.suppress(ValueError):
+                rec = json.loads(line)
+                if isinstance(rec, dict):
+                    out.append(rec)
+        return out
+
+    def stop(self) -> int | None:
+        """SIGTERM, wait for the chains in flight; after STOP_TIMEOUT dump every thread's
+        stack (SIGUSR1: the daemon's faulthandler), print it, SIGKILL."""
+        rc = None
+        self.notify.close()  # its STOPPING=1 then fails at once instead of blocking
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout=STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            size = self.log.stat().st_size
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(1)
+            with open(self.log, "rb") as f:
+                f.seek(size)
+                stacks = f.read().decode(errors="replace")
+            print(f"p3: daemon ignored SIGTERM for {STOP_TIMEOUT:.0f} s; its threads:\n"
+                  f"{stacks}\np3: killing it", file=sys.stderr)
+            self.proc.kill()
+            rc = self.proc.wait()
+        finally:
+            self.logf.close()
+            self.reader.close()
+        return rc
+
+
+def log_time(rec: dict) -> float | None:
+    """The record's own "time" (logging's default local '%Y-%m-%d %H:%M:%S,mmm') as epoch."""
+    with contextlib.suppress(KeyError, ValueError, TypeError):
+        return datetime.strptime(rec["time"], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    return None
+
+
+def status(state: Path, name: str) -> dict:
+    try:
+        return json.loads((state / "status" / f"{name}.json").read_text())
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
+def one_run(d: DaemonProc, root: Path, pool: str, name: str, written: list[Path]
+            ) -> tuple[float, float, float | None]:
+    """Returns (to first step polled, to Published, to first step by the log's stamp)."""
+    desired, state, srv = root / "desired", root / "state", root / "srv"
+    body = VOLUME_YAML.format(name=name, pool=pool, target=srv / name)
+    keep = root / "written" / f"{name}.yaml"  # a copy for the final release, if needed
+    keep.write_text(body)
+    written.append(keep)
+    tmp = root / "incoming" / f"{name}.yaml"
+    tmp.write_text(body)
+    d.new_lines()  # skip what the log said before
+
+    t0 = time.time()
+    os.rename(tmp, desired / f"{name}.yaml")
+    first = first_logged = published = None
+    needle = f"{name}: "
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while published is None or first is None:
+        now = time.time()
+        if first is None:
+            for rec in d.new_lines():
+                msg = str(rec.get("message", ""))
+                if msg.startswith(needle) and msg.endswith("step(s) start"):
+                    first, first_logged = now, log_time(rec)
+                    break
+        if published is None:
+            s = status(state, name)
+            if s.get("phase") == "Published":
+                published = now
+            elif s.get("phase") == "Failed":
+                raise BenchError(f"{name} failed: {s.get('lastError')}; log:\n{d.tail()}")
+        if time.monotonic() > deadline:
+            raise BenchError(f"{name}: not published in {RUN_TIMEOUT:.0f} s; "
+                             f"log:\n{d.tail()}")
+        d.check_alive()
+        time.sleep(POLL_S)
+    assert_published(srv / name, state / "staging" / name)
+
+    # untimed: remove the file, wait for Released and for its rbd-fuse to go
+    fuse = fuse_pids_under(root)
+    (desired / f"{name}.yaml").unlink()
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while status(state, name).get("phase") != "Released":
+        d.check_alive()
+        if time.monotonic() > deadline:
+            raise BenchError(f"{name}: not released in {RUN_TIMEOUT:.0f} s; log:\n{d.tail()}")
+        time.sleep(0.01)
+    for pid in fuse:
+        wait_exit(pid)
+    reap_zombies()
+    left = [m.point for m in mounts_under(root) if not m.point.startswith(str(root / "ceph"))]
+    if left or loops_under(root):
+        raise BenchError(f"{name}: released but left {left + loops_under(root)}")
+    first_by_log = None if first_logged is None else first_logged - t0
+    return first - t0, published - t0, first_by_log
+
+
+def pct(xs: list[float], p: float) -> float:
+    """Nearest-rank percentile."""
+    s = sorted(xs)
+    return s[max(0, math.ceil(p / 100 * len(s)) - 1)]
+
+
+def line(label: str, xs: list[float]) -> str:
+    return (f"{label:<34} p50 {pct(xs, 50) * 1000:8.1f} ms   p99 {pct(xs, 99) * 1000:8.1f} ms"
+            f"   max {max(xs) * 1000:8.1f} ms   (n={len(xs)})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--runs", type=int, default=50, help="timed runs (default 50)")
+    args = p.parse_args(argv)
+    if os.geteuid() != 0:
+        print("p3_daemon_latency: needs root (mount, losetup, FUSE)", file=sys.stderr)
+        return 2
+
+    become_subreaper()  # rbd-fuse processes orphaned by the daemon come back to us
+    root = Path(tempfile.mkdtemp(prefix="rbd-bench-p3-"))
+    cluster: DevCluster | None = None
+    daemon: DaemonProc | None = None
+    written: list[Path] = []
+    rc = 1
+    with signals_raise():
+        try:
+            t0 = time.perf_counter()
+            cluster = start_cluster(root=root / "ceph")
+            print(f"cluster up in {time.perf_counter() - t0:.1f}s "
+                  f"(mon {cluster.mon_addr}, pool {cluster.pool}); workdir {root}")
+            for sub in ("desired", "state", "srv", "incoming", "written"):
+                (root / sub).mkdir(mode=0o755)
+            config = root / "config.yaml"
+            config.write_text(CONFIG_YAML.format(
+                desired=root / "desired", state=root / "state", srv=root / "srv",
+                conf=cluster.conf, user=cluster.user, keyring=cluster.keyring))
+            daemon = DaemonProc(root, find_cli(), config)
+            daemon.wait_ready()
+
+            first: list[float] = []
+            published: list[float] = []
+            stamped: list[float] = []
+            for i in range(1, args.runs + 1):
+                f, pub, fl = one_run(daemon, root, cluster.pool, f"p3-{i}", written)
+                first.append(f)
+                published.append(pub)
+                if fl is not None:
+                    stamped.append(fl)
+                print(f"run {i:3}: first step {f * 1000:7.1f} ms   published "
+                      f"{pub * 1000:7.1f} ms", flush=True)
+            print()
+            print(line("file written -> first step (poll)", first))
+            if stamped:
+                print(line("file written -> first step (stamp)", stamped))
+            print(line("file written -> Published", published))
+            ok = pct(first, 99) <= TARGET_P99_FIRST_STEP
+            print(f"p99 to first step {pct(first, 99) * 1000:.1f} ms: target <= "
+                  f"{TARGET_P99_FIRST_STEP * 1000:.0f} ms {'met' if ok else 'NOT met'}")
+            rc = 0
+        except (BenchError, subprocess.TimeoutExpired, OSError) as e:
+            print(f"p3_daemon_latency: {e}", file=sys.stderr)
+        except KeyboardInterrupt:
+            print("\np3_daemon_latency: interrupted; cleaning up", file=sys.stderr)
+            rc = 130
+        finally:
+            with signals_ignored():
+                rc = cleanup(root, cluster, daemon, written) or rc
+    return rc
+
+
+def cleanup(root: Path, cluster: DevCluster | None, daemon: DaemonProc | None,
+            written: list[Path]) -> int:
+    """Returns 1 if something could not be removed (and says what)."""
+    problems: list[str] = []
+    if daemon is not None:
+        rc = daemon.stop()
+        if rc not in (0, None):
+            problems.append(f"daemon exited {rc}")
+    reap_zombies()
+    ceph = f"{root / 'ceph'}/"
+    if cluster is not None and [m for m in mounts_under(root)
+                                if not m.point.startswith(ceph)]:
+        # Give back whatever the daemon left published, the reconciler's own way.
+        rel = root / "release"
+        rel.mkdir(exist_ok=True)
+        for f in written:
+            shutil.copy(f, rel / f.name)
+        fuse = fuse_pids_under(root)
+        try:
+            r = run([str(find_cli()), "--config", str(root / "config.yaml"), "release",
+                     str(rel)], check=False)
+            if r.returncode:
+                problems.append(f"release exited {r.returncode}: {r.stdout}{r.stderr}")
+        except (BenchError, subprocess.TimeoutExpired) as e:
+            problems.append(f"release: {e}")
+        for pid in fuse:
+            wait_exit(pid)
+    problems += sweep(root)
+    if cluster is not None:
+        for f in written:  # the cluster goes with its dir anyway: give up at the first hitch
+            try:
+                run(["rbd", "-c", str(cluster.conf), "rm", "--no-progress",
+                     f"{cluster.pool}/{f.stem}"], timeout=30)
+            except (BenchError, subprocess.TimeoutExpired) as e:
+                problems.append(f"removing the images stopped at {f.stem}: {e}")
+                break
+        try:
+            cluster.stop()
+        except Exception as e:  # report, then still try to remove what we can
+            problems.append(f"cluster stop: {e}")
+    left = mounts_under(root)
+    if left:
+        problems.append(f"mounts still under {root}, left in place: "
+                        f"{', '.join(m.point for m in left)}")
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+    for msg in problems:
+        print(f"p3_daemon_latency: cleanup: {msg}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
