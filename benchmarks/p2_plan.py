@@ -31,21 +31,20 @@ Usage: .venv/bin/python benchmarks/p2_plan.py [--quick] [--repeat R] [--sizes 10
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
 from typing import TypeVar
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout: import this tree's reconciler
+
+from p1_publish import signals_ignored, signals_raise  # noqa: E402
 
 from reconciler import meta  # noqa: E402
 from reconciler.config import Config, load_config  # noqa: E402
@@ -162,8 +161,7 @@ def converged(volumes: tuple[Volume, ...], config: Config) -> Observed:
         ]
         mount_id += 3
     return Observed(images=images, pools_listed=frozenset({POOL}), pool_errors={},
-                    mappings=tuple(mappings), devices=devices, mounts=tuple(mounts),
-                    mappers_available=frozenset({"fuse"}))
+                    mappings=tuple(mappings), devices=devices, mounts=tuple(mounts))
 
 
 def context(config: Config) -> Context:
@@ -325,32 +323,6 @@ def real_observe(root: Path, n: int) -> None:
 
 # --- driver ---------------------------------------------------------------------------------
 
-
-@contextlib.contextmanager
-def signals_raise() -> Iterator[None]:
-    """SIGINT, SIGTERM and SIGHUP unwind like Ctrl-C: the cluster stops, files go."""
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
-    # Also when started in the background, where SIGINT arrives ignored.
-    old[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
-@contextlib.contextmanager
-def signals_ignored() -> Iterator[None]:
-    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    old = {s: signal.signal(s, signal.SIG_IGN) for s in sigs}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -199,19 +199,27 @@ class _VolumeRun:
         if not stat.S_ISBLK(os.stat(dev).st_mode):
             raise StepRefused(f"{dev} is not a block device")
         probe = self.node.fs.probe(dev)
-        if probe.fs_type == step.fs_type:
-            return "ok", f"{dev} already carries {step.fs_type}; not formatted"
-        if probe.signature:
-            raise StepRefused(f"{dev} carries {probe.signature}, not {step.fs_type}; "
-                              "refusing to format over it")
         cluster = self.need_cluster()
-        formatted = ceph.get_meta(cluster, step.pool, step.image).get(meta.FORMATTED)
-        if formatted:
-            raise StepRefused(f"image-meta says it was formatted {formatted} but {dev} is "
-                              "blank; refusing to mkfs over possible data")
-        self.node.fs.mkfs(dev, step.fs_type, step.mkfs_options)
+        image_meta = ceph.get_meta(cluster, step.pool, step.image)
+        formatted = image_meta.get(meta.FORMATTED)
+        # Safety rule 1: a signature is only ever overwritten when it is the
+        # remains of our own interrupted mkfs (FORMATTING set, FORMATTED not).
+        interrupted = bool(image_meta.get(meta.FORMATTING)) and not formatted
+        if not interrupted:
+            if probe.fs_type == step.fs_type:
+                return "ok", f"{dev} already carries {step.fs_type}; not formatted"
+            if probe.signature:
+                raise StepRefused(f"{dev} carries {probe.signature}, not {step.fs_type}; "
+                                  "refusing to format over it")
+            if formatted:
+                raise StepRefused(f"image-meta says it was formatted {formatted} but {dev} "
+                                  "is blank; refusing to mkfs over possible data")
+        ceph.set_meta(cluster, step.pool, step.image, meta.FORMATTING, step.fs_type)
+        self.node.fs.mkfs(dev, step.fs_type, step.mkfs_options, force=bool(probe.signature))
         ceph.set_meta(cluster, step.pool, step.image, meta.FORMATTED, step.fs_type)
-        return "changed", f"mkfs.{step.fs_type} {dev}"
+        ceph.remove_meta(cluster, step.pool, step.image, meta.FORMATTING)
+        redo = " (redoing an interrupted mkfs)" if interrupted else ""
+        return "changed", f"mkfs.{step.fs_type} {dev}{redo}"
 
     def stage(self, step: MountStaging) -> tuple[str, str]:
         dev = self.dev(step.device)

@@ -98,7 +98,6 @@ class Daemon:
                                        thread_name_prefix="volume")
         self.observer: Observer | None = None
         self.watched: tuple[Path, Path] | None = None
-        self.first_step_at: dict[str, float] = {}  # for the P3 benchmark's log lines
 
     # -- paths ----------------------------------------------------------------
     @property
@@ -308,7 +307,6 @@ class Daemon:
         elif vol.state == "absent" and vp.refusal is None:
             self._write_status(vol.name, {"phase": "Deleting"})
         with self.lock:
-            self.first_step_at.setdefault(vol.name, time.monotonic())
             fut = self.pool.submit(self._converge, vol, vp, observed, released)
             self.inflight[vol.name] = fut
 

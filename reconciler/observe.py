@@ -114,4 +114,4 @@ def observe(node: Node, volumes: Iterable[Volume]) -> Observed:
                         path_rdev[p] = (os.major(st.st_rdev), os.minor(st.st_rdev))
     return Observed(images=images, pools_listed=listed, pool_errors=pool_errors,
                     mappings=tuple(mappings), devices=devices, mounts=mounts,
-                    path_rdev=path_rdev, mappers_available=node.mappers_available)
+                    path_rdev=path_rdev)

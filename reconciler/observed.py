@@ -73,7 +73,6 @@ class Observed:
     mounts: tuple[Mount, ...]
     # rdev of block-device nodes exposed at staging/publish paths (block mode)
     path_rdev: dict[str, tuple[int, int]] = field(default_factory=dict)
-    mappers_available: frozenset[str] = frozenset({"fuse"})
 
     @cached_property
     def mounts_by_point(self) -> dict[str, Mount]:

@@ -236,10 +236,15 @@ class _VolumePlanner:
             return
         assert st.fs_type is not None
         formatted = img_meta.get(meta.FORMATTED)
+        interrupted = bool(img_meta.get(meta.FORMATTING)) and not formatted
         fs_size = None
         if self.dev is not None:
             found = self.dev.fs_type
-            if found == st.fs_type:
+            if interrupted:
+                # Our own mkfs was cut off; the image was never staged since.
+                self.add(FormatDevice(v.name, device, st.fs_type, st.mkfs_options,
+                                      v.image.pool, v.image.name))
+            elif found == st.fs_type:
                 fs_size = self.dev.fs_size
             elif self.dev.signature:
                 raise Refused(f"{self.dev.path} ({v.image.spec}) carries {self.dev.signature}, "

@@ -129,7 +129,7 @@ class World:
             images=dict(self.images), pools_listed=frozenset(self.pools),
             pool_errors=dict(self.pool_errors), mappings=tuple(self.mappings),
             devices=dict(self.devices), mounts=tuple(self.mounts),
-            path_rdev=dict(self.path_rdev), mappers_available=frozenset({"fuse"}),
+            path_rdev=dict(self.path_rdev),
         )
 
 
@@ -584,6 +584,19 @@ def test_device_with_another_signature_is_refused(fs: str | None, signature: str
     w.device(LOOP, 256 * MiB, fs, signature=signature)
     p = plan_one(vol, w)
     refused(p, LOOP, f"carries {signature}", "not ext4", "refusing to format")
+
+
+@pytest.mark.parametrize("left", ["ext4", "xfs"])
+def test_our_interrupted_mkfs_is_redone(left: str) -> None:
+    """FORMATTING without FORMATTED: our own mkfs was cut off (crash, SIGKILL);
+    whatever signature it left is ours to overwrite. A hand-made one is not."""
+    vol = volume()
+    w = World().image("pgdata", 256 * MiB,
+                      meta={meta.OWNER: NODE, meta.FORMATTING: "ext4"}).mapping("pgdata", LOOP)
+    w.device(LOOP, 256 * MiB, left, signature=left)
+    p = plan_one(vol, w)
+    assert p.refusal is None
+    assert "format" in actions(p) and "stage" in actions(p)
 
 
 def test_formatted_by_us_but_blank_now_is_refused() -> None:

@@ -46,8 +46,12 @@ class Filesystems:
             return None
         return None
 
-    def mkfs(self, device: str, fs_type: str, options: tuple[str, ...]) -> None:
-        self.runner.run([f"mkfs.{fs_type}", *MKFS_DEFAULTS[fs_type], *options, device],
+    def mkfs(self, device: str, fs_type: str, options: tuple[str, ...],
+             force: bool = False) -> None:
+        """``force`` overwrites an existing signature: only for redoing our own
+        interrupted mkfs (the caller decides, from image-meta)."""
+        flag = ["-F" if fs_type == "ext4" else "-f"] if force else []
+        self.runner.run([f"mkfs.{fs_type}", *MKFS_DEFAULTS[fs_type], *flag, *options, device],
                         timeout=600)
 
     def mount(self, device: str, path: str, fs_type: str, options: tuple[str, ...]) -> None:
