@@ -116,6 +116,9 @@ def _marker(step: Step) -> str:
 
 def _print_plans(plans: list[VolumePlan]) -> None:
     for vp in plans:
+        if vp.unknown:
+            print(f"volume {vp.name}: UNKNOWN: {vp.unknown}")
+            continue
         if vp.refusal:
             print(f"volume {vp.name}: REFUSED: {vp.refusal}")
             continue
@@ -149,7 +152,7 @@ def cmd_plan(args: argparse.Namespace, config: Config) -> int:
         json.dump({
             "changes": steps > 0,
             "errors": [d.as_dict() for d in p.loaded.diagnostics],
-            "volumes": [{"name": vp.name, "phase": vp.phase.name,
+            "volumes": [{"name": vp.name, "phase": vp.phase_name, "unknown": vp.unknown,
                          "wanted": vp.wanted.name if vp.wanted is not None else None,
                          "refusal": vp.refusal, "notes": vp.notes,
                          "steps": [s.as_dict() for s in vp.steps]} for vp in p.plans],
@@ -159,8 +162,10 @@ def cmd_plan(args: argparse.Namespace, config: Config) -> int:
         _print_load_errors(p)
         _print_plans(p.plans)
         destructive = sum(s.destructive for vp in p.plans for s in vp.steps)
+        unknown = sum(bool(vp.unknown) for vp in p.plans)
         print(f"Plan: {steps} step(s) for {sum(bool(vp.steps) for vp in p.plans)} volume(s), "
-              f"{destructive} destructive; {len(refused)} refused.")
+              f"{destructive} destructive; {len(refused)} refused"
+              + (f", {unknown} unknown." if unknown else "."))
     if failed:
         return EXIT_FAILED
     return EXIT_CHANGES if steps else EXIT_OK
@@ -203,11 +208,13 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
     rows = [actual_state(v, p.observed, ctx) for v in p.loaded.volumes]
     for r in rows:
         r["daemon"] = _daemon_status(config, str(r["name"]))
+    # Unknown is not absent: what could not be seen fails the command.
+    rc = EXIT_FAILED if p.loaded.diagnostics or any(r["unknown"] for r in rows) else EXIT_OK
     if args.output == "json":
         json.dump({"volumes": rows, "frozen": sorted(p.loaded.frozen_names),
                    "errors": [d.as_dict() for d in p.loaded.diagnostics]}, sys.stdout, indent=2)
         print()
-        return EXIT_FAILED if p.loaded.diagnostics else EXIT_OK
+        return rc
     _print_load_errors(p)
     print(f"{'VOLUME':<16} {'PHASE':<10} {'WANTED':<10} {'SIZE':>7}  {'DEVICE':<11} MOUNTS")
     for r in rows:
@@ -216,9 +223,11 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
         mounts += [f"{path} ({mode})" for path, mode in r["published"]]  # type: ignore[union-attr]
         print(f"{r['name']:<16} {r['phase']:<10} {r['wanted']:<10} {size:>7}  "
               f"{r['device'] or '-':<11} {', '.join(mounts) or '-'}")
+        if r["unknown"]:
+            print(f"{'':<16} unknown: {r['unknown']}")
     for name in sorted(p.loaded.frozen_names):
         print(f"{name:<16} {'FROZEN':<10} (its file failed to load; left as it is)")
-    return EXIT_FAILED if p.loaded.diagnostics else EXIT_OK
+    return rc
 
 
 def cmd_validate(args: argparse.Namespace, config: Config) -> int:
@@ -280,14 +289,16 @@ def cmd_explain(args: argparse.Namespace, config: Config) -> int:
         "actual": actual,
         "deviceHolders": holders,
         "daemon": daemon,
+        "unknown": vp.unknown if vp else None,
         "refusal": vp.refusal if vp else None,
         "notes": vp.notes if vp else [],
         "nextSteps": [s.as_dict() for s in vp.steps] if vp else [],
     }
+    rc = EXIT_FAILED if doc["unknown"] else EXIT_OK
     if args.output == "json":
         json.dump(doc, sys.stdout, indent=2)
         print()
-        return EXIT_OK
+        return rc
     print(f"volume {args.name}" + (f" ({doc['declaredIn']})" if doc["declaredIn"] else ""))
     if doc["frozen"]:
         print("  FROZEN: its file failed to load; nothing is done to it until it loads:")
@@ -295,6 +306,8 @@ def cmd_explain(args: argparse.Namespace, config: Config) -> int:
             print(f"    {e}")
     if actual:
         print(f"  phase:    {actual['phase']} (wanted {actual['wanted']})")
+        if actual["unknown"]:
+            print(f"  unknown:  {actual['unknown']}")
         size = format_size(actual["size"]) if actual["size"] else "-"
         print(f"  image:    {actual['image']}  size {size}")
         print(f"  watchers: {', '.join(actual['watchers']) or 'none'}")
@@ -306,7 +319,7 @@ def cmd_explain(args: argparse.Namespace, config: Config) -> int:
     if daemon:
         print(f"  daemon:   {daemon.get('phase')} at {daemon.get('updated')}"
               + (f"; last error: {daemon['lastError']}" if daemon.get("lastError") else ""))
-    if doc["refusal"]:
+    if doc["refusal"] and doc["refusal"] != doc["unknown"]:
         print(f"  REFUSED:  {doc['refusal']}")
     for n in doc["notes"]:
         print(f"  note:     {n}")
@@ -314,7 +327,7 @@ def cmd_explain(args: argparse.Namespace, config: Config) -> int:
         print(f"  next:     {s['action']} {s['target']}: {s['from']} -> {s['to']}")
     if not doc["nextSteps"] and not doc["refusal"]:
         print("  next:     nothing; it is where it should be")
-    return EXIT_OK
+    return rc
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -34,7 +34,9 @@ class Config:
     source: Path | None
     resync_seconds: float = 60.0
     mass_removal_share: float = 0.5
-    parallel: int = 4  # the file it came from; None = built-in defaults
+    parallel: int = 4
+    # A pool or device probe that has not answered by then is reported unknown.
+    observe_timeout_seconds: float = 5.0
 
     @property
     def staging_root(self) -> Path:
@@ -65,6 +67,7 @@ def _build(data: dict, source: Path | None) -> Config:
         resync_seconds=float(data.get("resyncSeconds", 60)),
         mass_removal_share=float(data.get("massRemovalShare", 0.5)),
         parallel=int(data.get("parallel", 4)),
+        observe_timeout_seconds=float(data.get("observeTimeoutSeconds", 5)),
     )
 
 

@@ -24,8 +24,9 @@ from pathlib import Path
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
-from . import sdnotify
+from . import allowance, sdnotify
 from .apply import VolumeOutcome, apply
+from .conditions import Conditions
 from .config import Config, ConfigError, load_config
 from .engine import Busy, context, state_lock
 from .loader import discover, is_ignored, load
@@ -42,6 +43,9 @@ DEBOUNCE_S = 0.05  # quiet time after an event burst (a git pull touching 50 fil
 DEBOUNCE_MAX_S = 1.0  # ...but never wait longer than this after the first event
 BACKOFF_BASE_S = 2.0
 BACKOFF_MAX_S = 300.0
+# A pass (load, bounded observe, plan) stuck longer than this is a bug or a
+# hang the deadlines missed: stop pinging the watchdog so systemd restarts us.
+STALL_MIN_S = 120.0
 
 PHASE_NAMES = {"ABSENT": "Absent", "CREATED": "Created", "MAPPED": "Mapped",
                "STAGED": "Staged", "PUBLISHED": "Published"}
@@ -98,6 +102,9 @@ class Daemon:
                                        thread_name_prefix="volume")
         self.observer: Observer | None = None
         self.watched: tuple[Path, Path] | None = None
+        self.conditions = Conditions(log)
+        self.busy_since: float | None = None  # the pass thread is inside a pass
+        self.passes = 0
 
     # -- paths ----------------------------------------------------------------
     @property
@@ -150,20 +157,39 @@ class Daemon:
         return 0
 
     def _serve(self) -> None:
-        self.reconcile()
+        """Passes run in their own thread; this one handles signals and pings the
+        watchdog after a liveness check that never waits on Ceph (rule 10)."""
+        worker = threading.Thread(target=self._loop, name="pass", daemon=True)
+        worker.start()
+        ping = sdnotify.watchdog_interval()
+        while not self.stopping.is_set():
+            if not worker.is_alive():
+                log.critical("the pass thread died; exiting")
+                self.stopping.set()
+                break
+            if ping is not None and self._alive():
+                sdnotify.notify("WATCHDOG=1")
+            self.stopping.wait(ping if ping is not None else 1.0)
+        sdnotify.notify("STOPPING=1")
+        self.wake()
+        worker.join()  # the pass in flight is bounded: observe has deadlines
+        self.pool.shutdown(wait=True)  # chains in flight finish: no half stage
+        if self.observer is not None:
+            self.observer.stop()
+            self.observer.join(timeout=5)
+        reap_zombies()
+
+    def _alive(self) -> bool:
+        since = self.busy_since
+        limit = max(STALL_MIN_S, 3 * self.config.resync_seconds)
+        return since is None or time.monotonic() - since < limit
+
+    def _loop(self) -> None:
+        self._pass()
         sdnotify.notify("READY=1")
         next_resync = time.monotonic() + self.config.resync_seconds
-        ping = sdnotify.watchdog_interval()
-        next_ping = time.monotonic()
         while not self.stopping.is_set():
-            now = time.monotonic()
-            if ping is not None and now >= next_ping:
-                sdnotify.notify("WATCHDOG=1")
-                next_ping = now + ping
-            timeout = next_resync - now
-            if ping is not None:
-                timeout = min(timeout, next_ping - now)
-            woke = self.wake_event.wait(max(0.0, timeout))
+            woke = self.wake_event.wait(max(0.0, next_resync - time.monotonic()))
             if self.stopping.is_set():
                 break
             if woke:
@@ -171,15 +197,18 @@ class Daemon:
             if self.reload_wanted.is_set():
                 self._reload()
             if woke or time.monotonic() >= next_resync:
-                self.reconcile()
+                self._pass()
                 if not woke:
                     next_resync = time.monotonic() + self.config.resync_seconds
-        sdnotify.notify("STOPPING=1")
-        self.pool.shutdown(wait=True)  # chains in flight finish: no half stage
-        if self.observer is not None:
-            self.observer.stop()
-            self.observer.join(timeout=5)
-        reap_zombies()
+
+    def _pass(self) -> None:
+        self.busy_since = time.monotonic()
+        try:
+            self.reconcile()
+        except Exception:  # the daemon never dies of one pass (a file, a bug)
+            log.exception("pass failed")
+        finally:
+            self.busy_since = None
 
     def _debounce(self) -> None:
         first = time.monotonic()
@@ -224,33 +253,93 @@ class Daemon:
 
     # -- one pass -------------------------------------------------------------
     def reconcile(self) -> None:
+        t0 = time.monotonic()
+        self.passes += 1
         self._watch()  # the link may point elsewhere now
         reap_zombies()
         problems = self.preflight()
+        self.conditions.update("preflight", [f"not reconciling: {p}" for p in problems])
         if problems:
-            for p in problems:
-                log.error("not reconciling: %s", p)
             sdnotify.notify(f"STATUS=refusing: {problems[0]}")
             return
         loaded = load([self.config.desired_dir], self.config)
-        for d in loaded.diagnostics:
-            log.error("%s", d)
+        self.conditions.update("load", [str(d) for d in loaded.diagnostics])
         current = {v.name: v for v in loaded.volumes}
-        failed_files = {str(f) for f in loaded.failed_files}
+        failed_files = sorted(str(f) for f in loaded.failed_files)
         frozen = set(loaded.frozen_names) | {
             n for n, r in self.records.items() if r["file"] in failed_files}
-        removed = sorted(set(self.records) - set(current) - frozen)
+        release, held = self._removals(current, frozen, failed_files)
+
+        candidates = [v for v in [*current.values(), *release] if self._due(v)]
+        t_obs = time.monotonic()
+        observed = observe(self.node, candidates)
+        t_obs = time.monotonic() - t_obs
+        plans = plan(candidates, observed, context(self.config, self.node),
+                     release=[v.name for v in release])
+        by_name = {v.name: v for v in candidates}
+        for name in sorted(frozen):
+            self._write_status(name, {"phase": "Frozen", "reason": "FileFailedToLoad",
+                                      "message": "its file failed to load; left as it is"})
+        for name, why in sorted(held.items()):
+            self._write_status(name, {"phase": "Frozen", "reason": "RemovalHeld",
+                                      "message": why})
+        busy = unknown = 0
+        for vp in plans:
+            vol = by_name[vp.name]
+            if vp.unknown and vol not in release:
+                # Unknown is not absent: report it, act on nothing, look again.
+                unknown += 1
+                self._write_status(vol.name, {"phase": "Unknown", "reason": "CannotObserve",
+                                              "message": vp.unknown})
+                continue
+            if not vp.steps and not vp.refusal:
+                self._converged(vol, vp, observed, released=vol in release)
+                continue
+            busy += 1
+            self._submit(vol, vp, observed, released=vol in release)
+        sdnotify.notify(f"STATUS={len(current)} volume(s), {busy} converging, "
+                        f"{unknown} unknown, {len(frozen)} frozen, {len(held)} removal(s) held")
+        log.info("pass %d: %d volume(s), %d observed, %d converging, %d unknown, %d frozen, "
+                 "%d releasing, %d removal(s) held; observe %.0f ms, pass %.0f ms",
+                 self.passes, len(current), len(candidates), busy, unknown, len(frozen),
+                 len(release), len(held), t_obs * 1e3, (time.monotonic() - t0) * 1e3)
+
+    def _removals(self, current: dict[str, Volume], frozen: set[str],
+                  failed_files: list[str]) -> tuple[list[Volume], dict[str, str]]:
+        """Managed volumes whose files vanished: those to release now, and those
+        held (name -> why). Records are updated to the current set."""
+        vanished = sorted(set(self.records) - set(current) - frozen)
+        allowed = allowance.take(self.config.state_dir)
+        held: dict[str, str] = {}
+        removing: list[str] = []
+        refused: list[str] = []
+        if vanished and failed_files:
+            # A failed file may declare any of them (renamed and broken in one
+            # change hides its names): while one fails, nothing is released
+            # unless named by allow-removal (rule 3 holds across renames).
+            more = f" (and {len(failed_files) - 1} more)" if len(failed_files) > 1 else ""
+            why = f"removal held: {failed_files[0]}{more} fails to load"
+            removing = [n for n in vanished if n in allowed.names]
+            held = {n: why for n in vanished if n not in allowed.names}
+        elif vanished:
+            removing = [n for n in vanished if allowed.allows(n)]
+            guarded = [n for n in vanished if not allowed.allows(n)]
+            if guarded and self._mass_removal(len(guarded), len(current) + len(frozen)):
+                refused = [
+                    f"{len(guarded)} of {len(self.records)} managed volume(s) vanished in one "
+                    f"pass; doing nothing to them (a checkout gone wrong?). To let them go: "
+                    f"rbd-reconciler allow-removal --all (or NAME...)"]
+                sdnotify.notify(f"STATUS=mass removal refused: {len(guarded)} volume(s)")
+            else:
+                removing += guarded
+        self.conditions.update("mass-removal", refused)
+        self.conditions.update("held", sorted(set(held.values())))
+        if allowed.names or allowed.all:
+            log.info("allow-removal consumed: %s", ", ".join(sorted(allowed.names)) or "all")
 
         release: list[Volume] = []
         with self.lock:
-            if removed and self._mass_removal(len(removed), len(current)):
-                msg = (f"{len(removed)} of {len(self.records)} managed volume(s) vanished in "
-                       f"one pass; doing nothing to them (a checkout gone wrong?). Start with "
-                       f"--allow-mass-removal to let them go.")
-                log.error("%s", msg)
-                sdnotify.notify(f"STATUS=mass removal refused: {len(removed)} volume(s)")
-                removed = []
-            for name in removed:
+            for name in removing:
                 vol = volume_from_dict(self.records[name]["volume"])
                 if (vol.on_remove or self.config.on_remove) == "keep":
                     log.info("%s: file removed; onRemove=keep leaves it as it is", name)
@@ -261,32 +350,15 @@ class Daemon:
             for v in current.values():
                 self.records[v.name] = {"file": str(v.source.file), "volume": volume_to_dict(v)}
             self._save_records()
+        return release, held
 
-        candidates = [v for v in [*current.values(), *release] if self._due(v)]
-        observed = observe(self.node, candidates)
-        plans = plan(candidates, observed, context(self.config, self.node),
-                     release=[v.name for v in release])
-        by_name = {v.name: v for v in candidates}
-        for name in sorted(frozen):
-            self._write_status(name, {"phase": "Frozen", "reason": "FileFailedToLoad",
-                                      "message": "its file failed to load; left as it is"})
-        busy = 0
-        for vp in plans:
-            vol = by_name[vp.name]
-            if not vp.steps and not vp.refusal:
-                self._converged(vol, vp, observed, released=vol in release)
-                continue
-            busy += 1
-            self._submit(vol, vp, observed, released=vol in release)
-        sdnotify.notify(f"STATUS={len(current)} volume(s), {busy} converging, "
-                        f"{len(frozen)} frozen")
-
-    def _mass_removal(self, removed: int, remaining: int) -> bool:
+    def _mass_removal(self, removing: int, present: int) -> bool:
+        """``present``: managed volumes still declared, frozen ones included."""
         if self.allow_mass_removal:
             return False
-        if remaining == 0:
+        if present == 0:
             return True
-        return removed > 1 and removed / max(1, len(self.records)) > \
+        return removing > 1 and removing / max(1, len(self.records)) > \
             self.config.mass_removal_share
 
     def _due(self, v: Volume) -> bool:
@@ -375,9 +447,9 @@ class Daemon:
         old = read_json(path, {}) or {}
         merged = {**{k: v for k, v in old.items() if k in ("lastError",)}, **data,
                   "name": name, "updated": _now()}
-        if old.get("phase") == merged.get("phase") and old.get("observedGeneration") == \
-                merged.get("observedGeneration") and old.get("lastResult") == \
-                merged.get("lastResult") and "steps" not in data:
+        if all(old.get(k) == merged.get(k) for k in
+               ("phase", "observedGeneration", "lastResult", "reason", "message")) \
+                and "steps" not in data:
             return  # unchanged: spare the disk a write every resync
         write_json(path, merged)
 

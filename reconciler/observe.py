@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import stat
-from collections.abc import Iterable
+import threading
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .bounded import Bounded, NoAnswer, StillStuck
 from .config import Config
 from .drivers import ceph
 from .drivers.fs import Filesystems, block_device_size
 from .drivers.mappers import FuseMapper, KernelMapper, available_mappers
 from .drivers.run import CommandError, Runner
+from .observe_ceph import observe_images
 from .observed import Device, Mapping, Observed
 from .parsers import parse_mountinfo
 from .spec import Volume
@@ -49,41 +54,81 @@ class Node:
         return {"fuse": self.fuse, "krbd": self.krbd, "nbd": self.nbd}[kind]
 
 
-def _device(node: Node, path: str, mounts: dict[tuple[int, int], str]) -> Device | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    if not stat.S_ISBLK(st.st_mode):
-        return None
-    try:
-        size = block_device_size(path)
-    except (OSError, ValueError):
-        size = 0
-    try:
-        probe = node.fs.probe(path)
-    except (CommandError, ValueError) as exc:
-        # A failed probe is never "blank": report a signature we cannot name.
-        log.warning("probe of %s failed: %s", path, exc)
-        return Device(path, os.major(st.st_rdev), os.minor(st.st_rdev), size, None, None,
-                      "unknown (probe failed)")
-    rdev = (os.major(st.st_rdev), os.minor(st.st_rdev))
-    fs_size = (node.fs.fs_size(path, probe.fs_type, mounts.get(rdev))
+# Probes fork blkid/dumpe2fs/xfs_info on the device: on a wedged OSD they sit
+# in D state. At most this many run at once (written-off ones do not count).
+_PROBES = Bounded(max_running=4, name="probe")
+
+
+@dataclass(frozen=True)
+class _Probed:
+    fs_type: str | None
+    uuid: str | None
+    signature: str | None
+    fs_size: int | None
+
+
+def _probe(node: Node, path: str, mount_point: str | None) -> _Probed:
+    probe = node.fs.probe(path)
+    fs_size = (node.fs.fs_size(path, probe.fs_type, mount_point)
                if probe.fs_type in ("ext4", "xfs") else None)
-    return Device(path, *rdev, size, probe.fs_type,
-                  probe.uuid, probe.signature, fs_size)
+    return _Probed(probe.fs_type, probe.uuid, probe.signature, fs_size)
+
+
+def _devices(node: Node, paths: Iterable[str], mounts: dict[tuple[int, int], str],
+             timeout: float) -> dict[str, Device]:
+    """Probe each device in its own bounded call; one that fails or does not
+    answer is an *unknown* device (a signature we cannot name), never blank."""
+    found: dict[str, tuple[int, int, int]] = {}
+    for path in paths:
+        if path in found:
+            continue
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        if not stat.S_ISBLK(st.st_mode):
+            continue
+        try:
+            size = block_device_size(path)
+        except (OSError, ValueError):
+            size = 0
+        found[path] = (os.major(st.st_rdev), os.minor(st.st_rdev), size)
+    deadline = time.monotonic() + 2 * timeout
+    tasks, out = [], {}
+    for path, (major, minor, size) in found.items():
+        try:
+            tasks.append(_PROBES.submit((path, major, minor),
+                                        functools.partial(_probe, node, path,
+                                                          mounts.get((major, minor)))))
+        except StillStuck as exc:
+            out[path] = _unknown(path, major, minor, size, "probe timed out", str(exc))
+    for task in tasks:
+        path, major, minor = task.key  # type: ignore[misc]
+        size = found[path][2]
+        try:
+            p = _PROBES.wait(task, timeout, deadline)
+        except NoAnswer as exc:
+            out[path] = _unknown(path, major, minor, size, "probe timed out", str(exc))
+        except (CommandError, ValueError, OSError) as exc:
+            out[path] = _unknown(path, major, minor, size, "probe failed", str(exc))
+        else:
+            out[path] = Device(path, major, minor, size, p.fs_type, p.uuid, p.signature,
+                               p.fs_size)
+    return out
+
+
+def _unknown(path: str, major: int, minor: int, size: int, what: str, why: str) -> Device:
+    log.warning("%s of %s: %s", what, path, why)
+    return Device(path, major, minor, size, None, None, f"unknown ({what})",
+                  unknown=f"{what}: {why}")
 
 
 def observe(node: Node, volumes: Iterable[Volume]) -> Observed:
     volumes = list(volumes)
     wanted = {(v.image.pool, v.image.name) for v in volumes}
-    try:
-        with ceph.connect(node.config.ceph) as cluster:
-            imgs = ceph.observe_images(cluster, wanted)
-        images, listed, pool_errors = imgs.images, frozenset(imgs.listed), imgs.errors
-    except ceph.CephError as exc:
-        images, listed = {}, frozenset()
-        pool_errors = {pool: str(exc) for pool, _ in wanted}
+    timeout = node.config.observe_timeout_seconds
+    # Ceph answers in the background while the node is looked at.
+    ceph_pass = _Background(lambda: observe_images(node.config.ceph, wanted, timeout))
 
     mountinfo = Path("/proc/self/mountinfo").read_text()
     mounts = parse_mountinfo(mountinfo)
@@ -96,10 +141,7 @@ def observe(node: Node, volumes: Iterable[Volume]) -> Observed:
                 log.warning("listing %s mappings failed: %s", kind, exc)
 
     mounted = {(m.major, m.minor): m.mount_point for m in mounts}
-    devices = {}
-    for m in mappings:
-        if m.device and m.device not in devices and (d := _device(node, m.device, mounted)):
-            devices[m.device] = d
+    devices = _devices(node, [m.device for m in mappings if m.device], mounted, timeout)
 
     by_point = {m.mount_point for m in mounts}
     path_rdev = {}
@@ -112,6 +154,32 @@ def observe(node: Node, volumes: Iterable[Volume]) -> Observed:
                     st = os.stat(p)
                     if stat.S_ISBLK(st.st_mode):
                         path_rdev[p] = (os.major(st.st_rdev), os.minor(st.st_rdev))
+    imgs = ceph_pass.result()
+    images, listed, pool_errors = imgs.images, frozenset(imgs.listed), imgs.errors
     return Observed(images=images, pools_listed=listed, pool_errors=pool_errors,
                     mappings=tuple(mappings), devices=devices, mounts=mounts,
                     path_rdev=path_rdev)
+
+
+class _Background:
+    """``fn()`` in a thread; ``result()`` joins it. ``fn`` bounds its own time."""
+
+    def __init__(self, fn: Callable[[], ceph.Images]) -> None:
+        self._fn = fn
+        self._out: ceph.Images | None = None
+        self._exc: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="observe-ceph", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._out = self._fn()
+        except BaseException as exc:  # re-raised in result()
+            self._exc = exc
+
+    def result(self) -> ceph.Images:
+        self._thread.join()
+        if self._exc is not None:
+            raise self._exc
+        assert self._out is not None
+        return self._out

@@ -41,6 +41,9 @@ class Device:
     fs_uuid: str | None
     signature: str | None  # any signature (filesystem, partition table, raid...)
     fs_size: int | None = None  # bytes the filesystem spans, when known
+    # Set when the probe failed or did not answer: the content is unknown,
+    # which stops anything destructive (DESIGN rule 7); the reason.
+    unknown: str | None = None
 
 
 @dataclass(frozen=True)

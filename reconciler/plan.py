@@ -56,10 +56,17 @@ class VolumePlan:
     notes: list[str] = field(default_factory=list)
     phase: Phase = Phase.ABSENT  # observed
     wanted: Phase | None = None
+    # Set when part of the volume could not be seen (its pool, its device):
+    # the phase is then unknown, not ``phase``; never ordered with phases.
+    unknown: str | None = None
 
     @property
     def changes(self) -> bool:
         return bool(self.steps)
+
+    @property
+    def phase_name(self) -> str:
+        return "UNKNOWN" if self.unknown else self.phase.name
 
 
 class Refused(Exception):
@@ -144,6 +151,16 @@ class _VolumePlanner:
             return Phase.STAGED
         return Phase.MAPPED
 
+    def unknown(self) -> str | None:
+        """Why the volume's state cannot be known, if it cannot (DESIGN rule 7)."""
+        pool = self.v.image.pool
+        if pool not in self.obs.pools_listed:
+            why = self.obs.pool_errors.get(pool, "not listed")
+            return f"cannot see pool {pool!r} ({why}); an image there is unknown, not absent"
+        if self.dev is not None and self.dev.unknown:
+            return f"cannot read {self.dev.path}: {self.dev.unknown}"
+        return None
+
     def foreign_watchers(self) -> int:
         assert self.img is not None
         ours = len(self.obs.mappings_by_image.get((self.v.image.pool, self.v.image.name), []))
@@ -161,10 +178,9 @@ class _VolumePlanner:
             self.teardown(Phase.CREATED)
             return self.plan
         try:
-            if self.v.image.pool not in self.obs.pools_listed:
-                why = self.obs.pool_errors.get(self.v.image.pool, "not listed")
-                raise Refused(f"cannot see pool {self.v.image.pool!r} ({why}); "
-                              "an image there is unknown, not absent")
+            self.plan.unknown = self.unknown()
+            if self.plan.unknown:
+                raise Refused(self.plan.unknown)
             if self.v.state == "absent":
                 self.teardown(Phase.ABSENT)
             else:
@@ -365,9 +381,11 @@ def actual_state(vol: Volume, observed: Observed, ctx: Context) -> dict[str, obj
     """What is there for one desired volume, in the planner's own terms."""
     p = _VolumePlanner(vol, observed, ctx)
     staged = p.staged_mount()
+    unknown = p.unknown()
     return {
         "name": vol.name,
-        "phase": p.observed_phase().name,
+        "phase": "UNKNOWN" if unknown else p.observed_phase().name,
+        "unknown": unknown,
         "wanted": vol.wanted_phase.name,
         "image": vol.image.spec,
         "size": p.img.size if p.img else None,

@@ -74,19 +74,29 @@ def observe_images(cluster: rados.Rados, wanted: Iterable[tuple[str, str]]) -> I
     out = Images({}, set(), {})
     for pool in sorted(by_pool):
         try:
-            with cluster.open_ioctx(pool) as ioctx:
-                existing = set(rbd.RBD().list(ioctx))
-                for name in sorted(by_pool[pool] & existing):
-                    state = _image_state(ioctx, pool, name)
-                    if state is not None:
-                        out.images[(pool, name)] = state
-        except rados.ObjectNotFound:
-            out.errors[pool] = "pool does not exist"
-            continue
-        except (rados.Error, rbd.Error) as exc:
+            out.images.update(observe_pool(cluster, pool, by_pool[pool]))
+        except CephError as exc:
             out.errors[pool] = str(exc)
             continue
         out.listed.add(pool)
+    return out
+
+
+def observe_pool(cluster: rados.Rados, pool: str,
+                 names: Iterable[str]) -> dict[tuple[str, str], ImageState]:
+    """The wanted images that exist in one pool; CephError if it cannot be listed."""
+    out = {}
+    try:
+        with cluster.open_ioctx(pool) as ioctx:
+            existing = set(rbd.RBD().list(ioctx))
+            for name in sorted(set(names) & existing):
+                state = _image_state(ioctx, pool, name)
+                if state is not None:
+                    out[(pool, name)] = state
+    except rados.ObjectNotFound:
+        raise CephError("pool does not exist") from None
+    except (rados.Error, rbd.Error) as exc:
+        raise CephError(str(exc)) from exc
     return out
 
 

@@ -1,0 +1,109 @@
+"""Calls with a deadline, off the caller's thread, at most one in flight per key.
+
+A command stuck in the kernel (``blkid`` in D state on a wedged OSD, a
+librados call on a pool whose PGs map to no OSD) cannot be killed; the
+thread waiting for it cannot be either. So the caller never waits past its
+deadline: what has not answered is reported *unknown*, and the thread is
+written off. A key whose previous call is still stuck is not called again
+(the answer would be the same; threads must not pile up), so there is at
+most one stuck thread per key. A written-off call no longer counts against
+``max_running``: stuck probes never starve the healthy ones.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class NoAnswer(Exception):
+    """The call did not answer within its deadline (it may still be running)."""
+
+
+class StillStuck(NoAnswer):
+    """The previous call for this key has not returned yet; none was started."""
+
+
+@dataclass
+class Task(Generic[T]):
+    key: Hashable
+    future: Future[T] = field(default_factory=Future)
+    started: threading.Event = field(default_factory=threading.Event)
+    started_at: float = 0.0
+    _slot_held: bool = False
+
+
+class Bounded:
+    def __init__(self, max_running: int, name: str) -> None:
+        self._slots = threading.Semaphore(max_running)
+        self._lock = threading.Lock()
+        self._inflight: dict[Hashable, Task] = {}
+        self._name = name
+
+    def inflight(self) -> int:
+        with self._lock:
+            return len(self._inflight)
+
+    def submit(self, key: Hashable, fn: Callable[[], T]) -> Task[T]:
+        """Start ``fn`` in its own thread; raise StillStuck if ``key`` is busy."""
+        with self._lock:
+            if key in self._inflight:
+                raise StillStuck(f"an earlier call is still waiting (since "
+                                 f"{time.monotonic() - self._inflight[key].started_at:.0f} s)")
+            task: Task[T] = Task(key)
+            task.started_at = time.monotonic()
+            self._inflight[key] = task
+        threading.Thread(target=self._run, args=(task, fn), daemon=True,
+                         name=f"{self._name}:{key}").start()
+        return task
+
+    def _run(self, task: Task[T], fn: Callable[[], T]) -> None:
+        self._slots.acquire()
+        with self._lock:
+            task._slot_held = True
+        task.started_at = time.monotonic()
+        task.started.set()
+        try:
+            result = fn()
+        except BaseException as exc:  # handed to the waiter
+            task.future.set_exception(exc)
+        else:
+            task.future.set_result(result)
+        finally:
+            self._release(task)
+            with self._lock:
+                self._inflight.pop(task.key, None)
+
+    def _release(self, task: Task) -> None:
+        with self._lock:
+            held, task._slot_held = task._slot_held, False
+        if held:
+            self._slots.release()
+
+    def wait(self, task: Task[T], per_call: float, deadline: float) -> T:
+        """The result, or NoAnswer once ``per_call`` seconds have passed since
+        the call started (or ``deadline``, a monotonic time, has passed)."""
+        if not task.started.wait(max(0.0, deadline - time.monotonic())):
+            raise NoAnswer("not started before the deadline (probes busy)")
+        until = min(deadline, task.started_at + per_call)
+        try:
+            return task.future.result(timeout=max(0.0, until - time.monotonic()))
+        except TimeoutError:
+            self._release(task)  # written off: it no longer holds a slot
+            raise NoAnswer(f"no answer within {per_call:g} s") from None
+
+    def gather(self, tasks: Iterable[Task[T]], per_call: float,
+               deadline: float) -> dict[Hashable, T | BaseException]:
+        out: dict[Hashable, T | BaseException] = {}
+        for t in tasks:
+            try:
+                out[t.key] = self.wait(t, per_call, deadline)
+            except Exception as exc:  # per key, for the caller
+                out[t.key] = exc
+        return out
