@@ -90,6 +90,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stderr log lines: <N> priority prefixes (default), JSON, or plain")
     p.set_defaults(func=cmd_run)
 
+    p = sub.add_parser("allow-removal", help="let the daemon's held-back removals go",
+                       description="Let the daemon release managed volumes whose files "
+                                   "vanished but that it holds back (the mass-removal guard; "
+                                   "a name given here also passes the hold while another file "
+                                   "fails to load). Writes stateDir/allow-removal.json; the "
+                                   "daemon consumes it at its next pass, used or not.")
+    p.add_argument("names", nargs="*", metavar="NAME", help="volume names (metadata.name)")
+    p.add_argument("--all", action="store_true",
+                   help="every removal pending at the next pass (past the mass-removal guard "
+                        "only: never one held because a file fails to load)")
+    p.set_defaults(func=cmd_allow_removal)
+
     p = sub.add_parser("explain", help="why a volume is where it is",
                        description="Image watchers, mapping, device holders, mounts, the "
                                    "daemon's last result and the next steps the planner would "
@@ -257,6 +269,26 @@ def cmd_run(args: argparse.Namespace, config: Config) -> int:
 
     setup(args.log_format, args.verbose)
     return Daemon(config, args.config, args.allow_mass_removal).run()
+
+
+def cmd_allow_removal(args: argparse.Namespace, config: Config) -> int:
+    from .allowance import grant
+    from .statefiles import read_json
+
+    if not args.names and not args.all:
+        print("rbd-reconciler: allow-removal needs NAME... or --all", file=sys.stderr)
+        return EXIT_FAILED
+    managed = read_json(config.state_dir / "managed.json", {}) or {}
+    unknown = [n for n in args.names if n not in managed]
+    if unknown:
+        print(f"rbd-reconciler: not managed by the daemon: {', '.join(unknown)}",
+              file=sys.stderr)
+        return EXIT_FAILED
+    waiting = grant(config.state_dir, args.names, args.all)
+    what = "every pending removal" if waiting.all else ", ".join(sorted(waiting.names))
+    print(f"allowed: {what}; the daemon lets them go at its next pass "
+          f"(within resyncSeconds, {config.resync_seconds:g} s)")
+    return EXIT_OK
 
 
 def _daemon_status(config: Config, name: str) -> dict | None:

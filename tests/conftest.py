@@ -177,3 +177,28 @@ def _force_cleanup(mounts: list[str], loops: list[str]) -> None:
             with contextlib.suppress(OSError):
                 os.kill(pid, 9)
     reap_fuse_children()
+
+
+@pytest.fixture
+def dead_pool(ceph_cluster: DevCluster) -> Iterator[str]:
+    """A real pool whose CRUSH rule maps to no OSD: every op on it waits."""
+    tag = uuid.uuid4().hex[:6]
+    root, rule, pool = f"empty-{tag}", f"dead-{tag}", f"dead-{tag}"
+
+    def mon(cmd: dict[str, object]) -> None:
+        with ceph_cluster.client(timeout=30) as c:
+            rc, _, err = c.mon_command(json.dumps(cmd), b"", timeout=30)
+            assert rc == 0, f"{cmd['prefix']}: {err}"
+
+    mon({"prefix": "osd crush add-bucket", "name": root, "type": "root"})
+    mon({"prefix": "osd crush rule create-replicated", "name": rule, "root": root,
+         "type": "osd"})
+    mon({"prefix": "osd pool create", "pool": pool, "pg_num": 8, "pgp_num": 8,
+         "pool_type": "replicated", "rule": rule})
+    try:
+        yield pool
+    finally:
+        mon({"prefix": "osd pool rm", "pool": pool, "pool2": pool,
+             "yes_i_really_really_mean_it": True})
+        mon({"prefix": "osd crush rule rm", "name": rule})
+        mon({"prefix": "osd crush remove", "name": root})

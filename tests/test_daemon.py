@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -68,7 +69,8 @@ class Daemon:
         except (FileNotFoundError, json.JSONDecodeError):
             return {}
 
-    def wait_phase(self, name: str, phase: str, generation: str | None = None) -> dict:
+    def wait_phase(self, name: str, phase: str, generation: str | None = None,
+                   timeout: float = DEADLINE) -> dict:
         def ok() -> dict | None:
             s = self.status(name)
             if s.get("phase") == phase and (generation is None or
@@ -76,7 +78,17 @@ class Daemon:
                 return s
             assert self.proc.poll() is None, self.log.read_text()
             return None
-        return wait_for(ok, f"{name} to be {phase}; log:\n{self.log.read_text()[-3000:]}")
+        return wait_for(ok, f"{name} to be {phase}; log:\n{self.log.read_text()[-3000:]}",
+                        timeout)
+
+    def passes(self) -> int:
+        """Passes logged so far (one info line per pass)."""
+        return len(re.findall(r" pass \d+: ", self.log.read_text()))
+
+    def wait_passes(self, n: int) -> None:
+        """Wait until ``n`` more passes have run."""
+        target = self.passes() + n
+        wait_for(lambda: self.passes() >= target, f"{n} more passes")
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         if self.proc.poll() is None:
@@ -120,6 +132,10 @@ def spec(node: NodeUnderTest, size: str = "64Mi", target: str = "app", extra: st
 
 def set_resync(node: NodeUnderTest, seconds: float) -> None:
     node.config.write_text(node.config.read_text() + f"resyncSeconds: {seconds}\n")
+
+
+def set_observe_timeout(node: NodeUnderTest, seconds: float) -> None:
+    node.config.write_text(node.config.read_text() + f"observeTimeoutSeconds: {seconds}\n")
 
 
 def test_files_in_mounts_out(node: NodeUnderTest, start: Callable[..., Daemon]) -> None:
@@ -308,3 +324,198 @@ def test_unit_files_verify(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert oct((root / "var/lib/rbd-reconciler").stat().st_mode & 0o777) == "0o700"
     assert (root / "etc/rbd-reconciler/volumes.d").is_dir()
+
+
+# --- issue 7, items 11, 12, 15, 17 -------------------------------------------
+
+
+def test_dead_pool_holds_up_nobody(node: NodeUnderTest, start: Callable[..., Daemon],
+                                   dead_pool: str) -> None:
+    """A pool whose PGs map to no OSD: its volume is Unknown (never Absent, never
+    acted on); healthy volumes publish and `status` answers meanwhile."""
+    set_resync(node, 1)
+    set_observe_timeout(node, 2)
+    dead, ok, new = node.name("dead"), node.name("ok"), node.name("new")
+    fdead = node.write(dead, spec(node, target="dead").replace(node.cluster.pool, dead_pool))
+    node.write(ok, spec(node, target="ok"))
+    d = start()
+    # librados would wait 30 s (its op timeout) on the dead pool: 20 s is "at all".
+    d.wait_phase(ok, "Published", timeout=20)
+    s = d.wait_phase(dead, "Unknown", timeout=20)
+    assert dead_pool in s["message"] and "unknown, not absent" in s["message"]
+    node.write(new, spec(node, target="new"))
+    d.wait_phase(new, "Published", timeout=20)
+
+    rc, doc = node.cli_json("status")
+    phases = {r["name"]: r["phase"] for r in doc["volumes"]}
+    assert phases == {dead: "UNKNOWN", ok: "PUBLISHED", new: "PUBLISHED"}, doc
+    assert rc == 1
+    assert d.status(dead)["phase"] == "Unknown"
+    assert str(node.srv / "dead") not in node.mounts()
+    fdead.unlink()
+    assert d.stop() == 0
+
+
+class FakeBlkid:
+    """A `blkid` first on PATH that blocks for chosen devices, as blkid on a
+    wedged OSD sits in D state (a real wedged OSD would break the shared
+    cluster); other devices go to the real one. Every call is logged."""
+
+    def __init__(self, root: Path) -> None:
+        self.bin = root / "fakebin"
+        self.bin.mkdir()
+        self.calls_log, self.stalled, self.released = (
+            root / "blkid.calls", root / "blkid.stall", root / "blkid.release")
+        self.stalled.touch()
+        real = shutil.which("blkid")
+        script = self.bin / "blkid"
+        script.write_text(
+            "#!/bin/sh\n"
+            'for dev; do :; done\n'  # the last argument: the device
+            f'echo "$dev" >> {self.calls_log}\n'
+            f'if grep -qxF "$dev" {self.stalled}; then\n'
+            f'  while [ ! -e {self.released} ]; do sleep 0.05; done\n'
+            "fi\n"
+            f'exec {real} "$@"\n')
+        script.chmod(0o755)
+        self.path = f"{self.bin}:{os.environ['PATH']}"
+
+    def stall(self, device: str) -> None:
+        self.stalled.write_text(device + "\n")
+
+    def release(self) -> None:
+        self.released.touch()
+
+    def calls(self, device: str) -> int:
+        return self.calls_log.read_text().split().count(device) if self.calls_log.exists() else 0
+
+
+def test_stalled_probe_holds_up_nobody(node: NodeUnderTest, start: Callable[..., Daemon],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    set_resync(node, 0.5)
+    set_observe_timeout(node, 1)
+    fake = FakeBlkid(node.root)
+    slow, other = node.name("slow"), node.name("other")
+    node.write(slow, spec(node, target="slow"))
+    d = start(extra_env={"PATH": fake.path, "WATCHDOG_USEC": "400000"})
+    try:
+        d.wait_phase(slow, "Published")
+        device = str(wait_for(lambda: d.status(slow).get("device"), "a converged status"))
+        fake.stall(device)
+        s = d.wait_phase(slow, "Unknown")
+        assert "probe timed out" in s["message"] and device in s["message"]
+        stuck_calls = fake.calls(device)
+        # The main loop is not inside the pass: the watchdog is still pinged...
+        d.drain()
+        d.messages.clear()
+        wait_for(lambda: d.saw("WATCHDOG=1"), "a watchdog ping while a probe is stuck")
+        # ...a new volume converges, and passes go on without re-probing the
+        # stuck device (one stuck thread per device at most).
+        node.write(other, spec(node, target="other"))
+        d.wait_phase(other, "Published")
+        d.wait_passes(3)
+        assert fake.calls(device) == stuck_calls
+        assert d.status(slow)["phase"] == "Unknown"
+        assert str(node.srv / "slow") in node.mounts()  # nothing was done to it
+
+        # The CLI answers too, with UNKNOWN for what it could not see.
+        monkeypatch.setenv("PATH", fake.path)
+        rc, doc = node.cli_json("status")
+        rows = {r["name"]: r for r in doc["volumes"]}
+        assert rc == 1 and rows[other]["phase"] == "PUBLISHED"
+        assert rows[slow]["phase"] == "UNKNOWN" and "probe" in rows[slow]["unknown"]
+        rc, out = node.cli("explain", slow)
+        assert rc == 1 and "UNKNOWN" in out
+        rc, doc = node.plan()
+        assert rc == 1
+        assert {v["name"]: v["phase"] for v in doc["volumes"]}[slow] == "UNKNOWN"
+    finally:
+        fake.release()
+    d.wait_phase(slow, "Published")
+    assert d.stop() == 0
+
+
+def test_rename_and_break_in_one_change_releases_nothing(
+        node: NodeUnderTest, start: Callable[..., Daemon]) -> None:
+    set_resync(node, 0.5)
+    a, b = node.name("ren"), node.name("other")
+    fa = node.write(a, spec(node, target="a"))
+    node.write(b, spec(node, target="b"))
+    d = start()
+    d.wait_phase(a, "Published")
+    d.wait_phase(b, "Published")
+    good = fa.read_text()
+    renamed = node.desired / "renamed.yaml"
+    renamed.write_text(good + "  broken: [\n")  # a YAML error hides the name
+    fa.unlink()
+    s = d.wait_phase(a, "Frozen")
+    assert s["message"] == f"removal held: {renamed} fails to load", s
+    d.wait_passes(3)
+    assert d.status(a)["phase"] == "Frozen"
+    assert str(node.srv / "a") in node.mounts()
+    renamed.write_text(good)  # fixed under its new name: the same volume, untouched
+    wait_for(lambda: d.status(a).get("phase") == "Published", "the thaw")
+    assert str(node.srv / "a") in node.mounts()
+    # Its first publish is the only chain it ever ran: never released.
+    assert len(re.findall(rf"{a}: \d+ step\(s\) start", d.log.read_text())) == 1
+    assert d.stop() == 0
+
+
+def test_removal_while_another_file_fails_is_held_then_done(
+        node: NodeUnderTest, start: Callable[..., Daemon]) -> None:
+    """Removing 1 of 2 files while the other fails to load: held (it might be
+    declared there), not refused as a mass removal; released once it loads."""
+    set_resync(node, 0.5)
+    a, b = node.name("gone"), node.name("broken")
+    fa = node.write(a, spec(node, target="a"))
+    fb = node.write(b, spec(node, target="b"))
+    d = start()
+    d.wait_phase(a, "Published")
+    d.wait_phase(b, "Published")
+    good = fb.read_text()
+    fb.write_text(good.replace("size: 64Mi", "size: 64 megs"))
+    d.wait_phase(b, "Frozen")
+    fa.unlink()
+    s = d.wait_phase(a, "Frozen")
+    assert s["reason"] == "RemovalHeld" and str(fb) in s["message"]
+    assert str(node.srv / "a") in node.mounts()
+    fb.write_text(good)
+    d.wait_phase(a, "Released")
+    d.wait_phase(b, "Published")
+    assert str(node.srv / "a") not in node.mounts()
+    assert "vanished in one pass" not in d.log.read_text()
+    assert d.stop() == 0
+
+
+def test_allow_removal_without_restart_and_logged_once(
+        node: NodeUnderTest, start: Callable[..., Daemon]) -> None:
+    set_resync(node, 0.3)
+    names = [node.name(f"m{i}") for i in range(2)]
+    for n in names:
+        node.write(n, spec(node, target=n))
+    d = start()
+    for n in names:
+        d.wait_phase(n, "Published")
+    for p in list(node.desired.iterdir()):
+        p.unlink()
+    wait_for(lambda: "vanished in one pass" in d.log.read_text(), "the guard to speak")
+    d.wait_passes(5)
+    assert d.log.read_text().count("vanished in one pass") == 1  # once, not every pass
+
+    rc, out = node.cli("allow-removal", names[0])
+    assert rc == 0, out
+    d.wait_phase(names[0], "Released")
+    assert str(node.srv / names[0]) not in node.mounts()
+    assert str(node.srv / names[1]) in node.mounts()  # still guarded: all of it vanished
+    assert not (node.state / "allow-removal.json").exists()  # consumed
+
+    rc, out = node.cli("allow-removal", "--all")
+    assert rc == 0, out
+    d.wait_phase(names[1], "Released")
+    assert str(node.srv / names[1]) not in node.mounts()
+    wait_for(lambda: "no longer: " in d.log.read_text(), "the end of the condition logged")
+    assert node.cli("allow-removal", "nosuch")[0] == 1
+    # One info line per pass, with its duration and counts.
+    seq = [int(x) for x in re.findall(r" pass (\d+): .* pass \d+ ms", d.log.read_text())]
+    assert seq and seq == sorted(set(seq)), seq
+    assert d.stop() == 0

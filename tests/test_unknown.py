@@ -1,0 +1,71 @@
+"""Unknown is not absent (DESIGN rules 7 and 10): what cannot be seen in time
+is reported UNKNOWN with its reason, never blank or absent, and fails the
+command; a stuck call holds up nobody and is never piled up."""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+from conftest import NodeUnderTest
+
+from reconciler.bounded import Bounded, NoAnswer, StillStuck
+
+
+def test_bounded_writes_off_a_stuck_call_and_never_piles_it_up() -> None:
+    calls = Bounded(max_running=1, name="t")
+    gate = threading.Event()
+    stuck = calls.submit("dev", gate.wait)
+    with pytest.raises(NoAnswer):
+        calls.wait(stuck, per_call=0.05, deadline=float("inf"))
+    with pytest.raises(StillStuck):  # one stuck call per key at most
+        calls.submit("dev", lambda: 1)
+    # Written off, it no longer holds the only slot: others still run.
+    other = calls.submit("other", lambda: 42)
+    assert calls.wait(other, per_call=5, deadline=float("inf")) == 42
+    gate.set()
+    assert calls.wait(stuck, per_call=5, deadline=float("inf")) is True
+    done = calls.submit("dev", lambda: "again")  # free again once it returned
+    assert calls.wait(done, per_call=5, deadline=float("inf")) == "again"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.ceph
+def test_unreachable_ceph_is_unknown_not_absent(node: NodeUnderTest, tmp_path: Path) -> None:
+    name = node.name("cut")
+    node.write(name, f"  image: {{pool: {node.cluster.pool}, size: 64Mi}}\n"
+                     f"  map: {{mapper: fuse}}\n  stage: {{fsType: ext4}}\n"
+                     f"  publish:\n    - path: {node.srv / 'app'}\n")
+    assert node.apply()["rc"] == 0
+    # The same node, through a monitor address nobody answers on.
+    conf = tmp_path / "unreachable.conf"
+    conf.write_text(re.sub(r"(?m)^mon host = .*$", f"mon host = [v2:127.0.0.1:{_free_port()}]",
+                           node.cluster.conf.read_text()))
+    good = node.config
+    cut = tmp_path / "cut.yaml"
+    cut.write_text(good.read_text().replace(f"conf: {node.cluster.conf}", f"conf: {conf}")
+                   + "observeTimeoutSeconds: 2\n")
+    node.config = cut
+    try:
+        rc, doc = node.cli_json("status")
+        [row] = doc["volumes"]
+        assert rc == 1 and row["phase"] == "UNKNOWN", doc
+        assert "cannot reach Ceph" in row["unknown"]
+        rc, out = node.cli("status")
+        assert rc == 1 and "UNKNOWN" in out and "ABSENT" not in out
+        rc, out = node.cli("explain", name)
+        assert rc == 1 and "phase:    UNKNOWN" in out and "cannot reach Ceph" in out
+        rc, plan = node.plan()
+        assert rc == 1 and plan["volumes"][0]["phase"] == "UNKNOWN"
+        assert not plan["volumes"][0]["steps"]
+    finally:
+        node.config = good
+    assert str(node.srv / "app") in node.mounts()  # serving all along
