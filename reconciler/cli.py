@@ -127,6 +127,8 @@ def _print_plans(plans: list[VolumePlan]) -> None:
         for s in vp.steps:
             flag = "  (destructive)" if s.destructive else ""
             print(f"  {_marker(s)} {s.action:<16} {s.target}: {s.before} -> {s.after}{flag}")
+        for why in vp.withheld:
+            print(f"  REFUSED: {why}")
         for note in vp.notes:
             print(f"  note: {note}")
 
@@ -143,7 +145,7 @@ def _paths(args: argparse.Namespace, config: Config) -> list[Path]:
 def cmd_plan(args: argparse.Namespace, config: Config) -> int:
     p = plan_pass(_paths(args, config), config, Node.from_config(config))
     steps = sum(len(vp.steps) for vp in p.plans)
-    refused = [vp for vp in p.plans if vp.refusal]
+    refused = [vp for vp in p.plans if vp.refused]
     failed = bool(refused or p.loaded.diagnostics)
     if args.output == "json":
         json.dump({
@@ -151,7 +153,7 @@ def cmd_plan(args: argparse.Namespace, config: Config) -> int:
             "errors": [d.as_dict() for d in p.loaded.diagnostics],
             "volumes": [{"name": vp.name, "phase": vp.phase.name,
                          "wanted": vp.wanted.name if vp.wanted is not None else None,
-                         "refusal": vp.refusal, "notes": vp.notes,
+                         "refusal": vp.refused, "notes": vp.notes,
                          "steps": [s.as_dict() for s in vp.steps]} for vp in p.plans],
         }, sys.stdout, indent=2)
         print()
@@ -280,7 +282,7 @@ def cmd_explain(args: argparse.Namespace, config: Config) -> int:
         "actual": actual,
         "deviceHolders": holders,
         "daemon": daemon,
-        "refusal": vp.refusal if vp else None,
+        "refusal": vp.refused if vp else None,
         "notes": vp.notes if vp else [],
         "nextSteps": [s.as_dict() for s in vp.steps] if vp else [],
     }
