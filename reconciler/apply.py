@@ -152,6 +152,9 @@ class _VolumeRun:
                 ceph.resize_image(self.need_cluster(), step.pool, step.image, step.new_size)
             case SetImageMeta():
                 ceph.set_meta(self.need_cluster(), step.pool, step.image, step.key, step.new)
+                if step.key == meta.OWNER:  # an interrupted create, now finished
+                    Registry(node.config.state_dir / "intents.json").forget(
+                        intent_key(step.pool, step.image))
             case MapImage():
                 mapper = node.mapper(step.mapper)
                 self.device = mapper.map(step.pool, step.image, step.options)

@@ -468,9 +468,13 @@ def actual_state(vol: Volume, observed: Observed, ctx: Context) -> dict[str, obj
     """What is there for one desired volume, in the planner's own terms."""
     p = _VolumePlanner(vol, observed, ctx)
     staged = p.staged_mount()
+    problem = (p.mapping.problem if p.mapping and p.mapping.problem else
+               p.dev.problem if p.dev and p.dev.problem else None)
     return {
         "name": vol.name,
-        "phase": p.observed_phase().name,
+        # A mapping that no longer answers is not "PUBLISHED", whatever is mounted.
+        "phase": "DEGRADED" if problem else p.observed_phase().name,
+        "problem": problem,
         "wanted": vol.wanted_phase.name,
         "image": vol.image.spec,
         "size": p.img.size if p.img else None,
@@ -482,4 +486,5 @@ def actual_state(vol: Volume, observed: Observed, ctx: Context) -> dict[str, obj
         "published": sorted((m.mount_point, "ro" if m.read_only else "rw")
                             for m in p.published_targets()),
         "watchers": list(p.img.watchers) if p.img else [],
+        "holder": p.img.meta.get(meta.HOLDER) if p.img else None,
     }
