@@ -292,7 +292,7 @@ class Daemon:
                 self._write_status(vol.name, {"phase": "Unknown", "reason": "CannotObserve",
                                               "message": vp.unknown})
                 continue
-            if not vp.steps and not vp.refusal:
+            if not vp.steps and not vp.refused:
                 self._converged(vol, vp, observed, released=vol in release)
                 continue
             busy += 1
