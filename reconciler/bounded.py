@@ -54,8 +54,8 @@ class Bounded:
         """Start ``fn`` in its own thread; raise StillStuck if ``key`` is busy."""
         with self._lock:
             if key in self._inflight:
-                raise StillStuck(f"an earlier call is still waiting (since "
-                                 f"{time.monotonic() - self._inflight[key].started_at:.0f} s)")
+                since = time.monotonic() - self._inflight[key].started_at
+                raise StillStuck(f"no answer: the previous call has waited {since:.0f} s")
             task: Task[T] = Task(key)
             task.started_at = time.monotonic()
             self._inflight[key] = task

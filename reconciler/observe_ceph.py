@@ -78,14 +78,14 @@ def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
                                        _pool_call(handle, pool, by_pool[pool])))
         except NoAnswer as exc:
             handle.drop()
-            out.errors[pool] = f"no answer: {exc}"
+            out.errors[pool] = str(exc)
     for t in tasks:
         _, _, pool = t.key  # type: ignore[misc]
         try:
             out.images.update(_CALLS.wait(t, timeout, deadline))
             out.listed.add(pool)
         except NoAnswer as exc:
-            out.errors[pool] = f"no answer: {exc}"
+            out.errors[pool] = str(exc)
         except ceph.CephError as exc:
             out.errors[pool] = str(exc)
     handle.drop()
