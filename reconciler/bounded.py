@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -37,6 +37,12 @@ class Task(Generic[T]):
     started: threading.Event = field(default_factory=threading.Event)
     started_at: float = 0.0
     _slot_held: bool = False
+    _abandoned: bool = False  # given up on before it started: never run it
+
+    @property
+    def abandoned(self) -> bool:
+        """Never run (the waiter gave up first): cleanup in ``fn`` did not happen."""
+        return self._abandoned
 
 
 class Bounded:
@@ -65,20 +71,31 @@ class Bounded:
 
     def _run(self, task: Task[T], fn: Callable[[], T]) -> None:
         self._slots.acquire()
-        with self._lock:
+        with self._lock:  # started or abandoned: decided once, under the lock
             task._slot_held = True
-        task.started_at = time.monotonic()
-        task.started.set()
+            abandoned = task._abandoned
+            if not abandoned:
+                task.started_at = time.monotonic()
+                task.started.set()
+        if abandoned:  # nobody waits for it; run late, it could only get stuck
+            self._done(task)
+            task.future.set_exception(NoAnswer("abandoned before it started"))
+            return
         try:
             result = fn()
         except BaseException as exc:  # handed to the waiter
+            self._done(task)
             task.future.set_exception(exc)
         else:
+            self._done(task)
             task.future.set_result(result)
-        finally:
-            self._release(task)
-            with self._lock:
-                self._inflight.pop(task.key, None)
+
+    def _done(self, task: Task) -> None:
+        """Free the key and the slot before the result shows: whoever sees it
+        may call again at once."""
+        self._release(task)
+        with self._lock:
+            self._inflight.pop(task.key, None)
 
     def _release(self, task: Task) -> None:
         with self._lock:
@@ -90,20 +107,13 @@ class Bounded:
         """The result, or NoAnswer once ``per_call`` seconds have passed since
         the call started (or ``deadline``, a monotonic time, has passed)."""
         if not task.started.wait(max(0.0, deadline - time.monotonic())):
-            raise NoAnswer("not started before the deadline (probes busy)")
+            with self._lock:
+                task._abandoned = not task.started.is_set()
+            if task._abandoned:
+                raise NoAnswer("not started before the deadline (every slot busy)")
         until = min(deadline, task.started_at + per_call)
         try:
             return task.future.result(timeout=max(0.0, until - time.monotonic()))
         except TimeoutError:
             self._release(task)  # written off: it no longer holds a slot
             raise NoAnswer(f"no answer within {per_call:g} s") from None
-
-    def gather(self, tasks: Iterable[Task[T]], per_call: float,
-               deadline: float) -> dict[Hashable, T | BaseException]:
-        out: dict[Hashable, T | BaseException] = {}
-        for t in tasks:
-            try:
-                out[t.key] = self.wait(t, per_call, deadline)
-            except Exception as exc:  # per key, for the caller
-                out[t.key] = exc
-        return out

@@ -85,6 +85,8 @@ def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
             out.images.update(_CALLS.wait(t, timeout, deadline))
             out.listed.add(pool)
         except NoAnswer as exc:
+            if t.abandoned:
+                handle.drop()  # its call, which would have, never ran
             out.errors[pool] = str(exc)
         except ceph.CephError as exc:
             out.errors[pool] = str(exc)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,22 @@ def test_bounded_writes_off_a_stuck_call_and_never_piles_it_up() -> None:
     assert calls.wait(stuck, per_call=5, deadline=float("inf")) is True
     done = calls.submit("dev", lambda: "again")  # free again once it returned
     assert calls.wait(done, per_call=5, deadline=float("inf")) == "again"
+
+
+def test_bounded_never_runs_a_call_given_up_before_it_started() -> None:
+    calls = Bounded(max_running=1, name="t")
+    gate, ran = threading.Event(), threading.Event()
+    busy = calls.submit("busy", gate.wait)
+    late = calls.submit("late", ran.set)
+    with pytest.raises(NoAnswer):
+        calls.wait(late, per_call=5, deadline=time.monotonic() + 0.05)
+    assert late.abandoned
+    gate.set()
+    assert calls.wait(busy, per_call=5, deadline=float("inf")) is True
+    with pytest.raises(NoAnswer):  # settles without ever running (it could only stick)
+        late.future.result(timeout=5)
+    assert not ran.is_set()
+    assert calls.inflight() == 0
 
 
 def _free_port() -> int:
