@@ -150,22 +150,23 @@ class Daemon:
                 self.records = read_json(self.records_path, {}) or {}
                 self.install_signals()
                 self._watch()
-                self._serve()
+                return self._serve()
         except Busy as exc:
             log.error("%s", exc)
             return 1
-        return 0
 
-    def _serve(self) -> None:
+    def _serve(self) -> int:
         """Passes run in their own thread; this one handles signals and pings the
         watchdog after a liveness check that never waits on Ceph (rule 10)."""
         worker = threading.Thread(target=self._loop, name="pass", daemon=True)
         worker.start()
         ping = sdnotify.watchdog_interval()
+        rc = 0
         while not self.stopping.is_set():
             if not worker.is_alive():
                 log.critical("the pass thread died; exiting")
                 self.stopping.set()
+                rc = 1
                 break
             if ping is not None and self._alive():
                 sdnotify.notify("WATCHDOG=1")
@@ -178,8 +179,11 @@ class Daemon:
             self.observer.stop()
             self.observer.join(timeout=5)
         reap_zombies()
+        return rc
 
     def _alive(self) -> bool:
+        """Liveness, for the watchdog: the pass thread is waiting, or inside a
+        pass (bounded: observe has deadlines) for less than the stall limit."""
         since = self.busy_since
         limit = max(STALL_MIN_S, 3 * self.config.resync_seconds)
         return since is None or time.monotonic() - since < limit

@@ -519,3 +519,18 @@ def test_allow_removal_without_restart_and_logged_once(
     seq = [int(x) for x in re.findall(r" pass (\d+): .* pass \d+ ms", d.log.read_text())]
     assert seq and seq == sorted(set(seq)), seq
     assert d.stop() == 0
+
+
+def test_watchdog_liveness_looks_at_the_pass_thread_only(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from reconciler.config import default_config
+    from reconciler.daemon import Daemon as RunLoop
+
+    loop = RunLoop(replace(default_config(), state_dir=tmp_path, resync_seconds=1), None)
+    assert loop._alive()  # waiting for the next pass
+    loop.busy_since = time.monotonic()
+    assert loop._alive()  # inside a pass: bounded by the observe deadlines
+    loop.busy_since = time.monotonic() - 3600
+    assert not loop._alive()  # stuck past any deadline: let systemd restart it
+    loop.pool.shutdown()
