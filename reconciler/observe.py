@@ -15,11 +15,10 @@ from pathlib import Path
 
 from .bounded import Bounded, NoAnswer, StillStuck
 from .config import Config
-from .drivers import ceph
 from .drivers.fs import DeviceUnreadable, Filesystems, block_device_size
 from .drivers.mappers import FuseMapper, KernelMapper, available_mappers
 from .drivers.run import CommandError, Runner
-from .observe_ceph import observe_images
+from .observe_ceph import CephView, observe_images
 from .observed import Device, Mapping, Mount, Observed
 from .parsers import parse_mountinfo
 from .registry import CreatedPaths, Registry
@@ -170,8 +169,8 @@ def observe(node: Node, volumes: Iterable[Volume]) -> Observed:
         pool, _, image = key.partition("/")
         intents.add((pool, image))
     imgs = ceph_pass.result()
-    images, listed, pool_errors = imgs.images, frozenset(imgs.listed), imgs.errors
-    return Observed(images=images, pools_listed=listed, pool_errors=pool_errors,
+    return Observed(images=imgs.images, pools_listed=frozenset(imgs.listed),
+                    pool_errors=imgs.errors, image_errors=imgs.image_errors,
                     mappings=tuple(mappings), devices=devices, mounts=mounts,
                     path_rdev=path_rdev, symlinks=symlinks, intents=frozenset(intents))
 
@@ -179,9 +178,9 @@ def observe(node: Node, volumes: Iterable[Volume]) -> Observed:
 class _Background:
     """``fn()`` in a thread; ``result()`` joins it. ``fn`` bounds its own time."""
 
-    def __init__(self, fn: Callable[[], ceph.Images]) -> None:
+    def __init__(self, fn: Callable[[], CephView]) -> None:
         self._fn = fn
-        self._out: ceph.Images | None = None
+        self._out: CephView | None = None
         self._exc: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="observe-ceph", daemon=True)
         self._thread.start()
@@ -192,7 +191,7 @@ class _Background:
         except BaseException as exc:  # re-raised in result()
             self._exc = exc
 
-    def result(self) -> ceph.Images:
+    def result(self) -> CephView:
         self._thread.join()
         if self._exc is not None:
             raise self._exc

@@ -1,32 +1,47 @@
-"""Ceph's side of one observe pass: every pool on its own, with a deadline.
+"""Ceph's side of one observe pass: every pool and every image on its own,
+with a deadline.
 
 A pool whose PGs map to no OSD makes a listing wait for the OSD op timeout
-(30 s); a cluster that is down makes connecting wait as long. Neither may
-hold up the volumes of other pools (DESIGN rule 10): each pool is listed in
-its own thread, and a pool that has not answered by the deadline is
-reported in ``errors`` (its images are unknown, never absent).
+(30 s); a cluster that is down makes connecting wait as long; an image whose
+header sits on a PG that is down makes opening it wait. None of them may
+hold up other volumes (DESIGN rule 10): each pool is listed, and each image
+opened, in its own bounded call. What has not answered by the deadline is
+reported in ``errors`` (per pool) or ``image_errors``: unknown, never absent.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import rados
 
-from .bounded import Bounded, NoAnswer
+from .bounded import Bounded, NoAnswer, Task
 from .config import CephConfig
 from .drivers import ceph
 from .observed import ImageState
 
+T = TypeVar("T")
+
 _CALLS = Bounded(max_running=8, name="ceph")
 
 
+@dataclass
+class CephView:
+    images: dict[tuple[str, str], ImageState] = field(default_factory=dict)
+    listed: set[str] = field(default_factory=set)
+    errors: dict[str, str] = field(default_factory=dict)  # pool -> why it is unknown
+    image_errors: dict[tuple[str, str], str] = field(default_factory=dict)
+
+
 class _Handle:
-    """One pass's librados handle. A pool call stuck past the deadline may
-    still be using it, so the last user, not the pass, shuts it down."""
+    """One pass's librados handle. A call stuck past the deadline may still be
+    using it, so the last user, not the pass, shuts it down."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -52,13 +67,37 @@ class _Handle:
         if abandoned:  # the pass gave up waiting for this connection
             stack.close()
 
+    def submit(self, key: tuple, fn: Callable[[rados.Rados], T]) -> Task[T]:
+        """``fn(cluster)`` as a bounded call that holds the handle while it runs."""
+        def call() -> T:
+            try:
+                assert self.cluster is not None
+                return fn(self.cluster)
+            finally:
+                self.drop()
+
+        self.hold()
+        try:
+            return _CALLS.submit(key, call)
+        except NoAnswer:
+            self.drop()
+            raise
+
+    def wait(self, task: Task[T], timeout: float, deadline: float) -> T:
+        try:
+            return _CALLS.wait(task, timeout, deadline)
+        except NoAnswer:
+            if task.abandoned:
+                self.drop()  # its call, which would have, never ran
+            raise
+
 
 def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
-                   timeout: float) -> ceph.Images:
+                   timeout: float) -> CephView:
     by_pool: dict[str, set[str]] = {}
     for pool, name in wanted:
         by_pool.setdefault(pool, set()).add(name)
-    out = ceph.Images({}, set(), {})
+    out = CephView()
     if not by_pool:
         return out
     deadline = time.monotonic() + timeout
@@ -67,29 +106,50 @@ def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
         _connect(cfg, handle, timeout, deadline)
     except (NoAnswer, ceph.CephError) as exc:
         handle.drop()
-        why = f"cannot reach Ceph: {exc}"
-        out.errors.update({pool: why for pool in by_pool})
+        out.errors.update({pool: f"cannot reach Ceph: {exc}" for pool in by_pool})
         return out
-    tasks = []
+    lists: dict[str, Task[set[str]]] = {}
     for pool in sorted(by_pool):
-        handle.hold()
         try:
-            tasks.append(_CALLS.submit(("pool", cfg.conf, pool),
-                                       _pool_call(handle, pool, by_pool[pool])))
+            lists[pool] = handle.submit(
+                ("pool", cfg.conf, pool), lambda c, pool=pool: ceph.list_images(c, pool))
         except NoAnswer as exc:
-            handle.drop()
             out.errors[pool] = str(exc)
-    for t in tasks:
-        _, _, pool = t.key  # type: ignore[misc]
-        try:
-            out.images.update(_CALLS.wait(t, timeout, deadline))
+    # Open the images of each pool as soon as its listing is in.
+    images: dict[tuple[str, str], Task[ImageState | None]] = {}
+    pending = {t.future: pool for pool, t in lists.items()}
+    with contextlib.suppress(TimeoutError):
+        for fut in concurrent.futures.as_completed(
+                pending, timeout=max(0.0, deadline - time.monotonic())):
+            pool = pending[fut]
+            try:
+                existing = handle.wait(lists.pop(pool), timeout, deadline)
+            except (NoAnswer, ceph.CephError) as exc:
+                out.errors[pool] = str(exc)
+                continue
             out.listed.add(pool)
-        except NoAnswer as exc:
-            if t.abandoned:
-                handle.drop()  # its call, which would have, never ran
+            for name in sorted(by_pool[pool] & existing):
+                try:
+                    images[(pool, name)] = handle.submit(
+                        ("image", cfg.conf, pool, name),
+                        lambda c, pool=pool, name=name: ceph.image_state(c, pool, name))
+                except NoAnswer as exc:
+                    out.image_errors[(pool, name)] = str(exc)
+    for pool, t in lists.items():  # not listed in time: written off
+        try:
+            handle.wait(t, timeout, deadline)
+            out.errors[pool] = f"no answer within {timeout:g} s"  # just too late
+        except (NoAnswer, ceph.CephError) as exc:
             out.errors[pool] = str(exc)
-        except ceph.CephError as exc:
-            out.errors[pool] = str(exc)
+    image_deadline = time.monotonic() + timeout
+    for key, t in images.items():
+        try:
+            state = handle.wait(t, timeout, image_deadline)
+        except (NoAnswer, ceph.CephError) as exc:
+            out.image_errors[key] = str(exc)
+            continue
+        if state is not None:
+            out.images[key] = state
     handle.drop()
     return out
 
@@ -102,14 +162,3 @@ def _connect(cfg: CephConfig, handle: _Handle, timeout: float, deadline: float) 
 
     task = _CALLS.submit(("connect", cfg.conf, cfg.user), connect)
     _CALLS.wait(task, timeout, deadline)
-
-
-def _pool_call(handle: _Handle, pool: str,
-               names: set[str]) -> Callable[[], dict[tuple[str, str], ImageState]]:
-    def call() -> dict[tuple[str, str], ImageState]:
-        try:
-            assert handle.cluster is not None
-            return ceph.observe_pool(handle.cluster, pool, names)
-        finally:
-            handle.drop()
-    return call

@@ -80,6 +80,8 @@ class Observed:
     path_rdev: dict[str, tuple[int, int]] = field(default_factory=dict)
     # wanted paths with a symlink in them: path -> the first symlink component
     symlinks: dict[str, str] = field(default_factory=dict)
+    # images whose state did not come in time (their pool was listed): unknown
+    image_errors: dict[tuple[str, str], str] = field(default_factory=dict)
     # images whose create we started (stateDir/intents.json): ours even before
     # their owner record is written
     intents: frozenset[tuple[str, str]] = frozenset()

@@ -171,6 +171,9 @@ class _VolumePlanner:
         if pool not in self.obs.pools_listed:
             why = self.obs.pool_errors.get(pool, "not listed")
             return f"cannot see pool {pool!r} ({why}); an image there is unknown, not absent"
+        why = self.obs.image_errors.get((pool, self.v.image.name))
+        if why is not None:
+            return f"cannot see image {self.v.image.spec} ({why}); unknown, not absent"
         if self.dev is not None and self.dev.unknown:
             return f"cannot read {self.dev.path}: {self.dev.unknown}"
         return None

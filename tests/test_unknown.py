@@ -8,12 +8,16 @@ import re
 import socket
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from conftest import NodeUnderTest
+from test_plan import CTX, LOOP, converged, plan_one, volume
 
 from reconciler.bounded import Bounded, NoAnswer, StillStuck
+from reconciler.plan import actual_state
+from reconciler.spec import Phase
 
 
 def test_bounded_writes_off_a_stuck_call_and_never_piles_it_up() -> None:
@@ -47,6 +51,29 @@ def test_bounded_never_runs_a_call_given_up_before_it_started() -> None:
         late.future.result(timeout=5)
     assert not ran.is_set()
     assert calls.inflight() == 0
+
+
+def test_unknown_is_a_flag_beside_the_phase_never_an_ordered_phase() -> None:
+    vol = volume()
+    seen = converged(vol).observed()
+    assert plan_one(vol, seen).unknown is None
+    # Its pool was listed, but the image did not answer in time.
+    obs = replace(seen, image_errors={("rbd", "pgdata"): "no answer within 5 s"})
+    vp = plan_one(vol, obs)
+    assert vp.phase_name == "UNKNOWN" and "no answer within 5 s" in (vp.unknown or "")
+    assert vp.phase == Phase.PUBLISHED and not vp.steps  # what is mounted is still seen
+    assert actual_state(vol, obs, CTX)["phase"] == "UNKNOWN"
+    # A device probe that did not answer: unknown, never blank, nothing planned.
+    w = converged(vol)
+    w.devices[LOOP] = replace(w.devices[LOOP], fs_type=None, fs_uuid=None,
+                              signature="unknown (probe timed out)",
+                              unknown="probe timed out: no answer within 5 s")
+    vp = plan_one(vol, w)
+    assert vp.phase_name == "UNKNOWN" and "probe timed out" in (vp.unknown or "")
+    assert not vp.steps
+    # Releasing acts only on what is seen on the node (never the image): allowed.
+    vp = plan_one(vol, obs, release=[vol.name])
+    assert vp.unknown is None and vp.steps
 
 
 def _free_port() -> int:

@@ -90,18 +90,30 @@ def observe_pool(cluster: rados.Rados, pool: str,
                  names: Iterable[str]) -> dict[tuple[str, str], ImageState]:
     """The wanted images that exist in one pool; CephError if it cannot be listed."""
     out = {}
+    for name in sorted(set(names) & list_images(cluster, pool)):
+        state = image_state(cluster, pool, name)
+        if state is not None:
+            out[(pool, name)] = state
+    return out
+
+
+def list_images(cluster: rados.Rados, pool: str) -> set[str]:
     try:
         with cluster.open_ioctx(pool) as ioctx:
-            existing = set(rbd.RBD().list(ioctx))
-            for name in sorted(set(names) & existing):
-                state = _image_state(ioctx, pool, name)
-                if state is not None:
-                    out[(pool, name)] = state
+            return set(rbd.RBD().list(ioctx))
     except rados.ObjectNotFound:
         raise CephError("pool does not exist") from None
     except (rados.Error, rbd.Error) as exc:
         raise CephError(str(exc)) from exc
-    return out
+
+
+def image_state(cluster: rados.Rados, pool: str, name: str) -> ImageState | None:
+    """None: the image is gone (removed since it was listed)."""
+    try:
+        with cluster.open_ioctx(pool) as ioctx:
+            return _image_state(ioctx, pool, name)
+    except (rados.Error, rbd.Error) as exc:
+        raise CephError(f"{pool}/{name}: {exc}") from exc
 
 
 def _image_state(ioctx: rados.Ioctx, pool: str, name: str) -> ImageState | None:
