@@ -60,8 +60,7 @@ class Bounded:
         """Start ``fn`` in its own thread; raise StillStuck if ``key`` is busy."""
         with self._lock:
             if key in self._inflight:
-                since = time.monotonic() - self._inflight[key].started_at
-                raise StillStuck(f"no answer: the previous call has waited {since:.0f} s")
+                raise StillStuck("no answer: the previous call is still waiting")
             task: Task[T] = Task(key)
             task.started_at = time.monotonic()
             self._inflight[key] = task

@@ -287,12 +287,13 @@ class Daemon:
         for name, why in sorted(held.items()):
             self._write_status(name, {"phase": "Frozen", "reason": "RemovalHeld",
                                       "message": why})
-        busy = unknown = 0
+        busy = 0
+        unknown: dict[str, str] = {}
         for vp in plans:
             vol = by_name[vp.name]
             if vp.unknown and vol not in release:
                 # Unknown is not absent: report it, act on nothing, look again.
-                unknown += 1
+                unknown[vol.name] = f"{vol.name}: unknown: {vp.unknown}"
                 self._write_status(vol.name, {"phase": "Unknown", "reason": "CannotObserve",
                                               "message": vp.unknown})
                 continue
@@ -301,11 +302,16 @@ class Daemon:
                 continue
             busy += 1
             self._submit(vol, vp, observed, released=vol in release)
+        # Volumes in backoff or in flight were not observed: they keep their state.
+        still = {n: m for n, m in self.conditions.active("unknown").items()
+                 if n in current and n not in by_name}
+        self.conditions.update("unknown", {**still, **unknown}, level=logging.WARNING)
         sdnotify.notify(f"STATUS={len(current)} volume(s), {busy} converging, "
-                        f"{unknown} unknown, {len(frozen)} frozen, {len(held)} removal(s) held")
+                        f"{len(unknown)} unknown, {len(frozen)} frozen, "
+                        f"{len(held)} removal(s) held")
         log.info("pass %d: %d volume(s), %d observed, %d converging, %d unknown, %d frozen, "
                  "%d releasing, %d removal(s) held; observe %.0f ms, pass %.0f ms",
-                 self.passes, len(current), len(candidates), busy, unknown, len(frozen),
+                 self.passes, len(current), len(candidates), busy, len(unknown), len(frozen),
                  len(release), len(held), t_obs * 1e3, (time.monotonic() - t0) * 1e3)
 
     def _removals(self, current: dict[str, Volume], frozen: set[str],

@@ -123,7 +123,7 @@ def _devices(node: Node, paths: Iterable[str], mounts: dict[tuple[int, int], str
 
 
 def _unknown(path: str, major: int, minor: int, size: int, what: str, why: str) -> Device:
-    log.warning("%s of %s: %s", what, path, why)
+    log.debug("%s of %s: %s", what, path, why)  # its volume reports it (UNKNOWN)
     return Device(path, major, minor, size, None, None, f"unknown ({what})",
                   unknown=f"{what}: {why}")
 
@@ -146,7 +146,9 @@ def observe(node: Node, volumes: Iterable[Volume]) -> Observed:
                 log.warning("listing %s mappings failed: %s", kind, exc)
 
     mounted = {(m.major, m.minor): m.mount_point for m in mounts}
-    devices = _devices(node, [m.device for m in mappings if m.device], mounted, timeout)
+    # Only the devices of wanted images: a stuck probe of another costs nothing.
+    devices = _devices(node, [m.device for m in mappings
+                              if m.device and (m.pool, m.image) in wanted], mounted, timeout)
 
     path_rdev = _device_node_binds(mounts, devices.values())
     by_point = {m.mount_point for m in mounts}

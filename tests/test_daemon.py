@@ -346,12 +346,16 @@ def test_dead_pool_holds_up_nobody(node: NodeUnderTest, start: Callable[..., Dae
     node.write(new, spec(node, target="new"))
     d.wait_phase(new, "Published", timeout=20)
 
+    t0 = time.monotonic()
     rc, doc = node.cli_json("status")
+    assert time.monotonic() - t0 < 20  # answered at all (the dead pool alone takes 30 s)
     phases = {r["name"]: r["phase"] for r in doc["volumes"]}
     assert phases == {dead: "UNKNOWN", ok: "PUBLISHED", new: "PUBLISHED"}, doc
     assert rc == 1
     assert d.status(dead)["phase"] == "Unknown"
     assert str(node.srv / "dead") not in node.mounts()
+    d.wait_passes(3)  # a lasting condition is logged once, not every pass
+    assert d.log.read_text().count(f"{dead}: unknown: ") == 1
     fdead.unlink()
     assert d.stop() == 0
 
