@@ -2,8 +2,26 @@
 
 from __future__ import annotations
 
+import re
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
+
+# Values quoted in messages are user input: a file may be anything (a private
+# key behind a symlink, a megabyte of one string), so quote only the start.
+EXCERPT_CHARS = 40
+_SHORT = reprlib.Repr()  # Python 3.11: attributes, not constructor arguments
+_SHORT.maxlevel, _SHORT.maxdict, _SHORT.maxlist = 2, 3, 3
+_SHORT.maxstring = _SHORT.maxlong = _SHORT.maxother = EXCERPT_CHARS
+_SHORT.fillvalue = "…"
+
+
+def excerpt(value: object, limit: int = EXCERPT_CHARS) -> str:
+    """``repr`` of a user value, escaped, at most ``limit`` characters of it plus "…"."""
+    if isinstance(value, str):
+        # repr escapes control, NUL and bidi characters (not printable).
+        return repr(value) if len(value) <= limit else repr(value[:limit]) + "…"
+    return _SHORT.repr(value)
 
 
 @dataclass(frozen=True, order=True)
@@ -34,12 +52,21 @@ class Diagnostic:
         }
 
 
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
 def format_field(path: tuple[str | int, ...]) -> str:
-    """``("spec", "publish", 1, "path")`` -> ``spec.publish[1].path``."""
+    """``("spec", "publish", 1, "path")`` -> ``spec.publish[1].path``.
+
+    A key the user made up (an unknown field) that is not a plain word is shown
+    as an escaped excerpt: ``spec["bad\\nkey"]``.
+    """
     out = ""
     for part in path:
         if isinstance(part, int):
             out += f"[{part}]"
+        elif not _PLAIN_KEY.fullmatch(part):
+            out += f"[{excerpt(part)}]"
         else:
-            out += f".{part}" if out else str(part)
+            out += f".{part}" if out else part
     return out or "(document)"

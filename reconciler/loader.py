@@ -9,6 +9,7 @@ parse error is never read as "absent").
 from __future__ import annotations
 
 import fnmatch
+import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import Config
-from .diagnostics import Diagnostic, format_field
+from .diagnostics import Diagnostic, excerpt, format_field
 from .schemas import schema_errors
 from .spec import (
     DEFAULT_FEATURES,
@@ -28,8 +29,10 @@ from .spec import (
     StageSpec,
     Volume,
 )
-from .units import MiB, parse_size
+from .units import MAX_OBJECT_MAP_SIZE, MAX_SIZE, MiB, format_size, parse_size
 from .yamldoc import Document, YamlError, load_documents
+
+log = logging.getLogger(__name__)
 
 MAX_FILE_BYTES = 1 << 20
 YAML_SUFFIXES = (".yaml", ".yml")
@@ -108,12 +111,31 @@ class _VolumeBuilder:
     def check_path(self, path: tuple[str | int, ...], value: str, what: str,
                    extra_roots: tuple[str, ...] = ()) -> None:
         if os.path.normpath(value) != value:
-            self.error(path, f"{value!r} is not normalised (expected {os.path.normpath(value)!r})")
+            self.error(path, f"{excerpt(value)} is not normalised "
+                             f"(expected {excerpt(os.path.normpath(value))})")
             return
         roots = self.config.allowed_roots + extra_roots
         if not any(_under(value, r) for r in roots):
-            self.error(path, f"{what} {value!r} is not under an allowed root "
+            self.error(path, f"{what} {excerpt(value)} is not under an allowed root "
                              f"({', '.join(roots)}; see allowedRoots in the node config)")
+
+    def size(self, img: dict[str, Any], features: tuple[str, ...]) -> int | None:
+        where = ("spec", "image", "size")
+        try:
+            size = parse_size(img["size"])
+        except ValueError as exc:  # the schema should have said so; never crash on it
+            self.error(where, str(exc))
+            return None
+        if size < MiB:
+            self.error(where, f"{size} bytes is below the 1Mi minimum")
+        elif size > MAX_SIZE:
+            self.error(where, f"{excerpt(img['size'])} is {size} bytes; an RBD image is "
+                              f"less than 2^64 bytes")
+        elif "object-map" in features and size > MAX_OBJECT_MAP_SIZE:
+            self.error(where, f"{excerpt(img['size'])} is more than the object map tracks "
+                              f"({format_size(MAX_OBJECT_MAP_SIZE)}: 256,000,000 objects of "
+                              f"4 MiB); drop object-map and fast-diff from features")
+        return size
 
     def build(self) -> Volume | None:
         d: dict[str, Any] = self.doc.data
@@ -121,12 +143,8 @@ class _VolumeBuilder:
         spec = d["spec"]
         img = spec["image"]
 
-        size = None
-        if "size" in img:
-            size = parse_size(img["size"])  # the schema guarantees the syntax
-            if size < MiB:
-                self.error(("spec", "image", "size"), f"{size} bytes is below the 1Mi minimum")
         features = tuple(img.get("features", DEFAULT_FEATURES))
+        size = self.size(img, features) if "size" in img else None
         for feat, needs in FEATURE_NEEDS.items():
             if feat in features and needs not in features:
                 self.error(("spec", "image", "features"), f"feature {feat!r} needs {needs!r}")
@@ -159,7 +177,7 @@ class _VolumeBuilder:
                 fs_type = fs_type or "ext4"
                 if fs_type == "xfs" and size is not None and size < XFS_MIN_BYTES:
                     self.error(("spec", "image", "size"),
-                               f"xfs needs at least 300Mi; the image is {img['size']}")
+                               f"xfs needs at least 300Mi; the image is {excerpt(img['size'])}")
             staging = s.get("path") or str(self.config.staging_root / name)
             if s.get("path"):
                 self.check_path(("spec", "stage", "path"), staging, "staging path",
@@ -183,7 +201,7 @@ class _VolumeBuilder:
         for i, p in enumerate(publish):
             if p.path in seen:
                 self.error(("spec", "publish", i, "path"),
-                           f"{p.path!r} is listed twice (also publish[{seen[p.path]}])")
+                           f"{excerpt(p.path)} is listed twice (also publish[{seen[p.path]}])")
             seen.setdefault(p.path, i)
 
         if self.diags:
@@ -252,6 +270,19 @@ def _load_file(path: Path, config: Config) -> _FileResult:
     return res
 
 
+def _load_file_guarded(path: Path, config: Config) -> _FileResult:
+    """The last line of defence: no content of a file may take the caller
+    (the daemon) down. A bug that lets an exception out still fails only
+    this file, and says so."""
+    try:
+        return _load_file(path, config)
+    except Exception as exc:
+        log.exception("%s: unexpected error while loading", path)
+        return _FileResult(path, diags=[Diagnostic(
+            path, 1, 1, "(file)",
+            f"cannot load this file (internal error {type(exc).__name__}; please report it)")])
+
+
 def _cross_file_checks(results: list[_FileResult]) -> None:
     """Names, images, staging and publish paths are each claimed once on a node."""
     claims: dict[tuple[str, str], tuple[_FileResult, Document, tuple[str | int, ...]]] = {}
@@ -275,16 +306,16 @@ def _cross_file_checks(results: list[_FileResult]) -> None:
                 line, col = doc.where(fpath)
                 res.diags.append(Diagnostic(
                     res.path, line, col, format_field(fpath),
-                    f"{kind} {value!r} is already claimed at {fres.path}:{fline}:{fcol}"))
+                    f"{kind} {excerpt(value)} is already claimed at {fres.path}:{fline}:{fcol}"))
                 fres.diags.append(Diagnostic(
                     fres.path, fline, fcol, format_field(ffpath),
-                    f"{kind} {value!r} is also claimed at {res.path}:{line}:{col}"))
+                    f"{kind} {excerpt(value)} is also claimed at {res.path}:{line}:{col}"))
 
 
 def load(paths: Iterable[Path], config: Config) -> LoadResult:
     """Load every desired volume under ``paths``. Never raises for bad input."""
     files, diags = discover(paths)
-    results = [_load_file(f, config) for f in files]
+    results = [_load_file_guarded(f, config) for f in files]
     _cross_file_checks(results)
     volumes: list[Volume] = []
     failed: set[Path] = set()

@@ -1,0 +1,249 @@
+"""Issue 7, hardening: hostile desired-volume and config files.
+
+Each test names the input that used to crash, hang, leak or pass, and
+asserts the specific error that replaces it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from reconciler.config import ConfigError, default_config, load_config
+from reconciler.loader import load
+from reconciler.yamldoc import MAX_NODES
+
+GOOD = """\
+apiVersion: rbd-reconciler/v1
+kind: Volume
+metadata:
+  name: vol
+spec:
+  image:
+    pool: rbd
+    size: 1Gi
+  map: {}
+  stage:
+    fsType: ext4
+  publish:
+    - path: /srv/vol
+"""
+
+
+def edit(text: str, replace: dict[str, str]) -> str:
+    for old, new in replace.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    return text
+
+
+def only_error(tmp_path: Path, text: str) -> tuple[str, int, str]:
+    """Load ``text`` as the only file; return its one (field, line, message)."""
+    (tmp_path / "v.yaml").write_text(text, encoding="utf-8")
+    result = load([tmp_path], default_config())
+    assert result.volumes == ()
+    assert len(result.diagnostics) == 1, [str(d) for d in result.diagnostics]
+    d = result.diagnostics[0]
+    return d.field, d.line, d.message
+
+
+# --- item 9: inputs that crashed the loader -------------------------------------
+
+def test_float_size_is_an_error_not_a_crash(tmp_path: Path) -> None:
+    # jsonschema counts 1048576.0 as an integer; parse_size then raised TypeError.
+    field, line, msg = only_error(tmp_path, edit(GOOD, {"size: 1Gi": "size: 1048576.0"}))
+    assert (field, line) == ("spec.image.size", 8)
+    assert "1048576.0 is not valid: expected bytes as an integer (not a float)" in msg
+
+
+def test_bad_explicit_timestamp_is_an_error_not_a_crash(tmp_path: Path) -> None:
+    # PyYAML's timestamp constructor raised AttributeError on this.
+    field, line, msg = only_error(
+        tmp_path, edit(GOOD, {"kind: Volume": "kind: !!timestamp 2020-01-01x"}))
+    assert (field, line) == ("kind", 2)
+    assert "invalid value '2020-01-01x' for tag" in msg
+
+
+@pytest.mark.parametrize("value", ["!!int 0x", "!!float x", "!!timestamp 2020-13-45",
+                                   "!!bool maybe"])
+def test_bad_explicit_tags_are_errors(tmp_path: Path, value: str) -> None:
+    field, line, msg = only_error(tmp_path, edit(GOOD, {"pool: rbd": f"pool: {value}"}))
+    assert (field, line) == ("spec.image.pool", 7)
+    assert "invalid value" in msg
+
+
+def test_an_unexpected_exception_fails_only_its_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The catch-all: whatever a file's content triggers, the caller (the
+    # daemon) gets a diagnostic for that file, and the other files load.
+    import reconciler.loader as loader_mod
+
+    (tmp_path / "good.yaml").write_text(GOOD)
+    (tmp_path / "evil.yaml").write_text(edit(GOOD, {"name: vol": "name: evil",
+                                                    "/srv/vol": "/srv/evil"}))
+    real = loader_mod._load_file
+
+    def explode(path: Path, config: object) -> object:
+        if path.name == "evil.yaml":
+            raise KeyError("boom")
+        return real(path, config)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loader_mod, "_load_file", explode)
+    result = load([tmp_path], default_config())
+    assert [v.name for v in result.volumes] == ["vol"]
+    [d] = result.diagnostics
+    assert d.file.name == "evil.yaml" and d.field == "(file)"
+    assert "internal error KeyError" in d.message
+
+
+def test_daemon_style_load_never_raises_on_many_hostile_files(tmp_path: Path) -> None:
+    hostile = {
+        "float.yaml": edit(GOOD, {"size: 1Gi": "size: 1048576.0"}),
+        "ts.yaml": edit(GOOD, {"kind: Volume": "kind: !!timestamp 2020-01-01x"}),
+        "digits.yaml": edit(GOOD, {"size: 1Gi": "size: '" + "9" * 5000 + "'"}),
+        "bigint.yaml": edit(GOOD, {"size: 1Gi": "size: " + "9" * 4000}),
+        "merge.yaml": "a: &a {<<: *a}\n",
+    }
+    for name, text in hostile.items():
+        (tmp_path / name).write_text(text)
+    result = load([tmp_path], default_config())
+    assert result.volumes == ()
+    assert {d.file.name for d in result.diagnostics} == set(hostile)
+
+
+@pytest.mark.parametrize("text", [
+    "parallel: 4.0\n",
+    "nodeName: !!timestamp 2020-01-01x\n",
+    "resyncSeconds: !!float x\n",
+    "stateDir: \"/var/lib/x\\0y\"\n",
+])
+def test_config_hostile_inputs_are_config_errors(tmp_path: Path, text: str) -> None:
+    f = tmp_path / "config.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as exc:
+        load_config(f)
+    [d] = exc.value.diagnostics
+    assert d.file == f and d.line == 1
+
+
+# --- item 10: alias expansion -----------------------------------------------------
+
+# The classic "billion laughs": 9^9 strings from a few hundred bytes.
+BILLION_LAUGHS = """\
+a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]
+b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]
+c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]
+d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]
+e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]
+f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]
+g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]
+h: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g]
+i: &i [*h, *h, *h, *h, *h, *h, *h, *h, *h]
+"""
+
+# Merges of merges: each level doubles the merged list PyYAML would build.
+MERGE_BOMB = "<<: [" + ", ".join(
+    ["&l0 {k: v}"] + [f"&l{i} {{<<: [*l{i - 1}, *l{i - 1}]}}" for i in range(1, 40)]) + "]\n"
+
+
+@pytest.mark.parametrize("bomb", [BILLION_LAUGHS, MERGE_BOMB], ids=["aliases", "merges"])
+def test_alias_bomb_fails_fast(tmp_path: Path, bomb: str) -> None:
+    assert len(bomb.encode()) < 1000
+    (tmp_path / "bomb.yaml").write_text(bomb)
+    # In a child with a timeout: before the limit this ran for minutes and GBs.
+    proc = subprocess.run(
+        [sys.executable, "-m", "reconciler", "validate", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 1
+    [line] = proc.stdout.splitlines()
+    assert line.startswith(f"{tmp_path / 'bomb.yaml'}:1:")
+    assert line.endswith(f": (document): more than {MAX_NODES} YAML nodes (alias expansion?)")
+
+
+def test_aliases_within_the_limit_still_work(tmp_path: Path) -> None:
+    (tmp_path / "v.yaml").write_text(edit(GOOD, {
+        "  map: {}": "  map: {options: &opts [noatime]}",
+        "fsType: ext4": "fsType: ext4\n    mountOptions: *opts"}))
+    result = load([tmp_path], default_config())
+    assert result.ok, [str(d) for d in result.diagnostics]
+    assert result.volumes[0].stage.mount_options == ("noatime",)
+
+
+# --- item 18a: control characters, bidi overrides, huge sizes ------------------------
+
+@pytest.mark.parametrize(("where", "value", "code"), [
+    ("/srv/vol", '"/srv/v\\0ol"', "U+0000"),
+    ("/srv/vol", '"/srv/v\\nol"', "U+000A"),
+    ("/srv/vol", '"/srv/v\\e[31mol"', "U+001B"),
+    ("/srv/vol", '"/srv/\\u202Elov"', "U+202E"),
+    ("/srv/vol", '"/srv/\\u2066vol"', "U+2066"),
+    ("/srv/vol", '"/srv/\\u200Fvol"', "U+200F"),
+    ("/srv/vol", "/srv/\u202dvol", "U+202D"),  # written raw, not escaped
+    ("name: vol", 'name: "vol\\n"', "U+000A"),
+])
+def test_control_and_bidi_characters_are_refused(
+        tmp_path: Path, where: str, value: str, code: str) -> None:
+    field, line, msg = only_error(tmp_path, edit(GOOD, {where: value}))
+    assert line in (4, 13)
+    assert field in ("metadata.name", "spec.publish[0].path")
+    assert code in msg and "control or bidi character" in msg
+    assert "\u202e" not in msg and "\x00" not in msg  # shown escaped
+
+
+def test_control_characters_in_config_paths_are_refused(tmp_path: Path) -> None:
+    f = tmp_path / "config.yaml"
+    f.write_text('allowedRoots: [/srv, "/mnt/\\u202Ex"]\n')
+    with pytest.raises(ConfigError) as exc:
+        load_config(f)
+    [d] = exc.value.diagnostics
+    assert d.field == "allowedRoots[1]" and "U+202E" in d.message
+
+
+@pytest.mark.parametrize(("size", "word"), [
+    ("18446744073709551616", "less than 2^64 bytes"),          # 2^64 as an integer
+    ("'16777216Ti'", "less than 2^64 bytes"),       # 2^64 with a suffix
+    ("'99999999999999999999Ti'", "less than 2^64 bytes"),
+    ("'999999999999999999999'", "at most 20 digits"),
+    ("'1025Ti'", "object map"),                     # over 256,000,000 x 4 MiB
+])
+def test_sizes_beyond_what_rbd_takes_are_refused(tmp_path: Path, size: str, word: str) -> None:
+    field, line, msg = only_error(tmp_path, edit(GOOD, {"size: 1Gi": f"size: {size}"}))
+    assert (field, line) == ("spec.image.size", 8)
+    assert word in msg, msg
+
+
+def test_big_size_without_object_map_is_fine(tmp_path: Path) -> None:
+    (tmp_path / "v.yaml").write_text(
+        edit(GOOD, {"size: 1Gi": "size: 2000Ti\n    features: [layering]"}))
+    [v] = load([tmp_path], default_config()).volumes
+    assert v.image.size == 2000 * 2**40
+
+
+# --- item 7: messages quote an excerpt, never the whole value -------------------------
+
+def test_a_huge_value_is_quoted_as_a_short_escaped_excerpt(tmp_path: Path) -> None:
+    secret = "S3CR3T" * 5000
+    field, _, msg = only_error(tmp_path, edit(GOOD, {"name: vol": f"name: X{secret}"}))
+    assert field == "metadata.name"
+    assert secret not in msg and len(msg) < 400
+    assert "'XS3CR3TS3CR3T" in msg and "…" in msg
+
+
+def test_a_document_that_is_one_long_string_is_not_echoed(tmp_path: Path) -> None:
+    key = ("-----BEGIN OPENSSH PRIVATE KEY----- "
+           + "b3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAAAMwAAAAtzc2gtZW" * 20
+           + " -----END OPENSSH PRIVATE KEY-----")
+    field, _, msg = only_error(tmp_path, key + "\n")
+    assert field == "(document)"
+    assert "b3BlbnNzaC1yZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAAAMwAAAAtzc2gtZW" not in msg
+    assert len(msg) < 200
+
+
+def test_an_unknown_field_with_a_weird_key_is_escaped(tmp_path: Path) -> None:
+    (tmp_path / "v.yaml").write_text(GOOD + '"\\e[2J' + "k" * 500 + '": 1\n')
+    result = load([tmp_path], default_config())
+    [d] = result.diagnostics
+    assert "\x1b" not in str(d) and "k" * 100 not in str(d)
