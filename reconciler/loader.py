@@ -18,6 +18,7 @@ from typing import Any
 
 from .config import Config
 from .diagnostics import Diagnostic, excerpt, format_field
+from .mkfsopts import check_mkfs_options
 from .schemas import schema_errors
 from .spec import (
     DEFAULT_FEATURES,
@@ -178,6 +179,8 @@ class _VolumeBuilder:
                 if fs_type == "xfs" and size is not None and size < XFS_MIN_BYTES:
                     self.error(("spec", "image", "size"),
                                f"xfs needs at least 300Mi; the image is {excerpt(img['size'])}")
+                for i, msg in check_mkfs_options(fs_type, s.get("mkfsOptions", ())):
+                    self.error(("spec", "stage", "mkfsOptions", i), msg)
             staging = s.get("path") or str(self.config.staging_root / name)
             if s.get("path"):
                 self.check_path(("spec", "stage", "path"), staging, "staging path",

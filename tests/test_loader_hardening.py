@@ -247,3 +247,60 @@ def test_an_unknown_field_with_a_weird_key_is_escaped(tmp_path: Path) -> None:
     result = load([tmp_path], default_config())
     [d] = result.diagnostics
     assert "\x1b" not in str(d) and "k" * 100 not in str(d)
+
+
+# --- item 6: mkfsOptions may shape our filesystem, never reach another device --------
+
+@pytest.mark.parametrize(("fs", "options", "index", "word"), [
+    ("xfs", ["-l", "logdev=/dev/sda"], 1, "'logdev' is not allowed"),
+    ("xfs", ["-l", "size=64m,logdev=/dev/sda"], 1, "'logdev' is not allowed"),
+    ("xfs", ["-r", "rtdev=/dev/sdb"], 0, "'-r' is not an allowed mkfs.xfs option"),
+    ("xfs", ["-d", "file=1,name=/etc/passwd"], 1, "'file' is not allowed"),
+    ("xfs", ["-d", "name=/dev/sda"], 1, "'name' is not allowed"),
+    ("xfs", ["-l", "internal=0"], 1, "internal= needs a valid value"),
+    ("xfs", ["-f"], 0, "'-f' is not an allowed"),
+    ("xfs", ["-N"], 0, "'-N' is not an allowed"),
+    ("xfs", ["-p", "/etc/protofile"], 0, "'-p' is not an allowed"),
+    ("ext4", ["-J", "device=/dev/sdb"], 1, "'device' is not allowed"),
+    ("ext4", ["-J", "size=64,device=UUID=x"], 1, "'device' is not allowed"),
+    ("ext4", ["-O", "journal_dev"], 1, "not a valid value for -O"),
+    ("ext4", ["-d", "/root"], 0, "'-d' is not an allowed mkfs.ext4 option"),
+    ("ext4", ["-l", "/etc/badblocks"], 0, "'-l' is not an allowed"),
+    ("ext4", ["-z", "/tmp/undo"], 0, "'-z' is not an allowed"),
+    ("ext4", ["-E", "offset=4096"], 1, "'offset' is not allowed"),
+    ("ext4", ["-F"], 0, "'-F' is not an allowed"),
+    ("ext4", ["-n"], 0, "'-n' is not an allowed"),
+    ("ext4", ["-S"], 0, "'-S' is not an allowed"),
+    ("ext4", ["-t", "ext2"], 0, "'-t' is not an allowed"),
+    ("ext4", ["/dev/sda"], 0, "'/dev/sda' is not an allowed"),   # read as the device
+    ("ext4", ["-Ldata"], 0, "separate items"),
+    ("ext4", ["-L", "data", "-m"], 2, "needs a value"),
+    ("ext4", ["-L", "a-label-longer-than-16"], 1, "at most 16 bytes"),
+    ("ext4", ["-e", "panic"], 1, "continue or remount-ro"),
+])
+def test_mkfs_options_that_reach_beyond_the_device_are_refused(
+        tmp_path: Path, fs: str, options: list[str], index: int, word: str) -> None:
+    yaml_list = "[" + ", ".join(f'"{o}"' for o in options) + "]"
+    field, line, msg = only_error(tmp_path, edit(GOOD, {
+        "fsType: ext4": f"fsType: {fs}\n    mkfsOptions: {yaml_list}"}))
+    assert (field, line) == (f"spec.stage.mkfsOptions[{index}]", 12)
+    assert word in msg, msg
+    assert "allowed" in msg or "value" in msg
+
+
+@pytest.mark.parametrize(("fs", "options"), [
+    ("ext4", ["-L", "data", "-O", "^has_journal"]),
+    ("ext4", ["-E", "stride=16,stripe_width=64,nodiscard,lazy_itable_init=1", "-m", "0"]),
+    ("ext4", ["-b", "4096", "-i", "65536", "-I", "256", "-j", "-J", "size=64", "-T", "largefile",
+              "-U", "clear", "-N", "1000", "-e", "remount-ro", "-q"]),
+    ("xfs", ["-L", "metrics", "-d", "su=64k,sw=4", "-l", "size=64m,version=2", "-K"]),
+    ("xfs", ["-m", "crc=1,reflink=1", "-i", "size=512", "-n", "ftype=1", "-s", "size=4096",
+             "-b", "size=4096"]),
+])
+def test_safe_mkfs_options_pass(tmp_path: Path, fs: str, options: list[str]) -> None:
+    yaml_list = "[" + ", ".join(f'"{o}"' for o in options) + "]"
+    (tmp_path / "v.yaml").write_text(
+        edit(GOOD, {"fsType: ext4": f"fsType: {fs}\n    mkfsOptions: {yaml_list}"}))
+    result = load([tmp_path], default_config())
+    assert result.ok, [str(d) for d in result.diagnostics]
+    assert result.volumes[0].stage.mkfs_options == tuple(options)
