@@ -119,6 +119,25 @@ class _VolumeBuilder:
         if not any(_under(value, r) for r in roots):
             self.error(path, f"{what} {excerpt(value)} is not under an allowed root "
                              f"({', '.join(roots)}; see allowedRoots in the node config)")
+            return
+        if (problem := self.reserved(value, staging=bool(extra_roots))) is not None:
+            self.error(path, f"{what} {excerpt(value)} {problem}")
+
+    def reserved(self, value: str, staging: bool) -> str | None:
+        """Our own directories are nobody's mount point: a mount on or above
+        stateDir hides the staging mounts and records, one on desiredDir the
+        specs. Custom staging paths may sit under <stateDir>/staging."""
+        if staging and _under(value, str(self.config.staging_root)):
+            return None
+        for key, d in (("stateDir", str(self.config.state_dir)),
+                       ("desiredDir", str(self.config.desired_dir))):
+            if value == d:
+                return f"is the {key}"
+            if _under(value, d):
+                return f"is inside the {key} {excerpt(d)}"
+            if _under(d, value):
+                return f"contains the {key} {excerpt(d)}"
+        return None
 
     def size(self, img: dict[str, Any], features: tuple[str, ...]) -> int | None:
         where = ("spec", "image", "size")
@@ -286,33 +305,80 @@ def _load_file_guarded(path: Path, config: Config) -> _FileResult:
             f"cannot load this file (internal error {type(exc).__name__}; please report it)")])
 
 
+FieldPath = tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class _Claim:
+    kind: str  # "volume name", "image", "staging path", "publish path"
+    value: str
+    res: _FileResult
+    doc: Document
+    field: FieldPath
+
+    def where(self) -> str:
+        line, col = self.doc.where(self.field)
+        return f"{self.res.path}:{line}:{col}"
+
+    def report(self, message: str) -> None:
+        line, col = self.doc.where(self.field)
+        self.res.diags.append(Diagnostic(self.res.path, line, col, format_field(self.field),
+                                         message))
+
+
+def _claims(res: _FileResult, doc: Document, vol: Volume) -> list[_Claim]:
+    out = [_Claim("volume name", vol.name, res, doc, ("metadata", "name")),
+           _Claim("image", vol.image.spec, res, doc, ("spec", "image"))]
+    if vol.stage is not None:
+        written = bool(doc.data["spec"]["stage"].get("path"))
+        out.append(_Claim("staging path", vol.stage.path, res, doc,
+                          ("spec", "stage", "path") if written else ("spec", "stage")))
+    out += [_Claim("publish path", p.path, res, doc, ("spec", "publish", i, "path"))
+            for i, p in enumerate(vol.publish)]
+    return out
+
+
+def _same(first: _Claim, second: _Claim) -> None:
+    """Both claims fail, each naming the other's file:line:column."""
+    def line(this: _Claim, other: _Claim, verb: str) -> str:
+        as_ = f" as a {other.kind}" if other.kind != this.kind else ""
+        return f"{this.kind} {excerpt(this.value)} is {verb} claimed at {other.where()}{as_}"
+    second.report(line(second, first, "already"))
+    first.report(line(first, second, "also"))
+
+
+def _nested(outer: _Claim, inner: _Claim) -> None:
+    inner.report(f"{inner.kind} {excerpt(inner.value)} is inside {outer.kind} "
+                 f"{excerpt(outer.value)} claimed at {outer.where()}")
+    outer.report(f"{outer.kind} {excerpt(outer.value)} contains {inner.kind} "
+                 f"{excerpt(inner.value)} claimed at {inner.where()}")
+
+
 def _cross_file_checks(results: list[_FileResult]) -> None:
-    """Names, images, staging and publish paths are each claimed once on a node."""
-    claims: dict[tuple[str, str], tuple[_FileResult, Document, tuple[str | int, ...]]] = {}
+    """Names and images are each claimed once on a node; no staging or publish
+    path equals or nests in another (a mount inside another volume's mount
+    hides it, or lands in its data, and teardown order breaks)."""
+    seen: dict[tuple[str, str], _Claim] = {}
+    paths: list[_Claim] = []
     for res in results:
         for doc, vol in res.docs:
-            keys: list[tuple[str, str, tuple[str | int, ...]]] = [
-                ("volume name", vol.name, ("metadata", "name")),
-                ("image", vol.image.spec, ("spec", "image")),
-            ]
-            if vol.stage is not None:
-                keys.append(("staging path", vol.stage.path, ("spec", "stage")))
-            keys += [("publish path", p.path, ("spec", "publish", i, "path"))
-                     for i, p in enumerate(vol.publish)]
-            for kind, value, fpath in keys:
-                first = claims.get((kind, value))
-                if first is None:
-                    claims[(kind, value)] = (res, doc, fpath)
-                    continue
-                fres, fdoc, ffpath = first
-                fline, fcol = fdoc.where(ffpath)
-                line, col = doc.where(fpath)
-                res.diags.append(Diagnostic(
-                    res.path, line, col, format_field(fpath),
-                    f"{kind} {excerpt(value)} is already claimed at {fres.path}:{fline}:{fcol}"))
-                fres.diags.append(Diagnostic(
-                    fres.path, fline, fcol, format_field(ffpath),
-                    f"{kind} {excerpt(value)} is also claimed at {res.path}:{line}:{col}"))
+            for claim in _claims(res, doc, vol):
+                if claim.kind.endswith("path"):
+                    paths.append(claim)
+                elif (first := seen.setdefault((claim.kind, claim.value), claim)) is not claim:
+                    _same(first, claim)
+    # Sorted component-wise, a path's descendants follow it directly, so a stack
+    # of the open ancestors finds every nesting in O(n log n). "/" -> NUL (the
+    # smallest character, never in a path) sorts component-wise as one string.
+    paths.sort(key=lambda c: c.value.replace("/", "\0"))
+    stack: list[_Claim] = []
+    for claim in paths:
+        while stack and not (claim.value == stack[-1].value
+                             or _under(claim.value, stack[-1].value)):
+            stack.pop()
+        if stack:
+            (_same if stack[-1].value == claim.value else _nested)(stack[-1], claim)
+        stack.append(claim)
 
 
 def load(paths: Iterable[Path], config: Config) -> LoadResult:

@@ -304,3 +304,119 @@ def test_safe_mkfs_options_pass(tmp_path: Path, fs: str, options: list[str]) -> 
     result = load([tmp_path], default_config())
     assert result.ok, [str(d) for d in result.diagnostics]
     assert result.volumes[0].stage.mkfs_options == tuple(options)
+
+
+# --- item 8: staging and publish paths never equal or nest in one another -------------
+
+def volume_text(name: str, publish: list[str], staging: str | None = None) -> str:
+    stage = f"\n    path: {staging}" if staging else ""
+    targets = "".join(f"\n    - path: {p}" for p in publish)
+    return (f"apiVersion: rbd-reconciler/v1\nkind: Volume\nmetadata:\n  name: {name}\n"
+            f"spec:\n  image:\n    pool: rbd\n    size: 1Gi\n  map: {{}}\n  stage:\n"
+            f"    fsType: ext4{stage}\n  publish:{targets}\n")
+
+
+def diags_by_file(tmp_path: Path, files: dict[str, str]) -> dict[str, list[str]]:
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    result = load([tmp_path], default_config())
+    out: dict[str, list[str]] = {name: [] for name in files}
+    for d in result.diagnostics:
+        out[d.file.name].append(f"{d.line}:{d.column}: {d.field}: {d.message}")
+    return out
+
+
+def test_publish_inside_another_volumes_publish_fails_both(tmp_path: Path) -> None:
+    got = diags_by_file(tmp_path, {
+        "app.yaml": volume_text("app", ["/srv/app"]),
+        "cache.yaml": volume_text("cache", ["/srv/app/cache"]),
+    })
+    app, cache = tmp_path / "app.yaml", tmp_path / "cache.yaml"
+    assert got["cache.yaml"] == [
+        f"13:13: spec.publish[0].path: publish path '/srv/app/cache' is inside publish path "
+        f"'/srv/app' claimed at {app}:13:13"]
+    assert got["app.yaml"] == [
+        f"13:13: spec.publish[0].path: publish path '/srv/app' contains publish path "
+        f"'/srv/app/cache' claimed at {cache}:13:13"]
+
+
+def test_staging_path_equal_to_another_volumes_publish_path_fails_both(tmp_path: Path) -> None:
+    got = diags_by_file(tmp_path, {
+        "a.yaml": volume_text("a", ["/srv/a"], staging="/srv/shared"),
+        "b.yaml": volume_text("b", ["/srv/shared"]),
+    })
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    assert got["a.yaml"] == [
+        f"12:11: spec.stage.path: staging path '/srv/shared' is also claimed at {b}:13:13 "
+        f"as a publish path"]
+    assert got["b.yaml"] == [
+        f"13:13: spec.publish[0].path: publish path '/srv/shared' is already claimed at "
+        f"{a}:12:11 as a staging path"]
+
+
+def test_nesting_within_one_volume_is_refused(tmp_path: Path) -> None:
+    got = diags_by_file(tmp_path, {
+        "v.yaml": volume_text("v", ["/srv/v", "/srv/v/inner"], staging="/srv/v/stage/x"),
+    })
+    assert len(got["v.yaml"]) >= 2
+    assert any("'/srv/v/inner' is inside publish path '/srv/v'" in m for m in got["v.yaml"])
+    assert any("'/srv/v/stage/x' is inside publish path '/srv/v'" in m for m in got["v.yaml"])
+
+
+def test_siblings_with_a_common_prefix_are_fine(tmp_path: Path) -> None:
+    got = diags_by_file(tmp_path, {
+        "a.yaml": volume_text("a", ["/srv/app", "/srv/app-ro"]),
+        "b.yaml": volume_text("b", ["/srv/app2", "/srv/ap"], staging="/srv/app.stage"),
+    })
+    assert got == {"a.yaml": [], "b.yaml": []}
+
+
+@pytest.mark.parametrize(("publish", "staging", "word"), [
+    (["/srv/node/state"], None, "is the stateDir"),
+    (["/srv/node/state/status"], None, "is inside the stateDir '/srv/node/state'"),
+    (["/srv/node"], None, "contains the stateDir '/srv/node/state'"),
+    (["/srv/node/specs/x"], None, "is inside the desiredDir '/srv/node/specs'"),
+    (["/srv/ok"], "/srv/node/state/fuse/x", "is inside the stateDir"),
+    (["/srv/ok"], "/srv/node/state/staging", "is inside the stateDir"),
+    (["/srv/ok"], "/srv/node", "contains the stateDir"),
+])
+def test_paths_on_our_own_directories_are_refused(
+        tmp_path: Path, publish: list[str], staging: str | None, word: str) -> None:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("desiredDir: /srv/node/specs\nstateDir: /srv/node/state\n"
+                   "allowedRoots: [/srv, /mnt]\n")
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    (specs / "v.yaml").write_text(volume_text("v", publish, staging))
+    result = load([specs], load_config(cfg))
+    assert [d.message for d in result.diagnostics if word in d.message], \
+        [str(d) for d in result.diagnostics]
+
+
+def test_custom_staging_under_the_staging_root_is_still_allowed(tmp_path: Path) -> None:
+    (tmp_path / "v.yaml").write_text(
+        volume_text("v", ["/srv/v"], staging="/var/lib/rbd-reconciler/staging/custom-v"))
+    result = load([tmp_path], default_config())
+    assert result.ok, [str(d) for d in result.diagnostics]
+
+
+def test_custom_staging_on_another_volumes_default_staging_path_is_refused(
+        tmp_path: Path) -> None:
+    got = diags_by_file(tmp_path, {
+        "a.yaml": volume_text("a", ["/srv/a"]),
+        "b.yaml": volume_text("b", ["/srv/b"], staging="/var/lib/rbd-reconciler/staging/a/x"),
+    })
+    assert any("is inside staging path '/var/lib/rbd-reconciler/staging/a'" in m
+               for m in got["b.yaml"])
+    assert got["a.yaml"]
+
+
+def test_one_nesting_among_many_volumes(tmp_path: Path) -> None:
+    # Each path is compared with its sorted neighbourhood only, not all pairs.
+    for i in range(1000):
+        (tmp_path / f"v{i}.yaml").write_text(
+            volume_text(f"v{i}", [f"/srv/v{i}/data", f"/mnt/v{i}"]))
+    (tmp_path / "z.yaml").write_text(volume_text("z", ["/srv/v999/data/deeper"]))
+    result = load([tmp_path], default_config())
+    assert {d.file.name for d in result.diagnostics} == {"v999.yaml", "z.yaml"}
+    assert len(result.volumes) == 999
