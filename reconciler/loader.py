@@ -11,11 +11,13 @@ from __future__ import annotations
 import fnmatch
 import logging
 import os
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import security
 from .config import Config
 from .diagnostics import Diagnostic, excerpt, format_field
 from .mkfsopts import check_mkfs_options
@@ -54,6 +56,7 @@ class LoadResult:
     files: tuple[Path, ...]
     failed_files: frozenset[Path]
     frozen_names: frozenset[str]  # declared by a file that failed: do not touch
+    refused: bool = False  # an untrusted directory or file: nothing was loaded
 
     @property
     def ok(self) -> bool:
@@ -90,6 +93,7 @@ class _FileResult:
     docs: list[tuple[Document, Volume]] = field(default_factory=list)
     diags: list[Diagnostic] = field(default_factory=list)
     names: set[str] = field(default_factory=set)
+    untrusted: bool = False  # never read: see security.py
 
 
 def _under(path: str, root: str) -> bool:
@@ -243,6 +247,41 @@ def _declared_name(data: Any) -> str | None:
     return None
 
 
+class Untrusted(Exception):
+    """A file someone other than root could have written, or a symlink out."""
+
+
+class TooBig(Exception):
+    pass
+
+
+def _read_trusted(path: Path) -> bytes:
+    """The bytes of ``path``, checked on the descriptor they are read from.
+
+    A symlink must resolve inside the file's own directory (it is then opened
+    by its real path with O_NOFOLLOW, so a swap cannot redirect the read); the
+    file must be a regular file (a FIFO would block) owned by root (or the
+    caller) and not writable by group or others.
+    """
+    if (problem := security.escapes(path, path.parent.resolve())) is not None:
+        raise Untrusted(problem)
+    real = path.resolve(strict=True)
+    fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Untrusted(f"{real} is not a regular file")
+        if (problem := security.unsafe(real, st, "file")) is not None:
+            raise Untrusted(problem)
+        if st.st_size > MAX_FILE_BYTES:
+            raise TooBig(f"file is {st.st_size} bytes; the limit is {MAX_FILE_BYTES} "
+                         f"(a desired-volume file is small)")
+        raw = f.read(MAX_FILE_BYTES + 1)  # it may grow between fstat and read
+    if len(raw) > MAX_FILE_BYTES:
+        raise TooBig(f"file is larger than {MAX_FILE_BYTES} bytes")
+    return raw
+
+
 def _load_file(path: Path, config: Config) -> _FileResult:
     res = _FileResult(path)
 
@@ -251,21 +290,21 @@ def _load_file(path: Path, config: Config) -> _FileResult:
         return res
 
     try:
-        st = path.stat()
-        if st.st_size > MAX_FILE_BYTES:
-            return fail(1, 1, "(file)", f"file is {st.st_size} bytes; the limit is "
-                                        f"{MAX_FILE_BYTES} (a desired-volume file is small)")
-        raw = path.read_bytes()[: MAX_FILE_BYTES + 1]  # it may grow between stat and read
-        if len(raw) > MAX_FILE_BYTES:
-            return fail(1, 1, "(file)", f"file is larger than {MAX_FILE_BYTES} bytes")
+        raw = _read_trusted(path)
+    except Untrusted as exc:
+        res.untrusted = True
+        return fail(1, 1, "(file)", f"refusing to read it: {exc}")
+    except TooBig as exc:
+        return fail(1, 1, "(file)", str(exc))
+    except OSError as exc:
+        return fail(1, 1, "(file)", f"cannot read: {exc.strerror or exc}")
+    try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         before = raw[: exc.start]
         line = before.count(b"\n") + 1
         col = exc.start - (before.rfind(b"\n") + 1) + 1
         return fail(line, col, "(file)", f"not UTF-8 text (byte 0x{raw[exc.start]:02x})")
-    except OSError as exc:
-        return fail(1, 1, "(file)", f"cannot read: {exc.strerror or exc}")
 
     try:
         for item in load_documents(text):
@@ -381,17 +420,36 @@ def _cross_file_checks(results: list[_FileResult]) -> None:
         stack.append(claim)
 
 
+def _untrusted_dirs(paths: Iterable[Path]) -> list[Diagnostic]:
+    """The directories read from (a named file's own directory too) must be
+    root's and not writable by others, up to /: else nothing is read at all."""
+    dirs = {p if p.is_dir() else p.parent for p in paths if p.exists()}
+    return [Diagnostic(d, 1, 1, "(directory)", f"refusing to read it: {problem}")
+            for d in sorted(dirs) for problem in security.directory_problems(d)]
+
+
 def load(paths: Iterable[Path], config: Config) -> LoadResult:
-    """Load every desired volume under ``paths``. Never raises for bad input."""
+    """Load every desired volume under ``paths``. Never raises for bad input.
+
+    Refuses (no volume at all, every file failed) when a directory, or any
+    file, could have been written by someone other than root, or a file is a
+    symlink out of its directory; such a file is never opened.
+    """
+    paths = list(paths)
     files, diags = discover(paths)
+    if refusals := _untrusted_dirs(paths):
+        return LoadResult(volumes=(), diagnostics=tuple(sorted({*diags, *refusals})),
+                          files=tuple(files), failed_files=frozenset(files),
+                          frozen_names=frozenset(), refused=True)
     results = [_load_file_guarded(f, config) for f in files]
+    refused = any(res.untrusted for res in results)
     _cross_file_checks(results)
     volumes: list[Volume] = []
     failed: set[Path] = set()
     frozen: set[str] = set()
     for res in results:
         diags.extend(res.diags)
-        if res.diags:
+        if res.diags or refused:
             failed.add(res.path)
             frozen |= res.names
         else:
@@ -402,4 +460,5 @@ def load(paths: Iterable[Path], config: Config) -> LoadResult:
         files=tuple(files),
         failed_files=frozenset(failed),
         frozen_names=frozenset(frozen),
+        refused=refused,
     )

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import NodeUnderTest
 
 from reconciler.config import ConfigError, default_config, load_config
 from reconciler.loader import load
@@ -420,3 +421,126 @@ def test_one_nesting_among_many_volumes(tmp_path: Path) -> None:
     result = load([tmp_path], default_config())
     assert {d.file.name for d in result.diagnostics} == {"v999.yaml", "z.yaml"}
     assert len(result.volumes) == 999
+
+
+# --- item 7: the CLI refuses what the daemon refuses -----------------------------------
+
+FAKE_KEY = ("-----BEGIN OPENSSH PRIVATE KEY-----\n"
+            "b3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAAAMwAAAAtzc2gtZW\n"
+            "QyNTUxOQAAACBzZWNyZXQtdGVzdC1rZXktbm90LXJlYWwtYXQtYWxsAAAAAAAAAAAAAA\n"
+            "-----END OPENSSH PRIVATE KEY-----\n")
+
+
+def _key_outside(tmp_path: Path) -> Path:
+    secret = tmp_path / "outside" / "id_ed25519"
+    secret.parent.mkdir()
+    secret.write_text(FAKE_KEY)
+    secret.chmod(0o600)
+    return secret
+
+
+def test_validate_refuses_a_symlink_out_and_never_opens_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+
+    from reconciler.cli import main
+
+    secret = _key_outside(tmp_path)
+    desired = tmp_path / "desired"
+    desired.mkdir()
+    (desired / "good.yaml").write_text(GOOD)
+    (desired / "key.yaml").symlink_to(secret)
+    opened: list[str] = []
+    real_open = os.open
+
+    def spy(path: object, *args: object, **kwargs: object) -> int:
+        opened.append(os.fspath(path))  # type: ignore[arg-type]
+        return real_open(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", spy)
+    assert main(["validate", str(desired)]) == 1
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "PRIVATE KEY" not in text and "b3BlbnNzaC1" not in text
+    assert f"{desired / 'key.yaml'}:1:1: (file): refusing to read it:" in text
+    assert f"is a symlink to {secret}, outside {desired}" in text
+    assert "0 valid volume(s)" in text  # the good file is not applied on its own either
+    assert str(secret) not in opened
+
+
+def test_a_symlink_inside_the_directory_is_fine(tmp_path: Path) -> None:
+    # ConfigMap / git-sync layouts: files are links into a ..data directory.
+    data = tmp_path / "..data"
+    data.mkdir()
+    (data / "v.yaml").write_text(GOOD)
+    (tmp_path / "v.yaml").symlink_to(data / "v.yaml")
+    result = load([tmp_path], default_config())
+    assert result.ok, [str(d) for d in result.diagnostics]
+
+
+@pytest.mark.parametrize("mode", [0o666, 0o620])
+def test_a_group_or_world_writable_file_is_refused(tmp_path: Path, mode: int) -> None:
+    (tmp_path / "good.yaml").write_text(edit(GOOD, {"vol": "good"}))
+    f = tmp_path / "v.yaml"
+    f.write_text(GOOD)
+    f.chmod(mode)
+    result = load([tmp_path], default_config())
+    assert result.refused and result.volumes == ()
+    [d] = result.diagnostics
+    assert d.file == f and "writable by group or others" in d.message
+    assert result.failed_files == {f, tmp_path / "good.yaml"}
+
+
+def test_a_file_owned_by_another_user_is_refused(tmp_path: Path) -> None:
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to chown")
+    f = tmp_path / "v.yaml"
+    f.write_text(GOOD)
+    os.chown(f, 4242, 4242)
+    result = load([tmp_path], default_config())
+    [d] = result.diagnostics
+    assert "owned by uid 4242, not root" in d.message and result.volumes == ()
+
+
+def test_a_writable_directory_refuses_everything_unread(tmp_path: Path) -> None:
+    desired = tmp_path / "desired"
+    desired.mkdir()
+    (desired / "v.yaml").write_text("this would be a YAML error if it were read: [\n")
+    desired.chmod(0o777)
+    result = load([desired], default_config())
+    [d] = result.diagnostics
+    assert (d.file, d.field) == (desired, "(directory)")
+    assert "writable by group or others" in d.message
+    assert result.refused and result.failed_files == {desired / "v.yaml"}
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
+    import os
+
+    os.mkfifo(tmp_path / "pipe.yaml", 0o600)
+    proc = subprocess.run([sys.executable, "-m", "reconciler", "validate", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 1
+    assert "pipe.yaml:1:1: (file): refusing to read it:" in proc.stdout
+    assert "not a regular file" in proc.stdout
+
+
+@pytest.mark.ceph
+@pytest.mark.parametrize("command", [["validate"], ["plan"], ["apply"], ["release"], ["status"],
+                                     ["explain", "vol"]])
+def test_every_command_refuses_an_untrusted_desired_dir(
+        node: NodeUnderTest, command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    secret = _key_outside(node.root)
+    link = node.desired / "key.yaml"
+    link.symlink_to(secret)
+    try:
+        rc, out = node.cli(*command)
+        text = out + capsys.readouterr().err
+        assert rc == 1, text
+        assert "refusing to read it" in text
+        assert "PRIVATE KEY" not in text and "b3BlbnNzaC1" not in text
+    finally:
+        link.unlink()
