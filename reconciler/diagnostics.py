@@ -16,6 +16,18 @@ _SHORT.maxstring = _SHORT.maxlong = _SHORT.maxother = EXCERPT_CHARS
 _SHORT.fillvalue = "…"
 
 
+# No value in a spec or config needs these, and in a path or a message they
+# hide what it really says: C0/C1 controls (NUL, newline, ESC...), DEL, the
+# line separators and the bidi overrides/isolates/marks (a "Trojan source" path).
+FORBIDDEN_CHARS = re.compile(
+    r"[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def escaped(text: str) -> str:
+    """``text`` as is, or with control and bidi characters escaped (no quotes)."""
+    return repr(text)[1:-1] if FORBIDDEN_CHARS.search(text) else text
+
+
 def excerpt(value: object, limit: int = EXCERPT_CHARS) -> str:
     """``repr`` of a user value, escaped, at most ``limit`` characters of it plus "…"."""
     if isinstance(value, str):
@@ -40,7 +52,8 @@ class Diagnostic:
     message: str
 
     def __str__(self) -> str:
-        return f"{self.file}:{self.line}:{self.column}: {self.field}: {self.message}"
+        # A file name is the one part not built from excerpts: escape it too.
+        return f"{escaped(str(self.file))}:{self.line}:{self.column}: {self.field}: {self.message}"
 
     def as_dict(self) -> dict[str, object]:
         return {

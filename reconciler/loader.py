@@ -74,12 +74,14 @@ def discover(paths: Iterable[Path]) -> tuple[list[Path], list[Diagnostic]]:
     diags: list[Diagnostic] = []
     for p in paths:
         if p.is_dir():
-            files.extend(
-                sorted(
+            try:
+                files.extend(sorted(
                     c for c in p.iterdir()
                     if c.suffix in YAML_SUFFIXES and not is_ignored(c.name) and not c.is_dir()
-                )
-            )
+                ))
+            except OSError as exc:
+                diags.append(Diagnostic(p, 1, 1, "(directory)",
+                                        f"cannot list it: {exc.strerror or exc}"))
         elif p.exists():
             files.append(p)
         else:

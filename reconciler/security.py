@@ -41,7 +41,11 @@ def directory_problems(directory: Path) -> list[str]:
         return [f"directory {directory}: {exc.strerror or exc}"]
     problems = []
     for d in [real, *real.parents]:
-        st = d.stat()
+        try:
+            st = d.stat()
+        except OSError as exc:
+            problems.append(f"directory {d}: {exc.strerror or exc}")
+            continue
         if d != real and st.st_mode & stat.S_ISVTX:
             continue
         if (p := unsafe(d, st, "directory")) is not None:

@@ -7,7 +7,6 @@ it was written at. That is what lets every error name ``file:line:column``.
 
 from __future__ import annotations
 
-import re
 import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -15,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from .diagnostics import excerpt
+from .diagnostics import FORBIDDEN_CHARS, excerpt
 
 Path_ = tuple[str | int, ...]
 
@@ -27,11 +26,6 @@ MAX_DEPTH = 64
 # visit, aliases included, and stops here.
 MAX_NODES = 10_000
 _MERGE_TAG = "tag:yaml.org,2002:merge"
-# No value in a spec or config needs these, and in a path or a message they
-# hide what it really says: C0/C1 controls (NUL, newline, ESC...), DEL, the
-# line separators and the bidi overrides/isolates/marks (a "Trojan source" path).
-FORBIDDEN_CHARS = re.compile(
-    r"[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 # PyYAML's messages quote tags and anchors the user wrote; keep them short.
 MAX_PROBLEM_CHARS = 160
 

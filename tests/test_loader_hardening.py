@@ -544,3 +544,11 @@ def test_every_command_refuses_an_untrusted_desired_dir(
         assert "PRIVATE KEY" not in text and "b3BlbnNzaC1" not in text
     finally:
         link.unlink()
+
+
+def test_a_file_name_with_control_characters_is_printed_escaped(tmp_path: Path) -> None:
+    f = tmp_path / "evil\x1b[2J\u202e.yaml"
+    f.write_text("kind: [\n")
+    [d] = load([tmp_path], default_config()).diagnostics
+    assert "\x1b" not in str(d) and "\u202e" not in str(d)
+    assert "evil\\x1b[2J\\u202e.yaml:2:1:" in str(d)
