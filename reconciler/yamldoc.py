@@ -7,6 +7,7 @@ it was written at. That is what lets every error name ``file:line:column``.
 
 from __future__ import annotations
 
+import math
 import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -159,6 +160,9 @@ class _Builder:
         value = self.construct(node, path)
         if isinstance(value, str):
             _check_chars(value, node, path, "value")
+        elif isinstance(value, float) and not math.isfinite(value):
+            # .nan passes every JSON Schema bound (all comparisons are false).
+            raise YamlError(f"{value!r} is not a finite number", *_pos(node), path)
         if not isinstance(value, str | int | float | bool | type(None)):
             # Timestamps, binary and the like are never meaningful in a spec;
             # say so instead of letting a datetime reach the schema checker.

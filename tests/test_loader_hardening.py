@@ -120,6 +120,8 @@ def test_daemon_style_load_never_raises_on_many_hostile_files(tmp_path: Path) ->
     "nodeName: !!timestamp 2020-01-01x\n",
     "resyncSeconds: !!float x\n",
     "stateDir: \"/var/lib/x\\0y\"\n",
+    "resyncSeconds: .nan\n",  # passed every bound: the daemon loop spun
+    "massRemovalShare: -.inf\n",
 ])
 def test_config_hostile_inputs_are_config_errors(tmp_path: Path, text: str) -> None:
     f = tmp_path / "config.yaml"
