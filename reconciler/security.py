@@ -40,7 +40,11 @@ def directory_problems(directory: Path) -> list[str]:
     except OSError as exc:
         return [f"directory {directory}: {exc.strerror or exc}"]
     problems = []
-    for d in [real, *real.parents]:
+    chain = [real, *real.parents]
+    if directory.is_symlink():  # whoever may write beside the link may swap it
+        link_dir = directory.parent.resolve()
+        chain += [d for d in (link_dir, *link_dir.parents) if d not in chain]
+    for d in chain:
         try:
             st = d.stat()
         except OSError as exc:

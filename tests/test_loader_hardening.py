@@ -554,3 +554,19 @@ def test_a_file_name_with_control_characters_is_printed_escaped(tmp_path: Path) 
     [d] = load([tmp_path], default_config()).diagnostics
     assert "\x1b" not in str(d) and "\u202e" not in str(d)
     assert "evil\\x1b[2J\\u202e.yaml:2:1:" in str(d)
+
+
+def test_a_symlinked_directory_in_a_writable_parent_is_refused(tmp_path: Path) -> None:
+    # git-sync style: desired -> real; a writable directory holding the link
+    # lets anyone swap it.
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "v.yaml").write_text(GOOD)
+    links = tmp_path / "links"
+    links.mkdir()
+    (links / "desired").symlink_to(real)
+    assert load([links / "desired"], default_config()).ok
+    links.chmod(0o777)
+    result = load([links / "desired"], default_config())
+    assert result.refused
+    assert any(f"directory {links} is writable" in d.message for d in result.diagnostics)
