@@ -198,11 +198,37 @@ def _syntax_error(exc: yaml.YAMLError, text: str, kind: str = "YAML syntax error
 _FAST_LOADER = getattr(yaml, "CSafeLoader", None)
 
 
+# libyaml's composer recurses in C: some 30,000 nested collections overflow
+# the stack (a segfault, not an exception). Each level costs at least a byte,
+# so a text this short cannot get near that; a longer one has its event
+# stream (the parser is iterative) checked for depth before composing.
+SHALLOW_BY_LENGTH = 4096
+
+
+def _too_deep(text: str) -> YamlError | None:
+    depth = 0
+    try:
+        for event in yaml.parse(text, Loader=_FAST_LOADER or yaml.SafeLoader):
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > MAX_DEPTH + 1:
+                    mark = event.start_mark
+                    return YamlError(f"nesting deeper than {MAX_DEPTH} levels",
+                                     mark.line + 1, mark.column + 1)
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+    except yaml.YAMLError:
+        pass  # reported by the composer, which stops there too (not deeper)
+    return None
+
+
 def load_documents(text: str) -> list[Document | YamlError]:
     """Every document in ``text``; a YAML syntax error ends the stream.
 
     Empty documents (``---`` with nothing after it) are skipped, like kubectl.
     """
+    if len(text) > SHALLOW_BY_LENGTH and (deep := _too_deep(text)) is not None:
+        return [deep]
     if _FAST_LOADER is not None:
         docs = list(_load_documents(text, _FAST_LOADER))
         if not any(isinstance(d, YamlError) for d in docs):
@@ -225,6 +251,9 @@ def _load_documents(text: str, loader_cls: type) -> Iterator[Document | YamlErro
             except yaml.YAMLError as exc:
                 yield _syntax_error(exc, text)
                 return
+            except RecursionError:  # the pure-Python composer recurses too
+                yield YamlError(f"nesting deeper than {MAX_DEPTH} levels", 1, 1)
+                return
             if node is None or (isinstance(node, yaml.ScalarNode)
                                 and node.tag == "tag:yaml.org,2002:null" and node.value == ""):
                 continue  # an empty document, e.g. a trailing "---"
@@ -237,6 +266,9 @@ def _load_documents(text: str, loader_cls: type) -> Iterator[Document | YamlErro
                 continue
             except yaml.YAMLError as exc:  # an unknown tag
                 yield _syntax_error(exc, text, "invalid value")
+                continue
+            except RecursionError:  # a chain of merge keys thousands long
+                yield YamlError("merge keys nested too deeply", doc.line, doc.column)
                 continue
             yield doc
     finally:

@@ -570,3 +570,19 @@ def test_a_symlinked_directory_in_a_writable_parent_is_refused(tmp_path: Path) -
     result = load([links / "desired"], default_config())
     assert result.refused
     assert any(f"directory {links} is writable" in d.message for d in result.diagnostics)
+
+
+@pytest.mark.parametrize("text", [
+    "[" * 200_000 + "]" * 200_000 + "\n",          # flow sequences
+    "- " * 100_000 + "x\n",                         # compact block sequences
+    "{a: " * 100_000 + "1" + "}" * 100_000 + "\n",  # flow mappings
+    "[" * 100_000 + "\n",                           # unclosed: a syntax error that deep
+    "a: &l0 {k: v}\n" + "".join(f"l{i}: &l{i} {{<<: *l{i - 1}}}\n" for i in range(1, 3000)),
+], ids=["flow-seq", "block-seq", "flow-map", "unclosed", "merge-chain"])
+def test_deep_nesting_is_an_error_not_a_segfault(tmp_path: Path, text: str) -> None:
+    # libyaml's composer recursed in C until the process died (SIGSEGV).
+    (tmp_path / "deep.yaml").write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "reconciler", "validate", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "deep.yaml:" in proc.stdout and ("nest" in proc.stdout or "YAML" in proc.stdout)
