@@ -268,6 +268,9 @@ class Daemon:
             return
         loaded = load([self.config.desired_dir], self.config)
         self.conditions.update("load", [str(d) for d in loaded.diagnostics])
+        if loaded.refused:  # an untrusted file or directory: read nothing, touch nothing
+            sdnotify.notify("STATUS=refusing: the desired directory is not trusted")
+            return
         current = {v.name: v for v in loaded.volumes}
         failed_files = sorted(str(f) for f in loaded.failed_files)
         frozen = set(loaded.frozen_names) | {
