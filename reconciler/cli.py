@@ -105,14 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("explain", help="why a volume is where it is",
                        description="Image watchers, mapping, device holders, mounts, the "
                                    "daemon's last result and the next steps the planner would "
-                                   "take.")
+                                   "take. Exit 1 when its state is UNKNOWN (not seen in time).")
     p.add_argument("name", help="volume name (metadata.name)")
     _add_output(p)
     p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("status", help="show the observed state of every desired volume",
-                       description="Phase (ABSENT, CREATED, MAPPED, STAGED, PUBLISHED), "
-                                   "device, mounts and size of each desired volume.")
+                       description="Phase (ABSENT, CREATED, MAPPED, STAGED, PUBLISHED; "
+                                   "DEGRADED, or UNKNOWN with the reason when its pool, image "
+                                   "or device did not answer within observeTimeoutSeconds), "
+                                   "device, mounts and size of each desired volume. Exit 1 on "
+                                   "load errors or any DEGRADED or UNKNOWN volume.")
     _add_paths_and_output(p)
     p.set_defaults(func=cmd_status)
     return parser

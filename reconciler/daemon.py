@@ -325,7 +325,7 @@ class Daemon:
         allowed = allowance.take(self.config.state_dir)
         held: dict[str, str] = {}
         removing: list[str] = []
-        refused: list[str] = []
+        refused: dict[str, str] = {}  # keyed: a changed count is the same condition
         if vanished and failed_files:
             # A failed file may declare any of them (renamed and broken in one
             # change hides its names): while one fails, nothing is released
@@ -338,10 +338,10 @@ class Daemon:
             removing = [n for n in vanished if allowed.allows(n)]
             guarded = [n for n in vanished if not allowed.allows(n)]
             if guarded and self._mass_removal(len(guarded), len(current) + len(frozen)):
-                refused = [
+                refused["mass-removal"] = (
                     f"{len(guarded)} of {len(self.records)} managed volume(s) vanished in one "
                     f"pass; doing nothing to them (a checkout gone wrong?). To let them go: "
-                    f"rbd-reconciler allow-removal --all (or NAME...)"]
+                    f"rbd-reconciler allow-removal --all (or NAME...)")
                 sdnotify.notify(f"STATUS=mass removal refused: {len(guarded)} volume(s)")
             else:
                 removing += guarded
