@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let volumes go even when most or all files vanish at once")
     p.add_argument("--log-format", choices=("journal", "json", "plain"), default="journal",
                    help="stderr log lines: <N> priority prefixes (default), JSON, or plain")
+    p.add_argument("--csi-endpoint", metavar="unix:///PATH",
+                   help="also serve CSI v1 (Identity, Controller, Node) on this unix socket "
+                        "(default: the config's csi.endpoint; none: no CSI)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("explain", help="why a volume is where it is",
@@ -247,7 +250,11 @@ def cmd_run(args: argparse.Namespace, config: Config) -> int:
     from .logfmt import setup
 
     setup(args.log_format, args.verbose)
-    return Daemon(config, args.config, args.allow_mass_removal).run()
+    if args.csi_endpoint is not None and not args.csi_endpoint.startswith("unix:///"):
+        print(f"--csi-endpoint {args.csi_endpoint!r}: expected unix:///absolute/path",
+              file=sys.stderr)
+        return 1
+    return Daemon(config, args.config, args.allow_mass_removal, args.csi_endpoint).run()
 
 
 def _daemon_status(config: Config, name: str) -> dict | None:

@@ -27,8 +27,9 @@ from watchdog.observers import Observer
 from . import sdnotify
 from .apply import VolumeOutcome, apply
 from .config import Config, ConfigError, load_config
+from .csi.desired import forgettable, load_desired
 from .engine import Busy, context, state_lock
-from .loader import discover, is_ignored, load
+from .loader import discover, is_ignored
 from .observe import Node, observe
 from .plan import VolumePlan, actual_state, plan
 from .reaper import become_subreaper, reap_zombies
@@ -82,7 +83,7 @@ class _Wake(FileSystemEventHandler):
 
 class Daemon:
     def __init__(self, config: Config, config_path: Path | None,
-                 allow_mass_removal: bool = False) -> None:
+                 allow_mass_removal: bool = False, csi_endpoint: str | None = None) -> None:
         self.config = config
         self.config_path = config_path
         self.allow_mass_removal = allow_mass_removal
@@ -98,6 +99,13 @@ class Daemon:
                                        thread_name_prefix="volume")
         self.observer: Observer | None = None
         self.watched: tuple[Path, Path] | None = None
+        # Hooks for the CSI adapter (reconciler/csi): a wake that skips the
+        # debounce, and a count of finished passes it can wait on.
+        self.csi_endpoint = csi_endpoint
+        self.urgent = threading.Event()
+        self.passes_done = 0
+        self.progress = threading.Condition()  # notified: pass finished, status written
+        self.progress_seq = 0  # bumped with every notify: a waiter never misses one
 
     # -- paths ----------------------------------------------------------------
     @property
@@ -110,6 +118,23 @@ class Daemon:
     # -- lifecycle ------------------------------------------------------------
     def wake(self) -> None:
         self.wake_event.set()
+
+    # -- hooks for the CSI adapter -------------------------------------------
+    def wake_volume(self, name: str) -> None:
+        """A pass at once, without the debounce (a CSI call is waiting on it)."""
+        self.urgent.set()
+        self.wake_event.set()
+
+    @property
+    def ready(self) -> bool:
+        return self.passes_done > 0
+
+    def busy(self, name: str) -> bool:
+        with self.lock:
+            return name in self.inflight
+
+    def status(self, name: str) -> dict:
+        return read_json(self.status_path(name), {}) or {}
 
     def install_signals(self) -> None:
         def stop(signum: int, _frame: object) -> None:
@@ -143,11 +168,26 @@ class Daemon:
                 self.records = read_json(self.records_path, {}) or {}
                 self.install_signals()
                 self._watch()
-                self._serve()
+                csi = self._start_csi()
+                try:
+                    self._serve()
+                finally:
+                    if csi is not None:
+                        csi.stop()
         except Busy as exc:
             log.error("%s", exc)
             return 1
         return 0
+
+    def _start_csi(self) -> object | None:
+        endpoint = self.csi_endpoint or self.config.csi.endpoint
+        if not endpoint:
+            return None
+        from .csi.server import CsiServer  # grpc loads only when CSI is served
+
+        server = CsiServer(self, endpoint)
+        server.start()
+        return server
 
     def _serve(self) -> None:
         self.reconcile()
@@ -166,7 +206,10 @@ class Daemon:
             woke = self.wake_event.wait(max(0.0, timeout))
             if self.stopping.is_set():
                 break
-            if woke:
+            if woke and self.urgent.is_set():
+                self.urgent.clear()
+                self.wake_event.clear()
+            elif woke:
                 self._debounce()
             if self.reload_wanted.is_set():
                 self._reload()
@@ -224,6 +267,15 @@ class Daemon:
 
     # -- one pass -------------------------------------------------------------
     def reconcile(self) -> None:
+        try:
+            self._reconcile()
+        finally:
+            with self.progress:
+                self.passes_done += 1
+                self.progress_seq += 1
+                self.progress.notify_all()
+
+    def _reconcile(self) -> None:
         self._watch()  # the link may point elsewhere now
         reap_zombies()
         problems = self.preflight()
@@ -232,7 +284,7 @@ class Daemon:
                 log.error("not reconciling: %s", p)
             sdnotify.notify(f"STATUS=refusing: {problems[0]}")
             return
-        loaded = load([self.config.desired_dir], self.config)
+        loaded = load_desired(self.config)
         for d in loaded.diagnostics:
             log.error("%s", d)
         current = {v.name: v for v in loaded.volumes}
@@ -243,6 +295,9 @@ class Daemon:
 
         release: list[Volume] = []
         with self.lock:
+            for name in [n for n in removed if forgettable(self.records[n], self.config)]:
+                del self.records[name]  # the CSI adapter removed it on purpose
+                removed.remove(name)
             if removed and self._mass_removal(len(removed), len(current)):
                 msg = (f"{len(removed)} of {len(self.records)} managed volume(s) vanished in "
                        f"one pass; doing nothing to them (a checkout gone wrong?). Start with "
@@ -344,6 +399,7 @@ class Daemon:
             "observedGeneration": vol.spec_hash,
             "lastResult": out.status,
             "lastError": out.error,
+            "refusal": vp.refusal,
             "notes": out.notes,
             "undone": out.undone,
             "steps": [s.as_dict() for s in out.steps],
@@ -380,6 +436,9 @@ class Daemon:
                 merged.get("lastResult") and "steps" not in data:
             return  # unchanged: spare the disk a write every resync
         write_json(path, merged)
+        with self.progress:
+            self.progress_seq += 1
+            self.progress.notify_all()
 
     def _save_records(self) -> None:
         write_json(self.records_path, self.records)

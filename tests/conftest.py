@@ -177,3 +177,11 @@ def _force_cleanup(mounts: list[str], loops: list[str]) -> None:
             with contextlib.suppress(OSError):
                 os.kill(pid, 9)
     reap_fuse_children()
+
+
+@pytest.fixture
+def start_csi(node: NodeUnderTest) -> Iterator[object]:
+    """Start the daemon with --csi-endpoint; returns a CsiNode (tests/csi_fixture.py)."""
+    from csi_fixture import start_csi_fixture
+
+    yield from start_csi_fixture(node)
