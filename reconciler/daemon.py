@@ -399,7 +399,7 @@ class Daemon:
             "observedGeneration": vol.spec_hash,
             "lastResult": out.status,
             "lastError": out.error,
-            "refusal": vp.refusal,
+            "refusal": vp.refusal or (out.error if out.refused else None),
             "notes": out.notes,
             "undone": out.undone,
             "steps": [s.as_dict() for s in out.steps],

@@ -74,7 +74,9 @@ class CsiNode:
 
 
 def connect(node: NodeUnderTest, daemon: Daemon, sock: Path) -> CsiNode:
-    wait_for(lambda: sock.exists() or daemon.proc.poll() is not None, "the CSI socket")
+    # The log line, not the socket: a killed predecessor's socket may linger.
+    wait_for(lambda: "serving on" in daemon.log.read_text() or daemon.proc.poll() is not None,
+             "the CSI server")
     assert daemon.proc.poll() is None, daemon.log.read_text()
     channel = grpc.insecure_channel(f"unix://{sock}")
     return CsiNode(node, daemon, sock, channel, csi_pb2_grpc.IdentityStub(channel),
@@ -91,13 +93,14 @@ def start_csi_fixture(node: NodeUnderTest) -> Iterator[Callable[..., CsiNode]]:
     started: list[CsiNode] = []
     sock = node.root / "csi" / "csi.sock"
 
-    def _start(**kw: object) -> CsiNode:
+    def _start(config: str = "", **kw: object) -> CsiNode:
+        if not started:
+            csi_config(node, config)
         d = Daemon(node, args=("--csi-endpoint", f"unix://{sock}"), **kw)  # type: ignore[arg-type]
         c = connect(node, d, sock)
         started.append(c)
         return c
 
-    csi_config(node)
     yield _start
     for c in started:
         c.channel.close()

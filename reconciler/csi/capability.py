@@ -34,7 +34,7 @@ def parse(cap: pb.VolumeCapability, what: str = "volume_capability") -> Access:
     if not cap.HasField("access_mode") or mode == Mode.UNKNOWN:
         raise invalid(f"{what}: access_mode is required")
     if mode not in SUPPORTED_MODES:
-        raise invalid(f"{what}: access mode {Mode.Name(mode)} is not supported: an RBD image "
+        raise invalid(f"{what}: access mode {Mode.Mode.Name(mode)} is not supported: an RBD image "
                       "is written from one node at a time (multi-node is read-only)")
     if kind == "block":
         return Access(True, None, (), mode in READ_ONLY_MODES)

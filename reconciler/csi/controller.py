@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 
+from ..drivers.ceph import CephError
 from . import capability, csi_pb2_grpc, ids
 from . import csi_pb2 as pb
 from .cephinfo import CephInfo
@@ -213,6 +214,8 @@ class ControllerServicer(csi_pb2_grpc.ControllerServicer):
             pool = _parameters(dict(request.parameters))["pool"]
         try:
             available = self.ceph.available(pool)
+        except CephError as exc:
+            raise invalid(str(exc)) from None
         except Exception as exc:
             raise CsiError(grpc.StatusCode.UNAVAILABLE, f"Ceph did not answer: {exc}") from None
         return pb.GetCapacityResponse(available_capacity=max(0, available))
