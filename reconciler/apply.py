@@ -18,13 +18,14 @@ from pathlib import Path
 
 import rados
 
-from . import meta
+from . import meta, safepath
 from .drivers import ceph
-from .drivers.fs import OnlineGrowRefused, block_device_size
+from .drivers.fs import OnlineGrowRefused, block_device_size, is_ours
 from .observe import Node
 from .observed import Mapping, Observed
 from .parsers import parse_mountinfo
 from .plan import GROW_SLACK, VolumePlan
+from .registry import Registry, intent_key
 from .spec import Volume
 from .steps import (
     CreateImage,
@@ -111,6 +112,13 @@ class _VolumeRun:
         if self.plan.refusal:
             self.out.status, self.out.error = "failed", self.plan.refusal
             return self.out
+        self.run_steps()
+        if self.plan.withheld and self.out.status != "failed":
+            # The rest converged; what was refused still counts as a failure.
+            self.out.status, self.out.error = "failed", "; ".join(self.plan.withheld)
+        return self.out
+
+    def run_steps(self) -> VolumeOutcome:
         for step in self.plan.steps:
             try:
                 status, message = self.execute(step)
@@ -141,14 +149,14 @@ class _VolumeRun:
         node, fs = self.node, self.node.fs
         match step:
             case CreateImage():
-                ceph.create_image(self.need_cluster(), step.pool, step.image, step.size,
-                                  step.features,
-                                  {meta.OWNER: node.config.node_name,
-                                   meta.SPEC_HASH: self.volume.spec_hash if self.volume else ""})
+                self.create(step)
             case ResizeImage():
                 ceph.resize_image(self.need_cluster(), step.pool, step.image, step.new_size)
             case SetImageMeta():
                 ceph.set_meta(self.need_cluster(), step.pool, step.image, step.key, step.new)
+                if step.key == meta.OWNER:  # an interrupted create, now finished
+                    Registry(node.config.state_dir / "intents.json").forget(
+                        intent_key(step.pool, step.image))
             case MapImage():
                 mapper = node.mapper(step.mapper)
                 self.device = mapper.map(step.pool, step.image, step.options)
@@ -156,6 +164,7 @@ class _VolumeRun:
                                   str(node.fuse.mount_point(step.pool, step.image))
                                   if step.mapper == "fuse" else None)
                 self.acquired.append((f"unmap {self.device}", lambda: mapper.unmap(mapping)))
+                self.note_holder(step.pool, step.image, set_it=True)
                 return "changed", self.device
             case RefreshDevice():
                 node.mapper(step.mapper).refresh(self.dev(step.device), step.new_size)
@@ -180,32 +189,71 @@ class _VolumeRun:
                                   self.volume.image.name, meta.GROW_PENDING, "offline")
                     return "ok", f"online grow refused ({exc}); grows offline at next stage"
             case Publish():
-                self.check_staged(step.staging, step.mode)
+                rdev = self.check_staged(step.staging, step.mode)
                 fs.bind(step.staging, step.path, step.mode == "block", step.read_only,
-                        step.options)
+                        step.options, rdev)
             case Unpublish() | Unstage():
-                fs.unmount(step.path)
+                if not fs.unmount(step.path, step.rdev):
+                    return "ok", "already not mounted"
             case Unmap():
                 node.mapper(step.mapper).unmap(
                     Mapping(step.mapper, step.pool, step.image, step.device, step.fuse_mount))
                 self.device = None
+                self.note_holder(step.pool, step.image, set_it=False)
             case DeleteImage():
                 self.delete(step)
             case _:
                 raise NotImplementedError(type(step).__name__)
         return "changed", ""
 
+    def create(self, step: CreateImage) -> None:
+        """Intent first, so a crash between the create and the owner record
+        leaves an image the next pass recognises as ours (and finishes)."""
+        intents = Registry(self.node.config.state_dir / "intents.json")
+        key = intent_key(step.pool, step.image)
+        intents.record(key, {"node": self.node.config.node_name})
+        try:
+            ceph.create_image(self.need_cluster(), step.pool, step.image, step.size,
+                              step.features,
+                              {meta.OWNER: self.node.config.node_name,
+                               meta.SPEC_HASH: self.volume.spec_hash if self.volume else ""})
+        except ceph.ImageExists:
+            intents.forget(key)  # someone else's image: never claim it
+            raise
+        intents.forget(key)
+
+    def note_holder(self, pool: str, image: str, set_it: bool) -> None:
+        """Record which node maps the image, so another node's refusal and
+        `explain` can name it. Informational: a failure here changes nothing."""
+        if self.cluster is None:
+            return
+        name = self.node.config.node_name
+        try:
+            if set_it:
+                ceph.set_meta(self.cluster, pool, image, meta.HOLDER, name)
+            elif ceph.get_meta(self.cluster, pool, image).get(meta.HOLDER) == name:
+                ceph.remove_meta(self.cluster, pool, image, meta.HOLDER)
+        except Exception as exc:  # never fail a map/unmap over a note
+            log.info("%s/%s: could not record the holder: %s", pool, image, exc)
+
     def format(self, step: FormatDevice) -> tuple[str, str]:
+        """mkfs only over a device proven readable and blank (safety rule 1).
+
+        Blank means: the start of the device reads back (a dead helper's EIO
+        is *unknown*, never blank), blkid finds no signature, and Ceph has no
+        block of the image allocated (an adopted image with data no signature
+        explains is not blank either). The only exception is the remains of
+        our own interrupted mkfs: FORMATTING set (only ever set on a device so
+        proven), FORMATTED not.
+        """
         dev = self.dev(step.device)
         # blkid says "nothing found" for a path that is no device at all too.
         if not stat.S_ISBLK(os.stat(dev).st_mode):
             raise StepRefused(f"{dev} is not a block device")
-        probe = self.node.fs.probe(dev)
+        probe = self.node.fs.probe(dev)  # raises when the device does not read
         cluster = self.need_cluster()
         image_meta = ceph.get_meta(cluster, step.pool, step.image)
         formatted = image_meta.get(meta.FORMATTED)
-        # Safety rule 1: a signature is only ever overwritten when it is the
-        # remains of our own interrupted mkfs (FORMATTING set, FORMATTED not).
         interrupted = bool(image_meta.get(meta.FORMATTING)) and not formatted
         if not interrupted:
             if probe.fs_type == step.fs_type:
@@ -216,8 +264,20 @@ class _VolumeRun:
             if formatted:
                 raise StepRefused(f"image-meta says it was formatted {formatted} but {dev} "
                                   "is blank; refusing to mkfs over possible data")
+            if ceph.has_data(cluster, step.pool, step.image):
+                raise StepRefused(
+                    f"{step.pool}/{step.image} has data written to it but no signature blkid "
+                    f"knows; refusing to format it (to reuse it, zero it by hand first)")
         ceph.set_meta(cluster, step.pool, step.image, meta.FORMATTING, step.fs_type)
-        self.node.fs.mkfs(dev, step.fs_type, step.mkfs_options, force=bool(probe.signature))
+        try:
+            self.node.fs.mkfs(dev, step.fs_type, step.mkfs_options, force=bool(probe.signature))
+        except Exception:
+            # Nothing reached the image (mkfs failed before writing, or the device
+            # died under it): the marker would claim a mkfs that never happened.
+            with contextlib.suppress(Exception):
+                if not interrupted and not ceph.has_data(cluster, step.pool, step.image):
+                    ceph.remove_meta(cluster, step.pool, step.image, meta.FORMATTING)
+            raise
         ceph.set_meta(cluster, step.pool, step.image, meta.FORMATTED, step.fs_type)
         ceph.remove_meta(cluster, step.pool, step.image, meta.FORMATTING)
         redo = " (redoing an interrupted mkfs)" if interrupted else ""
@@ -247,23 +307,26 @@ class _VolumeRun:
         self.acquired.append((f"unstage {step.path}", lambda: fs.unmount(step.path)))
         return "changed", message if step.mode != "block" else ""
 
-    def check_staged(self, staging: str, mode: str) -> None:
-        """Safety rule 2: publish only from a staging path that is a mount of our
-        device. An empty staging directory bound into an app writes to root."""
+    def check_staged(self, staging: str, mode: str) -> tuple[int, int]:
+        """Safety rule 2: publish only from a staging path whose top mount is
+        our device (or, in block mode, a bind of its node). An empty staging
+        directory bound into an app writes to the root disk. Returns the rdev."""
         dev = self.dev(None)
         rdev = os.stat(dev).st_rdev
         want = (os.major(rdev), os.minor(rdev))
+        with safepath.opened(staging) as fd:
+            st, mid = os.fstat(fd), safepath.mount_id(fd)
+        top = {m.mount_id: m for m in parse_mountinfo(
+            Path("/proc/self/mountinfo").read_text())}.get(mid)
         if mode == "block":
-            st = os.stat(staging)
-            if (os.major(st.st_rdev), os.minor(st.st_rdev)) != want:
+            if not stat.S_ISBLK(st.st_mode) or (os.major(st.st_rdev),
+                                                os.minor(st.st_rdev)) != want:
                 raise StepRefused(f"staging path {staging} is not the device node of {dev}")
-            return
-        mounts = {m.mount_point: m for m in parse_mountinfo(
-            Path("/proc/self/mountinfo").read_text())}
-        m = mounts.get(staging)
-        if m is None or (m.major, m.minor) != want:
+            return want
+        if top is None or top.mount_point != staging or not is_ours(top, st, want):
             raise StepRefused(f"staging path {staging} is not a mount of {dev}; refusing to "
                               "publish it (it would expose the node's own disk)")
+        return want
 
     def delete(self, step: DeleteImage) -> None:
         cluster = self.need_cluster()

@@ -130,6 +130,8 @@ def _print_plans(plans: list[VolumePlan]) -> None:
         for s in vp.steps:
             flag = "  (destructive)" if s.destructive else ""
             print(f"  {_marker(s)} {s.action:<16} {s.target}: {s.before} -> {s.after}{flag}")
+        for why in vp.withheld:
+            print(f"  REFUSED: {why}")
         for note in vp.notes:
             print(f"  note: {note}")
 
@@ -146,7 +148,7 @@ def _paths(args: argparse.Namespace, config: Config) -> list[Path]:
 def cmd_plan(args: argparse.Namespace, config: Config) -> int:
     p = plan_pass(_paths(args, config), config, Node.from_config(config))
     steps = sum(len(vp.steps) for vp in p.plans)
-    refused = [vp for vp in p.plans if vp.refusal]
+    refused = [vp for vp in p.plans if vp.refused]
     failed = bool(refused or p.loaded.diagnostics)
     if args.output == "json":
         json.dump({
@@ -154,7 +156,7 @@ def cmd_plan(args: argparse.Namespace, config: Config) -> int:
             "errors": [d.as_dict() for d in p.loaded.diagnostics],
             "volumes": [{"name": vp.name, "phase": vp.phase.name,
                          "wanted": vp.wanted.name if vp.wanted is not None else None,
-                         "refusal": vp.refusal, "notes": vp.notes,
+                         "refusal": vp.refused, "notes": vp.notes,
                          "steps": [s.as_dict() for s in vp.steps]} for vp in p.plans],
         }, sys.stdout, indent=2)
         print()
@@ -210,7 +212,8 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
         json.dump({"volumes": rows, "frozen": sorted(p.loaded.frozen_names),
                    "errors": [d.as_dict() for d in p.loaded.diagnostics]}, sys.stdout, indent=2)
         print()
-        return EXIT_FAILED if p.loaded.diagnostics else EXIT_OK
+        return EXIT_FAILED if p.loaded.diagnostics or any(r["problem"] for r in rows) \
+            else EXIT_OK
     _print_load_errors(p)
     print(f"{'VOLUME':<16} {'PHASE':<10} {'WANTED':<10} {'SIZE':>7}  {'DEVICE':<11} MOUNTS")
     for r in rows:
@@ -221,7 +224,11 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
               f"{r['device'] or '-':<11} {', '.join(mounts) or '-'}")
     for name in sorted(p.loaded.frozen_names):
         print(f"{name:<16} {'FROZEN':<10} (its file failed to load; left as it is)")
-    return EXIT_FAILED if p.loaded.diagnostics else EXIT_OK
+    for r in rows:
+        if r["problem"]:
+            print(f"{r['name']}: {r['phase']}: {r['problem']}", file=sys.stderr)
+    degraded = any(r["problem"] for r in rows)
+    return EXIT_FAILED if p.loaded.diagnostics or degraded else EXIT_OK
 
 
 def cmd_validate(args: argparse.Namespace, config: Config) -> int:
@@ -287,7 +294,7 @@ def cmd_explain(args: argparse.Namespace, config: Config) -> int:
         "actual": actual,
         "deviceHolders": holders,
         "daemon": daemon,
-        "refusal": vp.refusal if vp else None,
+        "refusal": vp.refused if vp else None,
         "notes": vp.notes if vp else [],
         "nextSteps": [s.as_dict() for s in vp.steps] if vp else [],
     }
@@ -302,9 +309,12 @@ def cmd_explain(args: argparse.Namespace, config: Config) -> int:
             print(f"    {e}")
     if actual:
         print(f"  phase:    {actual['phase']} (wanted {actual['wanted']})")
+        if actual["problem"]:
+            print(f"  PROBLEM:  {actual['problem']}")
         size = format_size(actual["size"]) if actual["size"] else "-"
         print(f"  image:    {actual['image']}  size {size}")
-        print(f"  watchers: {', '.join(actual['watchers']) or 'none'}")
+        print(f"  watchers: {', '.join(actual['watchers']) or 'none'}"
+              + (f" (mapped by {actual['holder']})" if actual.get("holder") else ""))
         print(f"  mapping:  {actual['mapper'] or '-'} {actual['device'] or ''}")
         print(f"  holders:  {', '.join(holders) or 'none'}")
         print(f"  staging:  {actual['staging'] or '-'}")

@@ -328,7 +328,7 @@ class Daemon:
         busy = 0
         for vp in plans:
             vol = by_name[vp.name]
-            if not vp.steps and not vp.refusal:
+            if not vp.steps and not vp.refused:
                 self._converged(vol, vp, observed, released=vol in release)
                 continue
             busy += 1

@@ -8,3 +8,4 @@ FORMATTED = PREFIX + "formatted"  # fs type after our mkfs; never mkfs over it a
 # own mkfs was interrupted (crash, SIGKILL) and whatever it left may be redone.
 FORMATTING = PREFIX + "formatting"
 GROW_PENDING = PREFIX + "grow-pending"  # online grow refused: grow offline at next stage
+HOLDER = PREFIX + "holder"  # node that has the image mapped (for explain; informational)

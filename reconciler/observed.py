@@ -29,6 +29,7 @@ class Mapping:
     image: str
     device: str | None  # None: a fuse mount whose loop device is missing (half mapped)
     fuse_mount: str | None = None  # fuse only: the private rbd-fuse mount point
+    problem: str | None = None  # set: the mapping is dead (its helper is gone)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class Device:
     fs_uuid: str | None
     signature: str | None  # any signature (filesystem, partition table, raid...)
     fs_size: int | None = None  # bytes the filesystem spans, when known
+    problem: str | None = None  # set: the probe failed or the device did not read
 
 
 @dataclass(frozen=True)
@@ -73,11 +75,30 @@ class Observed:
     mounts: tuple[Mount, ...]
     # rdev of block-device nodes exposed at staging/publish paths (block mode)
     path_rdev: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # wanted paths with a symlink in them: path -> the first symlink component
+    symlinks: dict[str, str] = field(default_factory=dict)
+    # images whose create we started (stateDir/intents.json): ours even before
+    # their owner record is written
+    intents: frozenset[tuple[str, str]] = frozenset()
+
+    @cached_property
+    def top_mounts(self) -> dict[str, Mount]:
+        """The visible mount at each mount point: the one nothing else at that
+        point is mounted on (mountinfo order alone can mislead after moves)."""
+        by_point: dict[str, list[Mount]] = {}
+        for m in self.mounts:
+            by_point.setdefault(m.mount_point, []).append(m)
+        out = {}
+        for point, ms in by_point.items():
+            parents = {m.parent_id for m in ms}
+            tops = [m for m in ms if m.mount_id not in parents]
+            out[point] = tops[-1] if tops else ms[-1]
+        return out
 
     @cached_property
     def mounts_by_point(self) -> dict[str, Mount]:
-        # Later mounts stack on earlier ones; the last one at a path is visible.
-        return {m.mount_point: m for m in self.mounts}
+        """The visible (top) mount at each mount point."""
+        return self.top_mounts
 
     @cached_property
     def mappings_by_image(self) -> dict[tuple[str, str], list[Mapping]]:

@@ -53,6 +53,9 @@ class VolumePlan:
     name: str
     steps: list[Step] = field(default_factory=list)
     refusal: str | None = None  # set: nothing may be done to this volume
+    # Steps refused while the rest proceeds (a delete of an image we do not
+    # own must not keep the node's mounts and mapping around forever).
+    withheld: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     phase: Phase = Phase.ABSENT  # observed
     wanted: Phase | None = None
@@ -60,6 +63,12 @@ class VolumePlan:
     @property
     def changes(self) -> bool:
         return bool(self.steps)
+
+    @property
+    def refused(self) -> str | None:
+        """Everything that was refused, in one line (None: nothing was)."""
+        parts = ([self.refusal] if self.refusal else []) + self.withheld
+        return "; ".join(parts) or None
 
 
 class Refused(Exception):
@@ -104,6 +113,11 @@ class _VolumePlanner:
         self.dev: Device | None = (
             obs.devices.get(self.mapping.device) if self.mapping and self.mapping.device
             else None)
+
+    @property
+    def rdev(self) -> tuple[int, int]:
+        assert self.dev is not None
+        return self.dev.major, self.dev.minor
 
     # -- observation ---------------------------------------------------------
     def staged_mount(self) -> Mount | None:
@@ -155,16 +169,19 @@ class _VolumePlanner:
 
     def run(self, release: bool = False) -> VolumePlan:
         self.plan.phase = self.observed_phase()
-        if release:
-            # Give the node's resources back; the image is never touched.
-            self.plan.wanted = min(self.plan.phase, Phase.CREATED)
-            self.teardown(Phase.CREATED)
-            return self.plan
         try:
+            if release:
+                # Give the node's resources back; the image is never touched.
+                self.plan.wanted = min(self.plan.phase, Phase.CREATED)
+                self.teardown(Phase.CREATED)
+                return self.plan
             if self.v.image.pool not in self.obs.pools_listed:
                 why = self.obs.pool_errors.get(self.v.image.pool, "not listed")
                 raise Refused(f"cannot see pool {self.v.image.pool!r} ({why}); "
                               "an image there is unknown, not absent")
+            self.check_symlinks()
+            if self.mapping is not None and self.mapping.problem:
+                self.dead_mapping()
             if self.v.state == "absent":
                 self.teardown(Phase.ABSENT)
             else:
@@ -173,7 +190,46 @@ class _VolumePlanner:
         except Refused as exc:
             self.plan.refusal = str(exc)
             self.plan.steps = []
+            self.plan.withheld = []
         return self.plan
+
+    def check_symlinks(self) -> None:
+        """Safety rule 8: a path with a symlink in it is never followed."""
+        paths = [p.path for p in self.v.publish]
+        if self.v.stage is not None:
+            paths.insert(0, self.v.stage.path)
+        for p in paths:
+            link = self.obs.symlinks.get(p)
+            if link is not None:
+                raise Refused(f"{p}: {link} is a symlink; paths are used exactly as written "
+                              "and never through a symlink (it could lead outside "
+                              "allowedRoots)")
+
+    def mounted_paths(self) -> list[str]:
+        out = [m.mount_point for m in self.published_targets()]
+        if self.is_staged() and self.v.stage is not None:
+            out.insert(0, self.v.stage.path)
+        return out
+
+    def dead_mapping(self) -> None:
+        """A mapping that no longer answers (its rbd-fuse helper died). With
+        nothing mounted from it, map it again; with mounts, report and refuse:
+        never reformat, never pull a filesystem from under its users."""
+        assert self.mapping is not None
+        v, mp = self.v, self.mapping
+        self.plan.notes.append(f"mapping of {v.image.spec} ({mp.device or 'no device'}) is "
+                               f"dead: {mp.problem}")
+        mounted = self.mounted_paths()
+        if mounted:
+            raise Refused(
+                f"the mapping of {v.image.spec} is dead ({mp.problem}); {', '.join(mounted)} "
+                "cannot do I/O. Nothing is formatted or unmounted behind the applications' "
+                "backs: stop what uses them, then `rbd-reconciler release` this volume's file "
+                "and apply again")
+        if v.state == "absent" or v.wanted_phase < Phase.MAPPED:
+            return  # the teardown unmaps it
+        self.add(Unmap(v.name, v.image.pool, v.image.name, mp.kind, mp.device, mp.fuse_mount))
+        self.mapping, self.dev = None, None
 
     def forward(self) -> None:
         v, img = self.v, self.v.image
@@ -192,6 +248,8 @@ class _VolumePlanner:
             else:
                 new_size = self.img.size
             owned = self.img.meta.get(meta.OWNER) == self.ctx.node_name
+            if self.claim_interrupted_create():
+                owned = True
             if owned and self.img.meta.get(meta.SPEC_HASH) != v.spec_hash:
                 self.add(SetImageMeta(v.name, img.pool, img.name, meta.SPEC_HASH,
                                       self.img.meta.get(meta.SPEC_HASH), v.spec_hash))
@@ -202,9 +260,31 @@ class _VolumePlanner:
         if v.wanted_phase >= Phase.PUBLISHED:
             self.forward_publish()
 
+    def claim_interrupted_create(self) -> bool:
+        """Our create was cut off before the owner record: the intent says it is ours."""
+        img = self.img
+        if img is None or img.meta.get(meta.OWNER) is not None or \
+                (img.pool, img.name) not in self.obs.intents:
+            return False
+        self.add(SetImageMeta(self.v.name, img.pool, img.name, meta.OWNER, None,
+                              self.ctx.node_name))
+        return True
+
     def forward_map(self, new_size: int | None) -> None:
         v = self.v
         assert v.map is not None
+        if (self.mapping is not None and v.map.mapper != "auto"
+                and self.mapping.kind != v.map.mapper):
+            if v.wanted_phase >= Phase.STAGED and self.mounted_paths():
+                raise Refused(
+                    f"{v.image.spec} is mapped with {self.mapping.kind} and the spec now wants "
+                    f"{v.map.mapper}: remapping would pull it from under its users. Release it "
+                    "(`rbd-reconciler release FILE`) and apply again, or set mapper back to "
+                    f"{self.mapping.kind}")
+            mp = self.mapping
+            self.add(Unmap(v.name, v.image.pool, v.image.name, mp.kind, mp.device,
+                           mp.fuse_mount))
+            self.mapping, self.dev = None, None
         if self.mapping is not None and self.mapping.device is None:
             # A fuse mount without its loop device: half mapped. Redo it.
             self.add(Unmap(v.name, v.image.pool, v.image.name, "fuse", None,
@@ -212,9 +292,11 @@ class _VolumePlanner:
             self.mapping = None
         if self.mapping is None:
             if self.img is not None and self.foreign_watchers():
+                holder = self.img.meta.get(meta.HOLDER)
                 raise Refused(f"image {v.image.spec} is open by {self.foreign_watchers()} "
-                              f"other client(s) ({', '.join(self.img.watchers)}); mapping it "
-                              "here too could corrupt it")
+                              f"other client(s) ({', '.join(self.img.watchers)})"
+                              + (f", mapped by {holder}" if holder else "")
+                              + "; mapping it here too could corrupt it")
             mapper = resolve_mapper(v.map.mapper, self.ctx.mappers_available)
             self.add(MapImage(v.name, v.image.pool, v.image.name, mapper, v.map.options))
             return
@@ -315,15 +397,17 @@ class _VolumePlanner:
         # Unpublish binds that are not wanted (all of them below PUBLISHED).
         for m in sorted(self.published_targets(), key=lambda m: m.mount_point, reverse=True):
             if m.mount_point not in keep_targets:
-                self.add(Unpublish(v.name, m.mount_point))
+                self._check_ours_on_top(m)
+                self.add(Unpublish(v.name, m.mount_point, self.rdev))
         if wanted < Phase.STAGED and v.stage is not None and self.is_staged():
-            self.add(Unstage(v.name, v.stage.path))
+            self._check_ours_on_top(self.obs.mounts_by_point[v.stage.path])
+            self.add(Unstage(v.name, v.stage.path, self.rdev))
         elif wanted < Phase.STAGED and v.stage is None:
             # The stage section was dropped: its mount sits at the default path.
             m = self.obs.mounts_by_point.get(self.staging_path)
             if _same_device(m, self.dev) or _device_node_at(self.obs, self.staging_path,
                                                               self.dev):
-                self.add(Unstage(v.name, self.staging_path))
+                self.add(Unstage(v.name, self.staging_path, self.rdev))
         mappings = ([self.mapping] if self.mapping else []) + self.extra_mappings
         if wanted < Phase.MAPPED:
             for mp in mappings:
@@ -332,6 +416,19 @@ class _VolumePlanner:
         if wanted < Phase.CREATED and self.img is not None:
             self.plan_delete()
 
+    def _check_ours_on_top(self, ours: Mount) -> None:
+        """Safety rule 8: only the top mount at a path is unmounted, and only ours."""
+        top = self.obs.top_mounts.get(ours.mount_point)
+        if top is not None and top.mount_id != ours.mount_id and not self._is_our_mount(top):
+            raise Refused(f"{ours.mount_point}: someone else's mount ({top.fs_type} "
+                          f"{top.source}) sits on top of ours; refusing to unmount it "
+                          "(unmount it by hand first)")
+
+    def _is_our_mount(self, m: Mount) -> bool:
+        return self.dev is not None and (
+            (m.major, m.minor) == self.rdev
+            or self.obs.path_rdev.get(m.mount_point) == self.rdev)
+
     def plan_delete(self) -> None:
         v, img = self.v, self.img
         assert img is not None
@@ -339,13 +436,19 @@ class _VolumePlanner:
             self.plan.notes.append(f"image {v.image.spec} kept: reclaimPolicy is Retain")
             return
         owner = img.meta.get(meta.OWNER)
+        if self.claim_interrupted_create():
+            owner = self.ctx.node_name
+        # A refused delete withholds the delete only: the node's side is torn down.
         if owner != self.ctx.node_name:
-            raise Refused(f"refusing to delete {v.image.spec}: it was not created by this node "
-                          f"(owner: {owner or 'none recorded'})")
+            self.plan.withheld.append(
+                f"refusing to delete {v.image.spec}: it was not created by this node "
+                f"(owner: {owner or 'none recorded'}); the image is kept")
+            return
         if self.foreign_watchers():
-            raise Refused(f"refusing to delete {v.image.spec}: it is open by "
-                          f"{self.foreign_watchers()} other client(s) "
-                          f"({', '.join(img.watchers)})")
+            self.plan.withheld.append(
+                f"refusing to delete {v.image.spec}: it is open by {self.foreign_watchers()} "
+                f"other client(s) ({', '.join(img.watchers)}); the image is kept")
+            return
         self.add(DeleteImage(v.name, v.image.pool, v.image.name))
 
 
@@ -365,9 +468,13 @@ def actual_state(vol: Volume, observed: Observed, ctx: Context) -> dict[str, obj
     """What is there for one desired volume, in the planner's own terms."""
     p = _VolumePlanner(vol, observed, ctx)
     staged = p.staged_mount()
+    problem = (p.mapping.problem if p.mapping and p.mapping.problem else
+               p.dev.problem if p.dev and p.dev.problem else None)
     return {
         "name": vol.name,
-        "phase": p.observed_phase().name,
+        # A mapping that no longer answers is not "PUBLISHED", whatever is mounted.
+        "phase": "DEGRADED" if problem else p.observed_phase().name,
+        "problem": problem,
         "wanted": vol.wanted_phase.name,
         "image": vol.image.spec,
         "size": p.img.size if p.img else None,
@@ -379,4 +486,5 @@ def actual_state(vol: Volume, observed: Observed, ctx: Context) -> dict[str, obj
         "published": sorted((m.mount_point, "ro" if m.read_only else "rw")
                             for m in p.published_targets()),
         "watchers": list(p.img.watchers) if p.img else [],
+        "holder": p.img.meta.get(meta.HOLDER) if p.img else None,
     }

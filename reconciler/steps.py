@@ -185,6 +185,7 @@ class Publish(Step):
 @dataclass(frozen=True)
 class Unpublish(Step):
     path: str
+    rdev: tuple[int, int]  # our device: only a mount of it (or of its node) is removed
     disruptive: ClassVar[bool] = True
     action: ClassVar[str] = "unpublish"
 
@@ -196,6 +197,7 @@ class Unpublish(Step):
 @dataclass(frozen=True)
 class Unstage(Step):
     path: str
+    rdev: tuple[int, int]
     disruptive: ClassVar[bool] = True
     action: ClassVar[str] = "unstage"
 

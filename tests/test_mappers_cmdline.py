@@ -234,7 +234,8 @@ def fuse(root: str | Path = RECORDED_FUSE_ROOT, *replies: Result | Fail
 
 def test_fuse_list_on_recorded_mounts() -> None:
     m, runner = fuse()
-    found = m.list(data("mountinfo.txt"), data("losetup_fuse_and_deleted.json"))
+    served = {f"{RECORDED_FUSE_ROOT}/rbd@orphan", f"{RECORDED_FUSE_ROOT}/rbd@pgdata"}
+    found = m.list(data("mountinfo.txt"), data("losetup_fuse_and_deleted.json"), served)
     assert found == [
         # rbd-fuse is mounted but no loop device reads its file: half mapped.
         Mapping("fuse", "rbd", "orphan", None,
@@ -243,6 +244,31 @@ def test_fuse_list_on_recorded_mounts() -> None:
                 fuse_mount=f"{RECORDED_FUSE_ROOT}/rbd@pgdata"),
     ]
     assert runner.history == []  # both inputs given: nothing is run
+
+
+def test_fuse_list_reports_a_mapping_whose_helper_is_gone() -> None:
+    m, _ = fuse()
+    served = {f"{RECORDED_FUSE_ROOT}/rbd@orphan"}
+    found = m.list(data("mountinfo.txt"), data("losetup_fuse_and_deleted.json"), served)
+    by_image = {x.image: x for x in found}
+    assert by_image["orphan"].problem is None
+    assert "helper is gone" in (by_image["pgdata"].problem or "")
+
+
+def test_helper_mounts_reads_the_process_table(tmp_path: Path) -> None:
+    def proc(pid: int, argv: list[str], state: str = "S") -> None:
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv))
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} (rbd-fuse) {state} 1 2 3")
+
+    proc(10, ["/usr/bin/rbd-fuse", "-c", "/etc/ceph/c.conf", "-p", "rbd", "-r", "a",
+              "/st/fuse/rbd@a", "-f"])
+    proc(11, ["rbd-fuse", "-p", "rbd", "-r", "b", "/st/fuse/rbd@b", "-f"], state="Z")
+    proc(12, ["sleep", "/st/fuse/rbd@c"])
+    m, _ = fuse()
+    served = m.helper_mounts(tmp_path)
+    assert "/st/fuse/rbd@a" in served
+    assert "/st/fuse/rbd@b" not in served and "/st/fuse/rbd@c" not in served
 
 
 def test_fuse_list_without_loop_devices() -> None:
@@ -316,7 +342,7 @@ def test_fuse_list_ignores_foreign_and_odd_mounts() -> None:
                f'"{root}/fast@metrics-xfs/metrics-xfs"'
                '}, {"name": "/dev/loop8", "back-file": "/mnt/rbd@c/c"}]}')
     m, _ = fuse(root)
-    assert m.list(text, losetup) == [
+    assert m.list(text, losetup, {f"{root}/fast@metrics-xfs"}) == [
         Mapping("fuse", "fast", "metrics-xfs", "/dev/loop7", fuse_mount=f"{root}/fast@metrics-xfs"),
     ]
 

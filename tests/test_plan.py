@@ -455,7 +455,7 @@ def test_dropped_publish_target_is_unpublished() -> None:
     vol = volume(publish=((RW, False),))
     w = converged(volume())  # still published at both
     w.image("pgdata", 256 * MiB, meta=owned_meta(vol))
-    assert plan_one(vol, w).steps == [Unpublish("pgdata", RO)]
+    assert plan_one(vol, w).steps == [Unpublish("pgdata", RO, LOOP_RDEV)]
 
 
 def test_publish_section_dropped_unpublishes_everything() -> None:
@@ -464,14 +464,14 @@ def test_publish_section_dropped_unpublishes_everything() -> None:
     w.image("pgdata", 256 * MiB, meta=owned_meta(vol))
     p = plan_one(vol, w)
     assert p.wanted is Phase.STAGED
-    assert p.steps == [Unpublish("pgdata", RO), Unpublish("pgdata", RW)]
+    assert p.steps == [Unpublish("pgdata", RO, LOOP_RDEV), Unpublish("pgdata", RW, LOOP_RDEV)]
 
 
 def test_stage_section_dropped_unstages_at_the_default_path() -> None:
     vol = volume(stage=False)
     w = converged(volume(), published=False)
     w.image("pgdata", 256 * MiB, meta=owned_meta(vol))
-    assert plan_one(vol, w).steps == [Unstage("pgdata", STG)]
+    assert plan_one(vol, w).steps == [Unstage("pgdata", STG, LOOP_RDEV)]
 
 
 # --- grow ----------------------------------------------------------------------------
@@ -682,22 +682,34 @@ def test_frozen_beats_release() -> None:
     refused(p, "failed to load")
 
 
-def test_delete_of_an_image_not_owned_is_refused() -> None:
+def withheld(p: VolumePlan, *words: str) -> None:
+    """The delete is refused; the node's side is still torn down (issue 7 #13)."""
+    assert p.refusal is None and p.withheld, p
+    assert "delete image" not in actions(p)
+    for w in words:
+        assert w in p.refused, (w, p.refused)
+
+
+def test_delete_of_an_image_not_owned_is_refused_but_torn_down() -> None:
     vol = volume(state="absent", reclaim="Delete")
     w = converged(volume(), image_meta={meta.OWNER: "node-b"})
-    refused(plan_one(vol, w), "refusing to delete rbd/pgdata", "owner: node-b")
+    p = plan_one(vol, w)
+    withheld(p, "refusing to delete rbd/pgdata", "owner: node-b")
+    assert actions(p) == ["unpublish", "unpublish", "unstage", "unmap"]
 
 
 def test_delete_without_owner_is_refused() -> None:
     vol = volume(state="absent", reclaim="Delete", mapper=None, stage=False)
-    refused(plan_one(vol, World().image("pgdata", 256 * MiB)), "none recorded")
+    p = plan_one(vol, World().image("pgdata", 256 * MiB))
+    withheld(p, "none recorded")
+    assert p.steps == []
 
 
 def test_delete_with_foreign_watchers_is_refused() -> None:
     vol = volume(state="absent", reclaim="Delete")
     # Mapped here (one watcher is ours) and somewhere else too.
     w = converged(volume(), watchers=("client.4110", "client.9001"))
-    refused(plan_one(vol, w), "refusing to delete", "open by 1 other client(s)")
+    withheld(plan_one(vol, w), "refusing to delete", "open by 1 other client(s)")
 
 
 # --- teardown -------------------------------------------------------------------------
@@ -707,9 +719,9 @@ def test_retain_absent_tears_down_and_keeps_the_image() -> None:
     vol = volume(state="absent", reclaim="Retain")
     p = plan_one(vol, converged(volume()))
     assert p.steps == [
-        Unpublish("pgdata", RO),
-        Unpublish("pgdata", RW),
-        Unstage("pgdata", STG),
+        Unpublish("pgdata", RO, LOOP_RDEV),
+        Unpublish("pgdata", RW, LOOP_RDEV),
+        Unstage("pgdata", STG, LOOP_RDEV),
         Unmap("pgdata", "rbd", "pgdata", "fuse", LOOP, f"{FUSE_ROOT}/rbd@pgdata"),
     ]
     assert not any(isinstance(s, DeleteImage) for s in p.steps)
@@ -755,8 +767,8 @@ def test_teardown_of_block_mode() -> None:
     p = plan_one(vol, converged(volume("scratch", mode="block",
                                        publish=(("/srv/scratch.dev", False),))))
     assert p.steps == [
-        Unpublish("scratch", "/srv/scratch.dev"),
-        Unstage("scratch", f"{STAGING_ROOT}/scratch"),
+        Unpublish("scratch", "/srv/scratch.dev", LOOP_RDEV),
+        Unstage("scratch", f"{STAGING_ROOT}/scratch", LOOP_RDEV),
         Unmap("scratch", "rbd", "scratch", "fuse", LOOP, f"{FUSE_ROOT}/rbd@scratch"),
     ]
 

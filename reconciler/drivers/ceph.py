@@ -31,6 +31,10 @@ class CephError(Exception):
     pass
 
 
+class ImageExists(CephError):
+    """The image to create is already there: someone else's, never ours to claim."""
+
+
 def feature_names(bits: int) -> frozenset[str]:
     return frozenset(n for n, b in FEATURE_BITS.items() if bits & b)
 
@@ -105,7 +109,12 @@ def _image_state(ioctx: rados.Ioctx, pool: str, name: str) -> ImageState | None:
 def create_image(cluster: rados.Rados, pool: str, name: str, size: int,
                  features: Iterable[str], meta: dict[str, str]) -> None:
     with cluster.open_ioctx(pool) as ioctx:
-        rbd.RBD().create(ioctx, name, size, old_format=False, features=feature_bits(features))
+        try:
+            rbd.RBD().create(ioctx, name, size, old_format=False,
+                             features=feature_bits(features))
+        except rbd.ImageExists:
+            raise ImageExists(f"{pool}/{name} already exists (created by someone else "
+                              "since it was observed)") from None
         try:
             with rbd.Image(ioctx, name) as img:
                 for k, v in meta.items():
@@ -138,6 +147,25 @@ def remove_meta(cluster: rados.Rados, pool: str, name: str, key: str) -> None:
 def get_meta(cluster: rados.Rados, pool: str, name: str) -> dict[str, str]:
     with cluster.open_ioctx(pool) as ioctx, rbd.Image(ioctx, name, read_only=True) as img:
         return dict(img.metadata_list())
+
+
+class _Found(Exception):
+    pass
+
+
+def has_data(cluster: rados.Rados, pool: str, name: str) -> bool:
+    """Whether any block of the image was ever written (an allocated object).
+    Stops at the first one; with object-map this reads no data objects."""
+    def found(_offset: int, _length: int, exists: bool) -> None:
+        if exists:
+            raise _Found
+
+    with cluster.open_ioctx(pool) as ioctx, rbd.Image(ioctx, name, read_only=True) as img:
+        try:
+            img.diff_iterate(0, img.size(), None, found, whole_object=True)
+        except _Found:
+            return True
+    return False
 
 
 def remove_image(cluster: rados.Rados, pool: str, name: str) -> None:

@@ -3,11 +3,34 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import mmap
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..parsers import Probe, parse_blkid_export, parse_dumpe2fs_size, parse_xfs_info_size
+from ..observed import Mount
+from ..parsers import (
+    Probe,
+    parse_blkid_export,
+    parse_dumpe2fs_size,
+    parse_mountinfo,
+    parse_xfs_info_size,
+)
+from ..registry import CreatedPaths
+from ..safepath import (
+    O_PATH,
+    UnsafePath,
+    ensure_dir,
+    ensure_file,
+    fd_path,
+    identity,
+    mount_id,
+    open_nofollow,
+    opened,
+    split,
+)
 from .run import CommandError, Runner
 
 # -m0: no root reserve on a data volume; nodiscard/lazy init: mkfs does not
@@ -25,11 +48,56 @@ class OnlineGrowRefused(Exception):
     """The kernel refused an online grow (ext4 without CAP_SYS_RESOURCE here)."""
 
 
+class DeviceUnreadable(Exception):
+    """Reading the device failed: what it holds is unknown (never "blank")."""
+
+
+PROBE_BYTES = 64 * 1024  # where ext4/xfs/partition-table signatures live
+
+
+def read_error(device: str, length: int = PROBE_BYTES) -> str | None:
+    """None when the start of ``device`` reads back; else why not. O_DIRECT:
+    the page cache may still hold blocks of a device that no longer answers."""
+    try:
+        fd = os.open(device, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    try:
+        buf = mmap.mmap(-1, length)  # page-aligned, as O_DIRECT wants
+        try:
+            n = os.preadv(fd, [buf], 0)
+        finally:
+            buf.close()
+    except OSError as exc:
+        return f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror}"
+    finally:
+        os.close(fd)
+    return None if n > 0 else "short read"
+
+
+class ForeignMount(Exception):
+    """The top mount at a path is not ours: never unmounted."""
+
+
+def is_ours(top: Mount, st: os.stat_result, rdev: tuple[int, int]) -> bool:
+    """A filesystem mount of our device (its root), or a bind of its device node
+    (devtmpfs binds show the node's name as root; the node itself has our rdev)."""
+    if (top.major, top.minor) == rdev and top.root == "/":
+        return True
+    return stat.S_ISBLK(st.st_mode) and (os.major(st.st_rdev), os.minor(st.st_rdev)) == rdev
+
+
 @dataclass
 class Filesystems:
     runner: Runner
+    created: CreatedPaths | None = None  # mount points we made (removed after unmount)
 
     def probe(self, device: str) -> Probe:
+        """What signature the device carries. blkid exits 2 both for a blank
+        device and for one it could not read (a dead rbd-fuse helper): a read
+        that fails first makes the probe fail, never "blank"."""
+        if (err := read_error(device)) is not None:
+            raise DeviceUnreadable(f"{device} cannot be read ({err}); its content is unknown")
         res = self.runner.run(["blkid", "-p", "-o", "export", device], ok_codes=(0, 2))
         return parse_blkid_export(res.stdout, res.returncode)
 
@@ -54,52 +122,112 @@ class Filesystems:
         self.runner.run([f"mkfs.{fs_type}", *MKFS_DEFAULTS[fs_type], *flag, *options, device],
                         timeout=600)
 
+    def _mountpoint(self, path: str, kind: str) -> None:
+        """Create the mount point (no symlink followed); remember it if we made it."""
+        made = ensure_dir(path) if kind == "dir" else ensure_file(path)
+        if made and self.created is not None:
+            self.created.record_path(path, kind, identity(path))
+
     def mount(self, device: str, path: str, fs_type: str, options: tuple[str, ...]) -> None:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        argv = ["mount", "-t", fs_type]
-        if options:
-            argv += ["-o", ",".join(options)]
-        self.runner.run([*argv, device, path])
+        self._mountpoint(path, "dir")
+        with opened(path, O_PATH | os.O_DIRECTORY) as fd:
+            argv = ["mount", "--no-canonicalize", "-t", fs_type]
+            if options:
+                argv += ["-o", ",".join(options)]
+            self.runner.run([*argv, device, fd_path(fd)], pass_fds=(fd,))
 
     def expose_device(self, device: str, path: str) -> None:
         """Block mode: bind the device node onto a file at ``path``."""
-        _ensure_file(path)
-        self.runner.run(["mount", "--bind", device, path])
+        self._mountpoint(path, "file")
+        with opened(path) as fd:
+            self.runner.run(["mount", "--no-canonicalize", "--bind", device, fd_path(fd)],
+                            pass_fds=(fd,))
 
     def bind(self, source: str, path: str, block: bool, read_only: bool,
-             options: tuple[str, ...]) -> None:
-        if block:
-            _ensure_file(path)
-        else:
-            Path(path).mkdir(parents=True, exist_ok=True)
-        self.runner.run(["mount", "--bind", source, path])
+             options: tuple[str, ...], rdev: tuple[int, int] | None = None) -> None:
+        """Bind ``source`` (the staging mount, checked by the caller) at ``path``.
+        Both are opened without following symlinks; the bind uses the descriptors."""
+        self._mountpoint(path, "file" if block else "dir")
+        with opened(source) as sfd, opened(path) as tfd:
+            self.runner.run(["mount", "--no-canonicalize", "--bind", fd_path(sfd),
+                             fd_path(tfd)], pass_fds=(sfd, tfd))
         # A bind inherits the source's flags; ro (and options) need a remount.
         # If that fails the target must not stay mounted with the wrong mode.
         if read_only or options:
             try:
                 self.remount_bind(path, read_only, options)
             except CommandError:
-                self.runner.run(["umount", path])
+                self.unmount(path, rdev)
                 raise
 
     def remount_bind(self, path: str, read_only: bool, options: tuple[str, ...]) -> None:
         opts = ["remount", "bind", "ro" if read_only else "rw", *options]
-        self.runner.run(["mount", "-o", ",".join(opts), path])
+        with opened(path) as fd:
+            self.runner.run(["mount", "--no-canonicalize", "-o", ",".join(opts), fd_path(fd)],
+                            pass_fds=(fd,))
 
     def remount(self, path: str, options: tuple[str, ...]) -> None:
-        self.runner.run(["mount", "-o", ",".join(["remount", *options]), path])
+        with opened(path) as fd:
+            self.runner.run(["mount", "--no-canonicalize", "-o",
+                             ",".join(["remount", *options]), fd_path(fd)], pass_fds=(fd,))
 
-    def unmount(self, path: str, remove: bool = True) -> None:
-        """Unmount ``path``; then remove it if it is an empty directory or file
-        that we made as a mount point. Never removes anything with content."""
-        self.runner.run(["umount", path])
-        if remove:
-            p = Path(path)
-            with contextlib.suppress(OSError):
-                if p.is_dir():
-                    p.rmdir()
-                elif p.is_file() and p.stat().st_size == 0:
-                    p.unlink()
+    def unmount(self, path: str, rdev: tuple[int, int] | None) -> bool:
+        """Unmount the top mount at ``path`` when it is ours: a mount of device
+        ``rdev`` (its root) or a bind of that device's node. Anything else on
+        top (someone's tmpfs) is refused, never unmounted. Then the mount point
+        is removed if we created it. False: nothing was mounted there.
+        ``rdev`` None: the caller has just made this mount itself (undo)."""
+        parent, name = split(path)
+        try:
+            pfd = open_nofollow(parent, O_PATH | os.O_DIRECTORY)
+        except FileNotFoundError:
+            return False
+        try:
+            try:
+                fd = os.open(name, O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+            except FileNotFoundError:
+                return False
+            try:
+                mid, st = mount_id(fd), os.fstat(fd)
+            finally:
+                os.close(fd)  # an open descriptor would keep the mount busy
+            if stat.S_ISLNK(st.st_mode):
+                raise UnsafePath(f"{path} is a symlink; refusing to follow it")
+            top = {m.mount_id: m for m in parse_mountinfo(
+                Path("/proc/self/mountinfo").read_text())}.get(mid)
+            if top is None or top.mount_point != path:
+                self._remove_created(pfd, name, path)
+                return False
+            if rdev is not None and not is_ours(top, st, rdev):
+                raise ForeignMount(
+                    f"{path}: the top mount there is not ours ({top.fs_type} {top.source}, "
+                    f"root {top.root}, device {top.major}:{top.minor}); refusing to unmount "
+                    "someone else's mount (unmount it by hand first)")
+            self.runner.run(["umount", "--no-canonicalize", fd_path(pfd, name)],
+                            pass_fds=(pfd,))
+            self._remove_created(pfd, name, path)
+            return True
+        finally:
+            os.close(pfd)
+
+    def _remove_created(self, pfd: int, name: str, path: str) -> None:
+        """Remove the mount point only if we made it and it is still that inode."""
+        if self.created is None or (rec := self.created.lookup(path)) is None:
+            return
+        kind, ident = rec
+        try:
+            st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+        except FileNotFoundError:
+            self.created.forget(path)
+            return
+        if (st.st_dev, st.st_ino) == ident:
+            with contextlib.suppress(OSError):  # not empty: someone put data there
+                if kind == "dir" and stat.S_ISDIR(st.st_mode):
+                    os.rmdir(name, dir_fd=pfd)
+                elif kind == "file" and stat.S_ISREG(st.st_mode) and st.st_size == 0:
+                    os.unlink(name, dir_fd=pfd)
+        if not os.path.lexists(path) or (st.st_dev, st.st_ino) != ident:
+            self.created.forget(path)
 
     def grow_online(self, device: str, path: str, fs_type: str) -> None:
         if fs_type == "xfs":
@@ -127,11 +255,3 @@ def block_device_size(path: str) -> int:
     """Bytes, from sysfs (the loop/rbd/nbd driver's current idea of the size)."""
     name = os.path.basename(os.path.realpath(path))
     return int(Path(f"/sys/class/block/{name}/size").read_text()) * 512
-
-
-def _ensure_file(path: str) -> None:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    if not p.exists():
-        fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o600)
-        os.close(fd)

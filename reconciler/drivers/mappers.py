@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import subprocess
 import time
 from collections.abc import Callable
@@ -178,8 +179,8 @@ class FuseMapper:
                                    f"{device} is still {now} bytes, expected {size}")
             time.sleep(0.1)
 
-    def list(self, mountinfo: str | None = None, losetup_json: str | None = None
-             ) -> list[Mapping]:
+    def list(self, mountinfo: str | None = None, losetup_json: str | None = None,
+             helpers: set[str] | None = None) -> list[Mapping]:
         mounts = parse_mountinfo(mountinfo if mountinfo is not None else
                                  Path("/proc/self/mountinfo").read_text())
         found = (parse_losetup_json(losetup_json) if losetup_json is not None
@@ -193,9 +194,29 @@ class FuseMapper:
             pool, _, image = m.mount_point[len(prefix):].partition("@")
             if not image or "/" in image:
                 continue
+            if helpers is None:
+                helpers = self.helper_mounts()
+            problem = None if m.mount_point in helpers else (
+                "its rbd-fuse helper is gone: the FUSE mount answers ENOTCONN and every "
+                "read or write of the device fails")
             out.append(Mapping("fuse", pool, image, loops.get(f"{m.mount_point}/{image}"),
-                               fuse_mount=m.mount_point))
+                               fuse_mount=m.mount_point, problem=problem))
         return out
+
+    def helper_mounts(self, proc: Path = Path("/proc")) -> set[str]:
+        """Mount points served by a live rbd-fuse process (its last argument
+        before ``-f``). A process table scan, not a stat of the mount: a stat
+        would wait on a helper that is alive but stalled on Ceph."""
+        found = set()
+        for cmdline in proc.glob("[0-9]*/cmdline"):
+            with contextlib.suppress(OSError):
+                args = cmdline.read_bytes().split(b"\0")
+                if args and args[0].endswith(b"rbd-fuse"):
+                    state = (cmdline.parent / "stat").read_text()
+                    if state[state.rindex(")") + 2:][:1] in ("Z", "X"):
+                        continue  # exited, not yet reaped: it serves nothing
+                    found.update(os.fsdecode(a) for a in args[1:] if a.startswith(b"/"))
+        return found
 
 
 def loop_devices(sys_block: Path = Path("/sys/block")) -> tuple[LoopDevice, ...]:

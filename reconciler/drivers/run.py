@@ -48,7 +48,10 @@ class Runner:
     history: list[list[str]] = field(default_factory=list)
 
     def run(self, argv: Sequence[str], *, ok_codes: Sequence[int] = (0,),
-            timeout: float | None = None, env: dict[str, str] | None = None) -> Result:
+            timeout: float | None = None, env: dict[str, str] | None = None,
+            pass_fds: Sequence[int] = ()) -> Result:
+        """``pass_fds``: descriptors the command reaches as ``/proc/self/fd/N``
+        (paths resolved without symlinks, see ``safepath``)."""
         argv = [str(a) for a in argv]
         self.history.append(argv)
         log.debug("run: %s", " ".join(argv))
@@ -57,7 +60,7 @@ class Runner:
         limit = timeout or self.timeout
         try:
             proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
-                                  env=env, timeout=limit, check=False)
+                                  env=env, timeout=limit, check=False, pass_fds=pass_fds)
         except subprocess.TimeoutExpired:
             raise CommandError(argv, 124, f"timed out after {limit:.0f} s") from None
         out = Result(proc.returncode, _text(proc.stdout), _text(proc.stderr))

@@ -1,0 +1,61 @@
+"""Small records under stateDir that outlive a crash: what we created.
+
+- ``created.json``: mount points we made, so teardown removes only those
+  (kubelet's staging directory, an operator's /srv/app or a symlink's target
+  are never removed), and only while still the same inode.
+- ``intents.json``: images we are about to create. librbd cannot create an
+  image and its owner record in one step; a crash in between would leave an
+  image nobody owns. With the intent written first, the next pass recognises
+  the image as ours and records the owner.
+
+Atomic writes (statefiles); guarded for the daemon's worker threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from .statefiles import read_json, write_json
+
+
+class Registry:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+
+    def all(self) -> dict[str, Any]:
+        data = read_json(self.path, {})
+        return data if isinstance(data, dict) else {}
+
+    def get(self, key: str) -> Any:
+        return self.all().get(key)
+
+    def record(self, key: str, value: Any) -> None:
+        with self._lock:
+            data = self.all()
+            data[key] = value
+            write_json(self.path, data)
+
+    def forget(self, key: str) -> None:
+        with self._lock:
+            data = self.all()
+            if data.pop(key, None) is not None:
+                write_json(self.path, data)
+
+
+class CreatedPaths(Registry):
+    def record_path(self, path: str, kind: str, ident: tuple[int, int] | None) -> None:
+        if ident is not None:
+            self.record(path, {"kind": kind, "dev": ident[0], "ino": ident[1]})
+
+    def lookup(self, path: str) -> tuple[str, tuple[int, int]] | None:
+        rec = self.get(path)
+        if not isinstance(rec, dict):
+            return None
+        return str(rec.get("kind", "dir")), (int(rec["dev"]), int(rec["ino"]))
+
+
+def intent_key(pool: str, image: str) -> str:
+    return f"{pool}/{image}"
