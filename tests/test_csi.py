@@ -79,10 +79,9 @@ def unknown_id(c: CsiNode) -> str:
     return ids.volume_id(c.node.cluster.pool, ids.image_for_request("never-created"))
 
 
-def assert_empty_dir_or_gone(path: Path) -> None:
-    """After unstage: nothing mounted and nothing left inside kubelet's dir."""
-    assert not path.exists() or (path.is_dir() and not any(path.iterdir())), \
-        list(path.iterdir())
+def assert_empty_dir(path: Path) -> None:
+    """After unstage: kubelet's staging dir stays (kubelet made it), empty."""
+    assert path.is_dir() and not any(path.iterdir()), list(path.iterdir())
 
 
 def sha(path: Path, size: int | None = None) -> str:
@@ -357,7 +356,7 @@ def test_kubelet_sequence_filesystem(start_csi: Callable[..., CsiNode]) -> None:
     for _ in range(2):
         unstage(c, vol, staging)
     assert str(staging) not in c.node.mounts()
-    assert_empty_dir_or_gone(staging)
+    assert_empty_dir(staging)
     delete(c, vol)
     assert not c.node.image_exists(vol.volume_id.rsplit(":", 1)[1])
     assert not c.files()
@@ -400,7 +399,7 @@ def test_kubelet_sequence_block(start_csi: Callable[..., CsiNode]) -> None:
         assert not t.exists()
     unstage(c, vol, staging)
     unstage(c, vol, staging)
-    assert_empty_dir_or_gone(staging)
+    assert_empty_dir(staging)
     delete(c, vol)
     assert not c.files()
     assert c.stop() == 0
