@@ -142,7 +142,12 @@ def _print_load_errors(p: Pass) -> None:
 
 
 def _paths(args: argparse.Namespace, config: Config) -> list[Path]:
-    return args.paths or [config.desired_dir]
+    """Default: the operator's files and the CSI adapter's (one engine, one view)."""
+    return args.paths or _default_paths(config)
+
+
+def _default_paths(config: Config) -> list[Path]:
+    return [config.desired_dir, *([config.csi_dir] if config.csi_dir.is_dir() else [])]
 
 
 def cmd_plan(args: argparse.Namespace, config: Config) -> int:
@@ -232,7 +237,7 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_validate(args: argparse.Namespace, config: Config) -> int:
-    paths = args.paths or [config.desired_dir]
+    paths = args.paths or _default_paths(config)
     result = load(paths, config)
     if args.output == "json":
         json.dump({
@@ -272,7 +277,7 @@ def _daemon_status(config: Config, name: str) -> dict | None:
 
 def cmd_explain(args: argparse.Namespace, config: Config) -> int:
     node = Node.from_config(config)
-    p = plan_pass([config.desired_dir], config, node)
+    p = plan_pass(_default_paths(config), config, node)
     vols = {v.name: v for v in p.loaded.volumes}
     daemon = _daemon_status(config, args.name)
     if args.name not in vols and args.name not in p.loaded.frozen_names and daemon is None:

@@ -334,6 +334,11 @@ def test_kubelet_sequence_filesystem(start_csi: Callable[..., CsiNode]) -> None:
         publish_req(vol, staging, ro_target, read_only=False), timeout=T)) == \
         Code.ALREADY_EXISTS
 
+    # One engine, one view: the CLI shows the CSI volume like any other.
+    name = ids.volume_name(*ids.parse_volume_id(vol.volume_id))  # type: ignore[misc]
+    rc, out = c.node.cli("status")
+    assert rc == 0 and name in out, out
+
     data = os.urandom(1 << 20)
     (target / "blob").write_bytes(data)
     os.sync()
@@ -360,6 +365,8 @@ def test_kubelet_sequence_filesystem(start_csi: Callable[..., CsiNode]) -> None:
     delete(c, vol)
     assert not c.node.image_exists(vol.volume_id.rsplit(":", 1)[1])
     assert not c.files()
+    # The adapter's own removal is deliberate: the mass-removal guard stays quiet.
+    assert "vanished in one pass" not in c.daemon.log.read_text()
     assert c.stop() == 0
 
 
