@@ -513,3 +513,26 @@ def test_operator_file_wins_a_collision(start_csi: Callable[..., CsiNode]) -> No
     assert what == Code.ALREADY_EXISTS and "operator" in msg
     assert not c.files()
     assert c.stop() == 0
+
+
+def test_expand_a_published_xfs_volume_online(start_csi: Callable[..., CsiNode]) -> None:
+    c = start_csi()
+    vol = c.create("pvc-Grow", size=320 * MiB, fsType="xfs")
+    staging, target = c.kubelet_paths("pv-grow")
+    c.nodes.NodeStageVolume(stage_req(vol, staging), timeout=T)
+    c.nodes.NodePublishVolume(publish_req(vol, staging, target), timeout=T)
+    before = os.statvfs(target)
+    grown = c.controller.ControllerExpandVolume(pb.ControllerExpandVolumeRequest(
+        volume_id=vol.volume_id, capacity_range=pb.CapacityRange(required_bytes=480 * MiB)),
+        timeout=T)
+    assert grown.capacity_bytes == 480 * MiB and grown.node_expansion_required
+    out = c.nodes.NodeExpandVolume(pb.NodeExpandVolumeRequest(
+        volume_id=vol.volume_id, volume_path=str(target),
+        capacity_range=pb.CapacityRange(required_bytes=480 * MiB)), timeout=T)
+    assert out.capacity_bytes == 480 * MiB
+    after = os.statvfs(target)
+    assert after.f_blocks * after.f_frsize > before.f_blocks * before.f_frsize + 100 * MiB
+    unpublish(c, vol, target)
+    unstage(c, vol, staging)
+    delete(c, vol)
+    assert c.stop() == 0
