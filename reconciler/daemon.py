@@ -121,7 +121,10 @@ class Daemon:
 
     # -- hooks for the CSI adapter -------------------------------------------
     def wake_volume(self, name: str) -> None:
-        """A pass at once, without the debounce (a CSI call is waiting on it)."""
+        """A pass at once, without the debounce, that tries ``name`` even if it
+        is backing off: a CSI call (maybe the CO's retry) is waiting on it."""
+        with self.lock:
+            self.backoff.pop(name, None)
         self.urgent.set()
         self.wake_event.set()
 
@@ -399,7 +402,7 @@ class Daemon:
             "observedGeneration": vol.spec_hash,
             "lastResult": out.status,
             "lastError": out.error,
-            "refusal": vp.refusal or (out.error if out.refused else None),
+            "refusal": vp.refused or (out.error if out.refused else None),
             "notes": out.notes,
             "undone": out.undone,
             "steps": [s.as_dict() for s in out.steps],

@@ -536,3 +536,19 @@ def test_expand_a_published_xfs_volume_online(start_csi: Callable[..., CsiNode])
     unstage(c, vol, staging)
     delete(c, vol)
     assert c.stop() == 0
+
+
+def test_delete_of_an_image_open_elsewhere_is_refused(start_csi: Callable[..., CsiNode]) -> None:
+    c = start_csi()
+    vol = c.create("pvc-In-Use", size=16 * MiB)
+    image = vol.volume_id.rsplit(":", 1)[1]
+    with c.node.cluster.client() as cl, cl.open_ioctx(c.node.cluster.pool) as io, \
+            rbd.Image(io, image):  # another client holds it open (a watcher)
+        what, msg = error(lambda: delete(c, vol))
+        assert what == Code.FAILED_PRECONDITION and "open by" in msg, msg
+        assert c.node.image_exists(image)
+        name = ids.volume_name(*ids.parse_volume_id(vol.volume_id))  # type: ignore[misc]
+        assert c.files()[name]["spec"]["state"] == "present"  # kept as it was
+    delete(c, vol)  # the CO's retry, once it is free
+    assert not c.node.image_exists(image)
+    assert c.stop() == 0

@@ -3,6 +3,7 @@ volume file's image section; the engine creates, grows and deletes."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
 from typing import Any
@@ -150,9 +151,18 @@ class ControllerServicer(csi_pb2_grpc.ControllerServicer):
                 raise CsiError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"volume {name} was not created through CreateVolume here; "
                                "its image is not deleted")
+            present = copy.deepcopy(doc)
             doc["spec"]["state"] = "absent"
             doc["spec"]["image"]["reclaimPolicy"] = "Delete"
-            self.volumes.converge(name, doc, deadline)
+            try:
+                self.volumes.converge(name, doc, deadline)
+            except CsiError as exc:
+                if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
+                    # Refused (still open elsewhere, not ours): the volume stays as
+                    # it was; the CO's retry asks again.
+                    self.files.commit(name, self.files.write_temp(name, present))
+                    self.volumes.daemon.wake_volume(name)
+                raise
             self.files.remove(name)
         return pb.DeleteVolumeResponse()
 
