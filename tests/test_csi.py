@@ -354,6 +354,16 @@ def test_kubelet_sequence_filesystem(start_csi: Callable[..., CsiNode]) -> None:
     assert units[pb.VolumeUsage.INODES].total > 0
     assert not stats.volume_condition.abnormal
 
+    # The mount gone behind our back: stats say so; the CO's retry of the
+    # publish repairs it (a pass on the unchanged file re-binds).
+    subprocess.run(["umount", str(target)], check=True)
+    stats = c.nodes.NodeGetVolumeStats(pb.NodeGetVolumeStatsRequest(
+        volume_id=vol.volume_id, volume_path=str(target)), timeout=T)
+    assert stats.volume_condition.abnormal and "nothing is mounted" in \
+        stats.volume_condition.message
+    c.nodes.NodePublishVolume(publish_req(vol, staging, target), timeout=T)
+    assert (target / "blob").read_bytes() == data
+
     for t in (target, ro_target):
         unpublish(c, vol, t)
         unpublish(c, vol, t)
