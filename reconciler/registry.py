@@ -19,11 +19,20 @@ from typing import Any
 
 from .statefiles import read_json, write_json
 
+_locks: dict[Path, threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+def _lock_for(path: Path) -> threading.Lock:
+    """One lock per file, shared by every Registry of it (apply's threads)."""
+    with _locks_guard:
+        return _locks.setdefault(path, threading.Lock())
+
 
 class Registry:
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._lock = threading.Lock()
+        self._lock = _lock_for(path)
 
     def all(self) -> dict[str, Any]:
         data = read_json(self.path, {})

@@ -348,3 +348,24 @@ def test_frozen_file_is_left_alone(node: NodeUnderTest) -> None:
     assert str(app) in node.mounts()
     f.write_text(good)
     assert node.plan()[0] == 0
+
+
+def test_apply_converges_many_volumes_at_once(node: NodeUnderTest) -> None:
+    """Chains run side by side (parallel: 4); output stays in volume order."""
+    names = [node.name(f"p{i}") for i in range(5)]
+    for i, name in enumerate(names):
+        node.write(name, fs_spec(node.cluster.pool, "32Mi", "ext4",
+                                 [(node.srv / f"app{i}", False)]))
+    doc = node.apply()
+    assert doc["rc"] == 0 and doc["recap"] == {"ok": 0, "changed": 5, "failed": 0}, doc
+    assert [v["name"] for v in doc["volumes"]] == sorted(names)
+    for i in range(5):
+        (node.srv / f"app{i}" / "x").write_text(str(i))
+    assert node.plan()[0] == 0
+    assert len(_loops(node)) == 5
+
+
+def _loops(node: NodeUnderTest) -> list[str]:
+    from conftest import _loops_under
+
+    return _loops_under(node.root)
