@@ -100,9 +100,10 @@ class Daemon:
         self.observer: Observer | None = None
         self.watched: tuple[Path, Path] | None = None
         # Hooks for the CSI adapter (reconciler/csi): a wake that skips the
-        # debounce, and a count of finished passes it can wait on.
+        # debounce, and counts of passes begun and finished it can wait on.
         self.csi_endpoint = csi_endpoint
         self.urgent = threading.Event()
+        self.passes_started = 0  # passes run one after another: started - done <= 1
         self.passes_done = 0
         self.progress = threading.Condition()  # notified: pass finished, status written
         self.progress_seq = 0  # bumped with every notify: a waiter never misses one
@@ -270,6 +271,8 @@ class Daemon:
 
     # -- one pass -------------------------------------------------------------
     def reconcile(self) -> None:
+        with self.progress:
+            self.passes_started += 1
         try:
             self._reconcile()
         finally:

@@ -104,17 +104,20 @@ class Volumes:
 
     def wait(self, name: str, generation: str, deadline: float) -> dict[str, Any]:
         """Wake the engine for ``name`` and wait for a status that covers
-        ``generation``: from a pass that began after the file was written,
-        with no chain for the volume still running."""
+        ``generation``: from a pass that began after the file was written
+        (and the node was as the caller found it), with no chain for the
+        volume still running."""
         d = self.daemon
         with d.progress:
-            after = d.passes_done
+            # A pass under way now may have read the node before the change
+            # we wait for: only one that begins after this point counts.
+            first = d.passes_started + 1
         d.wake_volume(name)
         while True:
             with d.progress:
                 seq = d.progress_seq
                 passes = d.passes_done
-            if passes > after and not d.busy(name):
+            if passes >= first and not d.busy(name):
                 status = d.status(name)
                 if status.get("phase") == "Frozen" or \
                         status.get("observedGeneration") == generation:
