@@ -158,7 +158,11 @@ class Daemon:
 
     def preflight(self) -> list[str]:
         files, _ = discover([self.config.desired_dir])
-        return desired_dir_problems(self.config.desired_dir, files)
+        problems = desired_dir_problems(self.config.desired_dir, files)
+        csi_dir = self.config.csi_dir
+        if csi_dir.is_dir():  # the CSI adapter's files converge like the operator's
+            problems += desired_dir_problems(csi_dir, discover([csi_dir])[0])
+        return problems
 
     def run(self) -> int:
         problems = self.preflight()

@@ -568,3 +568,25 @@ def test_delete_of_an_image_open_elsewhere_is_refused(start_csi: Callable[..., C
     delete(c, vol)  # the CO's retry, once it is free
     assert not c.node.image_exists(image)
     assert c.stop() == 0
+
+
+def test_refuses_a_world_writable_csi_dir(start_csi: Callable[..., CsiNode]) -> None:
+    c = start_csi()
+    assert c.stop() == 0
+    c.csi_dir.chmod(0o777)  # anyone could drop a volume file in: not converged
+    try:
+        d2 = start_csi_daemon_expecting_failure(c)
+        assert "writable by group or others" in d2
+    finally:
+        c.csi_dir.chmod(0o700)
+
+
+def start_csi_daemon_expecting_failure(c: CsiNode) -> str:
+    from test_daemon import Daemon
+
+    d = Daemon(c.node, args=("--csi-endpoint", f"unix://{c.socket}"))
+    try:
+        assert d.proc.wait(timeout=60) == 1
+        return d.log.read_text()
+    finally:
+        d.stop()
