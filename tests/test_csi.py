@@ -590,3 +590,38 @@ def start_csi_daemon_expecting_failure(c: CsiNode) -> str:
         return d.log.read_text()
     finally:
         d.stop()
+
+
+@pytest.mark.parametrize("access", ["mount", "block"])
+def test_conformance_style_round(start_csi: Callable[..., CsiNode], access: str) -> None:
+    """The external suite's shape: it mkdirs a staging and a target dir for each
+    test (failing if they exist), publishes at <target>/target, cleans up with
+    unpublish, unstage and delete, then rmdirs both dirs (failing if not empty)."""
+    c = start_csi()
+    cap = block_cap() if access == "block" else mount_cap()
+    staging, target_dir = c.node.srv / "csi-staging", c.node.srv / "csi-mount"
+    for round_ in range(2):
+        staging.mkdir()
+        target_dir.mkdir()
+        vol = c.create(f"sanity-node-full-{access}-{round_}", cap=cap)
+        assert c.controller.ControllerExpandVolume(pb.ControllerExpandVolumeRequest(
+            volume_id=vol.volume_id, capacity_range=pb.CapacityRange(required_bytes=96 * MiB)),
+            timeout=T).capacity_bytes == 96 * MiB
+        target = target_dir / "target"
+        for _ in range(2):
+            c.nodes.NodeStageVolume(stage_req(vol, staging, cap), timeout=T)
+        for _ in range(2):
+            c.nodes.NodePublishVolume(publish_req(vol, staging, target, cap=cap), timeout=T)
+        stats = c.nodes.NodeGetVolumeStats(pb.NodeGetVolumeStatsRequest(
+            volume_id=vol.volume_id, volume_path=str(target)), timeout=T)
+        assert stats.usage
+        c.nodes.NodeExpandVolume(pb.NodeExpandVolumeRequest(
+            volume_id=vol.volume_id, volume_path=str(target),
+            capacity_range=pb.CapacityRange(required_bytes=96 * MiB)), timeout=T)
+        unpublish(c, vol, target)
+        assert not target.exists()
+        unstage(c, vol, staging)
+        delete(c, vol)
+        target_dir.rmdir()
+        staging.rmdir()
+    assert c.stop() == 0
