@@ -123,3 +123,20 @@ def test_operator_files_win(tmp_path: Path) -> None:
     assert not forgettable(record, config)
     assert not forgettable({"file": str(desired / "a.yaml"), "volume": {"state": "absent"}},
                            config)
+
+
+def test_a_broken_volume_file_is_reported_not_overwritten(tmp_path: Path) -> None:
+    from reconciler.csi.files import VolumeFiles, new_document
+
+    files = VolumeFiles(tmp_path)
+    assert files.read("csi-a") is None
+    files.commit("csi-a", files.write_temp("csi-a", new_document("csi-a", {}, {"pool": "rbd"})))
+    assert files.read("csi-a")["spec"]["image"] == {"pool": "rbd"}  # type: ignore[index]
+    assert files.names() == ["csi-a"]
+    for broken in ("spec: [unclosed\n", "just a string\n"):
+        files.path("csi-a").write_text(broken)
+        with pytest.raises(CsiError) as exc:
+            files.read("csi-a")
+        assert exc.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    files.remove("csi-a")
+    assert files.names() == []

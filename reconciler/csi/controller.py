@@ -204,7 +204,10 @@ class ControllerServicer(csi_pb2_grpc.ControllerServicer):
         for name in self.files.names():
             if start and name < start:
                 continue
-            doc = self.files.read(name)
+            try:
+                doc = self.files.read(name)
+            except CsiError:
+                continue  # a file broken by hand: `rbd-reconciler validate` names it
             if (doc is None or doc["spec"].get("state", "present") != "present"
                     or doc["metadata"].get("labels", {}).get(L_ORIGIN) != "controller"):
                 continue

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from ..spec import API_VERSION
+from .errors import precondition
 
 LABEL = "csi.rbd-reconciler/"
 L_REQUEST = LABEL + "request-name"  # the CO's name for it (CreateVolume)
@@ -36,11 +37,19 @@ class VolumeFiles:
         return self.dir / f"{name}.yaml"
 
     def read(self, name: str) -> dict[str, Any] | None:
+        """The file's document; None when there is none. A file someone broke
+        by hand is an error to report, never a volume to write over."""
         try:
             doc = yaml.safe_load(self.path(name).read_text())
         except FileNotFoundError:
             return None
-        return doc if isinstance(doc, dict) else None
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            raise precondition(f"volume file {self.path(name)} cannot be read: {exc}") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("spec"), dict) or \
+                not isinstance(doc.get("metadata"), dict):
+            raise precondition(f"volume file {self.path(name)} is not a Volume document; "
+                               "fix or remove it by hand")
+        return doc
 
     def names(self) -> list[str]:
         try:
