@@ -278,6 +278,9 @@ def _daemon_status(config: Config, name: str) -> dict | None:
 def cmd_explain(args: argparse.Namespace, config: Config) -> int:
     node = Node.from_config(config)
     p = plan_pass(_default_paths(config), config, node)
+    if p.loaded.refused:  # an untrusted directory or file: say so, explain nothing
+        _print_load_errors(p)
+        return EXIT_FAILED
     vols = {v.name: v for v in p.loaded.volumes}
     daemon = _daemon_status(config, args.name)
     if args.name not in vols and args.name not in p.loaded.frozen_names and daemon is None:

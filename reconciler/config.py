@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from .diagnostics import Diagnostic, format_field
+from .diagnostics import Diagnostic, excerpt, format_field
 from .schemas import schema_errors
 from .yamldoc import Document, YamlError, load_documents
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CONFIG_PATH = Path("/etc/rbd-reconciler/config.yaml")
 MAX_CONFIG_BYTES = 1 << 20
@@ -106,6 +109,19 @@ def load_config(path: Path | None) -> Config:
     explicit = path is not None
     path = path or DEFAULT_CONFIG_PATH
     try:
+        return _load_config(path, explicit)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        # The last line of defence: a config's content never kills the daemon
+        # (SIGHUP reload keeps the running config on a ConfigError).
+        log.exception("%s: unexpected error while loading the config", path)
+        raise ConfigError([Diagnostic(path, 1, 1, "(file)", f"cannot load this file (internal "
+                                      f"error {type(exc).__name__}; please report it)")]) from None
+
+
+def _load_config(path: Path, explicit: bool) -> Config:
+    try:
         if path.stat().st_size > MAX_CONFIG_BYTES:
             raise ConfigError([Diagnostic(path, 1, 1, "(file)", "larger than 1 MiB")])
         text = path.read_text(encoding="utf-8")
@@ -114,7 +130,8 @@ def load_config(path: Path | None) -> Config:
             raise ConfigError([Diagnostic(path, 1, 1, "(file)", "no such file")]) from None
         return default_config()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError([Diagnostic(path, 1, 1, "(file)", f"cannot read: {exc}")]) from None
+        raise ConfigError([Diagnostic(path, 1, 1, "(file)",
+                                      f"cannot read: {excerpt(str(exc), 200)}")]) from None
     docs = list(load_documents(text))
     diags: list[Diagnostic] = []
     for d in docs:
@@ -134,7 +151,8 @@ def load_config(path: Path | None) -> Config:
         if os.path.normpath(root) != root or root == "/":
             line, col = doc.where(("allowedRoots", i))
             diags.append(Diagnostic(path, line, col, f"allowedRoots[{i}]",
-                                    f"{root!r} must be a normalised absolute path other than /"))
+                                    f"{excerpt(root)} must be a normalised absolute path "
+                                    "other than /"))
     csi_dir = (doc.data.get("csi") or {}).get("dir") if not diags else None
     desired = os.path.normpath(doc.data.get("desiredDir", "/etc/rbd-reconciler/volumes.d"))
     if csi_dir and (os.path.normpath(csi_dir) + "/").startswith(desired + "/"):

@@ -9,14 +9,18 @@ parse error is never read as "absent").
 from __future__ import annotations
 
 import fnmatch
+import logging
 import os
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import security
 from .config import Config
-from .diagnostics import Diagnostic, format_field
+from .diagnostics import Diagnostic, excerpt, format_field
+from .mkfsopts import check_mkfs_options
 from .schemas import schema_errors
 from .spec import (
     DEFAULT_FEATURES,
@@ -28,8 +32,10 @@ from .spec import (
     StageSpec,
     Volume,
 )
-from .units import MiB, parse_size
+from .units import MAX_OBJECT_MAP_SIZE, MAX_SIZE, MiB, format_size, parse_size
 from .yamldoc import Document, YamlError, load_documents
+
+log = logging.getLogger(__name__)
 
 MAX_FILE_BYTES = 1 << 20
 YAML_SUFFIXES = (".yaml", ".yml")
@@ -50,6 +56,7 @@ class LoadResult:
     files: tuple[Path, ...]
     failed_files: frozenset[Path]
     frozen_names: frozenset[str]  # declared by a file that failed: do not touch
+    refused: bool = False  # an untrusted directory or file: nothing was loaded
 
     @property
     def ok(self) -> bool:
@@ -67,12 +74,14 @@ def discover(paths: Iterable[Path]) -> tuple[list[Path], list[Diagnostic]]:
     diags: list[Diagnostic] = []
     for p in paths:
         if p.is_dir():
-            files.extend(
-                sorted(
+            try:
+                files.extend(sorted(
                     c for c in p.iterdir()
                     if c.suffix in YAML_SUFFIXES and not is_ignored(c.name) and not c.is_dir()
-                )
-            )
+                ))
+            except OSError as exc:
+                diags.append(Diagnostic(p, 1, 1, "(directory)",
+                                        f"cannot list it: {exc.strerror or exc}"))
         elif p.exists():
             files.append(p)
         else:
@@ -86,6 +95,7 @@ class _FileResult:
     docs: list[tuple[Document, Volume]] = field(default_factory=list)
     diags: list[Diagnostic] = field(default_factory=list)
     names: set[str] = field(default_factory=set)
+    untrusted: bool = False  # never read: see security.py
 
 
 def _under(path: str, root: str) -> bool:
@@ -108,12 +118,50 @@ class _VolumeBuilder:
     def check_path(self, path: tuple[str | int, ...], value: str, what: str,
                    extra_roots: tuple[str, ...] = ()) -> None:
         if os.path.normpath(value) != value:
-            self.error(path, f"{value!r} is not normalised (expected {os.path.normpath(value)!r})")
+            self.error(path, f"{excerpt(value)} is not normalised "
+                             f"(expected {excerpt(os.path.normpath(value))})")
             return
         roots = self.config.allowed_roots + extra_roots
         if not any(_under(value, r) for r in roots):
-            self.error(path, f"{what} {value!r} is not under an allowed root "
+            self.error(path, f"{what} {excerpt(value)} is not under an allowed root "
                              f"({', '.join(roots)}; see allowedRoots in the node config)")
+            return
+        if (problem := self.reserved(value, staging=bool(extra_roots))) is not None:
+            self.error(path, f"{what} {excerpt(value)} {problem}")
+
+    def reserved(self, value: str, staging: bool) -> str | None:
+        """Our own directories are nobody's mount point: a mount on or above
+        stateDir hides the staging mounts and records, one on desiredDir the
+        specs. Custom staging paths may sit under <stateDir>/staging."""
+        if staging and _under(value, str(self.config.staging_root)):
+            return None
+        for key, d in (("stateDir", str(self.config.state_dir)),
+                       ("desiredDir", str(self.config.desired_dir))):
+            if value == d:
+                return f"is the {key}"
+            if _under(value, d):
+                return f"is inside the {key} {excerpt(d)}"
+            if _under(d, value):
+                return f"contains the {key} {excerpt(d)}"
+        return None
+
+    def size(self, img: dict[str, Any], features: tuple[str, ...]) -> int | None:
+        where = ("spec", "image", "size")
+        try:
+            size = parse_size(img["size"])
+        except ValueError as exc:  # the schema should have said so; never crash on it
+            self.error(where, str(exc))
+            return None
+        if size < MiB:
+            self.error(where, f"{size} bytes is below the 1Mi minimum")
+        elif size > MAX_SIZE:
+            self.error(where, f"{excerpt(img['size'])} is {size} bytes; an RBD image is "
+                              f"less than 2^64 bytes")
+        elif "object-map" in features and size > MAX_OBJECT_MAP_SIZE:
+            self.error(where, f"{excerpt(img['size'])} is more than the object map tracks "
+                              f"({format_size(MAX_OBJECT_MAP_SIZE)}: 256,000,000 objects of "
+                              f"4 MiB); drop object-map and fast-diff from features")
+        return size
 
     def build(self) -> Volume | None:
         d: dict[str, Any] = self.doc.data
@@ -121,12 +169,8 @@ class _VolumeBuilder:
         spec = d["spec"]
         img = spec["image"]
 
-        size = None
-        if "size" in img:
-            size = parse_size(img["size"])  # the schema guarantees the syntax
-            if size < MiB:
-                self.error(("spec", "image", "size"), f"{size} bytes is below the 1Mi minimum")
         features = tuple(img.get("features", DEFAULT_FEATURES))
+        size = self.size(img, features) if "size" in img else None
         for feat, needs in FEATURE_NEEDS.items():
             if feat in features and needs not in features:
                 self.error(("spec", "image", "features"), f"feature {feat!r} needs {needs!r}")
@@ -159,7 +203,9 @@ class _VolumeBuilder:
                 fs_type = fs_type or "ext4"
                 if fs_type == "xfs" and size is not None and size < XFS_MIN_BYTES:
                     self.error(("spec", "image", "size"),
-                               f"xfs needs at least 300Mi; the image is {img['size']}")
+                               f"xfs needs at least 300Mi; the image is {excerpt(img['size'])}")
+                for i, msg in check_mkfs_options(fs_type, s.get("mkfsOptions", ())):
+                    self.error(("spec", "stage", "mkfsOptions", i), msg)
             staging = s.get("path") or str(self.config.staging_root / name)
             if s.get("path"):
                 self.check_path(("spec", "stage", "path"), staging, "staging path",
@@ -183,7 +229,7 @@ class _VolumeBuilder:
         for i, p in enumerate(publish):
             if p.path in seen:
                 self.error(("spec", "publish", i, "path"),
-                           f"{p.path!r} is listed twice (also publish[{seen[p.path]}])")
+                           f"{excerpt(p.path)} is listed twice (also publish[{seen[p.path]}])")
             seen.setdefault(p.path, i)
 
         if self.diags:
@@ -203,6 +249,41 @@ def _declared_name(data: Any) -> str | None:
     return None
 
 
+class Untrusted(Exception):
+    """A file someone other than root could have written, or a symlink out."""
+
+
+class TooBig(Exception):
+    pass
+
+
+def _read_trusted(path: Path) -> bytes:
+    """The bytes of ``path``, checked on the descriptor they are read from.
+
+    A symlink must resolve inside the file's own directory (it is then opened
+    by its real path with O_NOFOLLOW, so a swap cannot redirect the read); the
+    file must be a regular file (a FIFO would block) owned by root (or the
+    caller) and not writable by group or others.
+    """
+    if (problem := security.escapes(path, path.parent.resolve())) is not None:
+        raise Untrusted(problem)
+    real = path.resolve(strict=True)
+    fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Untrusted(f"{real} is not a regular file")
+        if (problem := security.unsafe(real, st, "file")) is not None:
+            raise Untrusted(problem)
+        if st.st_size > MAX_FILE_BYTES:
+            raise TooBig(f"file is {st.st_size} bytes; the limit is {MAX_FILE_BYTES} "
+                         f"(a desired-volume file is small)")
+        raw = f.read(MAX_FILE_BYTES + 1)  # it may grow between fstat and read
+    if len(raw) > MAX_FILE_BYTES:
+        raise TooBig(f"file is larger than {MAX_FILE_BYTES} bytes")
+    return raw
+
+
 def _load_file(path: Path, config: Config) -> _FileResult:
     res = _FileResult(path)
 
@@ -211,21 +292,21 @@ def _load_file(path: Path, config: Config) -> _FileResult:
         return res
 
     try:
-        st = path.stat()
-        if st.st_size > MAX_FILE_BYTES:
-            return fail(1, 1, "(file)", f"file is {st.st_size} bytes; the limit is "
-                                        f"{MAX_FILE_BYTES} (a desired-volume file is small)")
-        raw = path.read_bytes()[: MAX_FILE_BYTES + 1]  # it may grow between stat and read
-        if len(raw) > MAX_FILE_BYTES:
-            return fail(1, 1, "(file)", f"file is larger than {MAX_FILE_BYTES} bytes")
+        raw = _read_trusted(path)
+    except Untrusted as exc:
+        res.untrusted = True
+        return fail(1, 1, "(file)", f"refusing to read it: {exc}")
+    except TooBig as exc:
+        return fail(1, 1, "(file)", str(exc))
+    except OSError as exc:
+        return fail(1, 1, "(file)", f"cannot read: {exc.strerror or exc}")
+    try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         before = raw[: exc.start]
         line = before.count(b"\n") + 1
         col = exc.start - (before.rfind(b"\n") + 1) + 1
         return fail(line, col, "(file)", f"not UTF-8 text (byte 0x{raw[exc.start]:02x})")
-    except OSError as exc:
-        return fail(1, 1, "(file)", f"cannot read: {exc.strerror or exc}")
 
     try:
         for item in load_documents(text):
@@ -252,46 +333,125 @@ def _load_file(path: Path, config: Config) -> _FileResult:
     return res
 
 
+def _load_file_guarded(path: Path, config: Config) -> _FileResult:
+    """The last line of defence: no content of a file may take the caller
+    (the daemon) down. A bug that lets an exception out still fails only
+    this file, and says so."""
+    try:
+        return _load_file(path, config)
+    except Exception as exc:
+        log.exception("%s: unexpected error while loading", path)
+        return _FileResult(path, diags=[Diagnostic(
+            path, 1, 1, "(file)",
+            f"cannot load this file (internal error {type(exc).__name__}; please report it)")])
+
+
+FieldPath = tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class _Claim:
+    kind: str  # "volume name", "image", "staging path", "publish path"
+    value: str
+    res: _FileResult
+    doc: Document
+    field: FieldPath
+
+    def where(self) -> str:
+        line, col = self.doc.where(self.field)
+        return f"{self.res.path}:{line}:{col}"
+
+    def report(self, message: str) -> None:
+        line, col = self.doc.where(self.field)
+        self.res.diags.append(Diagnostic(self.res.path, line, col, format_field(self.field),
+                                         message))
+
+
+def _claims(res: _FileResult, doc: Document, vol: Volume) -> list[_Claim]:
+    out = [_Claim("volume name", vol.name, res, doc, ("metadata", "name")),
+           _Claim("image", vol.image.spec, res, doc, ("spec", "image"))]
+    if vol.stage is not None:
+        written = bool(doc.data["spec"]["stage"].get("path"))
+        out.append(_Claim("staging path", vol.stage.path, res, doc,
+                          ("spec", "stage", "path") if written else ("spec", "stage")))
+    out += [_Claim("publish path", p.path, res, doc, ("spec", "publish", i, "path"))
+            for i, p in enumerate(vol.publish)]
+    return out
+
+
+def _same(first: _Claim, second: _Claim) -> None:
+    """Both claims fail, each naming the other's file:line:column."""
+    def line(this: _Claim, other: _Claim, verb: str) -> str:
+        as_ = f" as a {other.kind}" if other.kind != this.kind else ""
+        return f"{this.kind} {excerpt(this.value)} is {verb} claimed at {other.where()}{as_}"
+    second.report(line(second, first, "already"))
+    first.report(line(first, second, "also"))
+
+
+def _nested(outer: _Claim, inner: _Claim) -> None:
+    inner.report(f"{inner.kind} {excerpt(inner.value)} is inside {outer.kind} "
+                 f"{excerpt(outer.value)} claimed at {outer.where()}")
+    outer.report(f"{outer.kind} {excerpt(outer.value)} contains {inner.kind} "
+                 f"{excerpt(inner.value)} claimed at {inner.where()}")
+
+
 def _cross_file_checks(results: list[_FileResult]) -> None:
-    """Names, images, staging and publish paths are each claimed once on a node."""
-    claims: dict[tuple[str, str], tuple[_FileResult, Document, tuple[str | int, ...]]] = {}
+    """Names and images are each claimed once on a node; no staging or publish
+    path equals or nests in another (a mount inside another volume's mount
+    hides it, or lands in its data, and teardown order breaks)."""
+    seen: dict[tuple[str, str], _Claim] = {}
+    paths: list[_Claim] = []
     for res in results:
         for doc, vol in res.docs:
-            keys: list[tuple[str, str, tuple[str | int, ...]]] = [
-                ("volume name", vol.name, ("metadata", "name")),
-                ("image", vol.image.spec, ("spec", "image")),
-            ]
-            if vol.stage is not None:
-                keys.append(("staging path", vol.stage.path, ("spec", "stage")))
-            keys += [("publish path", p.path, ("spec", "publish", i, "path"))
-                     for i, p in enumerate(vol.publish)]
-            for kind, value, fpath in keys:
-                first = claims.get((kind, value))
-                if first is None:
-                    claims[(kind, value)] = (res, doc, fpath)
-                    continue
-                fres, fdoc, ffpath = first
-                fline, fcol = fdoc.where(ffpath)
-                line, col = doc.where(fpath)
-                res.diags.append(Diagnostic(
-                    res.path, line, col, format_field(fpath),
-                    f"{kind} {value!r} is already claimed at {fres.path}:{fline}:{fcol}"))
-                fres.diags.append(Diagnostic(
-                    fres.path, fline, fcol, format_field(ffpath),
-                    f"{kind} {value!r} is also claimed at {res.path}:{line}:{col}"))
+            for claim in _claims(res, doc, vol):
+                if claim.kind.endswith("path"):
+                    paths.append(claim)
+                elif (first := seen.setdefault((claim.kind, claim.value), claim)) is not claim:
+                    _same(first, claim)
+    # Sorted component-wise, a path's descendants follow it directly, so a stack
+    # of the open ancestors finds every nesting in O(n log n). "/" -> NUL (the
+    # smallest character, never in a path) sorts component-wise as one string.
+    paths.sort(key=lambda c: c.value.replace("/", "\0"))
+    stack: list[_Claim] = []
+    for claim in paths:
+        while stack and not (claim.value == stack[-1].value
+                             or _under(claim.value, stack[-1].value)):
+            stack.pop()
+        if stack:
+            (_same if stack[-1].value == claim.value else _nested)(stack[-1], claim)
+        stack.append(claim)
+
+
+def _untrusted_dirs(paths: Iterable[Path]) -> list[Diagnostic]:
+    """The directories read from (a named file's own directory too) must be
+    root's and not writable by others, up to /: else nothing is read at all."""
+    dirs = {p if p.is_dir() else p.parent for p in paths if p.exists()}
+    return [Diagnostic(d, 1, 1, "(directory)", f"refusing to read it: {problem}")
+            for d in sorted(dirs) for problem in security.directory_problems(d)]
 
 
 def load(paths: Iterable[Path], config: Config) -> LoadResult:
-    """Load every desired volume under ``paths``. Never raises for bad input."""
+    """Load every desired volume under ``paths``. Never raises for bad input.
+
+    Refuses (no volume at all, every file failed) when a directory, or any
+    file, could have been written by someone other than root, or a file is a
+    symlink out of its directory; such a file is never opened.
+    """
+    paths = list(paths)
     files, diags = discover(paths)
-    results = [_load_file(f, config) for f in files]
+    if refusals := _untrusted_dirs(paths):
+        return LoadResult(volumes=(), diagnostics=tuple(sorted({*diags, *refusals})),
+                          files=tuple(files), failed_files=frozenset(files),
+                          frozen_names=frozenset(), refused=True)
+    results = [_load_file_guarded(f, config) for f in files]
+    refused = any(res.untrusted for res in results)
     _cross_file_checks(results)
     volumes: list[Volume] = []
     failed: set[Path] = set()
     frozen: set[str] = set()
     for res in results:
         diags.extend(res.diags)
-        if res.diags:
+        if res.diags or refused:
             failed.add(res.path)
             frozen |= res.names
         else:
@@ -302,4 +462,5 @@ def load(paths: Iterable[Path], config: Config) -> LoadResult:
         files=tuple(files),
         failed_files=frozenset(failed),
         frozen_names=frozenset(frozen),
+        refused=refused,
     )

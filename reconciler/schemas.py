@@ -9,41 +9,76 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import jsonschema.validators
 
-from .diagnostics import format_field
+from .diagnostics import excerpt, format_field
 from .yamldoc import Document
 
 SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schemas"
 
+# JSON Schema counts 1048576.0 as an integer; YAML wrote a float, and a float
+# is never a size or a count here.
+_TYPES = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
+    "integer", lambda _checker, value: isinstance(value, int) and not isinstance(value, bool))
+_Validator = jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=_TYPES)
+
 
 @cache
-def validator(name: str) -> jsonschema.Draft202012Validator:
+def validator(name: str) -> jsonschema.protocols.Validator:
     # The schemas are checked against the metaschema in the tests, not on
     # every command start (that costs ~11 ms).
     schema = json.loads((SCHEMA_DIR / f"{name}.schema.json").read_text())
-    return jsonschema.Draft202012Validator(schema)
+    return _Validator(schema)
+
+
+_BOUNDS = {
+    "minLength": "is too short (at least {} characters)",
+    "maxLength": "is too long (at most {} characters)",
+    "minItems": "is too short (at least {} items)",
+    "maxItems": "is too long (at most {} items)",
+    "minimum": "is less than the minimum of {}",
+    "maximum": "is greater than the maximum of {}",
+    "exclusiveMinimum": "must be greater than {}",
+    "exclusiveMaximum": "must be less than {}",
+}
 
 
 def _message(err: jsonschema.ValidationError) -> tuple[tuple[str | int, ...], str, bool]:
-    """(field path, message, point-at-key) for one schema error."""
+    """(field path, message, point-at-key) for one schema error.
+
+    jsonschema's own messages quote the whole instance (a whole file, when a
+    document is one string); ours quote an excerpt.
+    """
     path = tuple(err.absolute_path)
     schema: dict[str, Any] = err.schema if isinstance(err.schema, dict) else {}
     described = schema.get("description")
+    value, got = err.validator_value, excerpt(err.instance)
     match err.validator:
         case "additionalProperties":
             allowed = sorted(schema.get("properties", {}))
             extra = sorted(k for k in err.instance if k not in allowed)
             return (*path, extra[0]), f"unknown field; expected one of: {', '.join(allowed)}", True
         case "required":
-            missing = err.message.split("'")[1] if "'" in err.message else err.message
+            missing = next(k for k in value if k not in err.instance)
             return (*path, missing), "required field is missing", False
         case "const":
-            return path, f"must be {err.validator_value!r}, got {err.instance!r}", False
+            return path, f"must be {value!r}, got {got}", False
         case "pattern" | "oneOf" if described:
-            return path, f"{err.instance!r} is not valid: expected {described}", False
+            return path, f"{got} is not valid: expected {described}", False
+        case "pattern":
+            return path, f"{got} does not match {value!r}", False
         case "oneOf":
-            return path, f"{err.instance!r} is not valid here", False
-    return path, err.message, False
+            return path, f"{got} is not valid here", False
+        case "type":
+            types = [value] if isinstance(value, str) else value
+            return path, f"{got} is not of type {', '.join(map(repr, types))}", False
+        case "enum":
+            return path, f"{got} is not one of {', '.join(map(repr, value))}", False
+        case "uniqueItems":
+            return path, f"{got} has repeated items", False
+        case bound if bound in _BOUNDS:
+            return path, f"{got} {_BOUNDS[bound].format(value)}", False
+    return path, f"{got} is not valid ({err.validator} {excerpt(value)})", False
 
 
 def schema_errors(name: str, doc: Document) -> Iterator[tuple[tuple[int, int], str, str]]:

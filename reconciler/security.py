@@ -3,6 +3,8 @@
 Anyone who can write to the desired directory can mount any image anywhere
 as root, so the directory and every file in it must be root's and not
 writable by group or others; a symlinked file must stay inside the directory.
+The daemon's preflight and the loader (every CLI command) apply these same
+rules; the loader also re-checks each file on the descriptor it reads.
 """
 
 from __future__ import annotations
@@ -12,37 +14,71 @@ import stat
 from pathlib import Path
 
 
-def _unsafe(path: Path, st: os.stat_result, what: str) -> str | None:
-    if st.st_uid != 0:
+def trusted_owners() -> frozenset[int]:
+    """root, and whoever runs this: for root (the daemon, apply) that is root
+    alone; a user validating their own checkout trusts their own files."""
+    return frozenset({0, os.geteuid()})
+
+
+def unsafe(path: Path, st: os.stat_result, what: str,
+           owners: frozenset[int] | None = None) -> str | None:
+    """Why ``path`` (with stat ``st``) may not be trusted, or None."""
+    owners = trusted_owners() if owners is None else owners
+    if st.st_uid not in owners:
         return f"{what} {path} is owned by uid {st.st_uid}, not root"
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return f"{what} {path} is writable by group or others (mode {stat.filemode(st.st_mode)})"
     return None
 
 
-def desired_dir_problems(desired: Path, files: list[Path]) -> list[str]:
-    problems = []
+def directory_problems(directory: Path) -> list[str]:
+    """The directory, and every directory above it, must be trusted: a
+    writable parent allows a swap (a sticky one such as /tmp does not: only
+    the owner may rename in it)."""
     try:
-        real = desired.resolve(strict=True)
+        real = directory.resolve(strict=True)
     except OSError as exc:
-        return [f"desired directory {desired}: {exc.strerror or exc}"]
-    # Every directory from / down to it: a writable parent allows a swap
-    # (a sticky one such as /tmp does not: only the owner may rename in it).
-    for d in [real, *real.parents]:
-        st = d.stat()
+        return [f"directory {directory}: {exc.strerror or exc}"]
+    problems = []
+    chain = [real, *real.parents]
+    if directory.is_symlink():  # whoever may write beside the link may swap it
+        link_dir = directory.parent.resolve()
+        chain += [d for d in (link_dir, *link_dir.parents) if d not in chain]
+    for d in chain:
+        try:
+            st = d.stat()
+        except OSError as exc:
+            problems.append(f"directory {d}: {exc.strerror or exc}")
+            continue
         if d != real and st.st_mode & stat.S_ISVTX:
             continue
-        if (p := _unsafe(d, st, "directory")) is not None:
+        if (p := unsafe(d, st, "directory")) is not None:
             problems.append(p)
+    return problems
+
+
+def escapes(f: Path, real_dir: Path) -> str | None:
+    """A symlinked file must resolve inside its directory; else say where it leads."""
+    try:
+        target = f.resolve(strict=True)
+    except OSError as exc:
+        return f"{f}: {exc.strerror or exc}"
+    if not target.is_relative_to(real_dir):
+        return f"{f} is a symlink to {target}, outside {real_dir}"
+    return None
+
+
+def desired_dir_problems(desired: Path, files: list[Path]) -> list[str]:
+    problems = directory_problems(desired)
+    try:
+        real = desired.resolve(strict=True)
+    except OSError:
+        return problems
     for f in files:
-        try:
-            target = f.resolve(strict=True)
-        except OSError as exc:
-            problems.append(f"{f}: {exc.strerror or exc}")
+        if (p := escapes(f, real)) is not None:
+            problems.append(p)
             continue
-        if f.is_symlink() and not target.is_relative_to(real):
-            problems.append(f"{f} is a symlink to {target}, outside {real}")
-            continue
-        if (p := _unsafe(target, target.stat(), "file")) is not None:
+        target = f.resolve()
+        if (p := unsafe(target, target.stat(), "file")) is not None:
             problems.append(p)
     return problems

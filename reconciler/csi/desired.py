@@ -64,6 +64,7 @@ def load_desired(config: Config) -> LoadResult:
         files=operator.files + csi.files,
         failed_files=operator.failed_files | csi.failed_files | frozenset(bad_files),
         frozen_names=frozenset(frozen),
+        refused=operator.refused or csi.refused,
     )
 
 
