@@ -76,6 +76,7 @@ class VolumeOutcome:
     error: str | None = None
     notes: list[str] = field(default_factory=list)
     undone: list[str] = field(default_factory=list)
+    refused: bool = False  # a safety check said no (StepRefused), not a failure to act
 
     def as_dict(self) -> dict[str, object]:
         return {"name": self.name, "status": self.status, "error": self.error,
@@ -126,6 +127,7 @@ class _VolumeRun:
                 log.warning("%s: %s %s failed: %s", step.volume, step.action, step.target, exc)
                 self.out.steps.append(StepOutcome(step, "failed", str(exc)))
                 self.out.status, self.out.error = "failed", f"{step.action} {step.target}: {exc}"
+                self.out.refused = isinstance(exc, StepRefused)
                 if isinstance(step, STAGE_CHAIN):
                     self.undo()
                 return self.out

@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let volumes go even when most or all files vanish at once")
     p.add_argument("--log-format", choices=("journal", "json", "plain"), default="journal",
                    help="stderr log lines: <N> priority prefixes (default), JSON, or plain")
+    p.add_argument("--csi-endpoint", metavar="unix:///PATH",
+                   help="also serve CSI v1 (Identity, Controller, Node) on this unix socket "
+                        "(default: the config's csi.endpoint; none: no CSI)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("allow-removal", help="let the daemon's held-back removals go",
@@ -157,7 +160,12 @@ def _print_load_errors(p: Pass) -> None:
 
 
 def _paths(args: argparse.Namespace, config: Config) -> list[Path]:
-    return args.paths or [config.desired_dir]
+    """Default: the operator's files and the CSI adapter's (one engine, one view)."""
+    return args.paths or _default_paths(config)
+
+
+def _default_paths(config: Config) -> list[Path]:
+    return [config.desired_dir, *([config.csi_dir] if config.csi_dir.is_dir() else [])]
 
 
 def cmd_plan(args: argparse.Namespace, config: Config) -> int:
@@ -252,7 +260,7 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_validate(args: argparse.Namespace, config: Config) -> int:
-    paths = args.paths or [config.desired_dir]
+    paths = args.paths or _default_paths(config)
     result = load(paths, config)
     if args.output == "json":
         json.dump({
@@ -277,7 +285,11 @@ def cmd_run(args: argparse.Namespace, config: Config) -> int:
     from .logfmt import setup
 
     setup(args.log_format, args.verbose)
-    return Daemon(config, args.config, args.allow_mass_removal).run()
+    if args.csi_endpoint is not None and not args.csi_endpoint.startswith("unix:///"):
+        print(f"--csi-endpoint {args.csi_endpoint!r}: expected unix:///absolute/path",
+              file=sys.stderr)
+        return 1
+    return Daemon(config, args.config, args.allow_mass_removal, args.csi_endpoint).run()
 
 
 def cmd_allow_removal(args: argparse.Namespace, config: Config) -> int:
@@ -308,7 +320,7 @@ def _daemon_status(config: Config, name: str) -> dict | None:
 
 def cmd_explain(args: argparse.Namespace, config: Config) -> int:
     node = Node.from_config(config)
-    p = plan_pass([config.desired_dir], config, node)
+    p = plan_pass(_default_paths(config), config, node)
     if p.loaded.refused:  # an untrusted directory or file: say so, explain nothing
         _print_load_errors(p)
         return EXIT_FAILED

@@ -26,6 +26,17 @@ class CephConfig:
 
 
 @dataclass(frozen=True)
+class CsiConfig:
+    endpoint: str | None  # unix:///path; None: no CSI server (`run --csi-endpoint` sets it too)
+    dir: Path | None  # where the adapter writes its volume files; None: <stateDir>/csi.d
+    driver_name: str
+    timeout_seconds: float  # longest a call waits for the engine (never past its gRPC deadline)
+
+
+DEFAULT_DRIVER_NAME = "rbd.reconciler.local"
+
+
+@dataclass(frozen=True)
 class Config:
     desired_dir: Path
     state_dir: Path
@@ -38,12 +49,18 @@ class Config:
     resync_seconds: float = 60.0
     mass_removal_share: float = 0.5
     parallel: int = 4
-    # A pool or device probe that has not answered by then is reported unknown.
+    # A pool, image or device probe that has not answered by then is unknown.
     observe_timeout_seconds: float = 5.0
+    csi: CsiConfig = CsiConfig(None, None, DEFAULT_DRIVER_NAME, 120.0)
 
     @property
     def staging_root(self) -> Path:
         return self.state_dir / "staging"
+
+    @property
+    def csi_dir(self) -> Path:
+        """The CSI adapter's own volume files: never desiredDir (a git checkout)."""
+        return self.csi.dir or self.state_dir / "csi.d"
 
 
 class ConfigError(Exception):
@@ -54,6 +71,7 @@ class ConfigError(Exception):
 
 def _build(data: dict, source: Path | None) -> Config:
     ceph = data.get("ceph", {})
+    csi = data.get("csi", {})
     return Config(
         desired_dir=Path(data.get("desiredDir", "/etc/rbd-reconciler/volumes.d")),
         state_dir=Path(data.get("stateDir", "/var/lib/rbd-reconciler")),
@@ -71,6 +89,12 @@ def _build(data: dict, source: Path | None) -> Config:
         mass_removal_share=float(data.get("massRemovalShare", 0.5)),
         parallel=int(data.get("parallel", 4)),
         observe_timeout_seconds=float(data.get("observeTimeoutSeconds", 5)),
+        csi=CsiConfig(
+            endpoint=csi.get("endpoint"),
+            dir=Path(csi["dir"]) if csi.get("dir") else None,
+            driver_name=csi.get("driverName", DEFAULT_DRIVER_NAME),
+            timeout_seconds=float(csi.get("timeoutSeconds", 120)),
+        ),
     )
 
 
@@ -132,6 +156,13 @@ def _load_config(path: Path, explicit: bool) -> Config:
             diags.append(Diagnostic(path, line, col, f"allowedRoots[{i}]",
                                     f"{excerpt(root)} must be a normalised absolute path "
                                     "other than /"))
+    csi_dir = (doc.data.get("csi") or {}).get("dir") if not diags else None
+    desired = os.path.normpath(doc.data.get("desiredDir", "/etc/rbd-reconciler/volumes.d"))
+    if csi_dir and (os.path.normpath(csi_dir) + "/").startswith(desired + "/"):
+        line, col = doc.where(("csi", "dir"))
+        diags.append(Diagnostic(path, line, col, "csi.dir",
+                                "must not be desiredDir or inside it (that one may be a git "
+                                "checkout; the adapter writes its own files)"))
     if diags:
         raise ConfigError(diags)
     return _build(doc.data, path)

@@ -28,8 +28,9 @@ from . import allowance, sdnotify
 from .apply import VolumeOutcome, apply
 from .conditions import Conditions
 from .config import Config, ConfigError, load_config
+from .csi.desired import forgettable, load_desired
 from .engine import Busy, context, state_lock
-from .loader import discover, is_ignored, load
+from .loader import discover, is_ignored
 from .observe import Node, observe
 from .plan import VolumePlan, actual_state, plan
 from .reaper import become_subreaper, reap_zombies
@@ -86,7 +87,7 @@ class _Wake(FileSystemEventHandler):
 
 class Daemon:
     def __init__(self, config: Config, config_path: Path | None,
-                 allow_mass_removal: bool = False) -> None:
+                 allow_mass_removal: bool = False, csi_endpoint: str | None = None) -> None:
         self.config = config
         self.config_path = config_path
         self.allow_mass_removal = allow_mass_removal
@@ -104,7 +105,14 @@ class Daemon:
         self.watched: tuple[Path, Path] | None = None
         self.conditions = Conditions(log)
         self.busy_since: float | None = None  # the pass thread is inside a pass
-        self.passes = 0
+        # Hooks for the CSI adapter (reconciler/csi): a wake that skips the
+        # debounce, and counts of passes begun and finished it can wait on.
+        self.csi_endpoint = csi_endpoint
+        self.urgent = threading.Event()
+        self.passes_started = 0  # passes run one after another: started - done <= 1
+        self.passes_done = 0
+        self.progress = threading.Condition()  # notified: pass finished, status written
+        self.progress_seq = 0  # bumped with every notify: a waiter never misses one
 
     # -- paths ----------------------------------------------------------------
     @property
@@ -117,6 +125,26 @@ class Daemon:
     # -- lifecycle ------------------------------------------------------------
     def wake(self) -> None:
         self.wake_event.set()
+
+    # -- hooks for the CSI adapter -------------------------------------------
+    def wake_volume(self, name: str) -> None:
+        """A pass at once, without the debounce, that tries ``name`` even if it
+        is backing off: a CSI call (maybe the CO's retry) is waiting on it."""
+        with self.lock:
+            self.backoff.pop(name, None)
+        self.urgent.set()
+        self.wake_event.set()
+
+    @property
+    def ready(self) -> bool:
+        return self.passes_done > 0
+
+    def busy(self, name: str) -> bool:
+        with self.lock:
+            return name in self.inflight
+
+    def status(self, name: str) -> dict:
+        return read_json(self.status_path(name), {}) or {}
 
     def install_signals(self) -> None:
         def stop(signum: int, _frame: object) -> None:
@@ -136,7 +164,11 @@ class Daemon:
 
     def preflight(self) -> list[str]:
         files, _ = discover([self.config.desired_dir])
-        return desired_dir_problems(self.config.desired_dir, files)
+        problems = desired_dir_problems(self.config.desired_dir, files)
+        csi_dir = self.config.csi_dir
+        if csi_dir.is_dir():  # the CSI adapter's files converge like the operator's
+            problems += desired_dir_problems(csi_dir, discover([csi_dir])[0])
+        return problems
 
     def run(self) -> int:
         problems = self.preflight()
@@ -150,10 +182,25 @@ class Daemon:
                 self.records = read_json(self.records_path, {}) or {}
                 self.install_signals()
                 self._watch()
-                return self._serve()
+                csi = self._start_csi()
+                try:
+                    return self._serve()
+                finally:
+                    if csi is not None:
+                        csi.stop()
         except Busy as exc:
             log.error("%s", exc)
             return 1
+
+    def _start_csi(self) -> object | None:
+        endpoint = self.csi_endpoint or self.config.csi.endpoint
+        if not endpoint:
+            return None
+        from .csi.server import CsiServer  # grpc loads only when CSI is served
+
+        server = CsiServer(self, endpoint)
+        server.start()
+        return server
 
     def _serve(self) -> int:
         """Passes run in their own thread; this one handles signals and pings the
@@ -196,7 +243,10 @@ class Daemon:
             woke = self.wake_event.wait(max(0.0, next_resync - time.monotonic()))
             if self.stopping.is_set():
                 break
-            if woke:
+            if woke and self.urgent.is_set():
+                self.urgent.clear()
+                self.wake_event.clear()
+            elif woke:
                 self._debounce()
             if self.reload_wanted.is_set():
                 self._reload()
@@ -257,8 +307,18 @@ class Daemon:
 
     # -- one pass -------------------------------------------------------------
     def reconcile(self) -> None:
+        with self.progress:
+            self.passes_started += 1
+        try:
+            self._reconcile()
+        finally:
+            with self.progress:
+                self.passes_done += 1
+                self.progress_seq += 1
+                self.progress.notify_all()
+
+    def _reconcile(self) -> None:
         t0 = time.monotonic()
-        self.passes += 1
         self._watch()  # the link may point elsewhere now
         reap_zombies()
         problems = self.preflight()
@@ -266,7 +326,7 @@ class Daemon:
         if problems:
             sdnotify.notify(f"STATUS=refusing: {problems[0]}")
             return
-        loaded = load([self.config.desired_dir], self.config)
+        loaded = load_desired(self.config)
         self.conditions.update("load", [str(d) for d in loaded.diagnostics])
         if loaded.refused:  # an untrusted file or directory: read nothing, touch nothing
             sdnotify.notify("STATUS=refusing: the desired directory is not trusted")
@@ -314,7 +374,8 @@ class Daemon:
                         f"{len(held)} removal(s) held")
         log.info("pass %d: %d volume(s), %d observed, %d converging, %d unknown, %d frozen, "
                  "%d releasing, %d removal(s) held; observe %.0f ms, pass %.0f ms",
-                 self.passes, len(current), len(candidates), busy, len(unknown), len(frozen),
+                 self.passes_started, len(current), len(candidates), busy, len(unknown),
+                 len(frozen),
                  len(release), len(held), t_obs * 1e3, (time.monotonic() - t0) * 1e3)
 
     def _removals(self, current: dict[str, Volume], frozen: set[str],
@@ -322,6 +383,10 @@ class Daemon:
         """Managed volumes whose files vanished: those to release now, and those
         held (name -> why). Records are updated to the current set."""
         vanished = sorted(set(self.records) - set(current) - frozen)
+        with self.lock:
+            for name in [n for n in vanished if forgettable(self.records[n], self.config)]:
+                del self.records[name]  # the CSI adapter removed it on purpose
+                vanished.remove(name)
         allowed = allowance.take(self.config.state_dir)
         held: dict[str, str] = {}
         removing: list[str] = []
@@ -429,6 +494,7 @@ class Daemon:
             "observedGeneration": vol.spec_hash,
             "lastResult": out.status,
             "lastError": out.error,
+            "refusal": vp.refused or (out.error if out.refused else None),
             "notes": out.notes,
             "undone": out.undone,
             "steps": [s.as_dict() for s in out.steps],
@@ -465,6 +531,9 @@ class Daemon:
                 and "steps" not in data:
             return  # unchanged: spare the disk a write every resync
         write_json(path, merged)
+        with self.progress:
+            self.progress_seq += 1
+            self.progress.notify_all()
 
     def _save_records(self) -> None:
         write_json(self.records_path, self.records)

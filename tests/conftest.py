@@ -180,6 +180,14 @@ def _force_cleanup(mounts: list[str], loops: list[str]) -> None:
 
 
 @pytest.fixture
+def start_csi(node: NodeUnderTest) -> Iterator[object]:
+    """Start the daemon with --csi-endpoint; returns a CsiNode (tests/csi_fixture.py)."""
+    from csi_fixture import start_csi_fixture
+
+    yield from start_csi_fixture(node)
+
+
+@pytest.fixture
 def dead_pool(ceph_cluster: DevCluster) -> Iterator[str]:
     """A real pool whose CRUSH rule maps to no OSD: every op on it waits."""
     tag = uuid.uuid4().hex[:6]

@@ -266,9 +266,13 @@ def test_helper_mounts_reads_the_process_table(tmp_path: Path) -> None:
     proc(11, ["rbd-fuse", "-p", "rbd", "-r", "b", "/st/fuse/rbd@b", "-f"], state="Z")
     proc(12, ["sleep", "/st/fuse/rbd@c"])
     m, _ = fuse()
+    m.scan_helpers(tmp_path)
     served = m.helper_mounts(tmp_path)
     assert "/st/fuse/rbd@a" in served
     assert "/st/fuse/rbd@b" not in served and "/st/fuse/rbd@c" not in served
+    # Later passes re-check the pids on record: a helper that died is noticed.
+    (tmp_path / "10" / "stat").write_text("10 (rbd-fuse) Z 1 2 3")
+    assert m.helper_mounts(tmp_path) == set()
 
 
 def test_fuse_list_without_loop_devices() -> None:

@@ -16,7 +16,7 @@ import os
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import CephConfig
@@ -104,6 +104,7 @@ class FuseMapper:
     root: Path  # <stateDir>/fuse: one private mount directory per image
     runner: Runner
     kind: str = "fuse"
+    _helpers: dict[str, int] = field(default_factory=dict, repr=False)  # mount -> pid
 
     def mount_point(self, pool: str, image: str) -> Path:
         # '@' is in neither pool nor image names (the schema forbids it).
@@ -187,15 +188,21 @@ class FuseMapper:
                  else loop_devices())
         loops = {lo.back_file: lo.name for lo in found}
         prefix = str(self.root) + "/"
-        out = []
+        ours = []
         for m in mounts:
             if m.fs_type != FUSE_FSTYPE or not m.mount_point.startswith(prefix):
                 continue
             pool, _, image = m.mount_point[len(prefix):].partition("@")
-            if not image or "/" in image:
-                continue
-            if helpers is None:
+            if image and "/" not in image:
+                ours.append((m, pool, image))
+        if helpers is None and ours:
+            helpers = self.helper_mounts()
+            if any(m.mount_point not in helpers for m, _, _ in ours):
+                self.scan_helpers()  # a helper started since, or really gone
                 helpers = self.helper_mounts()
+        out = []
+        for m, pool, image in ours:
+            assert helpers is not None
             problem = None if m.mount_point in helpers else (
                 "its rbd-fuse helper is gone: the FUSE mount answers ENOTCONN and every "
                 "read or write of the device fails")
@@ -204,19 +211,35 @@ class FuseMapper:
         return out
 
     def helper_mounts(self, proc: Path = Path("/proc")) -> set[str]:
-        """Mount points served by a live rbd-fuse process (its last argument
-        before ``-f``). A process table scan, not a stat of the mount: a stat
-        would wait on a helper that is alive but stalled on Ceph."""
-        found = set()
-        for cmdline in proc.glob("[0-9]*/cmdline"):
-            with contextlib.suppress(OSError):
-                args = cmdline.read_bytes().split(b"\0")
-                if args and args[0].endswith(b"rbd-fuse"):
-                    state = (cmdline.parent / "stat").read_text()
-                    if state[state.rindex(")") + 2:][:1] in ("Z", "X"):
-                        continue  # exited, not yet reaped: it serves nothing
-                    found.update(os.fsdecode(a) for a in args[1:] if a.startswith(b"/"))
-        return found
+        """Mount points served by a live rbd-fuse process (its path arguments).
+        A process table scan, not a stat of the mount: a stat would wait on a
+        helper that is alive but stalled on Ceph. The pids found are kept, so
+        a later pass re-checks each one (two small reads) and scans the whole
+        table only when a mount has no live helper on record."""
+        alive = {mnt: pid for mnt, pid in self._helpers.items()
+                 if mnt in _helper_args(proc / str(pid))}
+        self._helpers = alive
+        return set(alive)
+
+    def scan_helpers(self, proc: Path = Path("/proc")) -> None:
+        found: dict[str, int] = {}
+        for pid_dir in proc.glob("[0-9]*"):
+            for mnt in _helper_args(pid_dir):
+                found[mnt] = int(pid_dir.name)
+        self._helpers = found
+
+def _helper_args(pid_dir: Path) -> set[str]:
+    """The path arguments of a live (not zombie) rbd-fuse process, else empty."""
+    try:
+        args = (pid_dir / "cmdline").read_bytes().split(b"\0")
+        if not args or not args[0].endswith(b"rbd-fuse"):
+            return set()
+        state = (pid_dir / "stat").read_text()
+    except OSError:
+        return set()
+    if state[state.rindex(")") + 2:][:1] in ("Z", "X"):
+        return set()  # exited, not yet reaped: it serves nothing
+    return {os.fsdecode(a) for a in args[1:] if a.startswith(b"/")}
 
 
 def loop_devices(sys_block: Path = Path("/sys/block")) -> tuple[LoopDevice, ...]:

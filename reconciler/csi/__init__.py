@@ -1,0 +1,1 @@
+"""The CSI v1 adapter: gRPC front door that writes desired-volume files."""

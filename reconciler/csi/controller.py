@@ -1,0 +1,277 @@
+"""CSI Controller: CreateVolume / DeleteVolume / expand become edits of a
+volume file's image section; the engine creates, grows and deletes."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+from typing import Any
+
+import grpc
+
+from ..drivers.ceph import CephError
+from . import capability, csi_pb2_grpc, ids
+from . import csi_pb2 as pb
+from .cephinfo import CephInfo
+from .errors import CsiError, invalid, not_found, rpc
+from .files import L_ACCESS, L_FSTYPE, L_MAPPER, L_ORIGIN, L_REQUEST, new_document
+from .volumes import Volumes
+
+log = logging.getLogger("rbd-reconciler.csi")
+
+MiB = 1 << 20
+DEFAULT_SIZE = 1 << 30  # a CreateVolume without a capacity range
+PARAMETERS = ("pool", "imageFeatures", "mapper", "fsType")
+# external-provisioner's own keys (PVC/PV names with --extra-create-metadata).
+CO_PREFIX = "csi.storage.k8s.io/"
+_TOKEN = re.compile(r"csi-x?[0-9a-f]{32}")
+
+
+def _size(rng: pb.CapacityRange | None) -> int:
+    """Bytes for a capacity range: required rounded up to whole MiB."""
+    req = rng.required_bytes if rng is not None else 0
+    lim = rng.limit_bytes if rng is not None else 0
+    if req < 0 or lim < 0:
+        raise invalid("capacity_range: bytes must not be negative")
+    if lim and req > lim:
+        raise invalid(f"capacity_range: required_bytes {req} exceeds limit_bytes {lim}")
+    size = -(-req // MiB) * MiB if req else min(DEFAULT_SIZE, lim // MiB * MiB if lim else
+                                                DEFAULT_SIZE)
+    if size < MiB or (lim and size > lim):
+        raise CsiError(grpc.StatusCode.OUT_OF_RANGE,
+                       f"capacity_range (required {req}, limit {lim}): volumes come in whole "
+                       "MiB, at least 1 MiB")
+    return size
+
+
+def _parameters(params: dict[str, str]) -> dict[str, str]:
+    out = {}
+    for key, value in params.items():
+        if key.startswith(CO_PREFIX):
+            continue
+        if key not in PARAMETERS:
+            raise invalid(f"parameter {key!r} is not known (known: {', '.join(PARAMETERS)})")
+        out[key] = value
+    if "pool" not in out:
+        raise invalid("parameter 'pool' is required (the StorageClass names the RBD pool)")
+    if out.get("fsType", "ext4") not in capability.FS_TYPES:
+        raise invalid(f"parameter fsType {out['fsType']!r}: ext4 or xfs")
+    return out
+
+
+def _volume(doc: dict[str, Any]) -> pb.Volume:
+    img = doc["spec"]["image"]
+    return pb.Volume(capacity_bytes=int(img["size"]),
+                     volume_id=ids.volume_id(img["pool"], img["name"]),
+                     volume_context={"pool": img["pool"], "image": img["name"]})
+
+
+class ControllerServicer(csi_pb2_grpc.ControllerServicer):
+    def __init__(self, volumes: Volumes, ceph: CephInfo) -> None:
+        self.volumes = volumes
+        self.files = volumes.files
+        self.ceph = ceph
+
+    # -- create / delete -------------------------------------------------------
+    @rpc
+    def CreateVolume(self, request: pb.CreateVolumeRequest,
+                     context: grpc.ServicerContext) -> pb.CreateVolumeResponse:
+        if not request.name:
+            raise invalid("name is required")
+        access = capability.parse_all(list(request.volume_capabilities))
+        if request.HasField("volume_content_source"):
+            raise invalid("volume_content_source: creating from a snapshot or a volume is "
+                          "not supported")
+        params = _parameters(dict(request.parameters))
+        size = _size(request.capacity_range if request.HasField("capacity_range") else None)
+        fs_type = params.get("fsType") or next((a.fs_type for a in access if a.fs_type), "ext4")
+        if fs_type == "xfs" and size < 300 * MiB:
+            raise CsiError(grpc.StatusCode.OUT_OF_RANGE, "xfs needs at least 300 MiB")
+        pool, image = params["pool"], ids.image_for_request(request.name)
+        try:
+            ids.volume_id(pool, image)
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
+        name = ids.volume_name(pool, image)
+        img: dict[str, Any] = {"pool": pool, "name": image, "size": size,
+                               "reclaimPolicy": "Delete"}
+        if "imageFeatures" in params:
+            img["features"] = [f.strip() for f in params["imageFeatures"].split(",") if f.strip()]
+        labels = {L_REQUEST: request.name, L_ORIGIN: "controller", L_FSTYPE: fs_type,
+                  L_ACCESS: "block" if all(a.block for a in access) else "mount"}
+        if "mapper" in params:
+            labels[L_MAPPER] = params["mapper"]
+        deadline = self.volumes.deadline(context)
+        with self.volumes.operation(name):
+            doc = self.files.read(name)
+            if doc is not None and doc["spec"].get("state", "present") == "present":
+                self._same_request(doc, request, img, labels)
+                self.volumes.settle(name, deadline)
+                return pb.CreateVolumeResponse(volume=_volume(doc))
+            doc = new_document(name, labels, img)
+            self.volumes.converge(name, doc, deadline)
+        try:
+            self.ceph.record_name(pool, image, request.name)
+        except Exception as exc:  # a missing note for humans never fails the call
+            log.warning("%s: could not record the CSI name in image-meta: %s", name, exc)
+        return pb.CreateVolumeResponse(volume=_volume(doc))
+
+    def _same_request(self, doc: dict[str, Any], request: pb.CreateVolumeRequest,
+                      img: dict[str, Any], labels: dict[str, str]) -> None:
+        have = doc["spec"]["image"]
+        old = doc["metadata"].get("labels", {})
+        rng = request.capacity_range
+        size = int(have.get("size") or 0)
+        fits = size >= rng.required_bytes and (not rng.limit_bytes or size <= rng.limit_bytes)
+        same = (old.get(L_REQUEST) == request.name and have.get("pool") == img["pool"]
+                and have.get("features") == img.get("features")
+                and old.get(L_FSTYPE) == labels[L_FSTYPE]
+                and old.get(L_MAPPER) == labels.get(L_MAPPER))
+        if not (fits and same):
+            raise CsiError(grpc.StatusCode.ALREADY_EXISTS,
+                           f"a volume named {request.name!r} already exists with another "
+                           f"capacity ({size} bytes) or parameters")
+
+    @rpc
+    def DeleteVolume(self, request: pb.DeleteVolumeRequest,
+                     context: grpc.ServicerContext) -> pb.DeleteVolumeResponse:
+        if not request.volume_id:
+            raise invalid("volume_id is required")
+        parsed = ids.parse_volume_id(request.volume_id)
+        if parsed is None:
+            return pb.DeleteVolumeResponse()  # never ours: nothing to delete
+        name = ids.volume_name(*parsed)
+        deadline = self.volumes.deadline(context)
+        with self.volumes.operation(name):
+            doc = self.files.read(name)
+            if doc is None:
+                return pb.DeleteVolumeResponse()
+            if doc["metadata"].get("labels", {}).get(L_ORIGIN) != "controller":
+                raise CsiError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"volume {name} was not created through CreateVolume here; "
+                               "its image is not deleted")
+            present = copy.deepcopy(doc)
+            doc["spec"]["state"] = "absent"
+            doc["spec"]["image"]["reclaimPolicy"] = "Delete"
+            try:
+                self.volumes.converge(name, doc, deadline)
+            except CsiError as exc:
+                if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
+                    # Refused (still open elsewhere, not ours): the volume stays as
+                    # it was; the CO's retry asks again.
+                    self.files.commit(name, self.files.write_temp(name, present))
+                    self.volumes.daemon.wake_volume(name)
+                raise
+            self.files.remove(name)
+        return pb.DeleteVolumeResponse()
+
+    # -- questions -------------------------------------------------------------
+    @rpc
+    def ValidateVolumeCapabilities(
+            self, request: pb.ValidateVolumeCapabilitiesRequest,
+            context: grpc.ServicerContext) -> pb.ValidateVolumeCapabilitiesResponse:
+        if not request.volume_id:
+            raise invalid("volume_id is required")
+        if not request.volume_capabilities:
+            raise invalid("volume_capabilities is required")
+        parsed = ids.parse_volume_id(request.volume_id)
+        if parsed is None:
+            raise not_found(f"volume {request.volume_id!r} does not exist")
+        doc = self.files.read(ids.volume_name(*parsed))
+        if doc is None and self.ceph.image_size(*parsed) is None:
+            raise not_found(f"volume {request.volume_id!r} does not exist")
+        try:
+            capability.parse_all(list(request.volume_capabilities))
+        except CsiError as exc:
+            return pb.ValidateVolumeCapabilitiesResponse(message=exc.message)
+        confirmed = pb.ValidateVolumeCapabilitiesResponse.Confirmed(
+            volume_context=request.volume_context,
+            volume_capabilities=request.volume_capabilities,
+            parameters=request.parameters)
+        return pb.ValidateVolumeCapabilitiesResponse(confirmed=confirmed)
+
+    @rpc
+    def ListVolumes(self, request: pb.ListVolumesRequest,
+                    context: grpc.ServicerContext) -> pb.ListVolumesResponse:
+        if request.max_entries < 0:
+            raise invalid("max_entries must not be negative")
+        start = request.starting_token
+        if start and not _TOKEN.fullmatch(start):
+            raise CsiError(grpc.StatusCode.ABORTED,
+                           f"starting_token {start!r} was not handed out by ListVolumes")
+        entries, next_token = [], ""
+        for name in self.files.names():
+            if start and name < start:
+                continue
+            try:
+                doc = self.files.read(name)
+            except CsiError:
+                continue  # a file broken by hand: `rbd-reconciler validate` names it
+            if (doc is None or doc["spec"].get("state", "present") != "present"
+                    or doc["metadata"].get("labels", {}).get(L_ORIGIN) != "controller"):
+                continue
+            if request.max_entries and len(entries) == request.max_entries:
+                next_token = name
+                break
+            entries.append(pb.ListVolumesResponse.Entry(volume=_volume(doc)))
+        return pb.ListVolumesResponse(entries=entries, next_token=next_token)
+
+    @rpc
+    def GetCapacity(self, request: pb.GetCapacityRequest,
+                    context: grpc.ServicerContext) -> pb.GetCapacityResponse:
+        if request.volume_capabilities:
+            capability.parse_all(list(request.volume_capabilities))
+        pool = None
+        if request.parameters:
+            pool = _parameters(dict(request.parameters))["pool"]
+        try:
+            available = self.ceph.available(pool)
+        except CephError as exc:
+            raise invalid(str(exc)) from None
+        except Exception as exc:
+            raise CsiError(grpc.StatusCode.UNAVAILABLE, f"Ceph did not answer: {exc}") from None
+        return pb.GetCapacityResponse(available_capacity=max(0, available))
+
+    @rpc
+    def ControllerGetCapabilities(
+            self, request: pb.ControllerGetCapabilitiesRequest,
+            context: grpc.ServicerContext) -> pb.ControllerGetCapabilitiesResponse:
+        rpc_ = pb.ControllerServiceCapability.RPC
+        kinds = (rpc_.CREATE_DELETE_VOLUME, rpc_.EXPAND_VOLUME, rpc_.LIST_VOLUMES,
+                 rpc_.GET_CAPACITY)
+        return pb.ControllerGetCapabilitiesResponse(capabilities=[
+            pb.ControllerServiceCapability(rpc=rpc_(type=k)) for k in kinds])
+
+    # -- expand ----------------------------------------------------------------
+    @rpc
+    def ControllerExpandVolume(
+            self, request: pb.ControllerExpandVolumeRequest,
+            context: grpc.ServicerContext) -> pb.ControllerExpandVolumeResponse:
+        if not request.volume_id:
+            raise invalid("volume_id is required")
+        if not request.HasField("capacity_range"):
+            raise invalid("capacity_range is required")
+        size = _size(request.capacity_range)
+        parsed = ids.parse_volume_id(request.volume_id)
+        if parsed is None:
+            raise not_found(f"volume {request.volume_id!r} does not exist")
+        name = ids.volume_name(*parsed)
+        deadline = self.volumes.deadline(context)
+        with self.volumes.operation(name):
+            doc = self.files.read(name)
+            if doc is None or doc["spec"].get("state", "present") != "present":
+                raise not_found(f"volume {request.volume_id!r} does not exist")
+            img = doc["spec"]["image"]
+            current = int(img.get("size") or 0)
+            if size > current:
+                img["size"] = size
+                self.volumes.converge(name, doc, deadline)
+            else:
+                size = current
+                self.volumes.settle(name, deadline)
+        stage = doc["spec"].get("stage") or {}
+        block = stage.get("mode") == "block" or (
+            not stage and doc["metadata"].get("labels", {}).get(L_ACCESS) == "block")
+        return pb.ControllerExpandVolumeResponse(capacity_bytes=size,
+                                                 node_expansion_required=not block)

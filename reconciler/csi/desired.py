@@ -1,0 +1,78 @@
+"""The desired set the daemon converges: the operator's desiredDir plus the
+CSI adapter's own directory.
+
+The operator's files win: a CSI volume that claims a name, an image or a path
+an operator file already claims is not loaded, and the diagnostic names the
+CSI file (the CSI call that wrote it answers with that error).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import Config
+from ..diagnostics import Diagnostic
+from ..loader import LoadResult, load
+from ..spec import Volume
+
+
+def claims(v: Volume) -> list[tuple[str, str, str]]:
+    """(kind, value, field) a volume holds on the node; each may be held once."""
+    out = [("volume name", v.name, "metadata.name"), ("image", v.image.spec, "spec.image")]
+    if v.stage is not None:
+        out.append(("staging path", v.stage.path, "spec.stage.path"))
+    out += [("publish path", p.path, f"spec.publish[{i}].path") for i, p in enumerate(v.publish)]
+    return out
+
+
+def operator_conflicts(candidates: tuple[Volume, ...], operator: LoadResult) -> list[Diagnostic]:
+    """Diagnostics for every CSI volume that claims what an operator file claims."""
+    held = {(kind, value): vol for vol in operator.volumes for kind, value, _ in claims(vol)}
+    diags = []
+    for v in candidates:
+        for kind, value, field in claims(v):
+            owner = held.get((kind, value))
+            if owner is None and kind == "volume name" and value in operator.frozen_names:
+                diags.append(Diagnostic(v.source.file, v.source.line, 1, field,
+                                        f"{kind} {value!r} is declared by an operator file"))
+                break
+            if owner is not None:
+                diags.append(Diagnostic(v.source.file, v.source.line, 1, field,
+                                        f"{kind} {value!r} is already claimed by the operator's "
+                                        f"{owner.source}; this CSI volume is not loaded"))
+                break
+    return diags
+
+
+def load_desired(config: Config) -> LoadResult:
+    operator = load([config.desired_dir], config)
+    if not config.csi_dir.is_dir():
+        return operator
+    csi = load([config.csi_dir], config)
+    conflicts = operator_conflicts(csi.volumes, operator)
+    bad_files = {d.file for d in conflicts}
+    bad = [v for v in csi.volumes if v.source.file in bad_files]
+    operator_names = {v.name for v in operator.volumes}
+    # A clash on a name leaves that name to the operator's volume; any other
+    # clash freezes the CSI volume (it stays exactly as it is).
+    frozen = set(operator.frozen_names) | (set(csi.frozen_names) - operator_names) | {
+        v.name for v in bad if v.name not in operator_names}
+    volumes = [*operator.volumes, *(v for v in csi.volumes if v.source.file not in bad_files)]
+    return LoadResult(
+        volumes=tuple(sorted(volumes, key=lambda v: v.name)),
+        diagnostics=tuple(sorted({*operator.diagnostics, *csi.diagnostics, *conflicts})),
+        files=operator.files + csi.files,
+        failed_files=operator.failed_files | csi.failed_files | frozenset(bad_files),
+        frozen_names=frozenset(frozen),
+        refused=operator.refused or csi.refused,
+    )
+
+
+def forgettable(record: dict, config: Config) -> bool:
+    """A vanished CSI file whose volume holds nothing on the node (deleted, or
+    never mapped here) is the adapter's deliberate removal: forget it rather
+    than release it, and never count it toward the mass-removal guard."""
+    if Path(record["file"]).parent != config.csi_dir:
+        return False
+    vol = record["volume"]
+    return vol.get("state") == "absent" or not vol.get("map")

@@ -1,0 +1,101 @@
+"""The adapter's volume files in ``csi.dir``: the only state it keeps.
+
+Written atomically (temp file, fsync, rename, fsync of the directory), so a
+crash leaves the old file or the new one; a restarted daemon carries on from
+whichever it finds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..spec import API_VERSION
+from .errors import precondition
+
+LABEL = "csi.rbd-reconciler/"
+L_REQUEST = LABEL + "request-name"  # the CO's name for it (CreateVolume)
+L_ORIGIN = LABEL + "origin"  # controller: CreateVolume made it; node: staged by id only
+L_ACCESS = LABEL + "access-type"  # mount | block, as created
+L_FSTYPE = LABEL + "fs-type"
+L_MAPPER = LABEL + "mapper"  # the StorageClass mapper parameter
+
+
+class VolumeFiles:
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+
+    def ensure_dir(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    def path(self, name: str) -> Path:
+        return self.dir / f"{name}.yaml"
+
+    def read(self, name: str) -> dict[str, Any] | None:
+        """The file's document; None when there is none. A file someone broke
+        by hand is an error to report, never a volume to write over."""
+        try:
+            doc = yaml.safe_load(self.path(name).read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            raise precondition(f"volume file {self.path(name)} cannot be read: {exc}") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("spec"), dict) or \
+                not isinstance(doc.get("metadata"), dict):
+            raise precondition(f"volume file {self.path(name)} is not a Volume document; "
+                               "fix or remove it by hand")
+        return doc
+
+    def names(self) -> list[str]:
+        try:
+            return sorted(p.stem for p in self.dir.glob("*.yaml") if not p.name.startswith("."))
+        except FileNotFoundError:
+            return []
+
+    def write_temp(self, name: str, doc: dict[str, Any]) -> Path:
+        """The new content next to the file (a dotfile: the loader ignores it),
+        durable on disk, ready to be validated and then renamed into place."""
+        self.ensure_dir()
+        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=f".{name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write("# Written by the rbd-reconciler CSI adapter; edited by CSI calls.\n")
+                yaml.safe_dump(doc, f, sort_keys=False)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return Path(tmp)
+
+    def commit(self, name: str, tmp: Path) -> None:
+        os.replace(tmp, self.path(name))
+        self._sync_dir()
+
+    def discard(self, tmp: Path) -> None:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+    def remove(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path(name).unlink()
+            self._sync_dir()
+
+    def _sync_dir(self) -> None:
+        fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def new_document(name: str, labels: dict[str, str], image: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": "Volume",
+            "metadata": {"name": name, "labels": labels},
+            "spec": {"state": "present", "image": image}}

@@ -1,0 +1,46 @@
+"""CSI Identity: who we are, what we offer, whether we are ready."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import grpc
+from google.protobuf.wrappers_pb2 import BoolValue
+
+from .. import __version__
+from . import csi_pb2 as pb
+from . import csi_pb2_grpc
+from .cephinfo import CephInfo
+from .errors import rpc
+
+if TYPE_CHECKING:
+    from ..daemon import Daemon
+
+
+class IdentityServicer(csi_pb2_grpc.IdentityServicer):
+    def __init__(self, daemon: Daemon, ceph: CephInfo) -> None:
+        self.daemon = daemon
+        self.ceph = ceph
+
+    @rpc
+    def GetPluginInfo(self, request: pb.GetPluginInfoRequest,
+                      context: grpc.ServicerContext) -> pb.GetPluginInfoResponse:
+        return pb.GetPluginInfoResponse(name=self.daemon.config.csi.driver_name,
+                                        vendor_version=__version__)
+
+    @rpc
+    def GetPluginCapabilities(self, request: pb.GetPluginCapabilitiesRequest,
+                              context: grpc.ServicerContext) -> pb.GetPluginCapabilitiesResponse:
+        cap = pb.PluginCapability
+        return pb.GetPluginCapabilitiesResponse(capabilities=[
+            cap(service=cap.Service(type=cap.Service.CONTROLLER_SERVICE)),
+            cap(volume_expansion=cap.VolumeExpansion(type=cap.VolumeExpansion.ONLINE)),
+        ])
+
+    @rpc
+    def Probe(self, request: pb.ProbeRequest,
+              context: grpc.ServicerContext) -> pb.ProbeResponse:
+        # Ready once the first pass is done and while Ceph answers; a Ceph
+        # outage is "not ready", not an error (restarting us would not help).
+        ready = self.daemon.ready and self.ceph.problem() is None
+        return pb.ProbeResponse(ready=BoolValue(value=ready))

@@ -1,0 +1,46 @@
+"""Names and ids for CSI volumes.
+
+A CSI request name is up to 128 characters of any case, so it can be neither
+a volume's metadata.name (a DNS label) nor, safely, an RBD image name: both
+are derived from it with a stable hash. The volume id names the pool and the
+image, so a node that never saw the CreateVolume can stage it from the id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+ID_PREFIX = "rbdr1"
+_IMAGE = re.compile(r"csi-[0-9a-f]{32}")
+_RBD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+MAX_ID_BYTES = 128
+
+
+def image_for_request(request_name: str) -> str:
+    return "csi-" + hashlib.sha256(request_name.encode()).hexdigest()[:32]
+
+
+def volume_id(pool: str, image: str) -> str:
+    vid = f"{ID_PREFIX}:{pool}:{image}"
+    if len(vid.encode()) > MAX_ID_BYTES:
+        raise ValueError(f"pool name {pool!r} is too long for a CSI volume id")
+    return vid
+
+
+def parse_volume_id(vid: str) -> tuple[str, str] | None:
+    """(pool, image), or None for an id we never hand out."""
+    parts = vid.split(":")
+    if len(parts) != 3 or parts[0] != ID_PREFIX:
+        return None
+    pool, image = parts[1], parts[2]
+    if not (_RBD_NAME.fullmatch(pool) and _RBD_NAME.fullmatch(image)):
+        return None
+    return pool, image
+
+
+def volume_name(pool: str, image: str) -> str:
+    """The volume's metadata.name on every node: a function of the id alone."""
+    if _IMAGE.fullmatch(image):
+        return image
+    return "csi-x" + hashlib.sha256(f"{pool}/{image}".encode()).hexdigest()[:32]

@@ -1,0 +1,302 @@
+"""CSI Node: stage and publish become the stage section and publish entries of
+the volume's file; the engine maps, formats, mounts and binds.
+
+Kubelet's paths: a mount volume stages on the directory kubelet made and
+publishes on a directory we create; a block volume stages on a directory
+(the device node goes on a file inside it) and publishes on a file we create.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from ..parsers import parse_mountinfo
+from . import capability, csi_pb2_grpc, ids
+from . import csi_pb2 as pb
+from .cephinfo import CephInfo
+from .errors import CsiError, invalid, not_found, precondition, rpc
+from .files import L_FSTYPE, L_MAPPER, L_ORIGIN, new_document
+from .volumes import Volumes
+
+BLOCK_DEVICE_FILE = "rbd-device"  # the device node's bind inside kubelet's staging dir
+
+
+def _path(value: str, what: str) -> str:
+    if not value:
+        raise invalid(f"{what} is required")
+    if not os.path.isabs(value) or os.path.normpath(value) != value:
+        raise invalid(f"{what} {value!r} must be an absolute, normalised path")
+    return value
+
+
+def _staged_at(stage: dict[str, Any] | None, staging: str) -> bool:
+    if not stage:
+        return False
+    path = stage.get("path") or ""
+    if stage.get("mode") == "block":
+        return os.path.dirname(path) == staging
+    return path == staging
+
+
+def _present(doc: dict[str, Any] | None) -> bool:
+    return doc is not None and doc["spec"].get("state", "present") == "present"
+
+
+class NodeServicer(csi_pb2_grpc.NodeServicer):
+    def __init__(self, volumes: Volumes, ceph: CephInfo) -> None:
+        self.volumes = volumes
+        self.files = volumes.files
+        self.ceph = ceph
+
+    def _name(self, volume_id: str) -> tuple[str, str, str]:
+        parsed = ids.parse_volume_id(volume_id)
+        if parsed is None:
+            raise not_found(f"volume {volume_id!r} does not exist (not an id we handed out)")
+        return ids.volume_name(*parsed), *parsed
+
+    # -- stage -----------------------------------------------------------------
+    @rpc
+    def NodeStageVolume(self, request: pb.NodeStageVolumeRequest,
+                        context: grpc.ServicerContext) -> pb.NodeStageVolumeResponse:
+        if not request.volume_id:
+            raise invalid("volume_id is required")
+        staging = _path(request.staging_target_path, "staging_target_path")
+        if not request.HasField("volume_capability"):
+            raise invalid("volume_capability is required")
+        access = capability.parse(request.volume_capability)
+        name, pool, image = self._name(request.volume_id)
+        deadline = self.volumes.deadline(context)
+        with self.volumes.operation(name):
+            doc = self.files.read(name)
+            if not _present(doc):
+                # Created elsewhere (or by hand): stage it by its id alone.
+                if self.ceph.image_size(pool, image) is None:
+                    raise not_found(f"volume {request.volume_id!r} does not exist")
+                doc = new_document(name, {L_ORIGIN: "node"}, {"pool": pool, "name": image})
+            assert doc is not None
+            labels = doc["metadata"].setdefault("labels", {})
+            if access.block:
+                want = {"mode": "block", "path": os.path.join(staging, BLOCK_DEVICE_FILE)}
+            else:
+                want = {"mode": "filesystem",
+                        "fsType": access.fs_type or labels.get(L_FSTYPE) or "ext4",
+                        "path": staging}
+                if access.mount_options:
+                    want["mountOptions"] = list(access.mount_options)
+            spec = doc["spec"]
+            if spec.get("stage") == want:
+                self.volumes.settle(name, deadline)
+                return pb.NodeStageVolumeResponse()
+            if spec.get("stage"):
+                raise CsiError(grpc.StatusCode.ALREADY_EXISTS,
+                               f"volume {name} is already staged at {spec['stage']['path']} "
+                               f"({spec['stage'].get('mode', 'filesystem')}); unstage it first")
+            spec["map"] = {"mapper": labels[L_MAPPER]} if L_MAPPER in labels else {}
+            spec["stage"] = want
+            self.volumes.converge(name, doc, deadline)
+        return pb.NodeStageVolumeResponse()
+
+    @rpc
+    def NodeUnstageVolume(self, request: pb.NodeUnstageVolumeRequest,
+                          context: grpc.ServicerContext) -> pb.NodeUnstageVolumeResponse:
+        if not request.volume_id:
+            raise invalid("volume_id is required")
+        staging = _path(request.staging_target_path, "staging_target_path")
+        parsed = ids.parse_volume_id(request.volume_id)
+        if parsed is None:
+            return pb.NodeUnstageVolumeResponse()  # never staged by us
+        name = ids.volume_name(*parsed)
+        deadline = self.volumes.deadline(context)
+        with self.volumes.operation(name):
+            doc = self.files.read(name)
+            if doc is None:
+                return pb.NodeUnstageVolumeResponse()
+            spec = doc["spec"]
+            if not _staged_at(spec.get("stage"), staging):
+                if not spec.get("stage"):
+                    self.volumes.settle(name, deadline)  # a retry: confirm it is done
+                return pb.NodeUnstageVolumeResponse()
+            if spec.get("publish"):
+                paths = ", ".join(p["path"] for p in spec["publish"])
+                raise precondition(f"volume {name} is still published at {paths}; "
+                                   "unpublish it first")
+            spec.pop("stage", None)
+            spec.pop("map", None)
+            spec.pop("publish", None)
+            self.volumes.converge(name, doc, deadline)
+            if doc["metadata"].get("labels", {}).get(L_ORIGIN) == "node":
+                self.files.remove(name)  # it only existed to stage the id here
+        return pb.NodeUnstageVolumeResponse()
+
+    # -- publish ---------------------------------------------------------------
+    @rpc
+    def NodePublishVolume(self, request: pb.NodePublishVolumeRequest,
+                          context: grpc.ServicerContext) -> pb.NodePublishVolumeResponse:
+        if not request.volume_id:
+            raise invalid("volume_id is required")
+        target = _path(request.target_path, "target_path")
+        if not request.HasField("volume_capability"):
+            raise invalid("volume_capability is required")
+        access = capability.parse(request.volume_capability)
+        staging = _path(request.staging_target_path, "staging_target_path")
+        name, _, _ = self._name(request.volume_id)
+        deadline = self.volumes.deadline(context)
+        with self.volumes.operation(name):
+            doc = self.files.read(name)
+            if not _present(doc):
+                raise not_found(f"volume {request.volume_id!r} does not exist")
+            assert doc is not None
+            spec = doc["spec"]
+            if not _staged_at(spec.get("stage"), staging):
+                raise precondition(f"volume {name} is not staged at {staging}; "
+                                   "call NodeStageVolume first")
+            if (spec["stage"].get("mode") == "block") != access.block:
+                raise invalid(f"volume {name} is staged as "
+                              f"{spec['stage'].get('mode', 'filesystem')}; the capability asks "
+                              f"for {'block' if access.block else 'mount'}")
+            read_only = request.readonly or access.read_only
+            publish = spec.setdefault("publish", [])
+            for entry in publish:
+                if entry["path"] == target:
+                    if bool(entry.get("readOnly")) != read_only:
+                        raise CsiError(grpc.StatusCode.ALREADY_EXISTS,
+                                       f"{target} is already published "
+                                       f"{'read-only' if entry.get('readOnly') else 'read-write'}")
+                    self.volumes.settle(name, deadline)
+                    return pb.NodePublishVolumeResponse()
+            publish.append({"path": target, "readOnly": read_only})
+            self.volumes.converge(name, doc, deadline)
+        return pb.NodePublishVolumeResponse()
+
+    @rpc
+    def NodeUnpublishVolume(self, request: pb.NodeUnpublishVolumeRequest,
+                            context: grpc.ServicerContext) -> pb.NodeUnpublishVolumeResponse:
+        if not request.volume_id:
+            raise invalid("volume_id is required")
+        target = _path(request.target_path, "target_path")
+        parsed = ids.parse_volume_id(request.volume_id)
+        if parsed is None:
+            return pb.NodeUnpublishVolumeResponse()
+        name = ids.volume_name(*parsed)
+        deadline = self.volumes.deadline(context)
+        with self.volumes.operation(name):
+            doc = self.files.read(name)
+            if doc is None:
+                return pb.NodeUnpublishVolumeResponse()
+            publish = doc["spec"].get("publish", [])
+            kept = [p for p in publish if p["path"] != target]
+            if len(kept) == len(publish):
+                if doc["spec"].get("stage"):
+                    self.volumes.settle(name, deadline)  # a retry: confirm it is done
+                return pb.NodeUnpublishVolumeResponse()
+            if kept:
+                doc["spec"]["publish"] = kept
+            else:
+                doc["spec"].pop("publish")
+            self.volumes.converge(name, doc, deadline)
+        return pb.NodeUnpublishVolumeResponse()
+
+    # -- stats and expansion ---------------------------------------------------
+    @rpc
+    def NodeGetVolumeStats(self, request: pb.NodeGetVolumeStatsRequest,
+                           context: grpc.ServicerContext) -> pb.NodeGetVolumeStatsResponse:
+        if not request.volume_id:
+            raise invalid("volume_id is required")
+        if not request.volume_path:
+            raise invalid("volume_path is required")
+        name, _, _ = self._name(request.volume_id)
+        doc = self.files.read(name)
+        if not _present(doc):
+            raise not_found(f"volume {request.volume_id!r} does not exist")
+        assert doc is not None
+        path = request.volume_path
+        stage = doc["spec"].get("stage") or {}
+        known = {p["path"] for p in doc["spec"].get("publish", [])}
+        if stage:
+            known |= {stage["path"], os.path.dirname(stage["path"])
+                      if stage.get("mode") == "block" else stage["path"]}
+        if path not in known:
+            raise not_found(f"volume {name} is not staged or published at {path}")
+        if stage.get("mode") == "block":
+            device = stage["path"] if path == os.path.dirname(stage["path"]) else path
+            return self._block_stats(device)
+        return self._fs_stats(path)
+
+    def _block_stats(self, path: str) -> pb.NodeGetVolumeStatsResponse:
+        try:
+            if not stat.S_ISBLK(os.stat(path).st_mode):
+                raise OSError(f"{path} is not a block device node")
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                size = os.lseek(fd, 0, os.SEEK_END)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            return pb.NodeGetVolumeStatsResponse(volume_condition=pb.VolumeCondition(
+                abnormal=True, message=f"the device is not there: {exc}"))
+        return pb.NodeGetVolumeStatsResponse(
+            usage=[pb.VolumeUsage(total=size, unit=pb.VolumeUsage.BYTES)],
+            volume_condition=pb.VolumeCondition(abnormal=False, message="device present"))
+
+    def _fs_stats(self, path: str) -> pb.NodeGetVolumeStatsResponse:
+        mounted = {m.mount_point for m in parse_mountinfo(
+            Path("/proc/self/mountinfo").read_text())}
+        if path not in mounted:
+            return pb.NodeGetVolumeStatsResponse(volume_condition=pb.VolumeCondition(
+                abnormal=True, message=f"nothing is mounted at {path}"))
+        try:
+            st = os.statvfs(path)
+        except OSError as exc:
+            return pb.NodeGetVolumeStatsResponse(volume_condition=pb.VolumeCondition(
+                abnormal=True, message=f"the filesystem does not answer: {exc}"))
+        usage = [
+            pb.VolumeUsage(total=st.f_blocks * st.f_frsize, available=st.f_bavail * st.f_frsize,
+                           used=(st.f_blocks - st.f_bfree) * st.f_frsize,
+                           unit=pb.VolumeUsage.BYTES),
+            pb.VolumeUsage(total=st.f_files, available=st.f_favail,
+                           used=st.f_files - st.f_ffree, unit=pb.VolumeUsage.INODES),
+        ]
+        return pb.NodeGetVolumeStatsResponse(usage=usage, volume_condition=pb.VolumeCondition(
+            abnormal=False, message="mounted"))
+
+    @rpc
+    def NodeExpandVolume(self, request: pb.NodeExpandVolumeRequest,
+                         context: grpc.ServicerContext) -> pb.NodeExpandVolumeResponse:
+        if not request.volume_id:
+            raise invalid("volume_id is required")
+        if not request.volume_path:
+            raise invalid("volume_path is required")
+        name, pool, image = self._name(request.volume_id)
+        deadline = self.volumes.deadline(context)
+        with self.volumes.operation(name):
+            doc = self.files.read(name)
+            if not _present(doc):
+                raise not_found(f"volume {request.volume_id!r} does not exist")
+            # The engine grows the mapping and the filesystem whenever the
+            # image is larger: a pass on the file as it is does the work.
+            status = self.volumes.settle(name, deadline)
+        pending = [n for n in status.get("notes") or [] if "grows offline" in n]
+        if pending:
+            raise precondition(f"volume {name}: {pending[0]}")
+        size = self.ceph.image_size(pool, image) or 0
+        return pb.NodeExpandVolumeResponse(capacity_bytes=size)
+
+    # -- about this node -------------------------------------------------------
+    @rpc
+    def NodeGetCapabilities(self, request: pb.NodeGetCapabilitiesRequest,
+                            context: grpc.ServicerContext) -> pb.NodeGetCapabilitiesResponse:
+        rpc_ = pb.NodeServiceCapability.RPC
+        kinds = (rpc_.STAGE_UNSTAGE_VOLUME, rpc_.GET_VOLUME_STATS, rpc_.EXPAND_VOLUME,
+                 rpc_.VOLUME_CONDITION)
+        return pb.NodeGetCapabilitiesResponse(capabilities=[
+            pb.NodeServiceCapability(rpc=rpc_(type=k)) for k in kinds])
+
+    @rpc
+    def NodeGetInfo(self, request: pb.NodeGetInfoRequest,
+                    context: grpc.ServicerContext) -> pb.NodeGetInfoResponse:
+        return pb.NodeGetInfoResponse(node_id=self.volumes.config.node_name)

@@ -1,0 +1,82 @@
+"""The gRPC server on a unix socket, inside the daemon's process."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import stat
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import grpc
+
+from . import csi_pb2_grpc
+from .cephinfo import CephInfo
+from .controller import ControllerServicer
+from .identity import IdentityServicer
+from .node import NodeServicer
+from .volumes import Volumes
+
+if TYPE_CHECKING:
+    from ..daemon import Daemon
+
+log = logging.getLogger("rbd-reconciler.csi")
+WORKERS = 128  # calls mostly wait on the engine; 100 concurrent CreateVolume must not queue
+STOP_GRACE_S = 2.0
+
+
+def socket_path(endpoint: str) -> Path:
+    if not endpoint.startswith("unix:///"):
+        raise ValueError(f"CSI endpoint {endpoint!r}: expected unix:///absolute/path")
+    return Path(endpoint[len("unix://"):])
+
+
+class CsiServer:
+    def __init__(self, daemon: Daemon, endpoint: str) -> None:
+        self.daemon = daemon
+        self.path = socket_path(endpoint)
+        self.server: grpc.Server | None = None
+
+    def start(self) -> None:
+        config = self.daemon.config
+        volumes = Volumes(self.daemon)
+        volumes.files.ensure_dir()
+        ceph = CephInfo(config.ceph)
+        server = grpc.server(ThreadPoolExecutor(max_workers=WORKERS,
+                                                thread_name_prefix="csi"))
+        csi_pb2_grpc.add_IdentityServicer_to_server(IdentityServicer(self.daemon, ceph), server)
+        csi_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(volumes, ceph), server)
+        csi_pb2_grpc.add_NodeServicer_to_server(NodeServicer(volumes, ceph), server)
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+        self._remove_stale()
+        old = os.umask(0o177)  # the socket is born 0600: root talks to it, nobody else
+        try:
+            server.add_insecure_port(f"unix://{self.path}")
+            server.start()
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o600)
+        self.server = server
+        log.info("CSI %s serving on unix://%s (volume files in %s)", config.csi.driver_name,
+                 self.path, config.csi_dir)
+
+    def _remove_stale(self) -> None:
+        """A socket left by a killed predecessor (we hold the state lock, so it
+        is not serving); anything else at that path is not ours to remove."""
+        try:
+            st = self.path.lstat()
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(st.st_mode):
+            raise RuntimeError(f"{self.path} exists and is not a socket; refusing to replace it")
+        self.path.unlink()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop(STOP_GRACE_S).wait()
+            self.server = None
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        log.info("CSI server stopped")

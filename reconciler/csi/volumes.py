@@ -1,0 +1,156 @@
+"""Turning a CSI call into a desired-volume file and waiting for the engine.
+
+Each call edits one file: validate the new content exactly as the daemon will
+load it, rename it into place, wake the daemon for that volume, and wait
+until its status covers what was written (observedGeneration = the spec
+hash). One call per volume at a time: a second one is ABORTED.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from ..config import Config
+from ..loader import load
+from ..spec import Volume
+from .desired import claims, operator_conflicts
+from .errors import CsiError, invalid, precondition
+from .files import VolumeFiles
+
+if TYPE_CHECKING:
+    from ..daemon import Daemon
+
+log = logging.getLogger("rbd-reconciler.csi")
+DEADLINE_MARGIN_S = 0.25  # answer before the caller's deadline cuts us off
+
+
+class Volumes:
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.files = VolumeFiles(daemon.config.csi_dir)
+        self._guard = threading.Lock()
+        self._busy: set[str] = set()
+
+    @property
+    def config(self) -> Config:  # the daemon may reload it (SIGHUP)
+        return self.daemon.config
+
+    # -- one operation per volume ---------------------------------------------
+    @contextlib.contextmanager
+    def operation(self, name: str) -> Iterator[None]:
+        with self._guard:
+            if name in self._busy:
+                raise CsiError(grpc.StatusCode.ABORTED,
+                               f"an operation on volume {name} is already in progress; "
+                               "retry when it has finished")
+            self._busy.add(name)
+        try:
+            yield
+        finally:
+            with self._guard:
+                self._busy.discard(name)
+
+    def deadline(self, context: grpc.ServicerContext) -> float:
+        budget = self.config.csi.timeout_seconds
+        remaining = context.time_remaining()
+        if remaining is not None:
+            budget = min(budget, remaining - DEADLINE_MARGIN_S)
+        return time.monotonic() + max(0.0, budget)
+
+    # -- write, validate, converge -------------------------------------------
+    def check(self, name: str, doc: dict[str, Any]) -> tuple[Volume, Any]:
+        """Validate ``doc`` as the daemon would load it. Returns the volume and
+        the temp file holding it (commit or discard it)."""
+        tmp = self.files.write_temp(name, doc)
+        try:
+            res = load([tmp], self.config)
+            if res.diagnostics or len(res.volumes) != 1:
+                raise invalid("; ".join(f"{d.field}: {d.message}" for d in res.diagnostics)
+                              or "the volume file does not load")
+            conflicts = operator_conflicts(res.volumes, load([self.config.desired_dir],
+                                                             self.config))
+            if conflicts:
+                raise CsiError(grpc.StatusCode.ALREADY_EXISTS,
+                               f"{conflicts[0].field}: {conflicts[0].message}")
+            self._check_other_csi_volumes(name, res.volumes[0])
+            return res.volumes[0], tmp
+        except BaseException:
+            self.files.discard(tmp)
+            raise
+
+    def _check_other_csi_volumes(self, name: str, vol: Volume) -> None:
+        """Two CSI volumes claiming one path would freeze both; refuse the new claim."""
+        mine = {(k, v) for k, v, _ in claims(vol) if k.endswith("path")}
+        if not mine:
+            return
+        others = [self.files.path(n) for n in self.files.names() if n != name]
+        for other in load(others, self.config).volumes if others else ():
+            for kind, value, _ in claims(other):
+                if (kind, value) in mine:
+                    raise CsiError(grpc.StatusCode.ALREADY_EXISTS,
+                                   f"{kind} {value} is already used by volume {other.name}")
+
+    def converge(self, name: str, doc: dict[str, Any], deadline: float) -> dict[str, Any]:
+        vol, tmp = self.check(name, doc)
+        self.files.commit(name, tmp)
+        return self.wait(name, vol.spec_hash, deadline)
+
+    def wait(self, name: str, generation: str, deadline: float) -> dict[str, Any]:
+        """Wake the engine for ``name`` and wait for a status that covers
+        ``generation``: from a pass that began after the file was written
+        (and the node was as the caller found it), with no chain for the
+        volume still running."""
+        d = self.daemon
+        with d.progress:
+            # A pass under way now may have read the node before the change
+            # we wait for: only one that begins after this point counts.
+            first = d.passes_started + 1
+        d.wake_volume(name)
+        while True:
+            with d.progress:
+                seq = d.progress_seq
+                passes = d.passes_done
+            if passes >= first and not d.busy(name):
+                status = d.status(name)
+                if status.get("phase") == "Frozen" or \
+                        status.get("observedGeneration") == generation:
+                    return self._answer(name, status)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CsiError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               f"volume {name} has not converged yet; the work goes on "
+                               "(its file stays), retry to get the result")
+            if d.stopping.is_set():
+                raise CsiError(grpc.StatusCode.UNAVAILABLE,
+                               "rbd-reconciler is stopping; the work resumes when it restarts")
+            with d.progress:
+                if d.progress_seq == seq:
+                    d.progress.wait(min(left, 1.0))
+
+    def _answer(self, name: str, status: dict[str, Any]) -> dict[str, Any]:
+        phase = status.get("phase")
+        if phase == "Frozen":
+            raise precondition(f"volume {name} is frozen: {status.get('message', '')} "
+                               f"(see rbd-reconciler validate {self.config.csi_dir})")
+        if phase == "Failed" or status.get("lastResult") == "failed":
+            if status.get("refusal"):
+                raise precondition(f"volume {name}: refused: {status['refusal']}")
+            raise CsiError(grpc.StatusCode.INTERNAL,
+                           f"volume {name}: {status.get('lastError') or 'a step failed'}")
+        return status
+
+    def settle(self, name: str, deadline: float) -> dict[str, Any]:
+        """Nothing to change: still wait until the engine confirms the file as
+        it is (a retry after a timeout gets the real result, not a guess)."""
+        res = load([self.files.path(name)], self.config)
+        if res.diagnostics or len(res.volumes) != 1:
+            raise precondition(f"volume {name}'s file does not load: "
+                               + "; ".join(str(d) for d in res.diagnostics))
+        return self.wait(name, res.volumes[0].spec_hash, deadline)
