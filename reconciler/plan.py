@@ -59,7 +59,7 @@ class VolumePlan:
     notes: list[str] = field(default_factory=list)
     phase: Phase = Phase.ABSENT  # observed
     wanted: Phase | None = None
-    # Set when part of the volume could not be seen (its pool, its device):
+    # Set when part of the volume could not be seen (pool, image, device):
     # the phase is then unknown, not ``phase``; never ordered with phases.
     unknown: str | None = None
 
