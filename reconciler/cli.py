@@ -377,6 +377,7 @@ def cmd_explain(args: argparse.Namespace, config: Config) -> int:
             print(f"  published {path} ({mode})")
     if daemon:
         print(f"  daemon:   {daemon.get('phase')} at {daemon.get('updated')}"
+              + (f" ({daemon['message']})" if daemon.get("message") else "")
               + (f"; last error: {daemon['lastError']}" if daemon.get("lastError") else ""))
     if doc["refusal"] and doc["refusal"] != doc["unknown"]:
         print(f"  REFUSED:  {doc['refusal']}")

@@ -454,6 +454,7 @@ def test_rename_and_break_in_one_change_releases_nothing(
     fa.unlink()
     s = d.wait_phase(a, "Frozen")
     assert s["message"] == f"removal held: {renamed} fails to load", s
+    assert "removal held" in node.cli("explain", a)[1]  # the daemon's word, by name
     d.wait_passes(3)
     assert d.status(a)["phase"] == "Frozen"
     assert str(node.srv / "a") in node.mounts()
