@@ -358,7 +358,8 @@ class Daemon:
                 # Unknown is not absent: report it, act on nothing, look again.
                 unknown[vol.name] = f"{vol.name}: unknown: {vp.unknown}"
                 self._write_status(vol.name, {"phase": "Unknown", "reason": "CannotObserve",
-                                              "message": vp.unknown})
+                                              "message": vp.unknown,
+                                              "observedGeneration": vol.spec_hash})
                 continue
             if not vp.steps and not vp.refused:
                 self._converged(vol, vp, observed, released=vol in release)

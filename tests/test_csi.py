@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 import rbd
+from conftest import NodeUnderTest
 from csi_fixture import CsiNode, block_cap, mount_cap
 from test_daemon import wait_for
 
@@ -625,3 +626,17 @@ def test_conformance_style_round(start_csi: Callable[..., CsiNode], access: str)
         target_dir.rmdir()
         staging.rmdir()
     assert c.stop() == 0
+
+
+def test_a_pool_that_does_not_answer_is_unavailable(
+        node: NodeUnderTest, start_csi: Callable[..., CsiNode], dead_pool: str) -> None:
+    """Unknown is not absent (and not a timeout): the CO hears UNAVAILABLE and retries."""
+    from test_daemon import set_observe_timeout
+
+    set_observe_timeout(node, 1)
+    c = start_csi()
+    what, msg = error(lambda: c.create("pvc-Dead", pool=dead_pool))
+    assert what == Code.UNAVAILABLE and "cannot observe" in msg, (what, msg)
+    assert c.stop() == 0
+    for f in c.csi_dir.glob("*.yaml"):  # its pool goes with the fixture
+        f.unlink()

@@ -139,6 +139,11 @@ class Volumes:
         if phase == "Frozen":
             raise precondition(f"volume {name} is frozen: {status.get('message', '')} "
                                f"(see rbd-reconciler validate {self.config.csi_dir})")
+        if phase == "Unknown":
+            # Nothing was done: the node or Ceph did not answer. The CO retries.
+            raise CsiError(grpc.StatusCode.UNAVAILABLE,
+                           f"volume {name}: cannot observe it now ({status.get('message', '')});"
+                           " nothing was changed, retry later")
         if phase == "Failed" or status.get("lastResult") == "failed":
             if status.get("refusal"):
                 raise precondition(f"volume {name}: refused: {status['refusal']}")
