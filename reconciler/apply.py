@@ -20,7 +20,7 @@ from pathlib import Path
 import rados
 
 from . import meta, safepath
-from .drivers import ceph
+from .drivers import ceph, freeze
 from .drivers.fs import OnlineGrowRefused, block_device_size, is_ours
 from .observe import Node
 from .observed import Mapping, Observed
@@ -29,8 +29,12 @@ from .plan import GROW_SLACK, VolumePlan
 from .registry import Registry, intent_key
 from .spec import Volume
 from .steps import (
+    CloneImage,
     CreateImage,
+    CreateSnapshot,
     DeleteImage,
+    DeleteSnapshot,
+    FlattenImage,
     FormatDevice,
     GrowFilesystem,
     MapImage,
@@ -41,6 +45,7 @@ from .steps import (
     ResizeImage,
     SetImageMeta,
     Step,
+    Thaw,
     Unmap,
     Unpublish,
     Unstage,
@@ -49,7 +54,7 @@ from .steps import (
 log = logging.getLogger(__name__)
 
 CEPH_STEPS = (CreateImage, ResizeImage, SetImageMeta, DeleteImage, FormatDevice, GrowFilesystem,
-              MountStaging)
+              MountStaging, CreateSnapshot, CloneImage, FlattenImage, DeleteSnapshot)
 # Failures here leave a stage half done: undo what this run acquired.
 STAGE_CHAIN = (MapImage, RefreshDevice, FormatDevice, MountStaging)
 
@@ -203,6 +208,18 @@ class _VolumeRun:
                 self.note_holder(step.pool, step.image, set_it=False)
             case DeleteImage():
                 self.delete(step)
+            case CreateSnapshot():
+                return self.snapshot(step)
+            case CloneImage():
+                self.clone(step)
+            case FlattenImage():
+                if not ceph.flatten_image(self.need_cluster(), step.pool, step.image):
+                    return "ok", "already independent"
+            case DeleteSnapshot():
+                return self.delete_snapshot(step)
+            case Thaw():
+                if not freeze.thaw(step.path, freeze.Freezes(node.config.state_dir)):
+                    return "ok", "was not frozen"
             case _:
                 raise NotImplementedError(type(step).__name__)
         return "changed", ""
@@ -222,6 +239,51 @@ class _VolumeRun:
             intents.forget(key)  # someone else's image: never claim it
             raise
         intents.forget(key)
+
+    def snapshot(self, step: CreateSnapshot) -> tuple[str, str]:
+        """The filesystem is frozen around the snapshot only (thawed whatever
+        happens); the owner is recorded before the snapshot (ceph driver)."""
+        cluster = self.need_cluster()
+        with freeze.frozen(step.freeze, freeze.Freezes(self.node.config.state_dir)):
+            result = ceph.create_snapshot(cluster, step.pool, step.image, step.snap,
+                                          self.node.config.node_name)
+        if result == "ok":
+            return "ok", "already taken by this node"
+        return "changed", f"frozen {step.freeze}" if step.freeze else ""
+
+    def clone(self, step: CloneImage) -> None:
+        """As create: the intent first, so a crash between the clone and its
+        owner record leaves a clone the next pass recognises as ours."""
+        intents = Registry(self.node.config.state_dir / "intents.json")
+        key = intent_key(step.pool, step.image)
+        intents.record(key, {"node": self.node.config.node_name})
+        try:
+            ceph.clone_image(self.need_cluster(),
+                             (step.parent_pool, step.parent_image, step.parent_snap),
+                             step.pool, step.image, step.features, step.size,
+                             {meta.OWNER: self.node.config.node_name,
+                              meta.SPEC_HASH: self.volume.spec_hash if self.volume else ""})
+        except ceph.ImageExists:
+            intents.forget(key)
+            raise
+        intents.forget(key)
+
+    def delete_snapshot(self, step: DeleteSnapshot) -> tuple[str, str]:
+        """Re-checked right before acting: ours, and no clone depends on it."""
+        cluster = self.need_cluster()
+        found = ceph.observe_images(cluster, [(step.pool, step.image)]).images.get(
+            (step.pool, step.image))
+        snap = found.snap(step.snap) if found else None
+        if found is None or snap is None:
+            return "ok", "already gone"
+        owner = found.meta.get(meta.snap_owner(step.snap))
+        if owner != self.node.config.node_name:
+            raise StepRefused(f"snapshot {step.target} is owned by {owner or 'nobody'}")
+        if snap.children:
+            raise StepRefused(f"snapshot {step.target} still has clones: "
+                              f"{', '.join(snap.children)}")
+        ceph.remove_snapshot(cluster, step.pool, step.image, step.snap)
+        return "changed", ""
 
     def note_holder(self, pool: str, image: str, set_it: bool) -> None:
         """Record which node maps the image, so another node's refusal and
@@ -341,6 +403,9 @@ class _VolumeRun:
         if found.watchers:
             raise StepRefused(f"{step.pool}/{step.image} is still open by "
                               f"{', '.join(found.watchers)}")
+        if found.snaps:
+            raise StepRefused(f"{step.pool}/{step.image} still has snapshots: "
+                              f"{', '.join(s.name for s in found.snaps)}")
         ceph.remove_image(cluster, step.pool, step.image)
 
 

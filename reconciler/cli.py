@@ -135,16 +135,16 @@ def _marker(step: Step) -> str:
 def _print_plans(plans: list[VolumePlan]) -> None:
     for vp in plans:
         if vp.unknown:
-            print(f"volume {vp.name}: UNKNOWN: {vp.unknown}")
+            print(f"{vp.kind} {vp.name}: UNKNOWN: {vp.unknown}")
             continue
         if vp.refusal:
-            print(f"volume {vp.name}: REFUSED: {vp.refusal}")
+            print(f"{vp.kind} {vp.name}: REFUSED: {vp.refusal}")
             continue
         arrow = f"{vp.phase.name} -> {vp.wanted.name}" if vp.wanted is not None else ""
         if not vp.steps:
-            print(f"volume {vp.name}: ok ({vp.phase.name})")
+            print(f"{vp.kind} {vp.name}: ok ({vp.phase.name})")
         else:
-            print(f"volume {vp.name}: {arrow}")
+            print(f"{vp.kind} {vp.name}: {arrow}")
         for s in vp.steps:
             flag = "  (destructive)" if s.destructive else ""
             print(f"  {_marker(s)} {s.action:<16} {s.target}: {s.before} -> {s.after}{flag}")
@@ -247,6 +247,11 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
         size = format_size(r["size"]) if r["size"] else "-"  # type: ignore[arg-type]
         mounts = [f"{r['staging']} (staging)"] if r["staging"] else []
         mounts += [f"{path} ({mode})" for path, mode in r["published"]]  # type: ignore[union-attr]
+        if r.get("kind") == "Snapshot":
+            children = ", ".join(r["children"]) or "none"  # type: ignore[arg-type]
+            mounts = [f"snapshot {r['image']} of {r['source']}; clones: {children}"]
+        elif r.get("clonedFrom"):
+            mounts.append(f"clone of {r['clonedFrom']}")
         print(f"{r['name']:<16} {r['phase']:<10} {r['wanted']:<10} {size:>7}  "
               f"{r['device'] or '-':<11} {', '.join(mounts) or '-'}")
         if r["unknown"]:
@@ -355,7 +360,8 @@ def cmd_explain(args: argparse.Namespace, config: Config) -> int:
         json.dump(doc, sys.stdout, indent=2)
         print()
         return rc
-    print(f"volume {args.name}" + (f" ({doc['declaredIn']})" if doc["declaredIn"] else ""))
+    kind = (actual or {}).get("kind", "Volume").lower()
+    print(f"{kind} {args.name}" + (f" ({doc['declaredIn']})" if doc["declaredIn"] else ""))
     if doc["frozen"]:
         print("  FROZEN: its file failed to load; nothing is done to it until it loads:")
         for e in doc["loadErrors"]:
@@ -368,6 +374,15 @@ def cmd_explain(args: argparse.Namespace, config: Config) -> int:
             print(f"  PROBLEM:  {actual['problem']}")
         size = format_size(actual["size"]) if actual["size"] else "-"
         print(f"  image:    {actual['image']}  size {size}")
+        if actual.get("kind") == "Snapshot":
+            print(f"  snapshot: of {actual['source']}, owner {actual['owner'] or 'none recorded'}"
+                  f", protected {actual['protected']}")
+            print(f"  clones:   {', '.join(actual['children']) or 'none'}")
+        else:
+            if actual.get("clonedFrom"):
+                print(f"  clone of: {actual['clonedFrom']} (depth {actual['cloneDepth']})")
+            if actual.get("snapshots"):
+                print(f"  snapshots: {', '.join(actual['snapshots'])}")
         print(f"  watchers: {', '.join(actual['watchers']) or 'none'}"
               + (f" (mapped by {actual['holder']})" if actual.get("holder") else ""))
         print(f"  mapping:  {actual['mapper'] or '-'} {actual['device'] or ''}")

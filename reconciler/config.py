@@ -37,6 +37,13 @@ DEFAULT_DRIVER_NAME = "rbd.reconciler.local"
 
 
 @dataclass(frozen=True)
+class CloneConfig:
+    max_depth: int = 8  # ceph-csi's hard limit is 8 too
+    flatten: str = "depth"  # never | always | depth
+    flatten_on_delete: bool = False
+
+
+@dataclass(frozen=True)
 class Config:
     desired_dir: Path
     state_dir: Path
@@ -52,6 +59,7 @@ class Config:
     # A pool, image or device probe that has not answered by then is unknown.
     observe_timeout_seconds: float = 5.0
     csi: CsiConfig = CsiConfig(None, None, DEFAULT_DRIVER_NAME, 120.0)
+    clone: CloneConfig = CloneConfig()
 
     @property
     def staging_root(self) -> Path:
@@ -72,6 +80,7 @@ class ConfigError(Exception):
 def _build(data: dict, source: Path | None) -> Config:
     ceph = data.get("ceph", {})
     csi = data.get("csi", {})
+    clone = data.get("clone", {})
     return Config(
         desired_dir=Path(data.get("desiredDir", "/etc/rbd-reconciler/volumes.d")),
         state_dir=Path(data.get("stateDir", "/var/lib/rbd-reconciler")),
@@ -95,6 +104,9 @@ def _build(data: dict, source: Path | None) -> Config:
             driver_name=csi.get("driverName", DEFAULT_DRIVER_NAME),
             timeout_seconds=float(csi.get("timeoutSeconds", 120)),
         ),
+        clone=CloneConfig(max_depth=int(clone.get("maxDepth", 8)),
+                          flatten=clone.get("flatten", "depth"),
+                          flatten_on_delete=bool(clone.get("flattenOnDelete", False))),
     )
 
 

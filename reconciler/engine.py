@@ -49,7 +49,9 @@ def state_lock(config: Config, wait: bool = False) -> Iterator[None]:
 
 def context(config: Config, node: Node) -> Context:
     return Context(node_name=config.node_name, staging_root=str(config.staging_root),
-                   mappers_available=node.mappers_available)
+                   mappers_available=node.mappers_available,
+                   clone_max_depth=config.clone.max_depth, clone_flatten=config.clone.flatten,
+                   flatten_on_delete=config.clone.flatten_on_delete)
 
 
 def plan_pass(paths: Iterable[Path], config: Config, node: Node, release: bool = False) -> Pass:

@@ -13,7 +13,7 @@ import logging
 import os
 import stat
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +25,11 @@ from .schemas import schema_errors
 from .spec import (
     DEFAULT_FEATURES,
     XFS_MIN_BYTES,
+    CloneSource,
     ImageSpec,
     MapSpec,
     PublishSpec,
+    SnapshotSpec,
     Source,
     StageSpec,
     Volume,
@@ -163,6 +165,33 @@ class _VolumeBuilder:
                               f"4 MiB); drop object-map and fast-diff from features")
         return size
 
+    def clone_source(self, img: dict[str, Any], features: tuple[str, ...]) -> CloneSource | None:
+        src = img.get("source")
+        if src is None:
+            return None
+        if "layering" not in features:
+            self.error(("spec", "image", "features"),
+                       "a clone (image.source) needs the 'layering' feature")
+        if "image" in src:
+            i = src["image"]
+            ref = f"{i['pool']}/{i['name']}" + (f"@{i['snapshot']}" if "snapshot" in i else "")
+            return CloneSource("image", ref, i["pool"], i["name"], i.get("snapshot"))
+        kind = "snapshot" if "snapshot" in src else "volume"
+        return CloneSource(kind, src[kind])  # resolved across files by the loader
+
+    def build_snapshot(self) -> Volume:
+        d: dict[str, Any] = self.doc.data
+        name: str = d["metadata"]["name"]
+        spec, src = d["spec"], d["spec"]["source"]
+        pool, image = (src["image"]["pool"], src["image"]["name"]) if "image" in src else ("", "")
+        return Volume(
+            name=name, state=spec.get("state", "present"),
+            image=ImageSpec(pool, image, None, DEFAULT_FEATURES, "Retain"),
+            map=None, stage=None, publish=(), on_remove=spec.get("onRemove"),
+            source=Source(self.file, self.doc.line),
+            snapshot=SnapshotSpec(snap=name, source_volume=src.get("volume")),
+        )
+
     def build(self) -> Volume | None:
         d: dict[str, Any] = self.doc.data
         name: str = d["metadata"]["name"]
@@ -174,9 +203,10 @@ class _VolumeBuilder:
         for feat, needs in FEATURE_NEEDS.items():
             if feat in features and needs not in features:
                 self.error(("spec", "image", "features"), f"feature {feat!r} needs {needs!r}")
+        clone = self.clone_source(img, features)
         image = ImageSpec(
             pool=img["pool"], name=img.get("name", name), size=size, features=features,
-            reclaim_policy=img.get("reclaimPolicy", "Retain"),
+            reclaim_policy=img.get("reclaimPolicy", "Retain"), source=clone,
         )
 
         mapping = None
@@ -316,20 +346,21 @@ def _load_file(path: Path, config: Config) -> _FileResult:
                 continue
             if (declared := _declared_name(item.data)) is not None:
                 res.names.add(declared)
-            found = [Diagnostic(path, *where, f, m)
-                     for where, f, m in schema_errors("volume", item)]
+            snapshot = isinstance(item.data, dict) and item.data.get("kind") == "Snapshot"
+            found = [Diagnostic(path, *where, f, m) for where, f, m in
+                     schema_errors("snapshot" if snapshot else "volume", item)]
             if found:
                 res.diags.extend(found)
                 continue
             builder = _VolumeBuilder(path, item, config)
-            volume = builder.build()
+            volume = builder.build_snapshot() if snapshot else builder.build()
             res.diags.extend(builder.diags)
             if volume is not None:
                 res.docs.append((item, volume))
     except RecursionError:
         res.diags.append(Diagnostic(path, 1, 1, "(file)", "structure nested too deeply"))
     if not res.docs and not res.diags:
-        return fail(1, 1, "(file)", "no Volume documents in this file")
+        return fail(1, 1, "(file)", "no Volume documents in this file (nor Snapshot ones)")
     return res
 
 
@@ -368,8 +399,10 @@ class _Claim:
 
 
 def _claims(res: _FileResult, doc: Document, vol: Volume) -> list[_Claim]:
-    out = [_Claim("volume name", vol.name, res, doc, ("metadata", "name")),
-           _Claim("image", vol.image.spec, res, doc, ("spec", "image"))]
+    out = [_Claim("volume name", vol.name, res, doc, ("metadata", "name"))]
+    if vol.snapshot is not None:
+        return out  # a snapshot shares its volume's image; it claims only its name
+    out.append(_Claim("image", vol.image.spec, res, doc, ("spec", "image")))
     if vol.stage is not None:
         written = bool(doc.data["spec"]["stage"].get("path"))
         out.append(_Claim("staging path", vol.stage.path, res, doc,
@@ -422,6 +455,77 @@ def _cross_file_checks(results: list[_FileResult]) -> None:
         stack.append(claim)
 
 
+def resolve_sources(results: list[_FileResult]) -> None:
+    """Point each Snapshot at its Volume's image and each clone at its source
+    image and snapshot; a source that is not among the desired objects, of the
+    wrong kind, smaller than the clone wants, or part of a cycle is an error
+    of the file that names it."""
+    by_name = {vol.name: vol for res in results for _, vol in res.docs}
+
+    def report(res: _FileResult, doc: Document, field: FieldPath, message: str) -> None:
+        line, col = doc.where(field)
+        res.diags.append(Diagnostic(res.path, line, col, format_field(field), message))
+
+    def chain(name: str) -> list[str] | None:
+        """The names from ``name`` through its sources; None when it loops."""
+        seen: list[str] = []
+        while name in by_name and name not in seen:
+            seen.append(name)
+            v = by_name[name]
+            nxt = (v.snapshot.source_volume if v.snapshot else
+                   v.image.source.ref if v.image.source and v.image.source.kind != "image"
+                   else None)
+            if nxt is None:
+                return seen
+            name = nxt
+        return None if name in seen else seen
+
+    # Snapshots first: a clone of a snapshot needs the snapshot's image.
+    for pass_ in ("snapshot", "volume"):
+        for res in results:
+            for i, (doc, vol) in enumerate(res.docs):
+                if pass_ == "snapshot" and vol.snapshot and vol.snapshot.source_volume:
+                    field: FieldPath = ("spec", "source", "volume")
+                    target = by_name.get(vol.snapshot.source_volume)
+                    if target is None or target.snapshot is not None:
+                        report(res, doc, field, f"no desired Volume named "
+                               f"{excerpt(vol.snapshot.source_volume)} (a Snapshot's source "
+                               "volume must be declared in the desired files)")
+                        continue
+                    new = replace(vol, image=replace(vol.image, pool=target.image.pool,
+                                                     name=target.image.name))
+                elif pass_ == "volume" and vol.image.source and \
+                        vol.image.source.kind != "image":
+                    src = vol.image.source
+                    field = ("spec", "image", "source", src.kind)
+                    if chain(vol.name) is None:
+                        report(res, doc, field, f"source {excerpt(src.ref)} leads back to "
+                               f"{vol.name}: a clone cannot start from itself")
+                        continue
+                    target = by_name.get(src.ref)
+                    want_snapshot = src.kind == "snapshot"
+                    if target is None or (target.snapshot is not None) != want_snapshot:
+                        report(res, doc, field, f"no desired {src.kind.capitalize()} named "
+                               f"{excerpt(src.ref)}")
+                        continue
+                    if not target.image.pool:
+                        report(res, doc, field, f"{src.kind} {excerpt(src.ref)} does not load")
+                        continue
+                    if not want_snapshot and target.image.size and vol.image.size and \
+                            vol.image.size < target.image.size:
+                        report(res, doc, ("spec", "image", "size"),
+                               f"a clone may be larger than its source, never smaller "
+                               f"({src.ref} is {format_size(target.image.size)})")
+                        continue
+                    new = replace(vol, image=replace(vol.image, source=replace(
+                        src, pool=target.image.pool, image=target.image.name,
+                        snap=target.snapshot.snap if target.snapshot else None)))
+                else:
+                    continue
+                res.docs[i] = (doc, new)
+                by_name[vol.name] = new
+
+
 def _untrusted_dirs(paths: Iterable[Path]) -> list[Diagnostic]:
     """The directories read from (a named file's own directory too) must be
     root's and not writable by others, up to /: else nothing is read at all."""
@@ -446,6 +550,7 @@ def load(paths: Iterable[Path], config: Config) -> LoadResult:
     results = [_load_file_guarded(f, config) for f in files]
     refused = any(res.untrusted for res in results)
     _cross_file_checks(results)
+    resolve_sources(results)
     volumes: list[Volume] = []
     failed: set[Path] = set()
     frozen: set[str] = set()

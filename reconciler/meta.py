@@ -9,3 +9,14 @@ FORMATTED = PREFIX + "formatted"  # fs type after our mkfs; never mkfs over it a
 FORMATTING = PREFIX + "formatting"
 GROW_PENDING = PREFIX + "grow-pending"  # online grow refused: grow offline at next stage
 HOLDER = PREFIX + "holder"  # node that has the image mapped (for explain; informational)
+CSI_NAME = PREFIX + "csi-name"  # the CSI request name (for humans)
+# Keys a clone inherits from its parent's image-meta but that describe the
+# parent (who maps it, which snapshots it made): removed from a new clone.
+SNAP_PREFIX = PREFIX + "snap."
+PARENT_ONLY = (HOLDER, CSI_NAME)
+
+
+def snap_owner(snap: str) -> str:
+    """librbd has no per-snapshot metadata: a snapshot's owner lives in its
+    image's meta, written before the snapshot is taken."""
+    return f"{SNAP_PREFIX}{snap}.owner"

@@ -131,6 +131,9 @@ def _unknown(path: str, major: int, minor: int, size: int, what: str, why: str) 
 def observe(node: Node, volumes: Iterable[Volume]) -> Observed:
     volumes = list(volumes)
     wanted = {(v.image.pool, v.image.name) for v in volumes}
+    # A clone's source is looked at too (does its snapshot exist, how deep is it).
+    wanted |= {(v.image.source.pool, v.image.source.image) for v in volumes
+               if v.image.source is not None and v.image.source.pool}
     timeout = node.config.observe_timeout_seconds
     # Ceph answers in the background while the node is looked at.
     ceph_pass = _Background(lambda: observe_images(node.config.ceph, wanted, timeout))
@@ -170,11 +173,13 @@ def observe(node: Node, volumes: Iterable[Volume]) -> Observed:
     for key in Registry(node.config.state_dir / "intents.json").all():
         pool, _, image = key.partition("/")
         intents.add((pool, image))
+    freezes = frozenset(Registry(node.config.state_dir / "freezes.json").all())
     imgs = ceph_pass.result()
     return Observed(images=imgs.images, pools_listed=frozenset(imgs.listed),
                     pool_errors=imgs.errors, image_errors=imgs.image_errors,
                     mappings=tuple(mappings), devices=devices, mounts=mounts,
-                    path_rdev=path_rdev, symlinks=symlinks, intents=frozenset(intents))
+                    path_rdev=path_rdev, symlinks=symlinks, intents=frozenset(intents),
+                    freezes=freezes)
 
 
 class _Background:

@@ -11,6 +11,15 @@ from functools import cached_property
 
 
 @dataclass(frozen=True)
+class SnapState:
+    name: str
+    size: int
+    created: float  # seconds since the epoch
+    protected: bool
+    children: tuple[str, ...] = ()  # "pool/image" of its clones
+
+
+@dataclass(frozen=True)
 class ImageState:
     pool: str
     name: str
@@ -18,6 +27,12 @@ class ImageState:
     features: frozenset[str]
     meta: dict[str, str] = field(default_factory=dict, hash=False, compare=True)
     watchers: tuple[str, ...] = ()
+    snaps: tuple[SnapState, ...] = ()
+    parent: str | None = None  # "pool/image@snap" while it is an unflattened clone
+    depth: int = 0  # clone depth: how many ancestors it still reads through
+
+    def snap(self, name: str) -> SnapState | None:
+        return next((s for s in self.snaps if s.name == name), None)
 
 
 @dataclass(frozen=True)
@@ -85,6 +100,9 @@ class Observed:
     # images whose create we started (stateDir/intents.json): ours even before
     # their owner record is written
     intents: frozenset[tuple[str, str]] = frozenset()
+    # mount points we froze (stateDir/freezes.json): a crash between fsfreeze
+    # and the thaw left them frozen; the next pass thaws them
+    freezes: frozenset[str] = frozenset()
 
     @cached_property
     def top_mounts(self) -> dict[str, Mount]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from . import meta
 from .observed import Device, ImageState, Mapping, Mount, Observed
+from .plan_snapshots import Refused, SnapshotRules
 from .spec import Phase, Volume
 from .steps import (
     CreateImage,
@@ -46,6 +47,9 @@ class Context:
     node_name: str
     staging_root: str
     mappers_available: frozenset[str] = frozenset({"fuse"})
+    clone_max_depth: int = 8  # a clone deeper than this is flattened (flatten: depth)
+    clone_flatten: str = "depth"  # never | always | depth
+    flatten_on_delete: bool = False  # deleting a snapshot flattens its clones first
 
 
 @dataclass
@@ -62,6 +66,7 @@ class VolumePlan:
     # Set when part of the volume could not be seen (pool, image, device):
     # the phase is then unknown, not ``phase``; never ordered with phases.
     unknown: str | None = None
+    kind: str = "volume"  # volume | snapshot
 
     @property
     def changes(self) -> bool:
@@ -78,8 +83,7 @@ class VolumePlan:
         return "; ".join(parts) or None
 
 
-class Refused(Exception):
-    """Raised inside the planner to abandon one volume's plan with a reason."""
+__all__ = ["Context", "Refused", "VolumePlan", "actual_state", "plan"]
 
 
 def resolve_mapper(wanted: str, available: frozenset[str]) -> str:
@@ -105,7 +109,7 @@ def _missing_options(mount: Mount, wanted: Iterable[str]) -> tuple[str, ...]:
     return tuple(o for o in wanted if o not in have and o not in _IMPLIED_OPTIONS)
 
 
-class _VolumePlanner:
+class _VolumePlanner(SnapshotRules):
     def __init__(self, vol: Volume, obs: Observed, ctx: Context) -> None:
         self.v = vol
         self.obs = obs
@@ -188,6 +192,8 @@ class _VolumePlanner:
         self.plan.steps.append(step)
 
     def run(self, release: bool = False) -> VolumePlan:
+        if self.v.snapshot is not None:
+            return self.run_snapshot_plan(release)
         self.plan.phase = self.observed_phase()
         try:
             if release:
@@ -199,6 +205,7 @@ class _VolumePlanner:
             if self.plan.unknown:
                 raise Refused(self.plan.unknown)
             self.check_symlinks()
+            self.thaw_left_frozen()
             if self.mapping is not None and self.mapping.problem:
                 self.dead_mapping()
             if self.v.state == "absent":
@@ -206,6 +213,20 @@ class _VolumePlanner:
             else:
                 self.teardown(self.v.wanted_phase)
                 self.forward()
+        except Refused as exc:
+            self.plan.refusal = str(exc)
+            self.plan.steps = []
+            self.plan.withheld = []
+        return self.plan
+
+    def run_snapshot_plan(self, release: bool) -> VolumePlan:
+        """A snapshot holds nothing on the node: releasing it does nothing."""
+        self.plan.kind = "snapshot"
+        if release:
+            self.plan.wanted = self.plan.phase
+            return self.plan
+        try:
+            self.run_snapshot()
         except Refused as exc:
             self.plan.refusal = str(exc)
             self.plan.steps = []
@@ -253,7 +274,9 @@ class _VolumePlanner:
     def forward(self) -> None:
         v, img = self.v, self.v.image
         new_size = img.size
-        if self.img is None:
+        if self.img is None and img.source is not None:
+            self.plan_clone()
+        elif self.img is None:
             if img.size is None:
                 raise Refused(f"image {img.spec} does not exist and no size is given "
                               "(without a size the image is adopted, never created)")
@@ -272,6 +295,8 @@ class _VolumePlanner:
             if owned and self.img.meta.get(meta.SPEC_HASH) != v.spec_hash:
                 self.add(SetImageMeta(v.name, img.pool, img.name, meta.SPEC_HASH,
                                       self.img.meta.get(meta.SPEC_HASH), v.spec_hash))
+            if owned:
+                self.finish_volume_clone()
         if v.wanted_phase >= Phase.MAPPED:
             self.forward_map(new_size)
         if v.wanted_phase >= Phase.STAGED:
@@ -468,6 +493,8 @@ class _VolumePlanner:
                 f"refusing to delete {v.image.spec}: it is open by {self.foreign_watchers()} "
                 f"other client(s) ({', '.join(img.watchers)}); the image is kept")
             return
+        if img.snaps and not self.delete_image_snapshots():
+            return
         self.add(DeleteImage(v.name, v.image.pool, v.image.name))
 
 
@@ -486,6 +513,8 @@ def plan(desired: Iterable[Volume], observed: Observed, ctx: Context,
 def actual_state(vol: Volume, observed: Observed, ctx: Context) -> dict[str, object]:
     """What is there for one desired volume, in the planner's own terms."""
     p = _VolumePlanner(vol, observed, ctx)
+    if vol.snapshot is not None:
+        return snapshot_state(p)
     staged = p.staged_mount()
     unknown = p.unknown()
     problem = (p.mapping.problem if p.mapping and p.mapping.problem else
@@ -510,4 +539,31 @@ def actual_state(vol: Volume, observed: Observed, ctx: Context) -> dict[str, obj
                             for m in p.published_targets()),
         "watchers": list(p.img.watchers) if p.img else [],
         "holder": p.img.meta.get(meta.HOLDER) if p.img else None,
+        "kind": "Volume",
+        "clonedFrom": p.img.parent if p.img else None,
+        "cloneDepth": p.img.depth if p.img else 0,
+        "snapshots": [sn.name for sn in p.img.snaps] if p.img else [],
+    }
+
+
+def snapshot_state(p: _VolumePlanner) -> dict[str, object]:
+    """A Snapshot's row: same keys as a volume's (status prints one table)."""
+    vol, img = p.v, p.img
+    assert vol.snapshot is not None
+    unknown = p.unknown() if vol.image.pool else "its source volume does not load"
+    snap = img.snap(vol.snapshot.snap) if img else None
+    return {
+        "name": vol.name, "kind": "Snapshot",
+        "phase": "UNKNOWN" if unknown else ("CREATED" if snap else "ABSENT"),
+        "unknown": unknown, "problem": None,
+        "wanted": vol.wanted_phase.name,
+        "image": f"{vol.image.spec}@{vol.snapshot.snap}",
+        "source": vol.snapshot.source_volume or vol.image.spec,
+        "size": snap.size if snap else None,
+        "created": snap.created if snap else None,
+        "protected": snap.protected if snap else None,
+        "children": list(snap.children) if snap else [],
+        "owner": img.meta.get(meta.snap_owner(vol.snapshot.snap)) if img else None,
+        "mapper": None, "device": None, "filesystem": None, "staging": None,
+        "stagingOptions": None, "published": [], "watchers": [], "holder": None,
     }

@@ -40,6 +40,8 @@ _BOUNDS = {
     "maximum": "is greater than the maximum of {}",
     "exclusiveMinimum": "must be greater than {}",
     "exclusiveMaximum": "must be less than {}",
+    "minProperties": "is empty: name one source",
+    "maxProperties": "names more than {} source (pick one)",
 }
 
 

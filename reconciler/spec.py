@@ -24,12 +24,31 @@ class Phase(IntEnum):
 
 
 @dataclass(frozen=True)
+class CloneSource:
+    """Where a cloned image starts from. ``kind``/``ref`` are what the file
+    said (a desired Snapshot or Volume by name, or an image); pool, image and
+    snap are resolved by the loader. ``snap`` None: clone a volume through a
+    temporary snapshot (then flattened, so the source keeps no snapshot)."""
+
+    kind: str  # snapshot | volume | image
+    ref: str  # the Snapshot's or Volume's metadata.name, or "pool/image[@snap]"
+    pool: str = ""
+    image: str = ""
+    snap: str | None = None
+
+    @property
+    def spec(self) -> str:
+        return f"{self.pool}/{self.image}" + (f"@{self.snap}" if self.snap else "")
+
+
+@dataclass(frozen=True)
 class ImageSpec:
     pool: str
     name: str
     size: int | None  # None: adopt an existing image, never create or resize it
     features: tuple[str, ...]
     reclaim_policy: str  # Retain | Delete
+    source: CloneSource | None = None  # set: created as an RBD clone
 
     @property
     def spec(self) -> str:
@@ -70,6 +89,15 @@ class Source:
 
 
 @dataclass(frozen=True)
+class SnapshotSpec:
+    """A ``kind: Snapshot`` document: an RBD snapshot of ``image`` (the
+    Volume's ``image`` field holds the source image, never created by it)."""
+
+    snap: str  # the RBD snapshot name (= metadata.name)
+    source_volume: str | None  # the desired Volume it was named by, if any
+
+
+@dataclass(frozen=True)
 class Volume:
     name: str
     state: str  # present | absent
@@ -79,6 +107,13 @@ class Volume:
     publish: tuple[PublishSpec, ...]
     on_remove: str | None  # release | keep | None (node default)
     source: Source
+    # Set for a ``kind: Snapshot`` document. Snapshots travel through the same
+    # files, records, daemon and status as volumes; only the planner tells them apart.
+    snapshot: SnapshotSpec | None = None
+
+    @property
+    def kind(self) -> str:
+        return "Snapshot" if self.snapshot is not None else "Volume"
 
     @property
     def wanted_phase(self) -> Phase:
@@ -97,6 +132,11 @@ class Volume:
         """A stable digest of what is wanted (not where it was written)."""
         data = asdict(self)
         del data["source"]
+        # Left out when unset, so a plain volume's digest is what it always was.
+        if data["snapshot"] is None:
+            del data["snapshot"]
+        if data["image"]["source"] is None:
+            del data["image"]["source"]
         blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -110,10 +150,11 @@ def volume_to_dict(v: Volume) -> dict[str, object]:
 def volume_from_dict(d: dict) -> Volume:
     """Inverse of ``volume_to_dict`` (the daemon's record of managed volumes)."""
     img, mp, st = d["image"], d.get("map"), d.get("stage")
+    src, snap = img.get("source"), d.get("snapshot")
     return Volume(
         name=d["name"], state=d["state"],
         image=ImageSpec(img["pool"], img["name"], img["size"], tuple(img["features"]),
-                        img["reclaim_policy"]),
+                        img["reclaim_policy"], CloneSource(**src) if src else None),
         map=MapSpec(mp["mapper"], tuple(mp["options"])) if mp else None,
         stage=StageSpec(st["mode"], st["fs_type"], tuple(st["mkfs_options"]),
                         tuple(st["mount_options"]), st["path"]) if st else None,
@@ -121,4 +162,5 @@ def volume_from_dict(d: dict) -> Volume:
                       for p in d["publish"]),
         on_remove=d.get("on_remove"),
         source=Source(Path(d["source"]["file"]), d["source"]["line"]),
+        snapshot=SnapshotSpec(**snap) if snap else None,
     )

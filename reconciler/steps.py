@@ -231,3 +231,72 @@ class DeleteImage(Step):
     target = property(lambda self: f"{self.pool}/{self.image}")
     before = property(lambda self: "exists")
     after = property(lambda self: "deleted")
+
+
+# -- snapshots and clones ----------------------------------------------------------
+@dataclass(frozen=True)
+class CreateSnapshot(Step):
+    pool: str
+    image: str
+    snap: str
+    freeze: str | None  # a read-write mount of the image: frozen around the snapshot
+    action: ClassVar[str] = "snapshot"
+
+    target = property(lambda self: f"{self.pool}/{self.image}@{self.snap}")
+    before = property(lambda self: "absent")
+    after = property(lambda self: f"taken (fsfreeze {self.freeze})" if self.freeze else "taken")
+
+
+@dataclass(frozen=True)
+class CloneImage(Step):
+    pool: str
+    image: str
+    parent_pool: str
+    parent_image: str
+    parent_snap: str
+    features: tuple[str, ...]
+    size: int | None  # None: the snapshot's size
+    action: ClassVar[str] = "clone"
+
+    target = property(lambda self: f"{self.pool}/{self.image}")
+    before = property(lambda self: "absent")
+    after = property(lambda self: f"clone of {self.parent_pool}/{self.parent_image}@"
+                                  f"{self.parent_snap}"
+                                  + (f" ({format_size(self.size)})" if self.size else ""))
+
+
+@dataclass(frozen=True)
+class FlattenImage(Step):
+    pool: str
+    image: str
+    why: str
+    action: ClassVar[str] = "flatten"
+
+    target = property(lambda self: f"{self.pool}/{self.image}")
+    before = property(lambda self: "clone")
+    after = property(lambda self: f"independent ({self.why})")
+
+
+@dataclass(frozen=True)
+class DeleteSnapshot(Step):
+    pool: str
+    image: str
+    snap: str
+    destructive: ClassVar[bool] = True
+    action: ClassVar[str] = "delete snapshot"
+
+    target = property(lambda self: f"{self.pool}/{self.image}@{self.snap}")
+    before = property(lambda self: "exists")
+    after = property(lambda self: "deleted")
+
+
+@dataclass(frozen=True)
+class Thaw(Step):
+    """A filesystem we froze for a snapshot and did not thaw (a crash between)."""
+
+    path: str
+    action: ClassVar[str] = "thaw"
+
+    target = property(lambda self: self.path)
+    before = property(lambda self: "frozen (by an interrupted snapshot)")
+    after = property(lambda self: "thawed")

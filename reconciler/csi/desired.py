@@ -18,7 +18,10 @@ from ..spec import Volume
 
 def claims(v: Volume) -> list[tuple[str, str, str]]:
     """(kind, value, field) a volume holds on the node; each may be held once."""
-    out = [("volume name", v.name, "metadata.name"), ("image", v.image.spec, "spec.image")]
+    out = [("volume name", v.name, "metadata.name")]
+    if v.snapshot is not None:
+        return out  # it shares its volume's image
+    out.append(("image", v.image.spec, "spec.image"))
     if v.stage is not None:
         out.append(("staging path", v.stage.path, "spec.stage.path"))
     out += [("publish path", p.path, f"spec.publish[{i}].path") for i, p in enumerate(v.publish)]

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import rados
 import rbd
 
+from .. import meta as metakeys
 from ..config import CephConfig
-from ..observed import ImageState
+from ..observed import ImageState, SnapState
 
 FEATURE_BITS = {
     "layering": rbd.RBD_FEATURE_LAYERING,
@@ -111,21 +112,69 @@ def image_state(cluster: rados.Rados, pool: str, name: str) -> ImageState | None
     """None: the image is gone (removed since it was listed)."""
     try:
         with cluster.open_ioctx(pool) as ioctx:
-            return _image_state(ioctx, pool, name)
+            return _image_state(cluster, ioctx, pool, name)
     except (rados.Error, rbd.Error) as exc:
         raise CephError(f"{pool}/{name}: {exc}") from exc
 
 
-def _image_state(ioctx: rados.Ioctx, pool: str, name: str) -> ImageState | None:
+def _image_state(cluster: rados.Rados, ioctx: rados.Ioctx, pool: str,
+                 name: str) -> ImageState | None:
     try:
         # Read-only opens register no watch, so we never count ourselves.
         with rbd.Image(ioctx, name, read_only=True) as img:
             watchers = tuple(sorted(w["addr"] for w in img.watchers_list()))
+            parent = _parent(img)
             return ImageState(pool=pool, name=name, size=img.size(),
                               features=feature_names(img.features()),
-                              meta=dict(img.metadata_list()), watchers=watchers)
+                              meta=dict(img.metadata_list()), watchers=watchers,
+                              snaps=_snaps(img), parent=parent,
+                              depth=_depth(cluster, parent) if parent else 0)
     except rbd.ImageNotFound:  # removed between list and open
         return None
+
+
+def _parent(img: rbd.Image) -> str | None:
+    try:
+        p = img.get_parent_image_spec()
+    except rbd.ImageNotFound:
+        return None
+    return f"{p['pool_name']}/{p['image_name']}@{p['snap_name']}"
+
+
+def _snaps(img: rbd.Image) -> tuple[SnapState, ...]:
+    """Each snapshot with its clones. Only images with snapshots pay for it."""
+    out = []
+    for s in list(img.list_snaps()):
+        if s.get("namespace", 0) != 0:  # trash or mirror snapshots are not ours to show
+            continue
+        img.set_snap(s["name"])
+        try:
+            children = tuple(sorted(f"{c['pool']}/{c['image']}" for c in img.list_children2()
+                                    if not c.get("trash")))
+            protected = img.is_protected_snap(s["name"])
+        finally:
+            img.set_snap(None)
+        out.append(SnapState(s["name"], s["size"], img.get_snap_timestamp(s["id"]).timestamp(),
+                             protected, children))
+    return tuple(out)
+
+
+MAX_DEPTH_WALK = 64  # deeper than any chain librbd would let anyone build
+
+
+def _depth(cluster: rados.Rados, parent: str) -> int:
+    """How many images a clone reads through: its parent's depth plus one."""
+    depth, spec = 0, parent
+    while spec and depth < MAX_DEPTH_WALK:
+        depth += 1
+        pool, _, rest = spec.partition("/")
+        image = rest.partition("@")[0]
+        try:
+            with cluster.open_ioctx(pool) as pio, rbd.Image(pio, image, read_only=True) as img:
+                spec = _parent(img) or ""
+        except (rados.Error, rbd.Error):
+            break
+    return depth
 
 
 def create_image(cluster: rados.Rados, pool: str, name: str, size: int,
@@ -194,3 +243,97 @@ def remove_image(cluster: rados.Rados, pool: str, name: str) -> None:
     with cluster.open_ioctx(pool) as ioctx:
         # librbd itself refuses (EBUSY) while any client still watches the image.
         rbd.RBD().remove(ioctx, name)
+
+
+# -- snapshots and clones --------------------------------------------------------
+class SnapshotExists(CephError):
+    """The snapshot to take is already there and is not ours."""
+
+
+def create_snapshot(cluster: rados.Rados, pool: str, image: str, snap: str,
+                    owner: str) -> str:
+    """Take ``snap``; returns "changed", or "ok" when our own is already there
+    (a crash after the snapshot). The owner record is written first, so a
+    crash never leaves a snapshot we made but cannot prove ours."""
+    key = metakeys.snap_owner(snap)
+    with cluster.open_ioctx(pool) as ioctx, rbd.Image(ioctx, image) as img:
+        had = dict(img.metadata_list()).get(key)
+        exists = any(s["name"] == snap for s in img.list_snaps())
+        if exists:
+            if had == owner:
+                return "ok"
+            raise SnapshotExists(f"{pool}/{image}@{snap} exists and was not made by {owner}")
+        img.metadata_set(key, owner)
+        try:
+            img.create_snap(snap)
+        except rbd.ImageExists:
+            if had != owner:
+                with contextlib.suppress(KeyError, rbd.Error):
+                    img.metadata_remove(key)
+            raise SnapshotExists(f"{pool}/{image}@{snap} was created by someone else "
+                                 "meanwhile") from None
+    return "changed"
+
+
+def remove_snapshot(cluster: rados.Rados, pool: str, image: str, snap: str) -> bool:
+    """Unprotect and remove; False when it was already gone. librbd refuses
+    (ImageBusy) while a clone still depends on it."""
+    with cluster.open_ioctx(pool) as ioctx, rbd.Image(ioctx, image) as img:
+        if not any(s["name"] == snap for s in img.list_snaps()):
+            found = False
+        else:
+            found = True
+            if img.is_protected_snap(snap):
+                img.unprotect_snap(snap)
+            img.remove_snap(snap)
+        with contextlib.suppress(KeyError, rbd.Error):
+            img.metadata_remove(metakeys.snap_owner(snap))
+    return found
+
+
+def snapshot_children(cluster: rados.Rados, pool: str, image: str, snap: str) -> list[str]:
+    with cluster.open_ioctx(pool) as ioctx, rbd.Image(ioctx, image, read_only=True,
+                                                     snapshot=snap) as img:
+        return sorted(f"{c['pool']}/{c['image']}" for c in img.list_children2()
+                      if not c.get("trash"))
+
+
+def clone_image(cluster: rados.Rados, parent: tuple[str, str, str], pool: str, name: str,
+                features: Iterable[str], size: int | None, meta: dict[str, str]) -> None:
+    """An RBD clone of ``parent`` (pool, image, snap), grown to ``size``. The
+    parent snapshot is protected first (clone format 1 needs it; harmless for 2)."""
+    ppool, pimage, psnap = parent
+    with cluster.open_ioctx(ppool) as pio, rbd.Image(pio, pimage) as pimg:
+        if not pimg.is_protected_snap(psnap):
+            pimg.protect_snap(psnap)
+    with cluster.open_ioctx(pool) as ioctx:
+        try:
+            with cluster.open_ioctx(ppool) as pio:
+                rbd.RBD().clone(pio, pimage, psnap, ioctx, name,
+                                features=feature_bits(features))
+        except rbd.ImageExists:
+            raise ImageExists(f"{pool}/{name} already exists (created by someone else "
+                              "since it was observed)") from None
+        try:
+            with rbd.Image(ioctx, name) as img:
+                # librbd copies the parent's image-meta; what described the parent goes.
+                for k, _ in list(img.metadata_list()):
+                    if k in metakeys.PARENT_ONLY or k.startswith(metakeys.SNAP_PREFIX):
+                        img.metadata_remove(k)
+                for k, v in meta.items():
+                    img.metadata_set(k, v)
+                if size is not None and size > img.size():
+                    img.resize(size, allow_shrink=False)
+        except Exception:
+            rbd.RBD().remove(ioctx, name)  # never leak a clone nobody owns
+            raise
+
+
+def flatten_image(cluster: rados.Rados, pool: str, name: str) -> bool:
+    """Copy the parent's data in: the image no longer depends on a snapshot.
+    False when it already did not."""
+    with cluster.open_ioctx(pool) as ioctx, rbd.Image(ioctx, name) as img:
+        if _parent(img) is None:
+            return False
+        img.flatten()
+    return True
