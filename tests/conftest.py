@@ -153,9 +153,10 @@ def node(tmp_path: Path, ceph_cluster: DevCluster) -> Iterator[NodeUnderTest]:
         if any(desired.iterdir()):
             n.cli("release")
         with ceph_cluster.client() as c, c.open_ioctx(ceph_cluster.pool) as io:
-            for name in n.images:
-                with contextlib.suppress(rbd.ImageNotFound, rbd.ImageBusy):
-                    rbd.RBD().remove(io, name)
+            # Clones before their parents: a few rounds settle any order.
+            for _ in range(4):
+                for name in sorted(n.images):
+                    _remove_with_snapshots(io, name)
     finally:
         reap_zombies()
         leaked_mounts = sorted(n.mounts())
@@ -163,6 +164,16 @@ def node(tmp_path: Path, ceph_cluster: DevCluster) -> Iterator[NodeUnderTest]:
         _force_cleanup(leaked_mounts, leaked_loops)
     assert not leaked_mounts, f"mounts leaked: {leaked_mounts}"
     assert not leaked_loops, f"loop devices leaked: {leaked_loops}"
+
+
+def _remove_with_snapshots(io: object, name: str) -> None:
+    with contextlib.suppress(rbd.ImageNotFound, rbd.ImageBusy, rbd.ImageHasSnapshots):
+        with rbd.Image(io, name) as img:
+            for snap in list(img.list_snaps()):
+                if img.is_protected_snap(snap["name"]):
+                    img.unprotect_snap(snap["name"])
+                img.remove_snap(snap["name"])
+        rbd.RBD().remove(io, name)
 
 
 def _force_cleanup(mounts: list[str], loops: list[str]) -> None:
