@@ -53,6 +53,18 @@ class CephInfo:
         except (rados.ObjectNotFound, rbd.ImageNotFound):
             return None
 
+    def snapshot(self, pool: str, image: str, snap: str) -> tuple[int, float] | None:
+        """(size, creation time) of a snapshot; None when it does not exist."""
+        try:
+            with self._client() as c, c.open_ioctx(pool) as io, \
+                    rbd.Image(io, image, read_only=True) as img:
+                for s in img.list_snaps():
+                    if s["name"] == snap:
+                        return int(s["size"]), img.get_snap_timestamp(s["id"]).timestamp()
+        except (rados.ObjectNotFound, rbd.ImageNotFound):
+            return None
+        return None
+
     def record_name(self, pool: str, image: str, request_name: str) -> None:
         with self._client() as c:
             set_meta(c, pool, image, CSI_NAME_META, request_name)

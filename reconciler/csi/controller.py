@@ -16,6 +16,7 @@ from . import csi_pb2 as pb
 from .cephinfo import CephInfo
 from .errors import CsiError, invalid, not_found, rpc
 from .files import L_ACCESS, L_FSTYPE, L_MAPPER, L_ORIGIN, L_REQUEST, new_document
+from .snapshots import SnapshotRpcs, content_source_of
 from .volumes import Volumes
 
 log = logging.getLogger("rbd-reconciler.csi")
@@ -25,7 +26,7 @@ DEFAULT_SIZE = 1 << 30  # a CreateVolume without a capacity range
 PARAMETERS = ("pool", "imageFeatures", "mapper", "fsType")
 # external-provisioner's own keys (PVC/PV names with --extra-create-metadata).
 CO_PREFIX = "csi.storage.k8s.io/"
-_TOKEN = re.compile(r"csi-x?[0-9a-f]{32}")
+_TOKEN = re.compile(r"csi-(x|snap-)?[0-9a-f]{32}")
 
 
 def _size(rng: pb.CapacityRange | None) -> int:
@@ -64,10 +65,11 @@ def _volume(doc: dict[str, Any]) -> pb.Volume:
     img = doc["spec"]["image"]
     return pb.Volume(capacity_bytes=int(img["size"]),
                      volume_id=ids.volume_id(img["pool"], img["name"]),
-                     volume_context={"pool": img["pool"], "image": img["name"]})
+                     volume_context={"pool": img["pool"], "image": img["name"]},
+                     content_source=content_source_of(doc))
 
 
-class ControllerServicer(csi_pb2_grpc.ControllerServicer):
+class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
     def __init__(self, volumes: Volumes, ceph: CephInfo) -> None:
         self.volumes = volumes
         self.files = volumes.files
@@ -80,11 +82,19 @@ class ControllerServicer(csi_pb2_grpc.ControllerServicer):
         if not request.name:
             raise invalid("name is required")
         access = capability.parse_all(list(request.volume_capabilities))
-        if request.HasField("volume_content_source"):
-            raise invalid("volume_content_source: creating from a snapshot or a volume is "
-                          "not supported")
         params = _parameters(dict(request.parameters))
-        size = _size(request.capacity_range if request.HasField("capacity_range") else None)
+        source, least = None, 0
+        if request.HasField("volume_content_source"):
+            source, least = self.content_source(request)
+        if source is not None and not request.HasField("capacity_range"):
+            size = max(MiB, -(-least // MiB) * MiB)  # as large as its source
+        else:
+            size = _size(request.capacity_range if request.HasField("capacity_range")
+                         else None)
+        if size < least:
+            raise CsiError(grpc.StatusCode.OUT_OF_RANGE,
+                           f"capacity_range: {size} bytes is smaller than the source "
+                           f"({least} bytes); a clone may grow, never shrink")
         fs_type = params.get("fsType") or next((a.fs_type for a in access if a.fs_type), "ext4")
         if fs_type == "xfs" and size < 300 * MiB:
             raise CsiError(grpc.StatusCode.OUT_OF_RANGE, "xfs needs at least 300 MiB")
@@ -98,6 +108,8 @@ class ControllerServicer(csi_pb2_grpc.ControllerServicer):
                                "reclaimPolicy": "Delete"}
         if "imageFeatures" in params:
             img["features"] = [f.strip() for f in params["imageFeatures"].split(",") if f.strip()]
+        if source is not None:
+            img["source"] = source
         labels = {L_REQUEST: request.name, L_ORIGIN: "controller", L_FSTYPE: fs_type,
                   L_ACCESS: "block" if all(a.block for a in access) else "mount"}
         if "mapper" in params:
@@ -126,6 +138,7 @@ class ControllerServicer(csi_pb2_grpc.ControllerServicer):
         fits = size >= rng.required_bytes and (not rng.limit_bytes or size <= rng.limit_bytes)
         same = (old.get(L_REQUEST) == request.name and have.get("pool") == img["pool"]
                 and have.get("features") == img.get("features")
+                and have.get("source") == img.get("source")
                 and old.get(L_FSTYPE) == labels[L_FSTYPE]
                 and old.get(L_MAPPER) == labels.get(L_MAPPER))
         if not (fits and same):
@@ -208,7 +221,8 @@ class ControllerServicer(csi_pb2_grpc.ControllerServicer):
                 doc = self.files.read(name)
             except CsiError:
                 continue  # a file broken by hand: `rbd-reconciler validate` names it
-            if (doc is None or doc["spec"].get("state", "present") != "present"
+            if (doc is None or doc.get("kind", "Volume") != "Volume"
+                    or doc["spec"].get("state", "present") != "present"
                     or doc["metadata"].get("labels", {}).get(L_ORIGIN) != "controller"):
                 continue
             if request.max_entries and len(entries) == request.max_entries:
@@ -239,7 +253,8 @@ class ControllerServicer(csi_pb2_grpc.ControllerServicer):
             context: grpc.ServicerContext) -> pb.ControllerGetCapabilitiesResponse:
         rpc_ = pb.ControllerServiceCapability.RPC
         kinds = (rpc_.CREATE_DELETE_VOLUME, rpc_.EXPAND_VOLUME, rpc_.LIST_VOLUMES,
-                 rpc_.GET_CAPACITY)
+                 rpc_.GET_CAPACITY, rpc_.CREATE_DELETE_SNAPSHOT, rpc_.LIST_SNAPSHOTS,
+                 rpc_.CLONE_VOLUME)
         return pb.ControllerGetCapabilitiesResponse(capabilities=[
             pb.ControllerServiceCapability(rpc=rpc_(type=k)) for k in kinds])
 

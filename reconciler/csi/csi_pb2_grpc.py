@@ -222,6 +222,21 @@ class ControllerStub:
                 request_serializer=csi__pb2.ControllerGetCapabilitiesRequest.SerializeToString,
                 response_deserializer=csi__pb2.ControllerGetCapabilitiesResponse.FromString,
                 _registered_method=True)
+        self.CreateSnapshot = channel.unary_unary(
+                '/csi.v1.Controller/CreateSnapshot',
+                request_serializer=csi__pb2.CreateSnapshotRequest.SerializeToString,
+                response_deserializer=csi__pb2.CreateSnapshotResponse.FromString,
+                _registered_method=True)
+        self.DeleteSnapshot = channel.unary_unary(
+                '/csi.v1.Controller/DeleteSnapshot',
+                request_serializer=csi__pb2.DeleteSnapshotRequest.SerializeToString,
+                response_deserializer=csi__pb2.DeleteSnapshotResponse.FromString,
+                _registered_method=True)
+        self.ListSnapshots = channel.unary_unary(
+                '/csi.v1.Controller/ListSnapshots',
+                request_serializer=csi__pb2.ListSnapshotsRequest.SerializeToString,
+                response_deserializer=csi__pb2.ListSnapshotsResponse.FromString,
+                _registered_method=True)
         self.ControllerExpandVolume = channel.unary_unary(
                 '/csi.v1.Controller/ControllerExpandVolume',
                 request_serializer=csi__pb2.ControllerExpandVolumeRequest.SerializeToString,
@@ -268,6 +283,24 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateSnapshot(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteSnapshot(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSnapshots(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ControllerExpandVolume(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -306,6 +339,21 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.ControllerGetCapabilities,
                     request_deserializer=csi__pb2.ControllerGetCapabilitiesRequest.FromString,
                     response_serializer=csi__pb2.ControllerGetCapabilitiesResponse.SerializeToString,
+            ),
+            'CreateSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateSnapshot,
+                    request_deserializer=csi__pb2.CreateSnapshotRequest.FromString,
+                    response_serializer=csi__pb2.CreateSnapshotResponse.SerializeToString,
+            ),
+            'DeleteSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteSnapshot,
+                    request_deserializer=csi__pb2.DeleteSnapshotRequest.FromString,
+                    response_serializer=csi__pb2.DeleteSnapshotResponse.SerializeToString,
+            ),
+            'ListSnapshots': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSnapshots,
+                    request_deserializer=csi__pb2.ListSnapshotsRequest.FromString,
+                    response_serializer=csi__pb2.ListSnapshotsResponse.SerializeToString,
             ),
             'ControllerExpandVolume': grpc.unary_unary_rpc_method_handler(
                     servicer.ControllerExpandVolume,
@@ -475,6 +523,87 @@ class Controller:
             '/csi.v1.Controller/ControllerGetCapabilities',
             csi__pb2.ControllerGetCapabilitiesRequest.SerializeToString,
             csi__pb2.ControllerGetCapabilitiesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/csi.v1.Controller/CreateSnapshot',
+            csi__pb2.CreateSnapshotRequest.SerializeToString,
+            csi__pb2.CreateSnapshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/csi.v1.Controller/DeleteSnapshot',
+            csi__pb2.DeleteSnapshotRequest.SerializeToString,
+            csi__pb2.DeleteSnapshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSnapshots(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/csi.v1.Controller/ListSnapshots',
+            csi__pb2.ListSnapshotsRequest.SerializeToString,
+            csi__pb2.ListSnapshotsResponse.FromString,
             options,
             channel_credentials,
             insecure,

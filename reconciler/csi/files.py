@@ -24,6 +24,7 @@ L_ORIGIN = LABEL + "origin"  # controller: CreateVolume made it; node: staged by
 L_ACCESS = LABEL + "access-type"  # mount | block, as created
 L_FSTYPE = LABEL + "fs-type"
 L_MAPPER = LABEL + "mapper"  # the StorageClass mapper parameter
+L_SOURCE = LABEL + "source-volume-id"  # a snapshot's CSI source volume
 
 
 class VolumeFiles:
@@ -99,3 +100,10 @@ def new_document(name: str, labels: dict[str, str], image: dict[str, Any]) -> di
     return {"apiVersion": API_VERSION, "kind": "Volume",
             "metadata": {"name": name, "labels": labels},
             "spec": {"state": "present", "image": image}}
+
+
+def new_snapshot_document(name: str, labels: dict[str, str], pool: str,
+                          image: str) -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": "Snapshot",
+            "metadata": {"name": name, "labels": labels},
+            "spec": {"state": "present", "source": {"image": {"pool": pool, "name": image}}}}

@@ -12,6 +12,8 @@ import hashlib
 import re
 
 ID_PREFIX = "rbdr1"
+SNAP_ID_PREFIX = "rbdr1s"
+_SNAP = re.compile(r"csi-snap-[0-9a-f]{32}")
 _IMAGE = re.compile(r"csi-[0-9a-f]{32}")
 _RBD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MAX_ID_BYTES = 128
@@ -44,3 +46,31 @@ def volume_name(pool: str, image: str) -> str:
     if _IMAGE.fullmatch(image):
         return image
     return "csi-x" + hashlib.sha256(f"{pool}/{image}".encode()).hexdigest()[:32]
+
+
+def snapshot_for_request(request_name: str) -> str:
+    """The RBD snapshot name, and the Snapshot document's metadata.name."""
+    return "csi-snap-" + hashlib.sha256(request_name.encode()).hexdigest()[:32]
+
+
+def is_snapshot_name(name: str) -> bool:
+    return bool(_SNAP.fullmatch(name))
+
+
+def snapshot_id(pool: str, image: str, snap: str) -> str:
+    """Self-describing like a volume id: any node finds the snapshot from it."""
+    sid = f"{SNAP_ID_PREFIX}:{pool}:{image}:{snap}"
+    if len(sid.encode()) > MAX_ID_BYTES:
+        raise ValueError(f"pool name {pool!r} is too long for a CSI snapshot id")
+    return sid
+
+
+def parse_snapshot_id(sid: str) -> tuple[str, str, str] | None:
+    """(pool, image, snap), or None for an id we never hand out."""
+    parts = sid.split(":")
+    if len(parts) != 4 or parts[0] != SNAP_ID_PREFIX:
+        return None
+    pool, image, snap = parts[1:]
+    if not (_RBD_NAME.fullmatch(pool) and _RBD_NAME.fullmatch(image) and _SNAP.fullmatch(snap)):
+        return None
+    return pool, image, snap

@@ -1,0 +1,181 @@
+"""CSI snapshots: CreateSnapshot / DeleteSnapshot / ListSnapshots become
+``kind: Snapshot`` files in csi.dir, and a CreateVolume content source
+becomes an ``image.source``. The engine takes, clones and deletes."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from . import csi_pb2 as pb
+from . import ids
+from .cephinfo import CephInfo
+from .errors import CsiError, invalid, not_found, rpc
+from .files import L_ORIGIN, L_REQUEST, L_SOURCE, VolumeFiles, new_snapshot_document
+from .volumes import Volumes
+
+MiB = 1 << 20
+
+
+def _snapshot(sid: str, source_volume_id: str, size: int, created: float) -> pb.Snapshot:
+    ts = Timestamp()
+    ts.FromNanoseconds(int(created * 1e9))
+    return pb.Snapshot(size_bytes=size, snapshot_id=sid, source_volume_id=source_volume_id,
+                       creation_time=ts, ready_to_use=True)
+
+
+def _is_present_snapshot(doc: dict[str, Any] | None) -> bool:
+    return doc is not None and doc.get("kind") == "Snapshot" and \
+        doc["spec"].get("state", "present") == "present"
+
+
+class SnapshotRpcs:
+    volumes: Volumes
+    files: VolumeFiles
+    ceph: CephInfo
+
+    def _source_image(self, volume_id: str) -> tuple[str, str]:
+        """(pool, image) of an existing volume, or NOT_FOUND."""
+        parsed = ids.parse_volume_id(volume_id)
+        if parsed is None:
+            raise not_found(f"volume {volume_id!r} does not exist")
+        doc = self.files.read(ids.volume_name(*parsed))
+        present = doc is not None and doc["spec"].get("state", "present") == "present"
+        if not present and self.ceph.image_size(*parsed) is None:
+            raise not_found(f"volume {volume_id!r} does not exist")
+        return parsed
+
+    @rpc
+    def CreateSnapshot(self, request: pb.CreateSnapshotRequest,
+                       context: grpc.ServicerContext) -> pb.CreateSnapshotResponse:
+        if not request.name:
+            raise invalid("name is required")
+        if not request.source_volume_id:
+            raise invalid("source_volume_id is required")
+        pool, image = self._source_image(request.source_volume_id)
+        name = ids.snapshot_for_request(request.name)
+        try:
+            sid = ids.snapshot_id(pool, image, name)
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
+        deadline = self.volumes.deadline(context)
+        with self.volumes.operation(name):
+            doc = self.files.read(name)
+            if _is_present_snapshot(doc):
+                assert doc is not None
+                if doc["spec"]["source"].get("image") != {"pool": pool, "name": image}:
+                    raise CsiError(grpc.StatusCode.ALREADY_EXISTS,
+                                   f"a snapshot named {request.name!r} already exists for "
+                                   f"another volume ({doc['metadata']['labels'].get(L_SOURCE)})")
+                self.volumes.settle(name, deadline)
+            else:
+                labels = {L_REQUEST: request.name, L_ORIGIN: "controller",
+                          L_SOURCE: request.source_volume_id}
+                self.volumes.converge(name, new_snapshot_document(name, labels, pool, image),
+                                      deadline)
+        found = self.ceph.snapshot(pool, image, name)
+        if found is None:
+            raise CsiError(grpc.StatusCode.INTERNAL, f"snapshot {sid} was not found after it "
+                                                     "was taken")
+        return pb.CreateSnapshotResponse(snapshot=_snapshot(sid, request.source_volume_id,
+                                                            *found))
+
+    @rpc
+    def DeleteSnapshot(self, request: pb.DeleteSnapshotRequest,
+                       context: grpc.ServicerContext) -> pb.DeleteSnapshotResponse:
+        if not request.snapshot_id:
+            raise invalid("snapshot_id is required")
+        parsed = ids.parse_snapshot_id(request.snapshot_id)
+        if parsed is None:
+            return pb.DeleteSnapshotResponse()  # never ours: nothing to delete
+        name = parsed[2]
+        deadline = self.volumes.deadline(context)
+        with self.volumes.operation(name):
+            doc = self.files.read(name)
+            if doc is None or doc.get("kind") != "Snapshot":
+                return pb.DeleteSnapshotResponse()
+            present = copy.deepcopy(doc)
+            doc["spec"]["state"] = "absent"
+            try:
+                self.volumes.converge(name, doc, deadline)
+            except CsiError as exc:
+                if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
+                    # Refused (clones depend on it): it stays; the CO's retry asks again.
+                    self.files.commit(name, self.files.write_temp(name, present))
+                    self.volumes.daemon.wake_volume(name)
+                raise
+            self.files.remove(name)
+        return pb.DeleteSnapshotResponse()
+
+    @rpc
+    def ListSnapshots(self, request: pb.ListSnapshotsRequest,
+                      context: grpc.ServicerContext) -> pb.ListSnapshotsResponse:
+        if request.max_entries < 0:
+            raise invalid("max_entries must not be negative")
+        start = request.starting_token
+        if start and not ids.is_snapshot_name(start):
+            raise CsiError(grpc.StatusCode.ABORTED,
+                           f"starting_token {start!r} was not handed out by ListSnapshots")
+        only: str | None = None
+        if request.snapshot_id:
+            parsed = ids.parse_snapshot_id(request.snapshot_id)
+            if parsed is None:
+                return pb.ListSnapshotsResponse()
+            only = parsed[2]
+        names = [n for n in self.files.names() if ids.is_snapshot_name(n)
+                 and (only is None or n == only) and (not start or n >= start)]
+        entries, next_token = [], ""
+        for name in names:
+            try:
+                doc = self.files.read(name)
+            except CsiError:
+                continue  # a file broken by hand: `rbd-reconciler validate` names it
+            if not _is_present_snapshot(doc):
+                continue
+            assert doc is not None
+            src = doc["metadata"].get("labels", {}).get(L_SOURCE, "")
+            if request.source_volume_id and src != request.source_volume_id:
+                continue
+            img = doc["spec"]["source"].get("image") or {}
+            if request.max_entries and len(entries) == request.max_entries:
+                next_token = name
+                break
+            found = self.ceph.snapshot(img.get("pool", ""), img.get("name", ""), name)
+            if found is None:
+                continue  # not cut yet (or gone): never listed
+            sid = ids.snapshot_id(img["pool"], img["name"], name)
+            entries.append(pb.ListSnapshotsResponse.Entry(snapshot=_snapshot(sid, src, *found)))
+        return pb.ListSnapshotsResponse(entries=entries, next_token=next_token)
+
+    # -- CreateVolume from a snapshot or a volume ----------------------------------
+    def content_source(self, request: pb.CreateVolumeRequest) -> tuple[dict[str, Any], int]:
+        """The file's ``image.source`` and the least size the new volume may have."""
+        src = request.volume_content_source
+        if src.HasField("snapshot"):
+            sid = src.snapshot.snapshot_id
+            parsed = ids.parse_snapshot_id(sid)
+            found = self.ceph.snapshot(*parsed) if parsed else None
+            if parsed is None or found is None:
+                raise not_found(f"snapshot {sid!r} does not exist")
+            pool, image, snap = parsed
+            return {"image": {"pool": pool, "name": image, "snapshot": snap}}, found[0]
+        if src.HasField("volume"):
+            pool, image = self._source_image(src.volume.volume_id)
+            return {"image": {"pool": pool, "name": image}}, self.ceph.image_size(pool,
+                                                                                  image) or 0
+        raise invalid("volume_content_source: a snapshot or a volume")
+
+
+def content_source_of(doc: dict[str, Any]) -> pb.VolumeContentSource | None:
+    """What a CSI volume file was created from, for CreateVolume's answer."""
+    src = doc["spec"]["image"].get("source", {}).get("image")
+    if not src:
+        return None
+    if "snapshot" in src:
+        return pb.VolumeContentSource(snapshot=pb.VolumeContentSource.SnapshotSource(
+            snapshot_id=ids.snapshot_id(src["pool"], src["name"], src["snapshot"])))
+    return pb.VolumeContentSource(volume=pb.VolumeContentSource.VolumeSource(
+        volume_id=ids.volume_id(src["pool"], src["name"])))
