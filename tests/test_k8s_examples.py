@@ -75,3 +75,19 @@ def test_claims_and_pods() -> None:
     block_pod = m[("Pod", "uses-data-block")]["spec"]
     assert block_pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "data-block"
     assert block_pod["containers"][0]["volumeDevices"]
+
+
+def test_snapshot_class_and_restore() -> None:
+    m = docs()
+    driver = m[("StorageClass", "rbd-reconciler")]["provisioner"]
+    vsc = m[("VolumeSnapshotClass", "rbd-reconciler-snapshots")]
+    assert vsc["driver"] == driver and vsc["deletionPolicy"] == "Delete"
+    snap = m[("VolumeSnapshot", "data-fs-before-upgrade")]["spec"]
+    assert snap["volumeSnapshotClassName"] == "rbd-reconciler-snapshots"
+    assert snap["source"]["persistentVolumeClaimName"] == "data-fs"
+    restored = m[("PersistentVolumeClaim", "data-fs-restored")]["spec"]["dataSource"]
+    assert restored == {"apiGroup": "snapshot.storage.k8s.io", "kind": "VolumeSnapshot",
+                        "name": "data-fs-before-upgrade"}
+    copy = m[("PersistentVolumeClaim", "data-fs-copy")]["spec"]["dataSource"]
+    assert copy["kind"] == "PersistentVolumeClaim" and copy["name"] == "data-fs"
+    assert "csi-snapshotter" in containers(m[("Deployment", "rbd-reconciler-controller")])

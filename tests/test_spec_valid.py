@@ -35,6 +35,15 @@ def test_every_example_is_valid() -> None:
     assert by["scratch"].stage.mode == "block" and by["scratch"].stage.fs_type is None
 
 
+def test_snapshot_example_resolves_its_sources() -> None:
+    result = load([EXAMPLES / "snapshots"], default_config())
+    assert result.ok, "\n".join(map(str, result.diagnostics))
+    by = {v.name: v for v in result.volumes}
+    assert by["golden-v1"].kind == "Snapshot" and by["golden-v1"].image.spec == "rbd/golden"
+    assert by["test-env"].image.source.spec == "rbd/golden@golden-v1"
+    assert by["golden-copy"].image.source.spec == "rbd/golden"  # through a temporary one
+
+
 @pytest.mark.parametrize("path", sorted((EXAMPLES / "config").glob("*.yaml")), ids=str)
 def test_example_configs_are_valid(path: Path) -> None:
     config = load_config(path)
@@ -138,7 +147,7 @@ def test_cli_help_and_version(args: list[str]) -> None:
     assert "rbd-reconciler" in proc.stdout
 
 
-@pytest.mark.parametrize("name", ["volume", "config"])
+@pytest.mark.parametrize("name", ["volume", "snapshot", "config"])
 def test_schemas_are_valid_draft_2020_12(name: str) -> None:
     import jsonschema
 
