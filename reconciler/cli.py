@@ -8,6 +8,7 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import __version__
 from .config import Config, ConfigError, load_config
@@ -17,6 +18,9 @@ from .observe import Node
 from .plan import VolumePlan, actual_state
 from .steps import Step
 from .units import format_size
+
+if TYPE_CHECKING:
+    from .apply import VolumeOutcome
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -196,6 +200,27 @@ def cmd_plan(args: argparse.Namespace, config: Config) -> int:
     return EXIT_CHANGES if steps else EXIT_OK
 
 
+MAX_FOLLOW_UP_PASSES = 8  # each level of a chain of sources is one more pass
+
+
+def _merge_outcomes(first: list[VolumeOutcome], then: list[VolumeOutcome]
+                    ) -> list[VolumeOutcome]:
+    """One result per volume over the passes of one apply."""
+    by_name = {o.name: o for o in first}
+    for o in then:
+        prev = by_name.get(o.name)
+        if prev is None:
+            by_name[o.name] = o
+            continue
+        prev.steps += o.steps
+        prev.notes = o.notes
+        if o.status == "failed" or prev.status == "failed":
+            prev.status, prev.error = "failed", o.error or prev.error
+        elif o.status == "changed":
+            prev.status = "changed"
+    return [by_name[n] for n in sorted(by_name)]
+
+
 def cmd_apply(args: argparse.Namespace, config: Config) -> int:
     node = Node.from_config(config)
     try:
@@ -203,6 +228,13 @@ def cmd_apply(args: argparse.Namespace, config: Config) -> int:
             p = plan_pass(_paths(args, config), config, node,
                           release=getattr(args, "release", False))
             outcomes = apply_pass(p, node)
+            # A clone or snapshot waiting for one this pass created: go again.
+            for _ in range(MAX_FOLLOW_UP_PASSES):
+                if not (any(vp.waiting for vp in p.plans)
+                        and any(o.status == "changed" for o in outcomes)):
+                    break
+                p = plan_pass(_paths(args, config), config, node)
+                outcomes = _merge_outcomes(outcomes, apply_pass(p, node))
     except Busy as exc:
         print(f"rbd-reconciler: {exc}", file=sys.stderr)
         return EXIT_FAILED

@@ -513,7 +513,9 @@ class Daemon:
                 self._save_records()
         actual = actual_state(vol, observed, context(self.config, self.node))  # type: ignore[arg-type]
         self._write_status(vol.name, {
-            "phase": "Released" if released else PHASE_NAMES[vp.phase.name],
+            # A clone whose source is still on its way is pending, not absent.
+            "phase": "Released" if released else "Pending" if vp.waiting else
+            PHASE_NAMES[vp.phase.name],
             "observedGeneration": vol.spec_hash,
             "notes": vp.notes,
             "device": actual["device"], "staging": actual["staging"],

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from . import meta
 from .observed import Device, ImageState, Mapping, Mount, Observed
-from .plan_snapshots import Refused, SnapshotRules
+from .plan_snapshots import Refused, SnapshotRules, Waiting
 from .spec import Phase, Volume
 from .steps import (
     CreateImage,
@@ -67,6 +67,9 @@ class VolumePlan:
     # the phase is then unknown, not ``phase``; never ordered with phases.
     unknown: str | None = None
     kind: str = "volume"  # volume | snapshot
+    # Set: it starts from another desired object not there yet; no steps, no
+    # failure (a later pass, once that one converged, plans it).
+    waiting: str | None = None
 
     @property
     def changes(self) -> bool:
@@ -217,6 +220,8 @@ class _VolumePlanner(SnapshotRules):
             self.plan.refusal = str(exc)
             self.plan.steps = []
             self.plan.withheld = []
+        except Waiting as exc:
+            self.wait(str(exc))
         return self.plan
 
     def run_snapshot_plan(self, release: bool) -> VolumePlan:
@@ -231,7 +236,15 @@ class _VolumePlanner(SnapshotRules):
             self.plan.refusal = str(exc)
             self.plan.steps = []
             self.plan.withheld = []
+        except Waiting as exc:
+            self.wait(str(exc))
         return self.plan
+
+    def wait(self, why: str) -> None:
+        self.plan.waiting = why
+        self.plan.notes.append(why)
+        self.plan.steps = []
+        self.plan.withheld = []
 
     def check_symlinks(self) -> None:
         """Safety rule 8: a path with a symlink in it is never followed."""

@@ -32,6 +32,12 @@ class Refused(Exception):
     """Raised inside the planner to abandon one volume's plan with a reason."""
 
 
+class Waiting(Exception):
+    """Raised inside the planner: this one starts from another desired object
+    that does not exist yet (a snapshot not yet taken). Not a failure: the
+    next pass, once that one converged, plans it."""
+
+
 def temp_snapshot(volume: str) -> str:
     """The snapshot a clone of a volume goes through (removed once flattened)."""
     return f"rbdr-clone-{volume}"
@@ -102,8 +108,10 @@ class SnapshotRules:
             return
         if found is not None:
             return  # a snapshot records a moment: never re-taken
+        if self.img is None and snap.source_volume:
+            raise Waiting(f"waits for volume {snap.source_volume} ({pool}/{image}) to exist")
         if self.img is None:
-            raise Refused(f"its source image {pool}/{image} does not exist (yet)")
+            raise Refused(f"its source image {pool}/{image} does not exist")
         self.add(CreateSnapshot(v.name, pool, image, snap.snap, self.freeze_target(pool, image)))
 
     def delete_snapshot(self, img: ImageState, snap: SnapState) -> bool:
@@ -151,14 +159,21 @@ class SnapshotRules:
                                                                              "not listed")
             raise Refused(f"cannot see the clone source {src.pool}/{src.image} ({why})")
         parent = self.obs.images.get(key)
+        desired = src.kind != "image"  # named in the desired files: it may be on its way
         if parent is None:
-            raise Refused(f"clone source {src.pool}/{src.image} does not exist (yet)")
+            if desired:
+                raise Waiting(f"waits for its source {src.kind} {src.ref} "
+                              f"({src.pool}/{src.image}) to exist")
+            raise Refused(f"clone source {src.pool}/{src.image} does not exist")
         if src.snap is None:
             self.plan_volume_clone(parent)
             return
         snap = parent.snap(src.snap)
         if snap is None:
-            raise Refused(f"clone source snapshot {src.spec} does not exist (yet)")
+            if desired:
+                raise Waiting(f"waits for its source snapshot {src.ref} ({src.spec}) to be "
+                              "taken")
+            raise Refused(f"clone source snapshot {src.spec} does not exist")
         if v.image.size is not None and v.image.size < snap.size:
             raise Refused(f"a clone may be larger than its source, never smaller: "
                           f"{src.spec} is {format_size(snap.size)}, the volume wants "

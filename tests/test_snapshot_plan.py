@@ -95,7 +95,14 @@ def test_snapshot_taken_once(tmp_path: Path) -> None:
 
 def test_snapshot_of_a_missing_image_waits(tmp_path: Path) -> None:
     p = plans(tmp_path, observed(), GOLDEN, SNAP)["s1"]
-    assert p.refusal and "does not exist (yet)" in p.refusal
+    assert p.refusal is None and not p.steps and "waits for volume golden" in str(p.waiting)
+    clone = doc("Volume", "c", "  image: {pool: rbd, size: 64Mi, source: {snapshot: s1}}\n")
+    p = plans(tmp_path, observed(image("golden")), GOLDEN, SNAP, clone)["c"]
+    assert p.refusal is None and not p.steps and "waits for its source snapshot" in str(p.waiting)
+    direct = doc("Volume", "d", "  image: {pool: rbd, size: 64Mi, source: {image: "
+                                "{pool: rbd, name: golden, snapshot: x}}}\n")
+    p = plans(tmp_path, observed(image("golden")), GOLDEN, direct)["d"]
+    assert p.refusal and "does not exist" in p.refusal
 
 
 def test_delete_snapshot_rules(tmp_path: Path) -> None:
