@@ -106,6 +106,9 @@ def test_snapshot_rpcs_and_error_codes(start_csi: Callable[..., CsiNode]) -> Non
             break
     assert sorted(pages) == sorted(every) and len(pages) == len(every)
 
+    # A volume with snapshots is not deleted (they would go with its image).
+    code_, why = error(lambda: delete(c, vol))
+    assert code_ == Code.FAILED_PRECONDITION and "has snapshots" in why, why
     # Delete, twice each; an id we never handed out is fine too.
     for s in [*first, mine]:
         delete_snap(c, s.snapshot_id)

@@ -164,6 +164,12 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
                 raise CsiError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"volume {name} was not created through CreateVolume here; "
                                "its image is not deleted")
+            if snaps := self.snapshots_of(*parsed):
+                # The engine would delete our snapshots with the image; a CO's
+                # snapshots outlive the volume they were taken of, so: refuse.
+                raise CsiError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"volume {name} has snapshots ({', '.join(snaps)}); delete "
+                               "them first")
             present = copy.deepcopy(doc)
             doc["spec"]["state"] = "absent"
             doc["spec"]["image"]["reclaimPolicy"] = "Delete"

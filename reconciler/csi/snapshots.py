@@ -48,6 +48,21 @@ class SnapshotRpcs:
             raise not_found(f"volume {volume_id!r} does not exist")
         return parsed
 
+    def snapshots_of(self, pool: str, image: str) -> list[str]:
+        """The adapter's snapshot files (present) taken of ``pool/image``."""
+        out = []
+        for name in self.files.names():
+            if not ids.is_snapshot_name(name):
+                continue
+            try:
+                doc = self.files.read(name)
+            except CsiError:
+                continue
+            if _is_present_snapshot(doc) and doc is not None and \
+                    doc["spec"]["source"].get("image") == {"pool": pool, "name": image}:
+                out.append(name)
+        return out
+
     @rpc
     def CreateSnapshot(self, request: pb.CreateSnapshotRequest,
                        context: grpc.ServicerContext) -> pb.CreateSnapshotResponse:
