@@ -145,6 +145,9 @@ def _print_plans(plans: list[VolumePlan]) -> None:
             print(f"{vp.kind} {vp.name}: REFUSED: {vp.refusal}")
             continue
         arrow = f"{vp.phase.name} -> {vp.wanted.name}" if vp.wanted is not None else ""
+        if vp.waiting:
+            print(f"{vp.kind} {vp.name}: {vp.waiting}")
+            continue
         if not vp.steps:
             print(f"{vp.kind} {vp.name}: ok ({vp.phase.name})")
         else:
@@ -181,7 +184,8 @@ def cmd_plan(args: argparse.Namespace, config: Config) -> int:
         json.dump({
             "changes": steps > 0,
             "errors": [d.as_dict() for d in p.loaded.diagnostics],
-            "volumes": [{"name": vp.name, "phase": vp.phase_name, "unknown": vp.unknown,
+            "volumes": [{"name": vp.name, "kind": vp.kind, "waiting": vp.waiting,
+                         "phase": vp.phase_name, "unknown": vp.unknown,
                          "wanted": vp.wanted.name if vp.wanted is not None else None,
                          "refusal": vp.refused, "notes": vp.notes,
                          "steps": [s.as_dict() for s in vp.steps]} for vp in p.plans],
@@ -197,7 +201,8 @@ def cmd_plan(args: argparse.Namespace, config: Config) -> int:
               + (f", {unknown} unknown." if unknown else "."))
     if failed:
         return EXIT_FAILED
-    return EXIT_CHANGES if steps else EXIT_OK
+    # One waiting for a source another step makes is a change pending too.
+    return EXIT_CHANGES if steps or any(vp.waiting for vp in p.plans) else EXIT_OK
 
 
 MAX_FOLLOW_UP_PASSES = 8  # each level of a chain of sources is one more pass

@@ -106,7 +106,8 @@ def test_identity_capabilities_and_socket(start_csi: Callable[..., CsiNode]) -> 
                                                   timeout=T)
     rpc = pb.ControllerServiceCapability.RPC
     assert {x.rpc.type for x in ctrl.capabilities} == {
-        rpc.CREATE_DELETE_VOLUME, rpc.EXPAND_VOLUME, rpc.LIST_VOLUMES, rpc.GET_CAPACITY}
+        rpc.CREATE_DELETE_VOLUME, rpc.EXPAND_VOLUME, rpc.LIST_VOLUMES, rpc.GET_CAPACITY,
+        rpc.CREATE_DELETE_SNAPSHOT, rpc.LIST_SNAPSHOTS, rpc.CLONE_VOLUME}
     node = c.nodes.NodeGetCapabilities(pb.NodeGetCapabilitiesRequest(), timeout=T)
     nrpc = pb.NodeServiceCapability.RPC
     assert {x.rpc.type for x in node.capabilities} == {
@@ -166,11 +167,16 @@ def test_error_codes(start_csi: Callable[..., CsiNode]) -> None:
             name="x", volume_capabilities=caps, parameters={"pool": pool},
             capacity_range=pb.CapacityRange(required_bytes=MiB + 1, limit_bytes=MiB + 2)),
             timeout=T), Code.OUT_OF_RANGE),
-        ("create: from a snapshot", lambda: ctl.CreateVolume(cv(
+        ("create: from an unknown snapshot", lambda: ctl.CreateVolume(cv(
             name="x", volume_capabilities=caps, parameters={"pool": pool},
             volume_content_source=pb.VolumeContentSource(
                 snapshot=pb.VolumeContentSource.SnapshotSource(snapshot_id="s"))), timeout=T),
-         Code.INVALID_ARGUMENT),
+         Code.NOT_FOUND),
+        ("create: from an unknown volume", lambda: ctl.CreateVolume(cv(
+            name="x", volume_capabilities=caps, parameters={"pool": pool},
+            volume_content_source=pb.VolumeContentSource(
+                volume=pb.VolumeContentSource.VolumeSource(volume_id="v"))), timeout=T),
+         Code.NOT_FOUND),
         ("delete: no id", lambda: ctl.DeleteVolume(pb.DeleteVolumeRequest(), timeout=T),
          Code.INVALID_ARGUMENT),
         ("delete: malformed id", lambda: ctl.DeleteVolume(pb.DeleteVolumeRequest(

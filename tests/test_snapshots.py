@@ -7,11 +7,13 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import rbd
 from conftest import NodeUnderTest
+from test_daemon import Daemon, start  # noqa: F401  (start: the daemon fixture)
 
 pytestmark = pytest.mark.ceph
 
@@ -281,4 +283,30 @@ def test_sigkill_during_snapshot_and_clone_converges(node: NodeUnderTest) -> Non
     st = rows(node)
     assert st[copy]["clonedFrom"] == f"{node.cluster.pool}/{src}@{snap}"
     assert image.exists()
+    tear_down(node, src, copy)
+
+
+def test_daemon_takes_the_snapshot_then_clones(node: NodeUnderTest,
+                                               start: Callable[..., Daemon]) -> None:  # noqa: F811
+    """Files in, snapshot and clone out: the clone waits (Pending, not Failed)
+    for the snapshot and follows as soon as it is taken."""
+    import time
+
+    from test_daemon import wait_for
+
+    src, snap, copy = node.name("d"), node.name("d-s"), node.name("d-copy")
+    published(node, src, node.srv / "d")
+    daemon = start()
+    daemon.wait_phase(src, "Published")
+    (node.srv / "d" / "data").write_text("then")
+    snapshot(node, snap, src)
+    published(node, copy, node.srv / "d-copy", source=f"snapshot: {snap}")
+    t0 = time.monotonic()
+    daemon.wait_phase(snap, "Created")
+    daemon.wait_phase(copy, "Published")
+    assert time.monotonic() - t0 < 30
+    assert (node.srv / "d-copy" / "data").read_text() == "then"
+    assert daemon.status(copy).get("lastResult") != "failed"
+    wait_for(lambda: daemon.status(snap).get("phase") == "Created", "snapshot status")
+    assert daemon.stop() == 0
     tear_down(node, src, copy)
