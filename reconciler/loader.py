@@ -461,6 +461,7 @@ def resolve_sources(results: list[_FileResult]) -> None:
     wrong kind, smaller than the clone wants, or part of a cycle is an error
     of the file that names it."""
     by_name = {vol.name: vol for res in results for _, vol in res.docs}
+    where = {vol.name: (res, doc) for res in results for doc, vol in res.docs}
 
     def report(res: _FileResult, doc: Document, field: FieldPath, message: str) -> None:
         line, col = doc.where(field)
@@ -492,6 +493,13 @@ def resolve_sources(results: list[_FileResult]) -> None:
                                f"{excerpt(vol.snapshot.source_volume)} (a Snapshot's source "
                                "volume must be declared in the desired files)")
                         continue
+                    if target.state == "absent" and vol.state == "present":
+                        # Its image would take the snapshot with it: the volume's file
+                        # fails (and so is left alone) until the snapshot goes first.
+                        t_res, t_doc = where[target.name]
+                        report(t_res, t_doc, ("spec", "state"),
+                               f"{target.name} has a Snapshot {vol.name} (state: present, "
+                               f"{vol.source}); set that one to absent first")
                     new = replace(vol, image=replace(vol.image, pool=target.image.pool,
                                                      name=target.image.name))
                 elif pass_ == "volume" and vol.image.source and \

@@ -50,6 +50,8 @@ def load_text(tmp_path: Path, *docs: str) -> tuple[dict[str, Volume], list[str]]
       doc("Snapshot", "sa", "  source: {volume: a}\n")],
      "leads back to a: a clone cannot start from itself"),
     ([doc("Snapshot", "s", "  source: {volume: x}\n  bogus: 1\n")], "spec.bogus: unknown field"),
+    ([doc("Volume", "golden", "  state: absent\n  image: {pool: rbd}\n"), SNAP],
+     "spec.state: golden has a Snapshot s1 (state: present"),
 ])
 def test_loader_errors(tmp_path: Path, docs: list[str], want: str) -> None:
     _, errors = load_text(tmp_path, *docs)
