@@ -244,7 +244,8 @@ class _VolumeRun:
         """The filesystem is frozen around the snapshot only (thawed whatever
         happens); the owner is recorded before the snapshot (ceph driver)."""
         cluster = self.need_cluster()
-        with freeze.frozen(step.freeze, freeze.Freezes(self.node.config.state_dir)):
+        with freeze.frozen(step.freeze, freeze.Freezes(self.node.config.state_dir),
+                           step.freeze_rdev):
             result = ceph.create_snapshot(cluster, step.pool, step.image, step.snap,
                                           self.node.config.node_name)
         if result == "ok":

@@ -57,32 +57,33 @@ class SnapshotRules:
         raise NotImplementedError
 
     # -- the node side: a freeze a crash left behind ---------------------------
-    def image_mounts(self, pool: str, image: str) -> list[tuple[str, bool, str]]:
-        """(mount point, read-only, fs type) of every mount of the image's device."""
+    def image_mounts(self, pool: str, image: str
+                     ) -> list[tuple[str, bool, str, tuple[int, int]]]:
+        """(mount point, read-only, fs type, device) of each mount of the image's device."""
         out = []
         for mp in self.obs.mappings_by_image.get((pool, image), []):
             dev = self.obs.devices.get(mp.device) if mp.device else None
             if dev is None:
                 continue
             for m in self.obs.mounts_by_dev.get((dev.major, dev.minor), []):
-                out.append((m.mount_point, m.read_only, m.fs_type))
+                out.append((m.mount_point, m.read_only, m.fs_type, (dev.major, dev.minor)))
         return sorted(out)
 
     def thaw_left_frozen(self) -> None:
         """A recorded freeze of a mount of ours: thaw it first (idempotent)."""
         if not self.obs.freezes:
             return
-        for point, _ro, _fs in self.image_mounts(self.v.image.pool, self.v.image.name):
+        for point, _ro, _fs, _dev in self.image_mounts(self.v.image.pool, self.v.image.name):
             if point in self.obs.freezes:
                 self.add(Thaw(self.v.name, point))
 
-    def freeze_target(self, pool: str, image: str) -> str | None:
-        """A read-write filesystem mount of the image: frozen around a snapshot.
-        One mount is enough (the superblock freezes); the staging one if present."""
-        rw = [(point, fs) for point, ro, fs in self.image_mounts(pool, image)
+    def freeze_target(self, pool: str, image: str) -> tuple[str, tuple[int, int]] | None:
+        """A read-write filesystem mount of the image (and its device): frozen
+        around a snapshot. One mount is enough (the superblock freezes)."""
+        rw = [(point, dev) for point, ro, fs, dev in self.image_mounts(pool, image)
               if not ro and fs in ("ext4", "xfs")]
         if rw:
-            return rw[0][0]
+            return rw[0]
         if self.obs.mappings_by_image.get((pool, image)):
             self.plan.notes.append(f"{pool}/{image} has no read-write filesystem mounted: "
                                    "snapshotted as it is (block volumes are never frozen)")
@@ -112,7 +113,12 @@ class SnapshotRules:
             raise Waiting(f"waits for volume {snap.source_volume} ({pool}/{image}) to exist")
         if self.img is None:
             raise Refused(f"its source image {pool}/{image} does not exist")
-        self.add(CreateSnapshot(v.name, pool, image, snap.snap, self.freeze_target(pool, image)))
+        self.add(self.take(v.name, pool, image, snap.snap))
+
+    def take(self, name: str, pool: str, image: str, snap: str) -> CreateSnapshot:
+        target = self.freeze_target(pool, image)
+        return CreateSnapshot(name, pool, image, snap, target[0] if target else None,
+                              target[1] if target else None)
 
     def delete_snapshot(self, img: ImageState, snap: SnapState) -> bool:
         """Steps that delete one snapshot (flattening its clones first when the
@@ -196,8 +202,7 @@ class SnapshotRules:
             raise Refused(f"a clone may be larger than its source, never smaller: "
                           f"{parent.pool}/{parent.name} is {format_size(parent.size)}")
         if parent.snap(tmp) is None:
-            self.add(CreateSnapshot(v.name, parent.pool, parent.name, tmp,
-                                    self.freeze_target(parent.pool, parent.name)))
+            self.add(self.take(v.name, parent.pool, parent.name, tmp))
         self.add(CloneImage(v.name, v.image.pool, v.image.name, parent.pool, parent.name, tmp,
                             v.image.features, v.image.size))
         self.add(FlattenImage(v.name, v.image.pool, v.image.name, "a clone of a volume"))

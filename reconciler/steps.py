@@ -240,6 +240,7 @@ class CreateSnapshot(Step):
     image: str
     snap: str
     freeze: str | None  # a read-write mount of the image: frozen around the snapshot
+    freeze_rdev: tuple[int, int] | None = None  # its device: checked before freezing
     action: ClassVar[str] = "snapshot"
 
     target = property(lambda self: f"{self.pool}/{self.image}@{self.snap}")

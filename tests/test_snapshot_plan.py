@@ -145,3 +145,14 @@ def test_volume_clone_through_a_temporary_snapshot(tmp_path: Path) -> None:
     clone = doc("Volume", "c", "  image: {pool: rbd, source: {volume: golden}}\n")
     p = plans(tmp_path, observed(image("golden", (), OURS)), GOLDEN, clone)["c"]
     assert actions(p) == ["snapshot", "clone", "flatten", "delete snapshot"]
+
+
+def test_freeze_refuses_a_path_that_is_no_longer_ours(tmp_path: Path) -> None:
+    """Unmounted between plan and apply: the directory left there sits on
+    another filesystem (the root one, say), which must never be frozen."""
+    from reconciler.drivers import freeze
+
+    records = freeze.Freezes(tmp_path)
+    with pytest.raises(freeze.WrongFilesystem), freeze.frozen(str(tmp_path), records, (999, 999)):
+        pytest.fail("the body must not run")
+    assert records.all() == {}

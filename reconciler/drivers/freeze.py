@@ -28,11 +28,20 @@ class Freezes(Registry):
         super().__init__(state_dir / "freezes.json")
 
 
-def _ioctl(path: str, request: int) -> None:
+class WrongFilesystem(Exception):
+    """The path no longer holds the filesystem the plan meant to freeze."""
+
+
+def _ioctl(path: str, request: int, rdev: tuple[int, int] | None = None) -> None:
     # The mount point is opened without following symlinks (safety rule 8);
     # the ioctl needs a real descriptor, not an O_PATH one.
     fd = safepath.open_nofollow(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
+        if rdev is not None and os.fstat(fd).st_dev != os.makedev(*rdev):
+            # Unmounted since the plan: freezing what is there now (the root
+            # filesystem, say) would hang the node.
+            raise WrongFilesystem(f"{path} is no longer a mount of device "
+                                  f"{rdev[0]}:{rdev[1]}; not freezing it")
         fcntl.ioctl(fd, request, 0)
     finally:
         os.close(fd)
@@ -52,15 +61,16 @@ def thaw(path: str, records: Freezes) -> bool:
 
 
 @contextlib.contextmanager
-def frozen(path: str | None, records: Freezes) -> Iterator[None]:
-    """Freeze ``path`` (None: nothing to freeze) for the body; thawed on the
-    way out whatever happens in it."""
+def frozen(path: str | None, records: Freezes, rdev: tuple[int, int] | None
+           ) -> Iterator[None]:
+    """Freeze ``path`` (None: nothing to freeze), which must be a mount of
+    device ``rdev``, for the body; thawed on the way out whatever happens."""
     if path is None:
         yield
         return
     records.record(path, {"pid": os.getpid()})
     try:
-        _ioctl(path, FIFREEZE)
+        _ioctl(path, FIFREEZE, rdev)
     except BaseException:
         records.forget(path)
         raise
