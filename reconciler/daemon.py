@@ -116,6 +116,7 @@ class Daemon:
         self.progress_seq = 0  # bumped with every notify: a waiter never misses one
         self.metrics = Metrics()
         self.metrics.in_backoff.set_function(lambda: len(self.backoff))
+        self.metrics.resync.set_function(lambda: self.config.resync_seconds)  # follows SIGHUP
 
     # -- paths ----------------------------------------------------------------
     @property

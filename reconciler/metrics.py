@@ -124,6 +124,9 @@ class Metrics:
     """One daemon's metrics, in a registry of its own (tests run several)."""
 
     def __init__(self) -> None:
+        # *_created samples would double every counter's and histogram's
+        # series for a start time nobody alerts on (process-wide: fine here).
+        prometheus_client.disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.states = _VolumeStates()
@@ -159,6 +162,9 @@ class Metrics:
         self.csi_seconds = Histogram(f"{NS}_csi_call_duration_seconds", "CSI call latency, by "
                                      "method.", ["method"], registry=r,
                                      buckets=(.005, .01, .05, .1, .5, 1, 5, 10, 30, 60, 120))
+        # For alerts that scale with the config ("no successful pass for 3 x resync").
+        self.resync = Gauge(f"{NS}_resync_interval_seconds", "The configured resyncSeconds.",
+                            registry=r)
         self.http: HTTPServer | None = None
 
     # -- per-volume state -------------------------------------------------------
