@@ -11,6 +11,7 @@ volume and phase), computed at scrape time from what the daemon last set.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
 import re
@@ -217,6 +218,9 @@ class Metrics:
         self.http, _thread = prometheus_client.start_http_server(port, host,
                                                                  registry=self.registry)
         log.info("metrics served on http://%s/metrics", listen_url(host, port))
+        if not is_loopback(host):
+            log.warning("metrics.listen %s is not loopback: /metrics has no authentication and "
+                        "names every volume", listen)
 
     def stop(self) -> None:
         if self.http is not None:
@@ -258,6 +262,15 @@ def parse_listen(listen: str) -> tuple[str, int]:
         raise ValueError(f"metrics.listen {listen!r}: expected HOST:PORT (port 1-65535)")
     host = (m.group(1) or DEFAULT_HOST).strip("[]")
     return host, int(m.group(2))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: assume it reaches the network
+        return False
 
 
 def listen_url(host: str, port: int) -> str:

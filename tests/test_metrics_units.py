@@ -19,6 +19,7 @@ from reconciler.metrics import (
     REFUSAL_OTHER,
     Metrics,
     ceph_reachable,
+    is_loopback,
     parse_listen,
     refusal_reason,
     step_kind,
@@ -140,6 +141,8 @@ def test_parse_listen() -> None:
     assert parse_listen(":9464") == ("127.0.0.1", 9464)
     assert parse_listen("[::1]:9464") == ("::1", 9464)
     assert parse_listen("0.0.0.0:9464") == ("0.0.0.0", 9464)  # allowed: an explicit choice
+    assert is_loopback("127.0.0.2") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("node.example")
     for bad in ("", "host:", "1:99999", "a b:1"):
         with pytest.raises(ValueError):
             parse_listen(bad)
