@@ -51,9 +51,13 @@ REFUSAL_REASONS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("dead_mapping", r"the mapping of .* is dead"),
         ("no_device", r"no mapped device|is not a block device"),
         ("no_size", r"does not exist and no size is given"),
-        ("shrink", r"^shrinking "),
+        ("shrink", r"^shrinking |larger than its source, never smaller"),
         ("mapper_change", r"remapping would pull it"),
-        ("not_owned", r"not created by this node|is owned by"),
+        ("not_owned", r"not created by this node|not made by this node|is owned by"),
+        ("has_clones", r"clones depend on it|still has clones"),
+        ("has_snapshots", r"has snapshots this node did not make|still has snapshots"),
+        ("no_source", r"clone source .*does not exist|cannot see the clone source|"
+                      r"its source image .* does not exist"),
         ("in_use", r"is open by|still open by"),
         ("foreign_filesystem", r"refusing to format|refusing to mkfs|\(image-meta\), not|"
                                r"has data written to it"),

@@ -104,7 +104,8 @@ def test_every_refusal_in_the_code_has_a_reason() -> None:
     """A new refusal message needs a pattern in metrics.REFUSAL_REASONS:
     otherwise it is counted as "other" and dashboards cannot tell it apart."""
     unclassified = []
-    for path in (ROOT / "reconciler" / "plan.py", ROOT / "reconciler" / "apply.py"):
+    for path in (ROOT / "reconciler" / "plan.py", ROOT / "reconciler" / "apply.py",
+                 ROOT / "reconciler" / "plan_snapshots.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Call) or not node.args:
                 continue
