@@ -1,0 +1,63 @@
+"""Observe forks nothing for a published volume (the staging mount proves its
+filesystem), still probes an unmounted mapped device, and probes again a
+device changed by hand (the per-Node probe cache is keyed by its content)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from conftest import NodeUnderTest
+
+from reconciler.config import load_config
+from reconciler.engine import plan_pass
+from reconciler.observe import Node
+
+pytestmark = pytest.mark.ceph
+
+PROBES = {"blkid", "dumpe2fs", "xfs_info", "xfs_db"}
+
+
+def spec(node: NodeUnderTest, stage: bool, target: str = "app", fs: str = "ext4",
+         size: str = "64Mi") -> str:
+    body = f"  image: {{pool: {node.cluster.pool}, size: {size}}}\n  map: {{mapper: fuse}}\n"
+    if stage:
+        body += f"  stage: {{fsType: {fs}}}\n  publish:\n    - path: {node.srv / target}\n"
+    return body
+
+
+def probes(n: Node) -> list[list[str]]:
+    return [a for a in n.runner.history if a[0] in PROBES]
+
+
+@pytest.mark.parametrize(("fs", "size"), [("ext4", "64Mi"), ("xfs", "320Mi")])
+def test_noop_plan_of_a_published_volume_forks_no_probe(node: NodeUnderTest, fs: str,
+                                                        size: str) -> None:
+    pub, mapped = node.name("pub"), node.name("mapped")
+    node.write(pub, spec(node, True, fs=fs, size=size))
+    node.write(mapped, spec(node, False))
+    assert node.apply()["rc"] == 0
+    config = load_config(node.config)
+    n = Node.from_config(config)
+    p = plan_pass([node.desired], config, n)
+    assert all(not vp.steps and not vp.refusal for vp in p.plans), p.plans
+    dev_pub = next(m.device for m in p.observed.mappings if m.image == pub)
+    dev_mapped = next(m.device for m in p.observed.mappings if m.image == mapped)
+    # The published one: no fork at all, yet its filesystem and size are known.
+    assert all(dev_pub not in a for a in n.runner.history), n.runner.history
+    d = p.observed.devices[dev_pub]
+    assert d.fs_type == fs and d.signature == fs and d.fs_uuid
+    assert d.fs_size is not None and 0 <= d.size - d.fs_size < 1 << 20
+    # The unmounted one is probed (blkid), once; the next pass uses the cache.
+    assert [a for a in probes(n) if dev_mapped in a] == [
+        ["blkid", "-p", "-o", "export", dev_mapped]]
+    n.runner.history.clear()
+    p = plan_pass([node.desired], config, n)
+    assert probes(n) == [] and p.observed.devices[dev_mapped].signature is None
+
+    # A filesystem made by hand on the mapped device: probed again, and seen.
+    subprocess.run(["mkfs.ext4", "-q", "-F", dev_mapped], check=True)
+    p = plan_pass([node.desired], config, n)
+    assert [a[0] for a in probes(n)] == ["blkid"]
+    assert p.observed.devices[dev_mapped].fs_type == "ext4"
+    assert p.observed.devices[dev_mapped].fs_size == 64 << 20
