@@ -108,8 +108,7 @@ def ensure_ansible(venv: Path) -> Path:
     playbook = venv / "bin" / "ansible-playbook"
     if not playbook.exists():
         print(f"installing ansible into {venv} ...", flush=True)
-        subprocess.run([sys.executable if False else "python3", "-m", "venv", str(venv)],
-                       check=True)
+        subprocess.run(["/usr/bin/python3", "-m", "venv", str(venv)], check=True)
         subprocess.run([str(venv / "bin" / "pip"), "install", "-q",
                         "--disable-pip-version-check", "ansible"], check=True)
     return playbook
@@ -153,6 +152,46 @@ def ansible_check(playbook_bin: Path, root: Path, n: int) -> float:
     return elapsed
 
 
+def _cpu_rss(pid: int) -> tuple[float, int, int]:
+    """(user+system CPU seconds, VmRSS, VmHWM in KiB) of one process."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    status = dict(line.split(":", 1) for line in
+                  Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return cpu, int(status["VmRSS"].split()[0]), int(status["VmHWM"].split()[0])
+
+
+def daemon_idle(cli: Path, cfg: Path, root: Path, seconds: float) -> None:
+    """`rbd-reconciler run` over the published volumes, nothing to do: CPU and RSS."""
+    log = root / "daemon.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(cli), "--config", str(cfg), "run", "--log-format", "plain"],
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+    try:
+        deadline = time.monotonic() + 300
+        while "pass 1:" not in log.read_text():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise BenchError(f"daemon did not finish a pass:\n{log.read_text()[-2000:]}")
+            time.sleep(0.1)
+        cpu0, _, _ = _cpu_rss(proc.pid)
+        t0 = time.monotonic()
+        time.sleep(seconds)
+        cpu1, rss, hwm = _cpu_rss(proc.pid)
+        wall = time.monotonic() - t0
+        passes = [ln for ln in log.read_text().splitlines() if " pass " in ln and "observe" in ln]
+        print(f"daemon idle {wall:.0f} s: CPU {cpu1 - cpu0:.2f} s "
+              f"({(cpu1 - cpu0) / wall * 100:.2f}% of a core), RSS {rss / 1024:.0f} MiB "
+              f"(peak {hwm / 1024:.0f} MiB), {len(passes)} passes; last: "
+              f"{passes[-1].split(': ', 1)[-1] if passes else '-'}", flush=True)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def write_volumes(root: Path, cluster: DevCluster, upto: int) -> None:
     desired = root / "desired"
     for i in range(upto):
@@ -169,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ansible-sizes", default="10,50")
     ap.add_argument("--no-ansible", action="store_true")
     ap.add_argument("--ansible-venv", type=Path, default=Path("/tmp/rbd-bench-ansible-venv"))
+    ap.add_argument("--idle", type=float, default=0.0, metavar="SECONDS",
+                    help="then run the daemon idle this long over the largest N: CPU and RSS")
+    ap.add_argument("--resync", type=float, default=60.0, help="the daemon's resyncSeconds")
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
         print("needs root", file=sys.stderr)
@@ -231,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"({c / n * 1000:.2f} ms/volume); forks in a warm pass: "
                       f"{sorted(set(forks)) or 'none'} x{len(forks)}"
                       + (f"; ansible --check {ans:.1f} s" if ans else ""), flush=True)
+            if args.idle > 0:
+                with open(cfg_path, "a") as f:
+                    f.write(f"resyncSeconds: {args.resync}\n")
+                daemon_idle(cli, cfg_path, root, args.idle)
     except KeyboardInterrupt:
         print("interrupted; cleaning up", file=sys.stderr)
     finally:
