@@ -242,7 +242,7 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
     from .units import format_size
 
     node = Node.from_config(config)
-    p = plan_pass(_paths(args, config), config, node)
+    p = plan_pass(_paths(args, config), config, node, all_watchers=True)
     ctx = context(config, node)
     rows = [actual_state(v, p.observed, ctx) for v in p.loaded.volumes]
     for r in rows:
@@ -341,7 +341,7 @@ def cmd_explain(args: argparse.Namespace, config: Config) -> int:
     from .units import format_size
 
     node = Node.from_config(config)
-    p = plan_pass(_default_paths(config), config, node)
+    p = plan_pass(_default_paths(config), config, node, all_watchers=True)
     if p.loaded.refused:  # an untrusted directory or file: say so, explain nothing
         _print_load_errors(p)
         return EXIT_FAILED

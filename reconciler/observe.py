@@ -22,6 +22,7 @@ from .drivers.run import CommandError, Runner
 from .observe_ceph import CephView, observe_images
 from .observed import Device, Mapping, Mount, Observed
 from .parsers import parse_mountinfo
+from .plan import resolve_mapper  # a pure function of the spec and the node
 from .registry import CreatedPaths, Registry
 from .safepath import first_symlink
 from .spec import Volume
@@ -130,12 +131,12 @@ def _unknown(path: str, major: int, minor: int, size: int, what: str, why: str) 
                   unknown=f"{what}: {why}")
 
 
-def observe(node: Node, volumes: Iterable[Volume]) -> Observed:
+def observe(node: Node, volumes: Iterable[Volume], all_watchers: bool = False) -> Observed:
+    """``all_watchers``: every image's watchers (status, explain); else only
+    those the planner may need (images not mapped here as wanted)."""
     volumes = list(volumes)
     wanted = {(v.image.pool, v.image.name) for v in volumes}
     timeout = node.config.observe_timeout_seconds
-    # Ceph answers in the background while the node is looked at.
-    ceph_pass = _Background(lambda: observe_images(node.config.ceph, wanted, timeout))
 
     mountinfo = Path("/proc/self/mountinfo").read_text()
     mounts = parse_mountinfo(mountinfo)
@@ -146,6 +147,11 @@ def observe(node: Node, volumes: Iterable[Volume]) -> Observed:
                 mappings += node.mapper(kind).list()
             except CommandError as exc:
                 log.warning("listing %s mappings failed: %s", kind, exc)
+    watchers_for = None if all_watchers else _watchers_needed(
+        volumes, mappings, node.mappers_available)
+    # Ceph answers in the background while the devices are looked at.
+    ceph_pass = _Background(
+        lambda: observe_images(node.config.ceph, wanted, timeout, watchers_for))
 
     mounted: dict[tuple[int, int], list[tuple[str, str, str]]] = {}
     for m in mounts:
@@ -181,6 +187,26 @@ def observe(node: Node, volumes: Iterable[Volume]) -> Observed:
                     pool_errors=imgs.errors, image_errors=imgs.image_errors,
                     mappings=tuple(mappings), devices=devices, mounts=mounts,
                     path_rdev=path_rdev, symlinks=symlinks, intents=frozenset(intents))
+
+
+def _watchers_needed(volumes: Iterable[Volume], mappings: Iterable[Mapping],
+                     available: frozenset[str]) -> set[tuple[str, str]]:
+    """Images whose watchers the planner may consult: to map one (another
+    client has it open?) or delete one. A present volume mapped here once,
+    alive, by the mapper it wants, is neither."""
+    here: dict[tuple[str, str], list[Mapping]] = {}
+    for m in mappings:
+        here.setdefault((m.pool, m.image), []).append(m)
+    out = set()
+    for v in volumes:
+        key = (v.image.pool, v.image.name)
+        ms = here.get(key, [])
+        settled = (v.state == "present" and v.map is not None and len(ms) == 1
+                   and ms[0].device is not None and ms[0].problem is None
+                   and ms[0].kind == resolve_mapper(v.map.mapper, available))
+        if not settled:
+            out.add(key)
+    return out
 
 
 def _expected_mounts(volumes: Iterable[Volume], mappings: Iterable[Mapping]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -23,7 +24,7 @@ import rados
 
 from .bounded import Bounded, NoAnswer, Task
 from .config import CephConfig
-from .drivers import ceph
+from .drivers import ceph, rbdheader
 from .observed import ImageState
 
 T = TypeVar("T")
@@ -93,7 +94,10 @@ class _Handle:
 
 
 def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
-                   timeout: float) -> CephView:
+                   timeout: float, watchers_for: set[tuple[str, str]] | None = None
+                   ) -> CephView:
+    """``watchers_for``: the images whose watchers are needed (None: all). The
+    others are read from their header in one rados read, without librbd."""
     by_pool: dict[str, set[str]] = {}
     for pool, name in wanted:
         by_pool.setdefault(pool, set()).add(name)
@@ -112,18 +116,20 @@ def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
     for pool in sorted(by_pool):
         try:
             lists[pool] = handle.submit(
-                ("pool", cfg.conf, pool), lambda c, pool=pool: ceph.list_images(c, pool))
+                ("pool", cfg.conf, pool),
+                lambda c, pool=pool: _list_pool(c, pool, by_pool[pool], watchers_for))
         except NoAnswer as exc:
             out.errors[pool] = str(exc)
     # Open the images of each pool as soon as its listing is in.
     images: dict[tuple[str, str], Task[ImageState | None]] = {}
+    ids: dict[str, str]
     pending = {t.future: pool for pool, t in lists.items()}
     with contextlib.suppress(TimeoutError):
         for fut in concurrent.futures.as_completed(
                 pending, timeout=max(0.0, deadline - time.monotonic())):
             pool = pending[fut]
             try:
-                existing = handle.wait(lists.pop(pool), timeout, deadline)
+                existing, ids = handle.wait(lists.pop(pool), timeout, deadline)
             except (NoAnswer, ceph.CephError) as exc:
                 out.errors[pool] = str(exc)
                 continue
@@ -132,7 +138,8 @@ def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
                 try:
                     images[(pool, name)] = handle.submit(
                         ("image", cfg.conf, pool, name),
-                        lambda c, pool=pool, name=name: ceph.image_state(c, pool, name))
+                        functools.partial(_image_state, pool=pool, name=name,
+                                          image_id=ids.get(name)))
                 except NoAnswer as exc:
                     out.image_errors[(pool, name)] = str(exc)
     for pool, t in lists.items():  # not listed in time: written off
@@ -152,6 +159,28 @@ def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
             out.images[key] = state
     handle.drop()
     return out
+
+
+def _list_pool(cluster: rados.Rados, pool: str, names: set[str],
+               watchers_for: set[tuple[str, str]] | None) -> tuple[set[str], dict[str, str]]:
+    """The pool's images, and the ids of the wanted ones read from their header."""
+    existing = ceph.list_images(cluster, pool)
+    fast = {n for n in names & existing
+            if watchers_for is not None and (pool, n) not in watchers_for}
+    try:
+        return existing, rbdheader.image_ids(cluster, pool, fast)
+    except (rados.Error, rbdheader.Fallback):
+        return existing, {}  # librbd opens them all, as before
+
+
+def _image_state(cluster: rados.Rados, pool: str, name: str,
+                 image_id: str | None) -> ImageState | None:
+    if image_id is not None:
+        try:
+            return rbdheader.header_state(cluster, pool, name, image_id)
+        except rbdheader.Fallback:
+            pass
+    return ceph.image_state(cluster, pool, name)
 
 
 def _connect(cfg: CephConfig, handle: _Handle, timeout: float, deadline: float) -> None:

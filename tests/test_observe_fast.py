@@ -61,3 +61,39 @@ def test_noop_plan_of_a_published_volume_forks_no_probe(node: NodeUnderTest, fs:
     assert [a[0] for a in probes(n)] == ["blkid"]
     assert p.observed.devices[dev_mapped].fs_type == "ext4"
     assert p.observed.devices[dev_mapped].fs_size == 64 << 20
+
+
+def test_header_read_matches_librbd(node: NodeUnderTest) -> None:
+    import dataclasses
+
+    import rbd
+
+    from reconciler.drivers import ceph, rbdheader
+    from reconciler.observe_ceph import observe_images
+
+    a, b = node.name("hdr-a"), node.name("hdr-b")
+    node.images.update({a, b})
+    with node.cluster.client() as c, c.open_ioctx(node.cluster.pool) as io:
+        rbd.RBD().create(io, a, 5 << 30, old_format=False,
+                         features=ceph.feature_bits(["layering", "exclusive-lock", "object-map",
+                                                     "fast-diff", "deep-flatten"]))
+        rbd.RBD().create(io, b, 12 << 20, old_format=False, features=ceph.feature_bits(
+            ["layering"]))
+        with rbd.Image(io, a) as img:
+            img.metadata_set("rbd-reconciler.owner", "n1")
+            img.metadata_set("other", "ü" * 300)
+            img.resize(6 << 30)
+        ids = rbdheader.image_ids(c, node.cluster.pool, [a, b, "no-such-image"])
+        assert set(ids) == {a, b}
+        for name in (a, b):
+            slow = ceph.image_state(c, node.cluster.pool, name)
+            fast = rbdheader.header_state(c, node.cluster.pool, name, ids[name])
+            assert slow is not None and fast == dataclasses.replace(slow, watchers=())
+        assert rbdheader.header_state(c, node.cluster.pool, a, "0000dead") is None
+    # Through observe: the same images, with and without their watchers.
+    cfg = load_config(node.config).ceph
+    keys = {(node.cluster.pool, a), (node.cluster.pool, b)}
+    full = observe_images(cfg, keys, 5)
+    fast_view = observe_images(cfg, keys, 5, watchers_for=set())
+    assert fast_view.images == {k: dataclasses.replace(v, watchers=())
+                                for k, v in full.images.items()}
