@@ -142,7 +142,9 @@ def ansible_check(playbook_bin: Path, root: Path, n: int) -> float:
     env = {**os.environ, "ANSIBLE_NOCOLOR": "1", "ANSIBLE_LOCALHOST_WARNING": "False",
            "ANSIBLE_INVENTORY_UNPARSED_WARNING": "False"}
     t0 = time.perf_counter()
-    r = subprocess.run([str(playbook_bin), "--check", "-i", "localhost,", str(book)],
+    python = playbook_bin.parent / "python"  # the modules run in Ansible's own venv
+    r = subprocess.run([str(playbook_bin), "--check", "-i", "localhost,",
+                        "-e", f"ansible_python_interpreter={python}", str(book)],
                        capture_output=True, text=True, env=env, timeout=3600)
     elapsed = time.perf_counter() - t0
     if r.returncode != 0:

@@ -19,7 +19,7 @@ from .devprobe import ProbeCache, Probed, probe_full, probe_mounted
 from .drivers.fs import DeviceUnreadable, Filesystems, block_device_size
 from .drivers.mappers import FuseMapper, KernelMapper, available_mappers
 from .drivers.run import CommandError, Runner
-from .observe_ceph import CephView, observe_images
+from .observe_ceph import CephView, Session, observe_images
 from .observed import Device, Mapping, Mount, Observed
 from .parsers import parse_mountinfo
 from .plan import resolve_mapper  # a pure function of the spec and the node
@@ -41,8 +41,10 @@ class Node:
     krbd: KernelMapper
     nbd: KernelMapper
     mappers_available: frozenset[str]
-    # Kept across the daemon's passes: probes of unchanged, unmounted devices.
+    # Kept across the daemon's passes: probes of unchanged, unmounted devices,
+    # and the librados connection (replaced when it stops answering).
     probes: ProbeCache = field(default_factory=ProbeCache)
+    ceph_session: Session = field(default_factory=Session)
 
     @classmethod
     def from_config(cls, config: Config, runner: Runner | None = None) -> Node:
@@ -151,7 +153,8 @@ def observe(node: Node, volumes: Iterable[Volume], all_watchers: bool = False) -
         volumes, mappings, node.mappers_available)
     # Ceph answers in the background while the devices are looked at.
     ceph_pass = _Background(
-        lambda: observe_images(node.config.ceph, wanted, timeout, watchers_for))
+        lambda: observe_images(node.config.ceph, wanted, timeout, watchers_for,
+                               node.ceph_session))
 
     mounted: dict[tuple[int, int], list[tuple[str, str, str]]] = {}
     for m in mounts:

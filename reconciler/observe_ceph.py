@@ -16,6 +16,7 @@ import contextlib
 import functools
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -93,9 +94,52 @@ class _Handle:
             raise
 
 
+class Session:
+    """A librados connection kept across passes (the daemon's Node keeps one):
+    a connect costs ~14 ms. One that did not answer, or failed, in a pass is
+    never reused: it is dropped (shut down once its stuck calls return) and
+    the next pass connects afresh; so is one older than MAX_AGE."""
+
+    MAX_AGE = 600.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: list[_Handle] = []  # at most one; a list the finalizer can share
+        self._cfg: CephConfig | None = None
+        self._since = 0.0
+        weakref.finalize(self, _drop_all, self._kept, self._lock)
+
+    def take(self, cfg: CephConfig) -> _Handle | None:
+        """The kept handle, held for one pass; None: connect."""
+        with self._lock:
+            if self._kept and self._cfg == cfg and time.monotonic() - self._since < self.MAX_AGE:
+                self._kept[0].hold()
+                return self._kept[0]
+        self.discard()
+        return None
+
+    def keep(self, cfg: CephConfig, handle: _Handle) -> None:
+        self.discard()
+        handle.hold()
+        with self._lock:
+            self._kept.append(handle)
+            self._cfg, self._since = cfg, time.monotonic()
+
+    def discard(self) -> None:
+        _drop_all(self._kept, self._lock)
+
+
+def _drop_all(kept: list[_Handle], lock: threading.Lock) -> None:
+    with lock:
+        handles = kept[:]
+        kept.clear()
+    for h in handles:
+        h.drop()
+
+
 def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
-                   timeout: float, watchers_for: set[tuple[str, str]] | None = None
-                   ) -> CephView:
+                   timeout: float, watchers_for: set[tuple[str, str]] | None = None,
+                   session: Session | None = None) -> CephView:
     """``watchers_for``: the images whose watchers are needed (None: all). The
     others are read from their header in one rados read, without librbd."""
     by_pool: dict[str, set[str]] = {}
@@ -105,13 +149,17 @@ def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
     if not by_pool:
         return out
     deadline = time.monotonic() + timeout
-    handle = _Handle()
-    try:
-        _connect(cfg, handle, timeout, deadline)
-    except (NoAnswer, ceph.CephError) as exc:
-        handle.drop()
-        out.errors.update({pool: f"cannot reach Ceph: {exc}" for pool in by_pool})
-        return out
+    handle = session.take(cfg) if session is not None else None
+    if handle is None:
+        handle = _Handle()
+        try:
+            _connect(cfg, handle, timeout, deadline)
+        except (NoAnswer, ceph.CephError) as exc:
+            handle.drop()
+            out.errors.update({pool: f"cannot reach Ceph: {exc}" for pool in by_pool})
+            return out
+        if session is not None:
+            session.keep(cfg, handle)
     lists: dict[str, Task[set[str]]] = {}
     for pool in sorted(by_pool):
         try:
@@ -157,6 +205,8 @@ def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
             continue
         if state is not None:
             out.images[key] = state
+    if session is not None and (out.errors or out.image_errors):
+        session.discard()  # something did not answer: never reuse this connection
     handle.drop()
     return out
 

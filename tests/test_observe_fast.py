@@ -97,3 +97,29 @@ def test_header_read_matches_librbd(node: NodeUnderTest) -> None:
     fast_view = observe_images(cfg, keys, 5, watchers_for=set())
     assert fast_view.images == {k: dataclasses.replace(v, watchers=())
                                 for k, v in full.images.items()}
+
+
+def test_ceph_session_kept_across_passes_and_replaced_after_no_answer(
+        node: NodeUnderTest, dead_pool: str) -> None:
+    from reconciler.observe_ceph import Session, observe_images
+
+    cfg = load_config(node.config).ceph
+    session = Session()
+    keys = {(node.cluster.pool, "nothing-here")}
+    assert node.cluster.pool in observe_images(cfg, keys, 5, set(), session).listed
+    first = session.take(cfg)
+    assert first is not None
+    first.drop()
+    observe_images(cfg, keys, 5, set(), session)
+    again = session.take(cfg)
+    assert again is first  # one connection, not one per pass
+    again.drop()
+    # A pool that does not answer: this connection is never used again.
+    view = observe_images(cfg, keys | {(dead_pool, "x")}, 1, set(), session)
+    assert dead_pool in view.errors and node.cluster.pool in view.listed
+    assert session.take(cfg) is None
+    assert node.cluster.pool in observe_images(cfg, keys, 5, set(), session).listed
+    fresh = session.take(cfg)
+    assert fresh is not None and fresh is not first
+    fresh.drop()
+    session.discard()
