@@ -36,10 +36,11 @@ def timed(argv: list[str]) -> float:
 def heavy(args: list[str]) -> list[str]:
     code = ("import sys; from reconciler.cli import main\n"
             f"try:\n    main({args!r})\nexcept SystemExit:\n    pass\n"
-            "print(' '.join(m for m in ('rados', 'rbd', 'jsonschema', 'yaml', 'watchdog', "
+            "print('MODULES:', *(m for m in ('rados', 'rbd', 'jsonschema', 'yaml', 'watchdog', "
             "'grpc') if m in sys.modules))")
     out = subprocess.run([str(VENV / "python"), "-c", code], capture_output=True, text=True)
-    return out.stdout.strip().splitlines()[-1].split() if out.stdout.strip() else []
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("MODULES:"))
+    return line.split()[1:]
 
 
 def main(argv: list[str] | None = None) -> int:
