@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import stat
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -63,6 +64,7 @@ class StepOutcome:
     step: Step
     status: str  # changed | ok | failed
     message: str = ""
+    seconds: float = 0.0  # wall time of the step (the daemon's metrics observe it)
 
     def as_dict(self) -> dict[str, object]:
         return {**self.step.as_dict(), "status": self.status, "message": self.message}
@@ -121,17 +123,19 @@ class _VolumeRun:
 
     def run_steps(self) -> VolumeOutcome:
         for step in self.plan.steps:
+            t0 = time.monotonic()
             try:
                 status, message = self.execute(step)
             except Exception as exc:  # every failure is reported, never raised past a volume
                 log.warning("%s: %s %s failed: %s", step.volume, step.action, step.target, exc)
-                self.out.steps.append(StepOutcome(step, "failed", str(exc)))
+                self.out.steps.append(StepOutcome(step, "failed", str(exc),
+                                                  time.monotonic() - t0))
                 self.out.status, self.out.error = "failed", f"{step.action} {step.target}: {exc}"
                 self.out.refused = isinstance(exc, StepRefused)
                 if isinstance(step, STAGE_CHAIN):
                     self.undo()
                 return self.out
-            self.out.steps.append(StepOutcome(step, status, message))
+            self.out.steps.append(StepOutcome(step, status, message, time.monotonic() - t0))
             if status == "changed":
                 self.out.status = "changed"
         return self.out

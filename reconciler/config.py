@@ -37,6 +37,14 @@ DEFAULT_DRIVER_NAME = "rbd.reconciler.local"
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    listen: str | None  # HOST:PORT for /metrics (no host: 127.0.0.1); None: no endpoint
+    textfile: Path | None  # a *.prom file for node_exporter's textfile collector
+
+
+
+
+@dataclass(frozen=True)
 class Config:
     desired_dir: Path
     state_dir: Path
@@ -52,6 +60,7 @@ class Config:
     # A pool, image or device probe that has not answered by then is unknown.
     observe_timeout_seconds: float = 5.0
     csi: CsiConfig = CsiConfig(None, None, DEFAULT_DRIVER_NAME, 120.0)
+    metrics: MetricsConfig = MetricsConfig(None, None)
 
     @property
     def staging_root(self) -> Path:
@@ -72,6 +81,7 @@ class ConfigError(Exception):
 def _build(data: dict, source: Path | None) -> Config:
     ceph = data.get("ceph", {})
     csi = data.get("csi", {})
+    metrics = data.get("metrics", {})
     return Config(
         desired_dir=Path(data.get("desiredDir", "/etc/rbd-reconciler/volumes.d")),
         state_dir=Path(data.get("stateDir", "/var/lib/rbd-reconciler")),
@@ -94,6 +104,10 @@ def _build(data: dict, source: Path | None) -> Config:
             dir=Path(csi["dir"]) if csi.get("dir") else None,
             driver_name=csi.get("driverName", DEFAULT_DRIVER_NAME),
             timeout_seconds=float(csi.get("timeoutSeconds", 120)),
+        ),
+        metrics=MetricsConfig(
+            listen=metrics.get("listen"),
+            textfile=Path(metrics["textfile"]) if metrics.get("textfile") else None,
         ),
     )
 
@@ -163,6 +177,10 @@ def _load_config(path: Path, explicit: bool) -> Config:
         diags.append(Diagnostic(path, line, col, "csi.dir",
                                 "must not be desiredDir or inside it (that one may be a git "
                                 "checkout; the adapter writes its own files)"))
+    listen = (doc.data.get("metrics") or {}).get("listen") if not diags else None
+    if listen and not 0 < int(listen.rsplit(":", 1)[-1]) < 65536:
+        line, col = doc.where(("metrics", "listen"))
+        diags.append(Diagnostic(path, line, col, "metrics.listen", "the port must be 1-65535"))
     if diags:
         raise ConfigError(diags)
     return _build(doc.data, path)

@@ -31,6 +31,7 @@ from .config import Config, ConfigError, load_config
 from .csi.desired import forgettable, load_desired
 from .engine import Busy, context, state_lock
 from .loader import discover, is_ignored
+from .metrics import Metrics, ceph_reachable
 from .observe import Node, observe
 from .plan import VolumePlan, actual_state, plan
 from .reaper import become_subreaper, reap_zombies
@@ -113,6 +114,9 @@ class Daemon:
         self.passes_done = 0
         self.progress = threading.Condition()  # notified: pass finished, status written
         self.progress_seq = 0  # bumped with every notify: a waiter never misses one
+        self.metrics = Metrics()
+        self.metrics.in_backoff.set_function(lambda: len(self.backoff))
+        self.metrics.resync.set_function(lambda: self.config.resync_seconds)  # follows SIGHUP
 
     # -- paths ----------------------------------------------------------------
     @property
@@ -182,12 +186,20 @@ class Daemon:
                 self.records = read_json(self.records_path, {}) or {}
                 self.install_signals()
                 self._watch()
+                if self.config.metrics.listen:
+                    try:
+                        self.metrics.serve(self.config.metrics.listen)
+                    except OSError as exc:  # a port in use is a config problem: say so
+                        log.error("refusing to start: metrics.listen %s: %s",
+                                  self.config.metrics.listen, exc)
+                        return 1
                 csi = self._start_csi()
                 try:
                     return self._serve()
                 finally:
                     if csi is not None:
                         csi.stop()
+                    self.metrics.stop()
         except Busy as exc:
             log.error("%s", exc)
             return 1
@@ -309,15 +321,20 @@ class Daemon:
     def reconcile(self) -> None:
         with self.progress:
             self.passes_started += 1
+        t0, result = time.monotonic(), "error"
         try:
-            self._reconcile()
+            result = "ok" if self._reconcile() else "refused"
         finally:
+            self.metrics.pass_done(time.monotonic() - t0, result)
+            if self.config.metrics.textfile is not None:
+                self.metrics.write_textfile(self.config.metrics.textfile)
             with self.progress:
                 self.passes_done += 1
                 self.progress_seq += 1
                 self.progress.notify_all()
 
-    def _reconcile(self) -> None:
+    def _reconcile(self) -> bool:
+        """One pass; False when it refused to look (preflight, untrusted files)."""
         t0 = time.monotonic()
         self._watch()  # the link may point elsewhere now
         reap_zombies()
@@ -325,12 +342,12 @@ class Daemon:
         self.conditions.update("preflight", [f"not reconciling: {p}" for p in problems])
         if problems:
             sdnotify.notify(f"STATUS=refusing: {problems[0]}")
-            return
+            return False
         loaded = load_desired(self.config)
         self.conditions.update("load", [str(d) for d in loaded.diagnostics])
         if loaded.refused:  # an untrusted file or directory: read nothing, touch nothing
             sdnotify.notify("STATUS=refusing: the desired directory is not trusted")
-            return
+            return False
         current = {v.name: v for v in loaded.volumes}
         failed_files = sorted(str(f) for f in loaded.failed_files)
         frozen = set(loaded.frozen_names) | {
@@ -344,6 +361,8 @@ class Daemon:
         plans = plan(candidates, observed, context(self.config, self.node),
                      release=[v.name for v in release])
         by_name = {v.name: v for v in candidates}
+        self.metrics.observed(plans, current.values(),
+                              ceph_reachable(observed.pools_listed, observed.pool_errors))
         for name in sorted(frozen):
             self._write_status(name, {"phase": "Frozen", "reason": "FileFailedToLoad",
                                       "message": "its file failed to load; left as it is"})
@@ -370,6 +389,9 @@ class Daemon:
         still = {n: m for n, m in self.conditions.active("unknown").items()
                  if n in current and n not in by_name}
         self.conditions.update("unknown", {**still, **unknown}, level=logging.WARNING)
+        self.metrics.retain({*current, *frozen, *held, *(v.name for v in release)})
+        self.metrics.frozen_files.set(len(failed_files))
+        self.metrics.unknown.set(len(still) + len(unknown))
         sdnotify.notify(f"STATUS={len(current)} volume(s), {busy} converging, "
                         f"{len(unknown)} unknown, {len(frozen)} frozen, "
                         f"{len(held)} removal(s) held")
@@ -378,6 +400,7 @@ class Daemon:
                  self.passes_started, len(current), len(candidates), busy, len(unknown),
                  len(frozen),
                  len(release), len(held), t_obs * 1e3, (time.monotonic() - t0) * 1e3)
+        return True
 
     def _removals(self, current: dict[str, Volume], frozen: set[str],
                   failed_files: list[str]) -> tuple[list[Volume], dict[str, str]]:
@@ -463,11 +486,13 @@ class Daemon:
 
     def _converge(self, vol: Volume, vp: VolumePlan, observed: object, released: bool) -> None:
         log.info("%s: %d step(s) start", vol.name, len(vp.steps))
+        crashed = False
         try:
             [outcome] = apply([vp], {vol.name: vol}, observed, self.node)  # type: ignore[arg-type]
         except Exception as exc:  # a driver bug must not kill the worker silently
             log.exception("%s: apply crashed", vol.name)
-            outcome = VolumeOutcome(vol.name, status="failed", error=str(exc))
+            outcome, crashed = VolumeOutcome(vol.name, status="failed", error=str(exc)), True
+        self.metrics.outcome(vp, outcome, crashed)
         self._record_outcome(vol, vp, outcome, released)
 
     def _record_outcome(self, vol: Volume, vp: VolumePlan, out: VolumeOutcome,
@@ -523,6 +548,7 @@ class Daemon:
         })
 
     def _write_status(self, name: str, data: dict) -> None:
+        self.metrics.set_phase(name, data["phase"])
         path = self.status_path(name)
         old = read_json(path, {}) or {}
         merged = {**{k: v for k, v in old.items() if k in ("lastError",)}, **data,

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 from conftest import NodeUnderTest, _loops_under
-from test_hardening import image_meta, wait_for
+from test_daemon import wait_for
+from test_hardening import image_meta
 from test_lifecycle import checksum_tree, fs_spec
 
 from reconciler import meta

@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -23,18 +22,6 @@ from reconciler.drivers import mappers
 from reconciler.drivers.run import CommandError
 
 pytestmark = pytest.mark.ceph
-
-
-def wait_for(cond, what: str, timeout: float = 60.0, every: float = 0.1):  # type: ignore[no-untyped-def]
-    """Poll ``cond`` until it returns something truthy, or fail after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(every)
 
 
 def image_meta(node: NodeUnderTest, name: str) -> dict[str, str]:

@@ -12,26 +12,11 @@ from pathlib import Path
 
 import pytest
 from conftest import NodeUnderTest
+from test_spec_invalid import GOOD  # the same valid document, varied per test
 
 from reconciler.config import ConfigError, default_config, load_config
 from reconciler.loader import load
 from reconciler.yamldoc import MAX_NODES
-
-GOOD = """\
-apiVersion: rbd-reconciler/v1
-kind: Volume
-metadata:
-  name: vol
-spec:
-  image:
-    pool: rbd
-    size: 1Gi
-  map: {}
-  stage:
-    fsType: ext4
-  publish:
-    - path: /srv/vol
-"""
 
 
 def edit(text: str, replace: dict[str, str]) -> str:

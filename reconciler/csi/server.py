@@ -6,9 +6,11 @@ import contextlib
 import logging
 import os
 import stat
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -21,6 +23,7 @@ from .volumes import Volumes
 
 if TYPE_CHECKING:
     from ..daemon import Daemon
+    from ..metrics import Metrics
 
 log = logging.getLogger("rbd-reconciler.csi")
 WORKERS = 128  # calls mostly wait on the engine; 100 concurrent CreateVolume must not queue
@@ -44,8 +47,8 @@ class CsiServer:
         volumes = Volumes(self.daemon)
         volumes.files.ensure_dir()
         ceph = CephInfo(config.ceph)
-        server = grpc.server(ThreadPoolExecutor(max_workers=WORKERS,
-                                                thread_name_prefix="csi"))
+        server = grpc.server(ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="csi"),
+                             interceptors=[MetricsInterceptor(self.daemon.metrics)])
         csi_pb2_grpc.add_IdentityServicer_to_server(IdentityServicer(self.daemon, ceph), server)
         csi_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(volumes, ceph), server)
         csi_pb2_grpc.add_NodeServicer_to_server(NodeServicer(volumes, ceph), server)
@@ -80,3 +83,37 @@ class CsiServer:
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
         log.info("CSI server stopped")
+
+
+class MetricsInterceptor(grpc.ServerInterceptor):
+    """Counts every CSI call by method and final status code, and times it.
+    Only methods with a handler are labelled: a client cannot invent label
+    values by calling made-up method names (those answer UNIMPLEMENTED)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None or handler.unary_unary is None:
+            return handler  # unknown method, or a streaming one (CSI has none)
+        method = details.method.rsplit("/", 1)[-1]
+        inner, m = handler.unary_unary, self.metrics
+
+        def timed(request: Any, context: grpc.ServicerContext) -> Any:
+            t0 = time.monotonic()
+            code = grpc.StatusCode.UNKNOWN  # gRPC's answer to an uncaught exception
+            try:
+                response = inner(request, context)
+                code = context.code() or grpc.StatusCode.OK
+                return response
+            except Exception:
+                code = context.code() or grpc.StatusCode.UNKNOWN  # abort() set it
+                raise
+            finally:
+                m.csi_calls.labels(method, code.name).inc()
+                m.csi_seconds.labels(method).observe(time.monotonic() - t0)
+
+        return grpc.unary_unary_rpc_method_handler(
+            timed, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)

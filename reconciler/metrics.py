@@ -1,0 +1,277 @@
+"""Prometheus metrics for ``rbd-reconciler run``: an HTTP endpoint and the
+node_exporter textfile-collector file, both from one private registry.
+
+Label values are volume names and fixed enums only (phases, step kinds,
+refusal reasons, CSI methods and codes): never paths, messages or secrets,
+which would leak through a scrape and explode cardinality. Per-volume state
+is exported as "the current phase = 1" (one series per volume, not one per
+volume and phase), computed at scrape time from what the daemon last set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import os
+import re
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from http.server import HTTPServer
+
+    from .apply import VolumeOutcome
+    from .plan import VolumePlan
+    from .spec import Volume
+
+log = logging.getLogger("rbd-reconciler")
+
+NS = "rbd_reconciler"
+# What a status file's "phase" can say (daemon.py); other values count as Other.
+STATUS_PHASES = ("Pending", "Absent", "Created", "Mapped", "Staged", "Published", "Deleting",
+                 "Released", "Failed", "Frozen", "Unknown")
+LIFECYCLE = {"ABSENT": "Absent", "CREATED": "Created", "MAPPED": "Mapped", "STAGED": "Staged",
+             "PUBLISHED": "Published"}
+
+# Refusal messages are free text for people; the label is this fixed enum.
+# First match wins; the patterns follow the wording in plan.py and apply.py.
+REFUSAL_REASONS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
+    (reason, re.compile(rx)) for reason, rx in (
+        ("symlink", r"is a symlink"),
+        ("dead_mapping", r"the mapping of .* is dead"),
+        ("no_device", r"no mapped device|is not a block device"),
+        ("no_size", r"does not exist and no size is given"),
+        ("shrink", r"^shrinking "),
+        ("mapper_change", r"remapping would pull it"),
+        ("not_owned", r"not created by this node|is owned by"),
+        ("in_use", r"is open by|still open by"),
+        ("foreign_filesystem", r"refusing to format|refusing to mkfs|\(image-meta\), not|"
+                               r"has data written to it"),
+        ("foreign_mount", r"already has a mount of something else|someone else's mount"),
+        ("staging_not_mounted", r"staging path .* is not"),
+    ))
+REFUSAL_OTHER = "other"
+
+
+def refusal_reason(message: str | None) -> str:
+    for reason, rx in REFUSAL_REASONS:
+        if message and rx.search(message):
+            return reason
+    return REFUSAL_OTHER
+
+
+def step_kind(action: str) -> str:
+    """A Step's ``action`` ("create image") as a label value ("create_image")."""
+    return re.sub(r"[^a-z0-9]+", "_", action.lower()).strip("_")
+
+
+def ceph_reachable(pools_listed: Iterable[str], pool_errors: dict[str, str]) -> bool | None:
+    """From one observation: True once any pool answered or connecting worked
+    (a dead pool is not a dead cluster); None when no pool was asked about."""
+    if any(True for _ in pools_listed):
+        return True
+    if not pool_errors:
+        return None
+    return not all(e.startswith("cannot reach Ceph") for e in pool_errors.values())
+
+
+class _VolumeStates(Collector):
+    """Per-volume phase gauges from dicts the daemon updates (under a lock)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.status: dict[str, str] = {}
+        self.observed: dict[str, str] = {}
+        self.wanted: dict[str, str] = {}
+        self.ceph_up: bool | None = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        with self.lock:
+            status, observed, wanted = dict(self.status), dict(self.observed), dict(self.wanted)
+            ceph_up = self.ceph_up
+        for name, doc, states in (
+                ("volume_phase", "The phase the volume's status reports (1 = current).", status),
+                ("volume_observed_phase", "The lifecycle phase last observed on the node "
+                                          "(1 = current).", observed),
+                ("volume_wanted_phase", "The lifecycle phase the spec wants (1 = current).",
+                 wanted)):
+            g = GaugeMetricFamily(f"{NS}_{name}", doc, labels=["volume", "phase"])
+            for vol, phase in sorted(states.items()):
+                g.add_metric([vol, phase], 1)
+            yield g
+        counts = GaugeMetricFamily(f"{NS}_volumes", "Volumes by the phase their status reports.",
+                                   labels=["phase"])
+        for phase in STATUS_PHASES:
+            counts.add_metric([phase], sum(1 for p in status.values() if p == phase))
+        yield counts
+        up = GaugeMetricFamily(f"{NS}_ceph_up", "1 when the last observation that needed Ceph "
+                                                "reached it, 0 when it could not connect.")
+        if ceph_up is not None:  # never asked yet: no sample rather than a guess
+            up.add_metric([], 1 if ceph_up else 0)
+        yield up
+
+
+class Metrics:
+    """One daemon's metrics, in a registry of its own (tests run several)."""
+
+    def __init__(self) -> None:
+        # *_created samples would double every counter's and histogram's
+        # series for a start time nobody alerts on (process-wide: fine here).
+        prometheus_client.disable_created_metrics()
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.states = _VolumeStates()
+        r.register(self.states)
+        self.passes = Counter(f"{NS}_passes", "Passes run, by result (ok: the pass ran to the "
+                              "end; refused: preflight or an untrusted directory; error: a bug).",
+                              ["result"], registry=r)
+        self.pass_seconds = Histogram(f"{NS}_pass_duration_seconds", "Time one pass took "
+                                      "(load, observe, plan, submit; not the steps).", registry=r,
+                                      buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
+        self.last_success = Gauge(f"{NS}_last_successful_pass_timestamp_seconds",
+                                  "Unix time the last pass that ran to the end finished.",
+                                  registry=r)
+        self.step_seconds = Histogram(f"{NS}_step_duration_seconds",
+                                      "Time each executed step took, by step kind.", ["action"],
+                                      registry=r, buckets=(.005, .01, .025, .05, .1, .25, .5, 1,
+                                                           2.5, 5, 10, 30, 60, 120))
+        self.refusals = Counter(f"{NS}_refusals", "Safety refusals, at plan or apply time, by "
+                                "reason.", ["reason"], registry=r)
+        self.failures = Counter(f"{NS}_failures", "Failed volume chains (not refusals), by the "
+                                "kind of the step that failed (crash: apply itself failed).",
+                                ["reason"], registry=r)
+        self.backoffs = Counter(f"{NS}_backoffs", "Backoffs scheduled after a failed chain.",
+                                registry=r)
+        self.in_backoff = Gauge(f"{NS}_volumes_in_backoff", "Volumes waiting out a backoff.",
+                                registry=r)
+        self.frozen_files = Gauge(f"{NS}_frozen_files", "Desired files that fail to load (their "
+                                  "volumes are frozen).", registry=r)
+        self.unknown = Gauge(f"{NS}_unknown_volumes", "Volumes that could not be observed.",
+                             registry=r)
+        self.csi_calls = Counter(f"{NS}_csi_calls", "CSI calls, by method and gRPC status code.",
+                                 ["method", "code"], registry=r)
+        self.csi_seconds = Histogram(f"{NS}_csi_call_duration_seconds", "CSI call latency, by "
+                                     "method.", ["method"], registry=r,
+                                     buckets=(.005, .01, .05, .1, .5, 1, 5, 10, 30, 60, 120))
+        # For alerts that scale with the config ("no successful pass for 3 x resync").
+        self.resync = Gauge(f"{NS}_resync_interval_seconds", "The configured resyncSeconds.",
+                            registry=r)
+        self.http: HTTPServer | None = None
+
+    # -- per-volume state -------------------------------------------------------
+    def set_phase(self, name: str, phase: str) -> None:
+        with self.states.lock:
+            self.states.status[name] = phase if phase in STATUS_PHASES else "Other"
+
+    def observed(self, plans: Iterable[VolumePlan], volumes: Iterable[Volume],
+                 ceph_up: bool | None) -> None:
+        with self.states.lock:
+            for vp in plans:
+                self.states.observed[vp.name] = ("Unknown" if vp.unknown
+                                                 else LIFECYCLE[vp.phase.name])
+            for v in volumes:
+                self.states.wanted[v.name] = LIFECYCLE[v.wanted_phase.name]
+            if ceph_up is not None:
+                self.states.ceph_up = ceph_up
+
+    def retain(self, names: set[str]) -> None:
+        """Forget volumes no longer managed (released, or never ours)."""
+        with self.states.lock:
+            for d in (self.states.status, self.states.observed, self.states.wanted):
+                for name in [n for n in d if n not in names]:
+                    del d[name]
+
+    # -- events -------------------------------------------------------------------
+    def outcome(self, vp: VolumePlan, out: VolumeOutcome, crashed: bool = False) -> None:
+        for s in out.steps:
+            self.step_seconds.labels(step_kind(s.step.action)).observe(s.seconds)
+        for why in ([vp.refusal] if vp.refusal else []) + list(vp.withheld):
+            self.refusals.labels(refusal_reason(why)).inc()
+        if out.refused:  # a safety check at execution time
+            self.refusals.labels(refusal_reason(out.error)).inc()
+        elif out.status == "failed" and not vp.refused:
+            failed = [s for s in out.steps if s.status == "failed"]
+            self.failures.labels("crash" if crashed or not failed
+                                 else step_kind(failed[-1].step.action)).inc()
+        if out.status == "failed":
+            self.backoffs.inc()
+
+    def pass_done(self, seconds: float, result: str) -> None:
+        self.passes.labels(result).inc()
+        self.pass_seconds.observe(seconds)
+        if result == "ok":
+            self.last_success.set(time.time())
+
+    # -- exposition -----------------------------------------------------------------
+    def serve(self, listen: str) -> None:
+        host, port = parse_listen(listen)
+        self.http, _thread = prometheus_client.start_http_server(port, host,
+                                                                 registry=self.registry)
+        log.info("metrics served on http://%s/metrics", listen_url(host, port))
+        if not is_loopback(host):
+            log.warning("metrics.listen %s is not loopback: /metrics has no authentication and "
+                        "names every volume", listen)
+
+    def stop(self) -> None:
+        if self.http is not None:
+            self.http.shutdown()
+            self.http.server_close()
+            self.http = None
+
+    def write_textfile(self, path: Path) -> None:
+        """node_exporter's textfile collector reads ``*.prom``: write a temp
+        file beside it (never matching *.prom) and rename, so it never reads
+        half a file. A failure is logged, never raised: metrics are not worth
+        a pass."""
+        try:
+            data = prometheus_client.generate_latest(self.registry)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.chmod(tmp, 0o644)  # node_exporter usually runs as another user
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+        except OSError as exc:
+            log.warning("metrics: cannot write %s: %s", path, exc)
+
+
+DEFAULT_HOST = "127.0.0.1"
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """``host:port``, ``[v6]:port``, ``:port`` or ``port``; no host means
+    loopback (the endpoint is unauthenticated: exposing it is a choice)."""
+    m = re.fullmatch(r"(?:(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]*):)?([0-9]{1,5})", listen)
+    if not m or not 0 < int(m.group(2)) < 65536:
+        raise ValueError(f"metrics.listen {listen!r}: expected HOST:PORT (port 1-65535)")
+    host = (m.group(1) or DEFAULT_HOST).strip("[]")
+    return host, int(m.group(2))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: assume it reaches the network
+        return False
+
+
+def listen_url(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
