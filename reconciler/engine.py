@@ -54,9 +54,10 @@ def context(config: Config, node: Node) -> Context:
                    flatten_on_delete=config.clone.flatten_on_delete)
 
 
-def plan_pass(paths: Iterable[Path], config: Config, node: Node, release: bool = False) -> Pass:
+def plan_pass(paths: Iterable[Path], config: Config, node: Node, release: bool = False,
+              all_watchers: bool = False) -> Pass:
     loaded = load(paths, config)
-    observed = observe(node, loaded.volumes)
+    observed = observe(node, loaded.volumes, all_watchers)
     plans = plan(loaded.volumes, observed, context(config, node), loaded.frozen_names,
                  release=[v.name for v in loaded.volumes] if release else ())
     return Pass(loaded, observed, plans)

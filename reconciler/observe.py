@@ -10,17 +10,19 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .bounded import Bounded, NoAnswer, StillStuck
 from .config import Config
+from .devprobe import ProbeCache, Probed, probe_full, probe_mounted
 from .drivers.fs import DeviceUnreadable, Filesystems, block_device_size
 from .drivers.mappers import FuseMapper, KernelMapper, available_mappers
 from .drivers.run import CommandError, Runner
-from .observe_ceph import CephView, observe_images
+from .observe_ceph import CephView, Session, observe_images
 from .observed import Device, Mapping, Mount, Observed
 from .parsers import parse_mountinfo
+from .plan import resolve_mapper  # a pure function of the spec and the node
 from .registry import CreatedPaths, Registry
 from .safepath import first_symlink
 from .spec import Volume
@@ -39,6 +41,10 @@ class Node:
     krbd: KernelMapper
     nbd: KernelMapper
     mappers_available: frozenset[str]
+    # Kept across the daemon's passes: probes of unchanged, unmounted devices,
+    # and the librados connection (replaced when it stops answering).
+    probes: ProbeCache = field(default_factory=ProbeCache)
+    ceph_session: Session = field(default_factory=Session)
 
     @classmethod
     def from_config(cls, config: Config, runner: Runner | None = None) -> Node:
@@ -61,23 +67,22 @@ class Node:
 _PROBES = Bounded(max_running=4, name="probe")
 
 
-@dataclass(frozen=True)
-class _Probed:
-    fs_type: str | None
-    uuid: str | None
-    signature: str | None
-    fs_size: int | None
+def _probe(node: Node, path: str, major: int, minor: int, size: int,
+           mounts: dict[tuple[int, int], list[tuple[str, str, str]]],
+           expected: tuple[str, str] | None) -> Probed:
+    """No fork when the device is mounted at its staging path as the wanted
+    filesystem; else the full probe (cached across passes while unchanged)."""
+    here = mounts.get((major, minor), [])
+    if (expected is not None and (expected[0], expected[1], "/") in here
+            and (fast := probe_mounted(path, expected[1], expected[0])) is not None):
+        return fast
+    return probe_full(node.fs, node.probes, path, major, minor, size,
+                      here[0][0] if here else None)
 
 
-def _probe(node: Node, path: str, mount_point: str | None) -> _Probed:
-    probe = node.fs.probe(path)
-    fs_size = (node.fs.fs_size(path, probe.fs_type, mount_point)
-               if probe.fs_type in ("ext4", "xfs") else None)
-    return _Probed(probe.fs_type, probe.uuid, probe.signature, fs_size)
-
-
-def _devices(node: Node, paths: Iterable[str], mounts: dict[tuple[int, int], str],
-             timeout: float) -> dict[str, Device]:
+def _devices(node: Node, paths: Iterable[str],
+             mounts: dict[tuple[int, int], list[tuple[str, str, str]]],
+             expected: dict[str, tuple[str, str]], timeout: float) -> dict[str, Device]:
     """Probe each device in its own bounded call. One that fails is a device
     with a problem, one that does not answer is *unknown*: neither is blank."""
     found: dict[str, tuple[int, int, int]] = {}
@@ -100,8 +105,8 @@ def _devices(node: Node, paths: Iterable[str], mounts: dict[tuple[int, int], str
     for path, (major, minor, size) in found.items():
         try:
             tasks.append(_PROBES.submit((path, major, minor),
-                                        functools.partial(_probe, node, path,
-                                                          mounts.get((major, minor)))))
+                                        functools.partial(_probe, node, path, major, minor,
+                                                          size, mounts, expected.get(path))))
         except StillStuck as exc:
             out[path] = _unknown(path, major, minor, size, "probe timed out", str(exc))
     for task in tasks:
@@ -128,15 +133,15 @@ def _unknown(path: str, major: int, minor: int, size: int, what: str, why: str) 
                   unknown=f"{what}: {why}")
 
 
-def observe(node: Node, volumes: Iterable[Volume]) -> Observed:
+def observe(node: Node, volumes: Iterable[Volume], all_watchers: bool = False) -> Observed:
+    """``all_watchers``: every image's watchers (status, explain); else only
+    those the planner may need (images not mapped here as wanted)."""
     volumes = list(volumes)
     wanted = {(v.image.pool, v.image.name) for v in volumes}
     # A clone's source is looked at too (does its snapshot exist, how deep is it).
     wanted |= {(v.image.source.pool, v.image.source.image) for v in volumes
                if v.image.source is not None and v.image.source.pool}
     timeout = node.config.observe_timeout_seconds
-    # Ceph answers in the background while the node is looked at.
-    ceph_pass = _Background(lambda: observe_images(node.config.ceph, wanted, timeout))
 
     mountinfo = Path("/proc/self/mountinfo").read_text()
     mounts = parse_mountinfo(mountinfo)
@@ -147,11 +152,21 @@ def observe(node: Node, volumes: Iterable[Volume]) -> Observed:
                 mappings += node.mapper(kind).list()
             except CommandError as exc:
                 log.warning("listing %s mappings failed: %s", kind, exc)
+    watchers_for = None if all_watchers else _watchers_needed(
+        volumes, mappings, node.mappers_available)
+    # Ceph answers in the background while the devices are looked at.
+    ceph_pass = _Background(
+        lambda: observe_images(node.config.ceph, wanted, timeout, watchers_for,
+                               node.ceph_session))
 
-    mounted = {(m.major, m.minor): m.mount_point for m in mounts}
+    mounted: dict[tuple[int, int], list[tuple[str, str, str]]] = {}
+    for m in mounts:
+        mounted.setdefault((m.major, m.minor), []).append((m.mount_point, m.fs_type, m.root))
     # Only the devices of wanted images: a stuck probe of another costs nothing.
-    devices = _devices(node, [m.device for m in mappings
-                              if m.device and (m.pool, m.image) in wanted], mounted, timeout)
+    ours = [m for m in mappings if m.device and (m.pool, m.image) in wanted]
+    devices = _devices(node, [m.device for m in ours if m.device], mounted,
+                       _expected_mounts(volumes, ours), timeout)
+    node.probes.retain(devices)
 
     path_rdev = _device_node_binds(mounts, devices.values())
     by_point = {m.mount_point for m in mounts}
@@ -180,6 +195,38 @@ def observe(node: Node, volumes: Iterable[Volume]) -> Observed:
                     mappings=tuple(mappings), devices=devices, mounts=mounts,
                     path_rdev=path_rdev, symlinks=symlinks, intents=frozenset(intents),
                     freezes=freezes)
+
+
+def _watchers_needed(volumes: Iterable[Volume], mappings: Iterable[Mapping],
+                     available: frozenset[str]) -> set[tuple[str, str]]:
+    """Images whose watchers the planner may consult: to map one (another
+    client has it open?) or delete one. A present volume mapped here once,
+    alive, by the mapper it wants, is neither."""
+    here: dict[tuple[str, str], list[Mapping]] = {}
+    for m in mappings:
+        here.setdefault((m.pool, m.image), []).append(m)
+    out = set()
+    for v in volumes:
+        key = (v.image.pool, v.image.name)
+        ms = here.get(key, [])
+        settled = (v.state == "present" and v.map is not None and len(ms) == 1
+                   and ms[0].device is not None and ms[0].problem is None
+                   and ms[0].kind == resolve_mapper(v.map.mapper, available))
+        if not settled:
+            out.add(key)
+    return out
+
+
+def _expected_mounts(volumes: Iterable[Volume], mappings: Iterable[Mapping]
+                     ) -> dict[str, tuple[str, str]]:
+    """device -> (staging path, fs type) its volume wants there."""
+    stage = {(v.image.pool, v.image.name): v.stage for v in volumes}
+    out = {}
+    for m in mappings:
+        st = stage.get((m.pool, m.image))
+        if m.device and st is not None and st.mode == "filesystem" and st.fs_type:
+            out[m.device] = (st.path, st.fs_type)
+    return out
 
 
 class _Background:

@@ -185,3 +185,86 @@ def explain_map_failure(kind: str, returncode: int, stderr: str) -> MapError:
     if "(110) connection timed out" in low:
         return MapError("Ceph did not answer in time", detail)
     return MapError(f"{kind} map failed (exit {returncode})", detail)
+
+
+@dataclass(frozen=True)
+class Superblock:
+    """What an ext4 or xfs superblock says (read from the device's first bytes)."""
+
+    fs_type: str
+    uuid: str
+    size: int  # bytes the filesystem spans (dumpe2fs Block count × size; xfs dblocks)
+    block_size: int
+    # xfs: blocks of the internal log, which statvfs leaves out of f_blocks
+    log_blocks: int = 0
+
+
+EXT4_SB_OFFSET = 1024
+_EXT4_MAGIC = 0xEF53
+_EXT4_INCOMPAT_64BIT = 0x80
+
+
+def _uuid(raw: bytes) -> str:
+    h = raw.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def parse_ext4_superblock(head: bytes) -> Superblock | None:
+    """ext4 from the device's first 2 KiB (superblock at 1024, little-endian):
+    s_blocks_count_lo (+4), s_log_block_size (+0x18), s_magic (+0x38),
+    s_feature_compat/incompat/ro_compat (+0x5c/+0x60/+0x64), s_uuid (+0x68),
+    s_blocks_count_hi (+0x150, only with the 64bit feature). None: no ext2/3/4 magic there."""
+    sb = head[EXT4_SB_OFFSET:EXT4_SB_OFFSET + 1024]
+    if len(sb) < 0x154 or int.from_bytes(sb[0x38:0x3A], "little") != _EXT4_MAGIC:
+        return None
+    log_bs = int.from_bytes(sb[0x18:0x1C], "little")
+    if log_bs > 6:  # block sizes 1 KiB..64 KiB
+        return None
+    blocks = int.from_bytes(sb[0x4:0x8], "little")
+    if int.from_bytes(sb[0x60:0x64], "little") & _EXT4_INCOMPAT_64BIT:
+        blocks |= int.from_bytes(sb[0x150:0x154], "little") << 32
+    bs = 1024 << log_bs
+    return Superblock(_ext_kind(sb), _uuid(sb[0x68:0x78]), blocks * bs, bs)
+
+
+def _ext_kind(sb: bytes) -> str:
+    """ext2, ext3, ext4 or jbd, as blkid tells them apart: ext4 has a feature
+    ext3 does not support; ext3 has a journal."""
+    compat = int.from_bytes(sb[0x5C:0x60], "little")
+    incompat = int.from_bytes(sb[0x60:0x64], "little")
+    ro_compat = int.from_bytes(sb[0x64:0x68], "little")
+    if incompat & 0x8:  # journal_dev: an external journal, no filesystem
+        return "jbd"
+    if ro_compat & ~0x7 or incompat & ~(0x2 | 0x4 | 0x10):
+        return "ext4"
+    return "ext3" if compat & 0x4 else "ext2"
+
+
+def parse_xfs_superblock(head: bytes) -> Superblock | None:
+    """xfs from sector 0 (big-endian): sb_magicnum "XFSB", sb_blocksize (+4),
+    sb_dblocks (+8), sb_uuid (+32), sb_logstart (+48), sb_logblocks (+96).
+    On a mounted filesystem grown online this may lag: use ``xfs_live_size``."""
+    if len(head) < 100 or head[:4] != b"XFSB":
+        return None
+    bs = int.from_bytes(head[4:8], "big")
+    if bs < 512 or bs > 65536 or bs & (bs - 1):
+        return None
+    dblocks = int.from_bytes(head[8:16], "big")
+    internal_log = int.from_bytes(head[48:56], "big") != 0
+    log_blocks = int.from_bytes(head[96:100], "big") if internal_log else 0
+    return Superblock("xfs", _uuid(head[32:48]), dblocks * bs, bs, log_blocks)
+
+
+def parse_superblock(head: bytes, fs_type: str) -> Superblock | None:
+    """The ``fs_type`` (ext4 or xfs, as blkid or the mount named it) superblock."""
+    if fs_type == "ext4":
+        return parse_ext4_superblock(head)
+    if fs_type == "xfs":
+        return parse_xfs_superblock(head)
+    return None
+
+
+def xfs_live_size(f_blocks: int, f_frsize: int, log_blocks: int) -> int:
+    """A mounted xfs's size from statvfs: the kernel reports f_blocks =
+    sb_dblocks minus an internal log, from the live (in-memory) superblock."""
+    return (f_blocks + log_blocks) * f_frsize

@@ -6,29 +6,37 @@ import json
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
-from typing import Any
-
-import jsonschema
-import jsonschema.validators
+from typing import TYPE_CHECKING, Any
 
 from .diagnostics import excerpt, format_field
+from .fastschema import surely_valid
 from .yamldoc import Document
+
+if TYPE_CHECKING:
+    import jsonschema
 
 SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schemas"
 
-# JSON Schema counts 1048576.0 as an integer; YAML wrote a float, and a float
-# is never a size or a count here.
-_TYPES = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
-    "integer", lambda _checker, value: isinstance(value, int) and not isinstance(value, bool))
-_Validator = jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=_TYPES)
+
+@cache
+def schema(name: str) -> dict[str, Any]:
+    return json.loads((SCHEMA_DIR / f"{name}.schema.json").read_text())
 
 
 @cache
 def validator(name: str) -> jsonschema.protocols.Validator:
+    """jsonschema (imported only when a document may be invalid: ~50 ms)."""
+    import jsonschema
+    import jsonschema.validators
+
+    # JSON Schema counts 1048576.0 as an integer; YAML wrote a float, and a
+    # float is never a size or a count here (fastschema agrees).
+    types = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
+        "integer", lambda _checker, value: isinstance(value, int) and not isinstance(value, bool))
+    cls = jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=types)
     # The schemas are checked against the metaschema in the tests, not on
     # every command start (that costs ~11 ms).
-    schema = json.loads((SCHEMA_DIR / f"{name}.schema.json").read_text())
-    return _Validator(schema)
+    return cls(schema(name))
 
 
 _BOUNDS = {
@@ -85,6 +93,8 @@ def _message(err: jsonschema.ValidationError) -> tuple[tuple[str | int, ...], st
 
 def schema_errors(name: str, doc: Document) -> Iterator[tuple[tuple[int, int], str, str]]:
     """Yield ((line, column), field, message) for each schema violation of ``doc``."""
+    if surely_valid(schema(name), doc.data):
+        return
     errors = sorted(validator(name).iter_errors(doc.data), key=lambda e: list(map(str, e.path)))
     for err in errors:
         path, message, at_key = _message(err)

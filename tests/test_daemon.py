@@ -400,12 +400,18 @@ def test_stalled_probe_holds_up_nobody(node: NodeUnderTest, start: Callable[...,
     set_observe_timeout(node, 1)
     fake = FakeBlkid(node.root)
     slow, other = node.name("slow"), node.name("other")
-    node.write(slow, spec(node, target="slow"))
+    # Mapped only: a device mounted at its staging path is never probed (the
+    # mount proves its filesystem), an unmounted one is.
+    node.write(slow, f"  image: {{pool: {node.cluster.pool}, size: 64Mi}}\n"
+                     "  map: {mapper: fuse}\n")
     d = start(extra_env={"PATH": fake.path, "WATCHDOG_USEC": "400000"})
     try:
-        d.wait_phase(slow, "Published")
+        d.wait_phase(slow, "Mapped")
         device = str(wait_for(lambda: d.status(slow).get("device"), "a converged status"))
         fake.stall(device)
+        # A write at its start: the cached probe no longer holds, it is probed again.
+        subprocess.run(["dd", "if=/dev/urandom", f"of={device}", "bs=4096", "count=1",
+                        "seek=8", "oflag=direct", "conv=notrunc", "status=none"], check=True)
         s = d.wait_phase(slow, "Unknown")
         assert "probe timed out" in s["message"] and device in s["message"]
         stuck_calls = fake.calls(device)
@@ -420,7 +426,7 @@ def test_stalled_probe_holds_up_nobody(node: NodeUnderTest, start: Callable[...,
         d.wait_passes(3)
         assert fake.calls(device) == stuck_calls
         assert d.status(slow)["phase"] == "Unknown"
-        assert str(node.srv / "slow") in node.mounts()  # nothing was done to it
+        assert Path(device).is_block_device()  # nothing was done to it
 
         # The CLI answers too, with UNKNOWN for what it could not see.
         monkeypatch.setenv("PATH", fake.path)
@@ -435,7 +441,7 @@ def test_stalled_probe_holds_up_nobody(node: NodeUnderTest, start: Callable[...,
         assert {v["name"]: v["phase"] for v in doc["volumes"]}[slow] == "UNKNOWN"
     finally:
         fake.release()
-    d.wait_phase(slow, "Published")
+    d.wait_phase(slow, "Mapped")
     assert d.stop() == 0
 
 

@@ -12,11 +12,13 @@ from pathlib import Path
 
 from ..observed import Mount
 from ..parsers import (
+    EXT4_SB_OFFSET,
     Probe,
+    Superblock,
     parse_blkid_export,
-    parse_dumpe2fs_size,
     parse_mountinfo,
-    parse_xfs_info_size,
+    parse_superblock,
+    xfs_live_size,
 )
 from ..registry import CreatedPaths
 from ..safepath import (
@@ -55,24 +57,59 @@ class DeviceUnreadable(Exception):
 PROBE_BYTES = 64 * 1024  # where ext4/xfs/partition-table signatures live
 
 
-def read_error(device: str, length: int = PROBE_BYTES) -> str | None:
-    """None when the start of ``device`` reads back; else why not. O_DIRECT:
-    the page cache may still hold blocks of a device that no longer answers."""
+def read_head(device: str, length: int = PROBE_BYTES) -> bytes:
+    """The first ``length`` bytes of ``device``, read with O_DIRECT (the page
+    cache may still hold blocks of a device that no longer answers);
+    DeviceUnreadable when that read fails."""
     try:
         fd = os.open(device, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
     except OSError as exc:
-        return exc.strerror or str(exc)
+        raise DeviceUnreadable(_unreadable(device, exc.strerror or str(exc))) from None
     try:
         buf = mmap.mmap(-1, length)  # page-aligned, as O_DIRECT wants
         try:
             n = os.preadv(fd, [buf], 0)
+            data = buf[:n]
         finally:
             buf.close()
     except OSError as exc:
-        return f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror}"
+        why = f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror}"
+        raise DeviceUnreadable(_unreadable(device, why)) from None
     finally:
         os.close(fd)
-    return None if n > 0 else "short read"
+    if n <= 0:
+        raise DeviceUnreadable(_unreadable(device, "short read"))
+    return data
+
+
+def _unreadable(device: str, why: str) -> str:
+    return f"{device} cannot be read ({why}); its content is unknown"
+
+
+def read_error(device: str, length: int = PROBE_BYTES) -> str | None:
+    """None when the start of ``device`` reads back; else why not."""
+    try:
+        read_head(device, length)
+    except DeviceUnreadable as exc:
+        return str(exc)
+    return None
+
+
+def read_superblock(device: str, fs_type: str) -> Superblock | None:
+    """ext4/xfs superblock through the page cache: for a mounted ext4 that is
+    the live one (ext4 keeps its superblock in the device's cache), as
+    dumpe2fs reads it. A few KiB instead of a fork."""
+    with open(device, "rb", buffering=0) as f:
+        return parse_superblock(f.read(EXT4_SB_OFFSET + 1024), fs_type)
+
+
+def fs_size_from(sb: Superblock, mount_point: str | None) -> int:
+    """Bytes the filesystem spans. A mounted xfs keeps its live geometry in
+    memory (the on-disk superblock lags an online grow): ask statvfs."""
+    if sb.fs_type == "xfs" and mount_point is not None:
+        st = os.statvfs(mount_point)
+        return xfs_live_size(st.f_blocks, st.f_frsize, sb.log_blocks)
+    return sb.size
 
 
 class ForeignMount(Exception):
@@ -96,23 +133,24 @@ class Filesystems:
         """What signature the device carries. blkid exits 2 both for a blank
         device and for one it could not read (a dead rbd-fuse helper): a read
         that fails first makes the probe fail, never "blank"."""
-        if (err := read_error(device)) is not None:
-            raise DeviceUnreadable(f"{device} cannot be read ({err}); its content is unknown")
+        read_head(device)
+        return self.probe_read(device)
+
+    def probe_read(self, device: str) -> Probe:
+        """blkid on a device whose start the caller has just read back."""
         res = self.runner.run(["blkid", "-p", "-o", "export", device], ok_codes=(0, 2))
         return parse_blkid_export(res.stdout, res.returncode)
 
     def fs_size(self, device: str, fs_type: str, mount_point: str | None = None) -> int | None:
-        """Bytes the filesystem spans; for a mounted xfs pass its mount point
-        (the live geometry; the on-disk superblock may lag an online grow)."""
+        """Bytes the filesystem spans, from its superblock; for a mounted xfs
+        pass its mount point (the live geometry). None: not that filesystem."""
         try:
-            if fs_type == "ext4":
-                return parse_dumpe2fs_size(self.runner.run(["dumpe2fs", "-h", device]).stdout)
-            if fs_type == "xfs":
-                out = self.runner.run(["xfs_info", mount_point or device]).stdout
-                return parse_xfs_info_size(out)
-        except CommandError:
+            sb = read_superblock(device, fs_type)
+            if sb is None:
+                return None
+            return fs_size_from(sb, mount_point)
+        except OSError:
             return None
-        return None
 
     def mkfs(self, device: str, fs_type: str, options: tuple[str, ...],
              force: bool = False) -> None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""P6: snapshot + clone to a published volume — `rbd-reconciler apply` vs the raw sequence.
+"""P9: snapshot + clone to a published volume — `rbd-reconciler apply` vs the raw sequence.
 
 What is measured, on one disposable local Ceph cluster (1 mon + 1 memstore OSD),
 starting each run from the same formatted 256 MiB source image ("golden",
@@ -16,7 +16,7 @@ created once, untimed, not mapped):
 Runs are interleaved; teardown (untimed) unpublishes, unmaps and removes the
 clone and the snapshot. Printed: each run, both medians, the ratio apply/shell.
 
-Usage: .venv/bin/python benchmarks/p6_snapshot_clone.py [--runs N]
+Usage: .venv/bin/python benchmarks/p9_snapshot_clone.py [--runs N]
 Needs root, FUSE and loop devices.
 """
 
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=7, help="timed runs of each (default 7)")
     args = p.parse_args(argv)
     if os.geteuid() != 0:
-        print("p6_snapshot_clone: needs root (mount, losetup, FUSE)", file=sys.stderr)
+        print("p9_snapshot_clone: needs root (mount, losetup, FUSE)", file=sys.stderr)
         return 2
     become_subreaper()
     root = Path(tempfile.mkdtemp(prefix="rbd-bench-p6-"))
@@ -218,9 +218,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ratio apply/shell (medians): {a / s:.2f}  (overhead {(a - s) * 1000:+.0f} ms)")
             rc = 0
         except BenchError as e:
-            print(f"p6_snapshot_clone: {e}", file=sys.stderr)
+            print(f"p9_snapshot_clone: {e}", file=sys.stderr)
         except KeyboardInterrupt:
-            print("\np6_snapshot_clone: interrupted; cleaning up", file=sys.stderr)
+            print("\np9_snapshot_clone: interrupted; cleaning up", file=sys.stderr)
             rc = 130
         finally:
             with signals_ignored():

@@ -1,0 +1,79 @@
+"""An image's size, features and image-meta in one rados read of its header.
+
+Opening an image with librbd costs ~4.4 ms and several round trips (id,
+header, snap context, parent, lock state, config overrides); the header
+object's omap holds what observe needs (RBD format 2: ``size`` and
+``features`` as little-endian u64, ``metadata_<key>`` as raw bytes), read in
+~0.2 ms. Used for observing only, for images whose watchers are not needed;
+anything unexpected (no id, a missing key, too many keys) is ``Fallback``:
+the caller opens the image with librbd as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import rados
+
+from ..observed import ImageState
+from .ceph import CephError, feature_names
+
+MAX_META = 4096
+
+
+class Fallback(Exception):
+    """Not answerable from the header: open the image with librbd."""
+
+
+def decode_string(raw: bytes) -> str:
+    """A Ceph-encoded string: u32 little-endian length, then the bytes."""
+    if len(raw) < 4 or int.from_bytes(raw[:4], "little") != len(raw) - 4:
+        raise Fallback("not an encoded string")
+    return raw[4:].decode()
+
+
+def image_ids(cluster: rados.Rados, pool: str, names: Iterable[str]) -> dict[str, str]:
+    """name -> image id from the pool's rbd_directory, for ``names``, in one read."""
+    keys = tuple(f"name_{n}" for n in names)
+    if not keys:
+        return {}
+    with cluster.open_ioctx(pool) as ioctx, rados.ReadOpCtx() as op:
+        it, _ = ioctx.get_omap_vals_by_keys(op, keys)
+        ioctx.operate_read_op(op, "rbd_directory")
+        out = {}
+        for k, v in it:
+            try:
+                out[k[len("name_"):]] = decode_string(v)
+            except (Fallback, UnicodeDecodeError):
+                continue
+        return out
+
+
+def parse_header(pool: str, name: str, fixed: dict[str, bytes],
+                 meta: dict[str, bytes]) -> ImageState:
+    if len(fixed.get("size", b"")) != 8 or len(fixed.get("features", b"")) != 8:
+        raise Fallback("header without size/features")
+    if len(meta) >= MAX_META:
+        raise Fallback("too much image-meta for one read")
+    try:
+        decoded = {k[len("metadata_"):]: v.decode() for k, v in meta.items()}
+    except UnicodeDecodeError:
+        raise Fallback("image-meta that is not text") from None
+    return ImageState(pool=pool, name=name, size=int.from_bytes(fixed["size"], "little"),
+                      features=feature_names(int.from_bytes(fixed["features"], "little")),
+                      meta=decoded)
+
+
+def header_state(cluster: rados.Rados, pool: str, name: str, image_id: str
+                 ) -> ImageState | None:
+    """ImageState without watchers (watchers empty); None: the image is gone."""
+    try:
+        with cluster.open_ioctx(pool) as ioctx, rados.ReadOpCtx() as op:
+            fixed_it, _ = ioctx.get_omap_vals_by_keys(op, ("size", "features"))
+            meta_it, _ = ioctx.get_omap_vals(op, "", "metadata_", MAX_META)
+            ioctx.operate_read_op(op, f"rbd_header.{image_id}")
+            return parse_header(pool, name, dict(fixed_it), dict(meta_it))
+    except rados.ObjectNotFound:
+        return None  # removed since it was listed
+    except rados.Error as exc:
+        raise CephError(f"{pool}/{name}: {exc}") from exc

@@ -1,0 +1,125 @@
+"""Observe forks nothing for a published volume (the staging mount proves its
+filesystem), still probes an unmounted mapped device, and probes again a
+device changed by hand (the per-Node probe cache is keyed by its content)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from conftest import NodeUnderTest
+
+from reconciler.config import load_config
+from reconciler.engine import plan_pass
+from reconciler.observe import Node
+
+pytestmark = pytest.mark.ceph
+
+PROBES = {"blkid", "dumpe2fs", "xfs_info", "xfs_db"}
+
+
+def spec(node: NodeUnderTest, stage: bool, target: str = "app", fs: str = "ext4",
+         size: str = "64Mi") -> str:
+    body = f"  image: {{pool: {node.cluster.pool}, size: {size}}}\n  map: {{mapper: fuse}}\n"
+    if stage:
+        body += f"  stage: {{fsType: {fs}}}\n  publish:\n    - path: {node.srv / target}\n"
+    return body
+
+
+def probes(n: Node) -> list[list[str]]:
+    return [a for a in n.runner.history if a[0] in PROBES]
+
+
+@pytest.mark.parametrize(("fs", "size"), [("ext4", "64Mi"), ("xfs", "320Mi")])
+def test_noop_plan_of_a_published_volume_forks_no_probe(node: NodeUnderTest, fs: str,
+                                                        size: str) -> None:
+    pub, mapped = node.name("pub"), node.name("mapped")
+    node.write(pub, spec(node, True, fs=fs, size=size))
+    node.write(mapped, spec(node, False))
+    assert node.apply()["rc"] == 0
+    config = load_config(node.config)
+    n = Node.from_config(config)
+    p = plan_pass([node.desired], config, n)
+    assert all(not vp.steps and not vp.refusal for vp in p.plans), p.plans
+    dev_pub = next(m.device for m in p.observed.mappings if m.image == pub)
+    dev_mapped = next(m.device for m in p.observed.mappings if m.image == mapped)
+    # The published one: no fork at all, yet its filesystem and size are known.
+    assert all(dev_pub not in a for a in n.runner.history), n.runner.history
+    d = p.observed.devices[dev_pub]
+    assert d.fs_type == fs and d.signature == fs and d.fs_uuid
+    assert d.fs_size is not None and 0 <= d.size - d.fs_size < 1 << 20
+    # The unmounted one is probed (blkid), once; the next pass uses the cache.
+    assert [a for a in probes(n) if dev_mapped in a] == [
+        ["blkid", "-p", "-o", "export", dev_mapped]]
+    n.runner.history.clear()
+    p = plan_pass([node.desired], config, n)
+    assert probes(n) == [] and p.observed.devices[dev_mapped].signature is None
+
+    # A filesystem made by hand on the mapped device: probed again, and seen.
+    subprocess.run(["mkfs.ext4", "-q", "-F", dev_mapped], check=True)
+    p = plan_pass([node.desired], config, n)
+    assert [a[0] for a in probes(n)] == ["blkid"]
+    assert p.observed.devices[dev_mapped].fs_type == "ext4"
+    assert p.observed.devices[dev_mapped].fs_size == 64 << 20
+
+
+def test_header_read_matches_librbd(node: NodeUnderTest) -> None:
+    import dataclasses
+
+    import rbd
+
+    from reconciler.drivers import ceph, rbdheader
+    from reconciler.observe_ceph import observe_images
+
+    a, b = node.name("hdr-a"), node.name("hdr-b")
+    node.images.update({a, b})
+    with node.cluster.client() as c, c.open_ioctx(node.cluster.pool) as io:
+        rbd.RBD().create(io, a, 5 << 30, old_format=False,
+                         features=ceph.feature_bits(["layering", "exclusive-lock", "object-map",
+                                                     "fast-diff", "deep-flatten"]))
+        rbd.RBD().create(io, b, 12 << 20, old_format=False, features=ceph.feature_bits(
+            ["layering"]))
+        with rbd.Image(io, a) as img:
+            img.metadata_set("rbd-reconciler.owner", "n1")
+            img.metadata_set("other", "ü" * 300)
+            img.resize(6 << 30)
+        ids = rbdheader.image_ids(c, node.cluster.pool, [a, b, "no-such-image"])
+        assert set(ids) == {a, b}
+        for name in (a, b):
+            slow = ceph.image_state(c, node.cluster.pool, name)
+            fast = rbdheader.header_state(c, node.cluster.pool, name, ids[name])
+            assert slow is not None and fast == dataclasses.replace(slow, watchers=())
+        assert rbdheader.header_state(c, node.cluster.pool, a, "0000dead") is None
+    # Through observe: the same images, with and without their watchers.
+    cfg = load_config(node.config).ceph
+    keys = {(node.cluster.pool, a), (node.cluster.pool, b)}
+    full = observe_images(cfg, keys, 5)
+    fast_view = observe_images(cfg, keys, 5, watchers_for=set())
+    assert fast_view.images == {k: dataclasses.replace(v, watchers=())
+                                for k, v in full.images.items()}
+
+
+def test_ceph_session_kept_across_passes_and_replaced_after_no_answer(
+        node: NodeUnderTest, dead_pool: str) -> None:
+    from reconciler.observe_ceph import Session, observe_images
+
+    cfg = load_config(node.config).ceph
+    session = Session()
+    keys = {(node.cluster.pool, "nothing-here")}
+    assert node.cluster.pool in observe_images(cfg, keys, 5, set(), session).listed
+    first = session.take(cfg)
+    assert first is not None
+    first.drop()
+    observe_images(cfg, keys, 5, set(), session)
+    again = session.take(cfg)
+    assert again is first  # one connection, not one per pass
+    again.drop()
+    # A pool that does not answer: this connection is never used again.
+    view = observe_images(cfg, keys | {(dead_pool, "x")}, 1, set(), session)
+    assert dead_pool in view.errors and node.cluster.pool in view.listed
+    assert session.take(cfg) is None
+    assert node.cluster.pool in observe_images(cfg, keys, 5, set(), session).listed
+    fresh = session.take(cfg)
+    assert fresh is not None and fresh is not first
+    fresh.drop()
+    session.discard()
