@@ -11,19 +11,16 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from . import __version__
 
 TYPE_CHECKING = False  # typing itself costs ~5 ms at start-up
 if TYPE_CHECKING:
+    from .apply import VolumeOutcome
     from .config import Config
     from .engine import Pass
     from .plan import VolumePlan
     from .steps import Step
-
-if TYPE_CHECKING:
-    from .apply import VolumeOutcome
 
 EXIT_OK = 0
 EXIT_FAILED = 1
