@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -19,7 +20,7 @@ from conftest import NodeUnderTest
 
 pytestmark = pytest.mark.ceph
 ROOT = Path(__file__).resolve().parent.parent
-DEADLINE = 60.0
+DEADLINE = 120.0  # generous: a loaded 2-core machine is slow, a healthy run is not
 
 
 def wait_for(cond: Callable[[], object], what: str, timeout: float = DEADLINE) -> object:
@@ -78,8 +79,18 @@ class Daemon:
                 return s
             assert self.proc.poll() is None, self.log.read_text()
             return None
-        return wait_for(ok, f"{name} to be {phase}; log:\n{self.log.read_text()[-3000:]}",
-                        timeout)
+        try:
+            return wait_for(ok, f"{name} to be {phase}", timeout)  # type: ignore[return-value]
+        except AssertionError as exc:
+            # The log as it is now (not as it was when the wait began), and
+            # every thread's stack (faulthandler on SIGUSR1): why it is stuck.
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGUSR1)
+                with contextlib.suppress(AssertionError):
+                    wait_for(lambda: "Thread 0x" in self.log.read_text()
+                             or "Current thread" in self.log.read_text(), "the stack dump", 10)
+            raise AssertionError(f"{exc}; status {self.status(name)}; log:\n"
+                                 f"{self.log.read_text()[-6000:]}") from None
 
     def passes(self) -> int:
         """Passes logged so far (one info line per pass)."""
