@@ -422,6 +422,15 @@ def apply(plans: list[VolumePlan], volumes: dict[str, Volume], observed: Observe
     with contextlib.ExitStack() as stack:
         cluster = None
         if needed:
+            # The connection observe kept (the daemon's, or this command's own
+            # pass), held until the chains end: a second connect costs ~15 ms.
+            handle = node.ceph_session.take(node.config.ceph)
+            if handle is not None and handle.cluster is not None:
+                cluster = handle.cluster
+                stack.callback(handle.drop)
+            elif handle is not None:
+                handle.drop()
+        if needed and cluster is None:
             try:
                 cluster = stack.enter_context(ceph.connect(node.config.ceph))
             except ceph.CephError as exc:

@@ -33,3 +33,7 @@ if [[ ! -e $stamp ]]; then
       --config-settings editable_mode=compat -e '.[test]'
   touch "$stamp"
 fi
+# An editable install compiles nothing: byte-compile the package as a wheel
+# install would, so a cold command does not compile ~35 modules (~50 ms) on
+# every start where bytecode is not written back (PYTHONDONTWRITEBYTECODE).
+.venv/bin/python -m compileall -q reconciler >/dev/null
