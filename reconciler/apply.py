@@ -27,7 +27,7 @@ from .observe import Node
 from .observed import Mapping, Observed
 from .parsers import parse_mountinfo
 from .plan import GROW_SLACK, VolumePlan
-from .registry import Registry, intent_key
+from .registry import Intents, intent_key
 from .spec import Volume
 from .steps import (
     CloneImage,
@@ -165,8 +165,7 @@ class _VolumeRun:
             case SetImageMeta():
                 ceph.set_meta(self.need_cluster(), step.pool, step.image, step.key, step.new)
                 if step.key == meta.OWNER:  # an interrupted create, now finished
-                    Registry(node.config.state_dir / "intents.json").forget(
-                        intent_key(step.pool, step.image))
+                    Intents(node.config.state_dir).forget(intent_key(step.pool, step.image))
             case MapImage():
                 mapper = node.mapper(step.mapper)
                 self.device = mapper.map(step.pool, step.image, step.options)
@@ -229,20 +228,26 @@ class _VolumeRun:
         return "changed", ""
 
     def create(self, step: CreateImage) -> None:
-        """Intent first, so a crash between the create and the owner record
-        leaves an image the next pass recognises as ours (and finishes)."""
-        intents = Registry(self.node.config.state_dir / "intents.json")
-        key = intent_key(step.pool, step.image)
+        self.with_intent(step.pool, step.image, lambda: ceph.create_image(
+            self.need_cluster(), step.pool, step.image, step.size, step.features,
+            self.owner_meta()))
+
+    def with_intent(self, pool: str, image: str, make: Callable[[], None]) -> None:
+        """Intent first, so a crash between the create (or clone) and the owner
+        record leaves an image the next pass recognises as ours (and finishes)."""
+        intents = Intents(self.node.config.state_dir)
+        key = intent_key(pool, image)
         intents.record(key, {"node": self.node.config.node_name})
         try:
-            ceph.create_image(self.need_cluster(), step.pool, step.image, step.size,
-                              step.features,
-                              {meta.OWNER: self.node.config.node_name,
-                               meta.SPEC_HASH: self.volume.spec_hash if self.volume else ""})
+            make()
         except ceph.ImageExists:
             intents.forget(key)  # someone else's image: never claim it
             raise
         intents.forget(key)
+
+    def owner_meta(self) -> dict[str, str]:
+        return {meta.OWNER: self.node.config.node_name,
+                meta.SPEC_HASH: self.volume.spec_hash if self.volume else ""}
 
     def snapshot(self, step: CreateSnapshot) -> tuple[str, str]:
         """The filesystem is frozen around the snapshot only (thawed whatever
@@ -257,21 +262,9 @@ class _VolumeRun:
         return "changed", f"frozen {step.freeze}" if step.freeze else ""
 
     def clone(self, step: CloneImage) -> None:
-        """As create: the intent first, so a crash between the clone and its
-        owner record leaves a clone the next pass recognises as ours."""
-        intents = Registry(self.node.config.state_dir / "intents.json")
-        key = intent_key(step.pool, step.image)
-        intents.record(key, {"node": self.node.config.node_name})
-        try:
-            ceph.clone_image(self.need_cluster(),
-                             (step.parent_pool, step.parent_image, step.parent_snap),
-                             step.pool, step.image, step.features, step.size,
-                             {meta.OWNER: self.node.config.node_name,
-                              meta.SPEC_HASH: self.volume.spec_hash if self.volume else ""})
-        except ceph.ImageExists:
-            intents.forget(key)
-            raise
-        intents.forget(key)
+        self.with_intent(step.pool, step.image, lambda: ceph.clone_image(
+            self.need_cluster(), (step.parent_pool, step.parent_image, step.parent_snap),
+            step.pool, step.image, step.features, step.size, self.owner_meta()))
 
     def delete_snapshot(self, step: DeleteSnapshot) -> tuple[str, str]:
         """Re-checked right before acting: ours, and no clone depends on it."""

@@ -16,16 +16,16 @@ from pathlib import Path
 from .bounded import Bounded, NoAnswer, StillStuck
 from .config import Config
 from .devprobe import ProbeCache, Probed, probe_full, probe_mounted
+from .drivers.freeze import Freezes
 from .drivers.fs import DeviceUnreadable, Filesystems, block_device_size
 from .drivers.mappers import FuseMapper, KernelMapper, available_mappers
 from .drivers.run import CommandError, Runner
 from .observe_ceph import CephView, Session, observe_images
 from .observed import Device, Mapping, Mount, Observed
 from .parsers import parse_mountinfo
-from .plan import resolve_mapper  # a pure function of the spec and the node
-from .registry import CreatedPaths, Registry
+from .registry import CreatedPaths, Intents
 from .safepath import first_symlink
-from .spec import Volume
+from .spec import Volume, resolve_mapper
 
 log = logging.getLogger(__name__)
 
@@ -184,16 +184,13 @@ def observe(node: Node, volumes: Iterable[Volume], all_watchers: bool = False) -
                     st = os.lstat(p)
                     if stat.S_ISBLK(st.st_mode):
                         path_rdev[p] = (os.major(st.st_rdev), os.minor(st.st_rdev))
-    intents = set()
-    for key in Registry(node.config.state_dir / "intents.json").all():
-        pool, _, image = key.partition("/")
-        intents.add((pool, image))
-    freezes = frozenset(Registry(node.config.state_dir / "freezes.json").all())
+    intents = Intents(node.config.state_dir).images()
+    freezes = frozenset(Freezes(node.config.state_dir).all())
     imgs = ceph_pass.result()
     return Observed(images=imgs.images, pools_listed=frozenset(imgs.listed),
                     pool_errors=imgs.errors, image_errors=imgs.image_errors,
                     mappings=tuple(mappings), devices=devices, mounts=mounts,
-                    path_rdev=path_rdev, symlinks=symlinks, intents=frozenset(intents),
+                    path_rdev=path_rdev, symlinks=symlinks, intents=intents,
                     freezes=freezes)
 
 

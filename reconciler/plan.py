@@ -15,7 +15,11 @@ from dataclasses import dataclass, field
 from . import meta
 from .observed import Device, ImageState, Mapping, Mount, Observed
 from .plan_snapshots import Refused, SnapshotRules, Waiting
-from .spec import Phase, Volume
+from .spec import (
+    Phase,
+    Volume,
+    resolve_mapper,
+)
 from .steps import (
     CreateImage,
     DeleteImage,
@@ -37,7 +41,6 @@ from .units import format_size
 
 # A filesystem this much smaller than its device is grown; less is alignment slack.
 GROW_SLACK = 16 * 2**20
-MAPPER_PREFERENCE = ("krbd", "nbd", "fuse")
 # Options the kernel adds or implies; they never make a mount "different".
 _IMPLIED_OPTIONS = frozenset({"rw", "relatime", "seclabel"})
 
@@ -87,15 +90,6 @@ class VolumePlan:
 
 
 __all__ = ["Context", "Refused", "VolumePlan", "actual_state", "plan"]
-
-
-def resolve_mapper(wanted: str, available: frozenset[str]) -> str:
-    if wanted != "auto":
-        return wanted
-    for m in MAPPER_PREFERENCE:
-        if m in available:
-            return m
-    return "fuse"
 
 
 def _same_device(mount: Mount | None, dev: Device | None) -> bool:

@@ -68,3 +68,13 @@ class CreatedPaths(Registry):
 
 def intent_key(pool: str, image: str) -> str:
     return f"{pool}/{image}"
+
+
+class Intents(Registry):
+    """``stateDir/intents.json``: images (and clones) whose create has begun."""
+
+    def __init__(self, state_dir: Path) -> None:
+        super().__init__(state_dir / "intents.json")
+
+    def images(self) -> frozenset[tuple[str, str]]:
+        return frozenset((k.partition("/")[0], k.partition("/")[2]) for k in self.all())

@@ -11,6 +11,7 @@ from pathlib import Path
 API_VERSION = "rbd-reconciler/v1"
 DEFAULT_FEATURES = ("layering", "exclusive-lock", "object-map", "fast-diff", "deep-flatten")
 XFS_MIN_BYTES = 300 * 2**20
+MAPPER_PREFERENCE = ("krbd", "nbd", "fuse")
 
 
 class Phase(IntEnum):
@@ -53,6 +54,16 @@ class ImageSpec:
     @property
     def spec(self) -> str:
         return f"{self.pool}/{self.name}"
+
+
+def resolve_mapper(wanted: str, available: frozenset[str]) -> str:
+    """What ``mapper: auto`` (or a named mapper) means on a node with ``available``."""
+    if wanted != "auto":
+        return wanted
+    for m in MAPPER_PREFERENCE:
+        if m in available:
+            return m
+    return "fuse"
 
 
 @dataclass(frozen=True)

@@ -173,16 +173,8 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
             present = copy.deepcopy(doc)
             doc["spec"]["state"] = "absent"
             doc["spec"]["image"]["reclaimPolicy"] = "Delete"
-            try:
-                self.volumes.converge(name, doc, deadline)
-            except CsiError as exc:
-                if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
-                    # Refused (still open elsewhere, not ours): the volume stays as
-                    # it was; the CO's retry asks again.
-                    self.files.commit(name, self.files.write_temp(name, present))
-                    self.volumes.daemon.wake_volume(name)
-                raise
-            self.files.remove(name)
+            # Refused (still open elsewhere, not ours): the volume stays as it was.
+            self.volumes.retire(name, present, doc, deadline)
         return pb.DeleteVolumeResponse()
 
     # -- questions -------------------------------------------------------------

@@ -114,15 +114,8 @@ class SnapshotRpcs:
                 return pb.DeleteSnapshotResponse()
             present = copy.deepcopy(doc)
             doc["spec"]["state"] = "absent"
-            try:
-                self.volumes.converge(name, doc, deadline)
-            except CsiError as exc:
-                if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
-                    # Refused (clones depend on it): it stays; the CO's retry asks again.
-                    self.files.commit(name, self.files.write_temp(name, present))
-                    self.volumes.daemon.wake_volume(name)
-                raise
-            self.files.remove(name)
+            # Refused (clones depend on it): it stays as it was.
+            self.volumes.retire(name, present, doc, deadline)
         return pb.DeleteSnapshotResponse()
 
     @rpc

@@ -102,6 +102,20 @@ class Volumes:
         self.files.commit(name, tmp)
         return self.wait(name, vol.spec_hash, deadline)
 
+    def retire(self, name: str, before: dict[str, Any], after: dict[str, Any],
+               deadline: float) -> None:
+        """Converge ``after`` (the file with ``state: absent``), then remove the
+        file. A refusal puts ``before`` back: the object stays as it was and the
+        CO's retry asks again."""
+        try:
+            self.converge(name, after, deadline)
+        except CsiError as exc:
+            if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
+                self.files.commit(name, self.files.write_temp(name, before))
+                self.daemon.wake_volume(name)
+            raise
+        self.files.remove(name)
+
     def wait(self, name: str, generation: str, deadline: float) -> dict[str, Any]:
         """Wake the engine for ``name`` and wait for a status that covers
         ``generation``: from a pass that began after the file was written

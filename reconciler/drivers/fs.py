@@ -86,15 +86,6 @@ def _unreadable(device: str, why: str) -> str:
     return f"{device} cannot be read ({why}); its content is unknown"
 
 
-def read_error(device: str, length: int = PROBE_BYTES) -> str | None:
-    """None when the start of ``device`` reads back; else why not."""
-    try:
-        read_head(device, length)
-    except DeviceUnreadable as exc:
-        return str(exc)
-    return None
-
-
 def read_superblock(device: str, fs_type: str) -> Superblock | None:
     """ext4/xfs superblock through the page cache: for a mounted ext4 that is
     the live one (ext4 keeps its superblock in the device's cache), as
