@@ -259,7 +259,12 @@ def _render_conf(root: Path, fsid: str, mon_addr: str, keyring: Path, memstore_b
 [global]
 fsid = {fsid}
 mon host = [v2:{mon_addr}]
+# Every daemon address on loopback: `public addr` alone leaves the OSD's
+# cluster-side (back and heartbeat) ports on 0.0.0.0.
 public addr = 127.0.0.1
+cluster addr = 127.0.0.1
+public network = 127.0.0.0/8
+cluster network = 127.0.0.0/8
 auth cluster required = cephx
 auth service required = cephx
 auth client required = cephx

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -165,3 +166,27 @@ def test_cli_run_sets_env_and_returns_exit_code(tmp_path: Path) -> None:
     )
     assert proc.returncode == 7, proc.stderr
     assert not root.exists()  # we created it, so stop() removed it
+
+
+def _listeners(pids: set[int]) -> list[tuple[str, str]]:
+    """(local address, process) of every TCP/UDP socket the given pids listen on."""
+    out = subprocess.run(["ss", "-Htulnp"], capture_output=True, text=True, check=True,
+                         timeout=30).stdout
+    found = []
+    for line in out.splitlines():
+        fields = line.split()
+        procs = fields[-1] if fields[-1].startswith("users:") else ""
+        owners = {int(p) for p in re.findall(r"pid=(\d+)", procs)}
+        if owners & pids:
+            found.append((fields[4], procs))
+    return found
+
+
+def test_every_daemon_listens_on_loopback_only(ceph_cluster: DevCluster) -> None:
+    """A test or demo cluster never listens on a real interface (mon, OSD
+    public, cluster/back and heartbeat addresses)."""
+    listening = _listeners(set(ceph_cluster.pids.values()))
+    assert len(listening) >= 4, f"expected the mon and OSD listeners, found {listening}"
+    loopback = ("127.", "[::1]", "[::ffff:127.")
+    elsewhere = [addr for addr, _ in listening if not addr.startswith(loopback)]
+    assert not elsewhere, f"cluster daemons listen beyond loopback: {elsewhere}"
