@@ -1,37 +1,96 @@
 #!/usr/bin/env bash
 # Runs inside `python -m reconciler.devcluster run` (Ceph env vars are set).
+# Every wait has a deadline, waits on a state that holds (a phase, a size, a
+# mount; never a transient value) and says what it waited for when it gives
+# up. On success, failure or interrupt, what the demo started is undone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=examples/config/local-cluster.yaml
-DESIRED=/run/rbd-reconciler-demo/volumes.d
+DEMO=/run/rbd-reconciler-demo          # must match $CONFIG
+DESIRED=$DEMO/volumes.d
+STATUS=$DEMO/state/status
+SRV=/srv/rbd-demo
 R=(.venv/bin/rbd-reconciler --config "$CONFIG")
 say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+die() { echo "demo: $*" >&2; exit 1; }
 
 mkdir -p "$DESIRED"
 chmod 0755 "$DESIRED"
 cp examples/*.yaml "$DESIRED"/
 
+# --- clean-up: runs on every exit ------------------------------------------
 DAEMON_PID=""
-cleanup() {
-  if [[ -n $DAEMON_PID ]] && kill -0 "$DAEMON_PID" 2>/dev/null; then
-    kill -TERM "$DAEMON_PID"; wait "$DAEMON_PID" || true
+stop_daemon() {  # SIGTERM, then SIGKILL after 40 s (the daemon's own stop deadline is 30 s)
+  [[ -n $DAEMON_PID ]] || return 0
+  if kill -0 "$DAEMON_PID" 2>/dev/null; then
+    kill -TERM "$DAEMON_PID" 2>/dev/null || true
+    local deadline=$((SECONDS + 40))
+    while kill -0 "$DAEMON_PID" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.2; done
+    if kill -0 "$DAEMON_PID" 2>/dev/null; then
+      echo "demo: the daemon did not stop within 40 s of SIGTERM; killing it" >&2
+      kill -KILL "$DAEMON_PID" 2>/dev/null || true
+    fi
   fi
-  say "release: unpublish, unstage, unmap (images are kept)"
-  "${R[@]}" release || true
-  rmdir /srv/rbd-demo 2>/dev/null || true
+  wait "$DAEMON_PID" 2>/dev/null || true
+  DAEMON_PID=""
+}
+mounts_under() {  # mount points under $1, deepest first (the paths here need no unescaping)
+  awk -v p="$1/" 'index($5, p) == 1 {print $5}' /proc/self/mountinfo | sort -r
+}
+force_clean() {  # only what is provably the demo's: mounts under $SRV and $DEMO, loops on $DEMO
+  local m lo
+  for m in $(mounts_under "$SRV") $(mounts_under "$DEMO/state/staging"); do
+    timeout -k 5 30 umount -l "$m" || true
+  done
+  for lo in $(losetup -n -l -O NAME,BACK-FILE | awk -v p="$DEMO/" 'index($2, p) == 1 {print $1}'); do
+    timeout -k 5 30 losetup -d "$lo" || true
+  done
+  for m in $(mounts_under "$DEMO"); do timeout -k 5 30 umount -l "$m" || true; done
+}
+cleanup() {
+  local rc=$?
+  trap - EXIT INT TERM
+  stop_daemon
+  if ((rc != 0)); then
+    echo "demo: failed (exit $rc); releasing what it set up" >&2
+    timeout -k 5 120 "${R[@]}" release >/dev/null 2>&1 || true
+    force_clean
+  fi
+  rm -rf "$SRV" 2>/dev/null || true
+  exit "$rc"
 }
 trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# --- waits -------------------------------------------------------------------
+# wait_until SECONDS WHAT CMD...: poll CMD every 0.1 s until it succeeds.
+wait_until() {
+  local limit=$1 what=$2; shift 2
+  local deadline=$((SECONDS + limit))
+  until "$@" >/dev/null 2>&1; do
+    ((SECONDS < deadline)) || die "gave up after ${limit} s waiting for $what"
+    if [[ -n $DAEMON_PID ]] && ! kill -0 "$DAEMON_PID" 2>/dev/null; then
+      die "the daemon exited while waiting for $what"
+    fi
+    sleep 0.1
+  done
+}
+status_has() { grep -q "$2" "$STATUS/$1.json"; }
+phase_is() { status_has "$1" "\"phase\": \"$2\""; }
+wait_phase() { wait_until 60 "$1 to be $2 (daemon status $STATUS/$1.json)" phase_is "$1" "$2"; echo "  $1: $2"; }
+mounted() { findmnt -n "$1"; }
 
 say "the local cluster answers"
 timeout 20 ceph health
-timeout 20 rbd ls -l "$RBD_RECONCILER_POOL" || true
+timeout 20 rbd ls -l "$RBD_RECONCILER_POOL"
 
 say "validate $DESIRED"
 "${R[@]}" validate
 
 say "plan (exit 2: changes pending)"
 rc=0; "${R[@]}" plan || rc=$?
-[[ $rc -eq 2 ]] || { echo "demo: plan exited $rc, expected 2" >&2; exit 1; }
+[[ $rc -eq 2 ]] || die "plan exited $rc, expected 2"
 
 say "apply"
 "${R[@]}" apply
@@ -43,26 +102,15 @@ say "status"
 "${R[@]}" status
 
 say "the volumes are real filesystems"
-echo "hello from rbd" > /srv/rbd-demo/pgdata/hello.txt
-cat /srv/rbd-demo/pgdata-backup-view/hello.txt
-if touch /srv/rbd-demo/pgdata-backup-view/nope 2>/dev/null; then
-  echo "demo: read-only publish was writable" >&2; exit 1
+echo "hello from rbd" > $SRV/pgdata/hello.txt
+cat $SRV/pgdata-backup-view/hello.txt
+if touch $SRV/pgdata-backup-view/nope 2>/dev/null; then
+  die "read-only publish was writable"
 fi
 echo "read-only view refuses writes, as it should"
-df -h /srv/rbd-demo/pgdata /srv/rbd-demo/metrics | sed 's/^/  /'
+df -h $SRV/pgdata $SRV/metrics | sed 's/^/  /'
 
 # --- the daemon: files in, mounts out ---------------------------------------
-STATUS=/run/rbd-reconciler-demo/state/status
-phase() { sed -n 's/.*"phase": "\([A-Za-z]*\)".*/\1/p' "$STATUS/$1.json" 2>/dev/null; }
-wait_phase() {  # NAME PHASE: poll the daemon's status file, 60 s deadline
-  local deadline=$((SECONDS + 60))
-  until [[ "$(phase "$1")" == "$2" ]]; do
-    ((SECONDS < deadline)) || { echo "demo: $1 never became $2" >&2; exit 1; }
-    sleep 0.1
-  done
-  echo "  $1: $2"
-}
-
 say "run the daemon (logs below, journal style)"
 "${R[@]}" run --log-format plain &
 DAEMON_PID=$!
@@ -70,8 +118,16 @@ wait_phase pgdata Published
 
 say "edit: grow metrics (xfs) from 512Mi to 768Mi"
 sed -i 's/size: 512Mi/size: 768Mi/' "$DESIRED/metrics-xfs.yaml"
-until grep -q '"lastResult": "changed"' "$STATUS/metrics.json" 2>/dev/null; do sleep 0.1; done
-df -h /srv/rbd-demo/metrics | sed 's/^/  /'
+wait_until 60 "metrics to report 768Mi (805306368 bytes) in its status" \
+  status_has metrics '"size": 805306368'
+fs_grown() { (( $(df --output=size -B1M $SRV/metrics | tail -1) > 700 )); }
+wait_until 30 "the xfs on $SRV/metrics to grow past 700 MiB" fs_grown
+df -h $SRV/metrics | sed 's/^/  /'
+
+say "drift: unmount the read-only view by hand; the daemon puts it back"
+umount $SRV/pgdata-backup-view
+wait_until 60 "$SRV/pgdata-backup-view to be mounted again" mounted $SRV/pgdata-backup-view
+cat $SRV/pgdata-backup-view/hello.txt
 
 say "add a file: a new volume appears"
 sed -e 's/name: scratch/name: scratch2/' -e 's#scratch.dev#scratch2.dev#' \
@@ -84,17 +140,39 @@ rm "$DESIRED/scratch2.yaml"
 wait_phase scratch2 Released
 
 say "break a file: its volume is frozen, its mounts untouched"
-cp "$DESIRED/pgdata.yaml" /run/rbd-reconciler-demo/pgdata.good
+cp "$DESIRED/pgdata.yaml" $DEMO/pgdata.good
 sed -i 's/size: 256Mi/size: 256 megabytes/' "$DESIRED/pgdata.yaml"
 wait_phase pgdata Frozen
-cat /srv/rbd-demo/pgdata/hello.txt
-cp /run/rbd-reconciler-demo/pgdata.good "$DESIRED/pgdata.yaml"
+cat $SRV/pgdata/hello.txt
+cp $DEMO/pgdata.good "$DESIRED/.pgdata.tmp"
+mv "$DESIRED/.pgdata.tmp" "$DESIRED/pgdata.yaml"
 wait_phase pgdata Published
+
+say "snapshot and clone: golden, written, then snapshotted and cloned"
+# The first document of the example alone (the golden volume), then the whole file.
+sed -n '1,/^---$/p' examples/snapshots/golden.yaml | sed '$d' > "$DESIRED/.golden.tmp"
+mv "$DESIRED/.golden.tmp" "$DESIRED/golden.yaml"
+wait_phase golden Published
+echo "written before the snapshot" > $SRV/golden/v1.txt
+sync -f $SRV/golden/v1.txt
+cp examples/snapshots/golden.yaml "$DESIRED/.golden.tmp"
+mv "$DESIRED/.golden.tmp" "$DESIRED/golden.yaml"
+wait_phase test-env Published
+wait_phase golden-copy Created
+echo "  the clone holds: $(cat $SRV/test-env/v1.txt)"
+df -h $SRV/test-env | sed 's/^/  /'
 
 say "status, as the daemon sees it"
 "${R[@]}" status
 "${R[@]}" explain pgdata
 
 say "stop the daemon (SIGTERM): mounts stay"
-kill -TERM "$DAEMON_PID"; wait "$DAEMON_PID"; DAEMON_PID=""
-findmnt -n -o TARGET /srv/rbd-demo/pgdata
+stop_daemon
+mounted $SRV/pgdata >/dev/null || die "$SRV/pgdata is no longer mounted after the daemon stopped"
+findmnt -n -o TARGET $SRV/pgdata
+
+say "release: unpublish, unstage, unmap (images are kept)"
+"${R[@]}" release
+left=$(mounts_under "$SRV"; mounts_under "$DEMO")
+[[ -z $left ]] || die "still mounted after release: $left"
+echo "nothing of the demo is mounted or mapped any more"
