@@ -216,7 +216,7 @@ class Daemon:
 
     def _serve(self) -> int:
         """Passes run in their own thread; this one handles signals and pings the
-        watchdog after a liveness check that never waits on Ceph (rule 10)."""
+        watchdog after a liveness check that never waits on Ceph (safety rule 10)."""
         worker = threading.Thread(target=self._loop, name="pass", daemon=True)
         worker.start()
         ping = sdnotify.watchdog_interval()
@@ -418,7 +418,7 @@ class Daemon:
         if vanished and failed_files:
             # A failed file may declare any of them (renamed and broken in one
             # change hides its names): while one fails, nothing is released
-            # unless named by allow-removal (rule 3 holds across renames).
+            # unless named by allow-removal (safety rule 3 holds across renames).
             more = f" (and {len(failed_files) - 1} more)" if len(failed_files) > 1 else ""
             why = f"removal held: {failed_files[0]}{more} fails to load"
             removing = [n for n in vanished if n in allowed.names]

@@ -4,7 +4,7 @@ with a deadline.
 A pool whose PGs map to no OSD makes a listing wait for the OSD op timeout
 (30 s); a cluster that is down makes connecting wait as long; an image whose
 header sits on a PG that is down makes opening it wait. None of them may
-hold up other volumes (DESIGN rule 10): each pool is listed, and each image
+hold up other volumes (safety rule 10): each pool is listed, and each image
 opened, in its own bounded call. What has not answered by the deadline is
 reported in ``errors`` (per pool) or ``image_errors``: unknown, never absent.
 """

@@ -59,7 +59,7 @@ class Device:
     fs_size: int | None = None  # bytes the filesystem spans, when known
     problem: str | None = None  # set: the probe failed or the device did not read
     # Set when the probe did not answer in time: the content is unknown,
-    # which stops anything destructive (DESIGN rule 7); the reason.
+    # which stops anything destructive (safety rule 7); the reason.
     unknown: str | None = None
 
 

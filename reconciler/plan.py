@@ -167,7 +167,7 @@ class _VolumePlanner(SnapshotRules):
         return Phase.MAPPED
 
     def unknown(self) -> str | None:
-        """Why the volume's state cannot be known, if it cannot (DESIGN rule 7)."""
+        """Why the volume's state cannot be known, if it cannot (safety rule 7)."""
         pool = self.v.image.pool
         if pool not in self.obs.pools_listed:
             why = self.obs.pool_errors.get(pool, "not listed")

@@ -272,7 +272,7 @@ def test_explain_krbd_without_module_recorded() -> None:
 
 
 def test_explain_krbd_without_module_last_line_only() -> None:
-    # What DESIGN.md quotes: the last line alone is enough.
+    # What `rbd device map` prints without the module: the last line alone is enough.
     err = explain_map_failure("krbd", 2, "rbd: map failed: (2) No such file or directory\n")
     assert err.reason == "the kernel has no rbd module (krbd unavailable)"
 

@@ -1,4 +1,4 @@
-"""Unknown is not absent (DESIGN rules 7 and 10): what cannot be seen in time
+"""Unknown is not absent (safety rules 7 and 10, README): what cannot be seen in time
 is reported UNKNOWN with its reason, never blank or absent, and fails the
 command; a stuck call holds up nobody and is never piled up."""
 
