@@ -59,6 +59,7 @@ CEPH_STEPS = (CreateImage, ResizeImage, SetImageMeta, DeleteImage, FormatDevice,
               MountStaging, CreateSnapshot, CloneImage, FlattenImage, DeleteSnapshot)
 # Failures here leave a stage half done: undo what this run acquired.
 STAGE_CHAIN = (MapImage, RefreshDevice, FormatDevice, MountStaging)
+LEFT = ": left for the next start (daemon stopping)"  # an undo not done at a stop
 
 
 class StepRefused(Exception):
@@ -160,7 +161,7 @@ class _VolumeRun:
         next start resumes (an interrupted mkfs is redone: image-meta says so)."""
         self.out.status, self.out.error = "aborted", why
         for what, _ in reversed(self.acquired):
-            self.out.undone.append(f"{what}: left for the next start (daemon stopping)")
+            self.out.undone.append(f"{what}{LEFT}")
         self.acquired.clear()
 
     def undo(self) -> None:

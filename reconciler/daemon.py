@@ -27,7 +27,7 @@ from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
 from . import allowance, sdnotify
-from .apply import VolumeOutcome, apply
+from .apply import LEFT, VolumeOutcome, apply
 from .conditions import Conditions
 from .config import Config, ConfigError, load_config
 from .csi.desired import forgettable, load_desired
@@ -586,9 +586,9 @@ class Daemon:
         chain acquired stays, as after a crash; the next start resumes."""
         with self.lock:
             self.inflight.pop(vol.name, None)
-        left = [u for u in out.undone if u.endswith("(daemon stopping)")]
+        left = [u.removesuffix(LEFT) for u in out.undone if u.endswith(LEFT)]
         log.warning("%s: stopped: %s%s", vol.name, out.error,
-                    f"; left: {', '.join(left)}" if left else "")
+                    f"; not undone, for the next start: {', '.join(left)}" if left else "")
         self._write_status(vol.name, {
             "phase": "Pending", "reason": "Interrupted",
             "message": f"{out.error}; the next start resumes",
