@@ -136,6 +136,9 @@ def test_stuck_helper_fails_its_step_and_does_not_hold_up_a_stop(
     d = daemons(extra_env=stand_in.env())
     d.wait_phase(other, "Published")
     failed = d.wait_phase(stuck, "Failed")
+    first = stand_in.started()[:2]  # the hang that failed: child and grandchild
+    assert [p for p in first if p in stand_in.alive()] == [], \
+        "the grandchild of the command killed at its deadline is still running"
     assert "timed out after 10 s: killed (its process group)" in failed["lastError"], failed
     assert "blkid: hanging on" in failed["lastError"], failed  # its output, after the kill
     # ...and SIGTERM while blkid hangs again: the stop kills it after the grace.
