@@ -61,7 +61,7 @@ class TimeoutsConfig:
 
 # After the grace, the stop kills what still runs and waits for it (bounded):
 # stopSeconds must leave this much time after stopGraceSeconds.
-STOP_AFTER_GRACE_S = 5.0
+STOP_AFTER_GRACE_S = 6.0
 
 
 @dataclass(frozen=True)
