@@ -3,8 +3,7 @@ process group, the wait for its output after the kill is bounded, and a stop
 refuses new commands and kills those still running after the grace.
 
 The stand-ins fork a grandchild that keeps stdout open and ignore SIGTERM:
-``subprocess.run(timeout=...)`` kills only the child, then waits for pipes
-the grandchild holds, for as long as it lives.
+``subprocess.run(timeout=...)`` kills only the child; the grandchild lives on.
 """
 
 from __future__ import annotations

@@ -10,11 +10,11 @@ through ``subprocess.run``). A publish runs six commands and every observe
 two per device; the standard library does this job better.
 
 Why not ``subprocess.run(timeout=...)``: at the deadline it kills the child
-only, then waits without a limit for its pipes; a grandchild still holding
-them (a helper the command forked) hangs the caller for good. So each
-command runs in its own process group (session), the whole group is killed
-(SIGKILL) at its deadline, and the wait for its output after the kill is
-bounded: output still held then is abandoned, and said so.
+only (a grandchild the command forked lives on, holding its pipes), then
+waits for the child without a limit (one stuck in the kernel hangs the
+caller). So each command runs in its own process group (session), the
+whole group is killed (SIGKILL) at its deadline, and the wait after the
+kill is bounded: output still held then is abandoned, and said so.
 
 Long-lived helpers (rbd-fuse) are started elsewhere, in their own session,
 and never through a Runner: nothing here kills them.
