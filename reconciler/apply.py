@@ -23,6 +23,7 @@ import rados
 from . import meta, safepath
 from .drivers import ceph, freeze
 from .drivers.fs import OnlineGrowRefused, block_device_size, is_ours
+from .drivers.run import Aborted
 from .observe import Node
 from .observed import Mapping, Observed
 from .parsers import parse_mountinfo
@@ -58,6 +59,7 @@ CEPH_STEPS = (CreateImage, ResizeImage, SetImageMeta, DeleteImage, FormatDevice,
               MountStaging, CreateSnapshot, CloneImage, FlattenImage, DeleteSnapshot)
 # Failures here leave a stage half done: undo what this run acquired.
 STAGE_CHAIN = (MapImage, RefreshDevice, FormatDevice, MountStaging)
+LEFT = ": left for the next start (daemon stopping)"  # an undo not done at a stop
 
 
 class StepRefused(Exception):
@@ -67,7 +69,7 @@ class StepRefused(Exception):
 @dataclass
 class StepOutcome:
     step: Step
-    status: str  # changed | ok | failed
+    status: str  # changed | ok | failed | aborted
     message: str = ""
     seconds: float = 0.0  # wall time of the step (the daemon's metrics observe it)
 
@@ -78,7 +80,7 @@ class StepOutcome:
 @dataclass
 class VolumeOutcome:
     name: str
-    status: str = "ok"  # ok | changed | failed
+    status: str = "ok"  # ok | changed | failed | aborted (the daemon is stopping)
     steps: list[StepOutcome] = field(default_factory=list)
     error: str | None = None
     notes: list[str] = field(default_factory=list)
@@ -121,16 +123,24 @@ class _VolumeRun:
             self.out.status, self.out.error = "failed", self.plan.refusal
             return self.out
         self.run_steps()
-        if self.plan.withheld and self.out.status != "failed":
+        if self.plan.withheld and self.out.status not in ("failed", "aborted"):
             # The rest converged; what was refused still counts as a failure.
             self.out.status, self.out.error = "failed", "; ".join(self.plan.withheld)
         return self.out
 
     def run_steps(self) -> VolumeOutcome:
         for step in self.plan.steps:
+            if self.node.runner.halt.stopping:
+                self.abort(f"daemon stopping: {step.action} {step.target} not started")
+                return self.out
             t0 = time.monotonic()
             try:
                 status, message = self.execute(step)
+            except Aborted as exc:
+                self.out.steps.append(StepOutcome(step, "aborted", str(exc),
+                                                  time.monotonic() - t0))
+                self.abort(f"{step.action} {step.target}: {exc}")
+                return self.out
             except Exception as exc:  # every failure is reported, never raised past a volume
                 log.warning("%s: %s %s failed: %s", step.volume, step.action, step.target, exc)
                 self.out.steps.append(StepOutcome(step, "failed", str(exc),
@@ -144,6 +154,15 @@ class _VolumeRun:
             if status == "changed":
                 self.out.status = "changed"
         return self.out
+
+    def abort(self, why: str) -> None:
+        """The daemon is stopping. A half stage is not undone: its commands may
+        be what is stuck, and what it leaves is what a crash leaves, which the
+        next start resumes (an interrupted mkfs is redone: image-meta says so)."""
+        self.out.status, self.out.error = "aborted", why
+        for what, _ in reversed(self.acquired):
+            self.out.undone.append(f"{what}{LEFT}")
+        self.acquired.clear()
 
     def undo(self) -> None:
         for what, fn in reversed(self.acquired):

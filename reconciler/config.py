@@ -50,6 +50,21 @@ class CloneConfig:
 
 
 @dataclass(frozen=True)
+class TimeoutsConfig:
+    """Deadlines of node commands and of the daemon's stop (README: Deadlines)."""
+
+    command_seconds: float = 120.0  # any node command (blkid, mount, losetup, rbd ...)
+    mkfs_seconds: float = 600.0  # mkfs, and e2fsck + resize2fs before mounting
+    stop_seconds: float = 30.0  # SIGTERM to exit, whatever is stuck
+    stop_grace_seconds: float = 5.0  # a command running at SIGTERM may finish within this
+
+
+# After the grace, the stop kills what still runs and waits for it (bounded):
+# stopSeconds must leave this much time after stopGraceSeconds.
+STOP_AFTER_GRACE_S = 6.0
+
+
+@dataclass(frozen=True)
 class Config:
     desired_dir: Path
     state_dir: Path
@@ -67,6 +82,7 @@ class Config:
     csi: CsiConfig = CsiConfig(None, None, DEFAULT_DRIVER_NAME, 120.0)
     metrics: MetricsConfig = MetricsConfig(None, None)
     clone: CloneConfig = CloneConfig()
+    timeouts: TimeoutsConfig = TimeoutsConfig()
 
     @property
     def staging_root(self) -> Path:
@@ -89,6 +105,7 @@ def _build(data: dict, source: Path | None) -> Config:
     csi = data.get("csi", {})
     metrics = data.get("metrics", {})
     clone = data.get("clone", {})
+    timeouts = data.get("timeouts", {})
     return Config(
         desired_dir=Path(data.get("desiredDir", "/etc/rbd-reconciler/volumes.d")),
         state_dir=Path(data.get("stateDir", "/var/lib/rbd-reconciler")),
@@ -119,6 +136,12 @@ def _build(data: dict, source: Path | None) -> Config:
         clone=CloneConfig(max_depth=int(clone.get("maxDepth", 8)),
                           flatten=clone.get("flatten", "depth"),
                           flatten_on_delete=bool(clone.get("flattenOnDelete", False))),
+        timeouts=TimeoutsConfig(
+            command_seconds=float(timeouts.get("commandSeconds", 120)),
+            mkfs_seconds=float(timeouts.get("mkfsSeconds", 600)),
+            stop_seconds=float(timeouts.get("stopSeconds", 30)),
+            stop_grace_seconds=float(timeouts.get("stopGraceSeconds", 5)),
+        ),
     )
 
 
@@ -191,6 +214,15 @@ def _load_config(path: Path, explicit: bool) -> Config:
     if listen and not 0 < int(listen.rsplit(":", 1)[-1]) < 65536:
         line, col = doc.where(("metrics", "listen"))
         diags.append(Diagnostic(path, line, col, "metrics.listen", "the port must be 1-65535"))
+    timeouts = (doc.data.get("timeouts") or {}) if not diags else {}
+    stop, grace = timeouts.get("stopSeconds", 30), timeouts.get("stopGraceSeconds", 5)
+    if grace + STOP_AFTER_GRACE_S > stop:
+        key = "stopGraceSeconds" if "stopGraceSeconds" in timeouts else "stopSeconds"
+        line, col = doc.where(("timeouts", key))
+        diags.append(Diagnostic(path, line, col, f"timeouts.{key}",
+                                f"stopGraceSeconds ({grace:g}) must end at least "
+                                f"{STOP_AFTER_GRACE_S:g} s before stopSeconds ({stop:g}): "
+                                "the stop kills what still runs then, and waits for it"))
     if diags:
         raise ConfigError(diags)
     return _build(doc.data, path)

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import os
 import random
 import signal
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -25,10 +27,11 @@ from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
 from . import allowance, sdnotify
-from .apply import VolumeOutcome, apply
+from .apply import LEFT, VolumeOutcome, apply
 from .conditions import Conditions
 from .config import Config, ConfigError, load_config
 from .csi.desired import forgettable, load_desired
+from .drivers.run import Aborted, Halt
 from .engine import Busy, context, state_lock
 from .loader import discover, is_ignored
 from .metrics import Metrics, ceph_reachable
@@ -48,6 +51,9 @@ BACKOFF_MAX_S = 300.0
 # A pass (load, bounded observe, plan) stuck longer than this is a bug or a
 # hang the deadlines missed: stop pinging the watchdog so systemd restarts us.
 STALL_MIN_S = 120.0
+# Of timeouts.stopSeconds, kept for what follows the wait for the chains
+# (the CSI server's own grace, the file watcher, the log lines).
+STOP_RESERVE_S = 3.0
 
 PHASE_NAMES = {"ABSENT": "Absent", "CREATED": "Created", "MAPPED": "Mapped",
                "STAGED": "Staged", "PUBLISHED": "Published"}
@@ -92,7 +98,11 @@ class Daemon:
         self.config = config
         self.config_path = config_path
         self.allow_mass_removal = allow_mass_removal
-        self.node = Node.from_config(config)
+        # Set at SIGTERM: commands refused and killed after the grace (every
+        # Node built here shares it: a reload leaves chains on the old one).
+        self.halt = Halt()
+        self.node = Node.from_config(config, halt=self.halt)
+        self.abandoned = False  # a chain outlived the stop deadline: exit hard
         self.wake_event = threading.Event()
         self.stopping = threading.Event()
         self.reload_wanted = threading.Event()
@@ -152,7 +162,10 @@ class Daemon:
 
     def install_signals(self) -> None:
         def stop(signum: int, _frame: object) -> None:
-            log.info("signal %d: finishing steps in flight, then exiting", signum)
+            t = self.config.timeouts
+            log.info("signal %d: stopping: no new step starts; steps in flight may run "
+                     "commands for %g s, then what still runs is killed; exiting within %g s",
+                     signum, t.stop_grace_seconds, t.stop_seconds)
             self.stopping.set()
             self.wake()
 
@@ -195,7 +208,7 @@ class Daemon:
                         return 1
                 csi = self._start_csi()
                 try:
-                    return self._serve()
+                    rc = self._serve()
                 finally:
                     if csi is not None:
                         csi.stop()
@@ -203,6 +216,12 @@ class Daemon:
         except Busy as exc:
             log.error("%s", exc)
             return 1
+        if self.abandoned:
+            # A worker thread still stuck (in the kernel, or a Ceph call) would
+            # hold the interpreter's exit past the stop deadline: exit now.
+            logging.shutdown()
+            os._exit(rc)
+        return rc
 
     def _start_csi(self) -> object | None:
         endpoint = self.csi_endpoint or self.config.csi.endpoint
@@ -231,14 +250,39 @@ class Daemon:
                 sdnotify.notify("WATCHDOG=1")
             self.stopping.wait(ping if ping is not None else 1.0)
         sdnotify.notify("STOPPING=1")
-        self.wake()
-        worker.join()  # the pass in flight is bounded: observe has deadlines
-        self.pool.shutdown(wait=True)  # chains in flight finish: no half stage
+        deadline = time.monotonic() + self.config.timeouts.stop_seconds - STOP_RESERVE_S
+        self._stop_chains(worker, deadline)
         if self.observer is not None:
             self.observer.stop()
-            self.observer.join(timeout=5)
+            self.observer.join(timeout=max(0.1, min(5.0, deadline + 1 - time.monotonic())))
         reap_zombies()
         return rc
+
+    def _stop_chains(self, worker: threading.Thread, deadline: float) -> None:
+        """No new step starts; the steps in flight may run commands for the
+        grace, then the commands still running are killed (their process
+        groups) and their chains end. A chain still running at ``deadline``
+        (stuck outside a command) is logged and abandoned: the exit does not
+        wait for it."""
+        self.halt.begin(self.config.timeouts.stop_grace_seconds)
+        self.wake()
+        worker.join(timeout=max(0.0, deadline - time.monotonic()))  # observe is bounded
+        self.pool.shutdown(wait=False, cancel_futures=True)  # queued chains never start
+        with self.lock:
+            inflight = dict(self.inflight)
+        _, pending = wait_futures(inflight.values(),
+                                  timeout=max(0.0, deadline - time.monotonic()))
+        with self.lock:
+            cancelled = sorted(n for n, f in inflight.items() if f.cancelled())
+        if cancelled:
+            log.info("stop: not started: %s", ", ".join(cancelled))
+        stuck = sorted(n for n, f in inflight.items() if f in pending)
+        if stuck or worker.is_alive():
+            self.abandoned = True
+            log.error("stop: still running at the stop deadline, abandoned: %s%s; "
+                      "commands: %s", ", ".join(stuck) or "(no chain)",
+                      "; the pass thread" if worker.is_alive() else "",
+                      "; ".join(self.halt.running()) or "none")
 
     def _alive(self) -> bool:
         """Liveness, for the watchdog: the pass thread is waiting, or inside a
@@ -271,6 +315,8 @@ class Daemon:
         self.busy_since = time.monotonic()
         try:
             self.reconcile()
+        except Aborted as exc:  # SIGTERM: the pass's commands were refused
+            log.info("pass cut short: %s", exc)
         except Exception:  # the daemon never dies of one pass (a file, a bug)
             log.exception("pass failed")
         finally:
@@ -292,7 +338,7 @@ class Daemon:
             log.error("reload refused, keeping the running config: %s", exc)
             return
         self.config = config
-        self.node = Node.from_config(config)
+        self.node = Node.from_config(config, halt=self.halt)
         log.info("config reloaded from %s", config.source or "built-in defaults")
         self._watch()
 
@@ -476,6 +522,8 @@ class Daemon:
             return time.monotonic() >= b.until
 
     def _submit(self, vol: Volume, vp: VolumePlan, observed: object, released: bool) -> None:
+        if self.halt.stopping:  # a pass that was under way at SIGTERM
+            return
         if vp.refusal is None and not self.status_path(vol.name).exists():
             self._write_status(vol.name, {"phase": "Pending"})
         elif vol.state == "absent" and vp.refusal is None:
@@ -497,6 +545,9 @@ class Daemon:
 
     def _record_outcome(self, vol: Volume, vp: VolumePlan, out: VolumeOutcome,
                         released: bool) -> None:
+        if out.status == "aborted":
+            self._record_aborted(vol, out)
+            return
         with self.lock:
             self.inflight.pop(vol.name, None)
             if out.status == "failed":
@@ -529,6 +580,22 @@ class Daemon:
                             "message": out.error or "", "lastTransitionTime": _now()}],
         })
         self.wake()  # look again: level-triggered, the next pass confirms
+
+    def _record_aborted(self, vol: Volume, out: VolumeOutcome) -> None:
+        """Cut short by SIGTERM: not a failure (no backoff, no alarm). What the
+        chain acquired stays, as after a crash; the next start resumes."""
+        with self.lock:
+            self.inflight.pop(vol.name, None)
+        left = [u.removesuffix(LEFT) for u in out.undone if u.endswith(LEFT)]
+        log.warning("%s: stopped: %s%s", vol.name, out.error,
+                    f"; not undone, for the next start: {', '.join(left)}" if left else "")
+        self._write_status(vol.name, {
+            "phase": "Pending", "reason": "Interrupted",
+            "message": f"{out.error}; the next start resumes",
+            "observedGeneration": vol.spec_hash, "lastResult": "aborted",
+            "notes": out.notes, "undone": out.undone,
+            "steps": [s.as_dict() for s in out.steps],
+        })
 
     def _converged(self, vol: Volume, vp: VolumePlan, observed: object, released: bool) -> None:
         with self.lock:

@@ -19,7 +19,7 @@ from .devprobe import ProbeCache, Probed, probe_full, probe_mounted
 from .drivers.freeze import Freezes
 from .drivers.fs import DeviceUnreadable, Filesystems, block_device_size
 from .drivers.mappers import FuseMapper, KernelMapper, available_mappers
-from .drivers.run import CommandError, Runner
+from .drivers.run import CommandError, Halt, Runner
 from .observe_ceph import CephView, Session, observe_images
 from .observed import Device, Mapping, Mount, Observed
 from .parsers import parse_mountinfo
@@ -47,8 +47,13 @@ class Node:
     ceph_session: Session = field(default_factory=Session)
 
     @classmethod
-    def from_config(cls, config: Config, runner: Runner | None = None) -> Node:
-        runner = runner or Runner()
+    def from_config(cls, config: Config, runner: Runner | None = None,
+                    halt: Halt | None = None) -> Node:
+        """``halt``: the daemon's, shared by the Nodes it builds (a reload
+        makes a new one while chains of the old one still run)."""
+        runner = runner or Runner(timeout=config.timeouts.command_seconds,
+                                  long_timeout=config.timeouts.mkfs_seconds,
+                                  halt=halt or Halt())
         return cls(
             config=config, runner=runner,
             fs=Filesystems(runner, CreatedPaths(config.state_dir / "created.json")),

@@ -40,3 +40,20 @@ def reap_zombies(names: tuple[str, ...] = ("rbd-fuse",)) -> list[int]:
                 os.waitpid(pid, os.WNOHANG)
                 reaped.append(pid)
     return reaped
+
+
+def reap_group(pgid: int) -> list[int]:
+    """Reap our zombie children in process group ``pgid`` but not its leader
+    (``subprocess`` waits for that one): a killed command's orphans, which
+    come back to us as a subreaper and would otherwise stay zombies."""
+    me = os.getpid()
+    reaped = []
+    for stat_path in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            text = stat_path.read_text()
+            state, ppid, pgrp = text[text.rindex(")") + 2:].split()[:3]
+            pid = int(stat_path.parent.name)
+            if state == "Z" and int(ppid) == me and int(pgrp) == pgid and pid != pgid:
+                os.waitpid(pid, os.WNOHANG)
+                reaped.append(pid)
+    return reaped

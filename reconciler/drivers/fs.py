@@ -149,7 +149,7 @@ class Filesystems:
         interrupted mkfs (the caller decides, from image-meta)."""
         flag = ["-F" if fs_type == "ext4" else "-f"] if force else []
         self.runner.run([f"mkfs.{fs_type}", *MKFS_DEFAULTS[fs_type], *flag, *options, device],
-                        timeout=600)
+                        timeout=self.runner.long_timeout)
 
     def _mountpoint(self, path: str, kind: str) -> None:
         """Create the mount point (no symlink followed); remember it if we made it."""
@@ -265,7 +265,8 @@ class Filesystems:
         try:
             # Online ext4 growth is quick or refused; seen hanging in a sandbox
             # without CAP_SYS_RESOURCE, so a short deadline counts as refused.
-            self.runner.run(["resize2fs", device], timeout=ONLINE_EXT4_GROW_TIMEOUT)
+            self.runner.run(["resize2fs", device],
+                            timeout=min(ONLINE_EXT4_GROW_TIMEOUT, self.runner.timeout))
         except CommandError as exc:
             err = exc.stderr.lower()
             if exc.returncode == 124 or "permission denied" in err or "not permitted" in err:
@@ -276,8 +277,9 @@ class Filesystems:
         """ext4 before mounting: e2fsck must pass first (resize2fs insists)."""
         assert fs_type == "ext4"
         # e2fsck -p exits 1 when it fixed something: still fine to resize.
-        self.runner.run(["e2fsck", "-f", "-p", device], ok_codes=(0, 1), timeout=600)
-        self.runner.run(["resize2fs", device], timeout=600)
+        self.runner.run(["e2fsck", "-f", "-p", device], ok_codes=(0, 1),
+                        timeout=self.runner.long_timeout)
+        self.runner.run(["resize2fs", device], timeout=self.runner.long_timeout)
 
 
 def block_device_size(path: str) -> int:

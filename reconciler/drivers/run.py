@@ -8,19 +8,42 @@ thread every 100 ms and joins it after the command ends, so each command
 costs at least ~100 ms (measured: ``true`` takes 106 ms through it, 1.2 ms
 through ``subprocess.run``). A publish runs six commands and every observe
 two per device; the standard library does this job better.
+
+Why not ``subprocess.run(timeout=...)``: at the deadline it kills the child
+only (a grandchild the command forked lives on, holding its pipes), then
+waits for the child without a limit (one stuck in the kernel hangs the
+caller). So each command runs in its own process group (session), the
+whole group is killed (SIGKILL) at its deadline, and the wait after the
+kill is bounded: output still held then is abandoned, and said so.
+
+Long-lived helpers (rbd-fuse) are started elsewhere, in their own session,
+and never through a Runner: nothing here kills them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
+import os
 import shutil
+import signal
 import subprocess
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+
+from ..reaper import reap_group
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 120.0
+DEFAULT_LONG_TIMEOUT = 600.0  # mkfs, e2fsck, offline resize2fs: whole-device work
+KILL_WAIT_S = 2.0  # after the SIGKILL: the longest wait for the group's exit and output
+# The waiting thread looks at the stop flag this often while a command runs
+# (a command that ends sooner costs nothing extra; no helper thread).
+STOP_CHECK_S = 0.5
 
 
 class CommandError(Exception):
@@ -33,6 +56,58 @@ class CommandError(Exception):
         self.stderr = stderr
 
 
+class Aborted(Exception):
+    """The daemon is stopping: the command was not started, or was killed.
+    Not a failure of the volume: nothing backs off, the next start resumes."""
+
+
+class Halt:
+    """Shared by every Runner of a daemon: set once, when it stops.
+
+    From ``begin(grace)`` on, a command may still start and run for ``grace``
+    seconds (a short step in flight finishes: a bind and its ro remount are
+    one step); after that none starts and those still running are killed.
+    """
+
+    def __init__(self) -> None:
+        self._kill_at = math.inf
+        self._lock = threading.Lock()
+        self._running: dict[int, tuple[str, float]] = {}  # pid -> command, started
+
+    def begin(self, grace: float) -> None:
+        self._kill_at = min(self._kill_at, time.monotonic() + grace)
+
+    @property
+    def stopping(self) -> bool:
+        return self._kill_at != math.inf
+
+    @property
+    def kill_at(self) -> float:
+        """Monotonic time from which commands are refused and killed (inf: never)."""
+        return self._kill_at
+
+    def check(self, argv: Sequence[str]) -> None:
+        if time.monotonic() >= self._kill_at:
+            raise Aborted(f"daemon stopping: {' '.join(argv)} not started")
+
+    @contextlib.contextmanager
+    def tracking(self, pid: int, argv: Sequence[str]) -> Iterator[None]:
+        with self._lock:
+            self._running[pid] = (" ".join(argv), time.monotonic())
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running.pop(pid, None)
+
+    def running(self) -> list[str]:
+        """Commands still running (for the stop log): 'pid N: ARGV (for S s)'."""
+        now = time.monotonic()
+        with self._lock:
+            return [f"pid {pid}: {cmd} (for {now - t0:.0f} s)"
+                    for pid, (cmd, t0) in sorted(self._running.items())]
+
+
 @dataclass(frozen=True)
 class Result:
     returncode: int
@@ -42,10 +117,13 @@ class Result:
 
 @dataclass
 class Runner:
-    """Runs commands; ``ok_codes`` are exit codes the caller interprets itself."""
+    """Runs commands; ``ok_codes`` are exit codes the caller interprets itself.
+    ``timeout``: a command's deadline; ``long_timeout``: for whole-device work."""
 
     timeout: float = DEFAULT_TIMEOUT
     history: list[list[str]] = field(default_factory=list)
+    long_timeout: float = DEFAULT_LONG_TIMEOUT
+    halt: Halt = field(default_factory=Halt)
 
     def run(self, argv: Sequence[str], *, ok_codes: Sequence[int] = (0,),
             timeout: float | None = None, env: dict[str, str] | None = None,
@@ -55,18 +133,68 @@ class Runner:
         argv = [str(a) for a in argv]
         self.history.append(argv)
         log.debug("run: %s", " ".join(argv))
+        self.halt.check(argv)
         if shutil.which(argv[0]) is None:
             raise CommandError(argv, 127, f"{argv[0]}: command not found")
         limit = timeout or self.timeout
-        try:
-            proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
-                                  env=env, timeout=limit, check=False, pass_fds=pass_fds)
-        except subprocess.TimeoutExpired:
-            raise CommandError(argv, 124, f"timed out after {limit:.0f} s") from None
-        out = Result(proc.returncode, _text(proc.stdout), _text(proc.stderr))
-        if proc.returncode not in ok_codes:
-            raise CommandError(argv, proc.returncode, out.stderr)
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=env, pass_fds=pass_fds,
+                                start_new_session=True)
+        with self.halt.tracking(proc.pid, argv):
+            out = self._wait(proc, argv, limit)
+        if out.returncode not in ok_codes:
+            raise CommandError(argv, out.returncode, out.stderr)
         return out
+
+    def _wait(self, proc: subprocess.Popen[bytes], argv: list[str], limit: float) -> Result:
+        t0 = time.monotonic()
+        deadline = t0 + limit
+        while True:
+            until = min(deadline, self.halt.kill_at)
+            left = until - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                stdout, stderr = proc.communicate(timeout=min(left, STOP_CHECK_S))
+            except subprocess.TimeoutExpired:
+                continue
+            return Result(proc.returncode, _text(stdout), _text(stderr))
+        stopping = time.monotonic() < deadline  # killed for the stop, not its deadline
+        said = _kill(proc)
+        took = time.monotonic() - t0
+        if stopping:
+            raise Aborted(f"daemon stopping: {' '.join(argv)} killed after {took:.0f} s"
+                          f"{said}")
+        raise CommandError(argv, 124, f"timed out after {limit:g} s: killed (its process "
+                           f"group){said}")
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> str:
+    """SIGKILL the command's process group, then wait a bounded time for it.
+    Returns what to add to the error: its last output, or that it was abandoned."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    try:
+        _, stderr = proc.communicate(timeout=KILL_WAIT_S)
+    except subprocess.TimeoutExpired as exc:
+        # A process outside the group (it made its own session) holds the
+        # pipes, or the command is stuck in the kernel: give up on it honestly.
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+        tail = _tail(exc.stderr)
+        log.warning("%s (pid %d): still not gone %g s after SIGKILL; output abandoned",
+                    proc.args, proc.pid, KILL_WAIT_S)
+        return f"; output abandoned{tail}"
+    reap_group(proc.pid)  # its orphans came back to us if we are a subreaper
+    return _tail(stderr)
+
+
+def _tail(stderr: bytes | str | None) -> str:
+    text = stderr.decode("utf-8", "replace") if isinstance(stderr, bytes) else stderr or ""
+    lines = text.strip().splitlines()[-3:]
+    return f"; it said: {' | '.join(lines)}" if lines else ""
 
 
 def _text(b: bytes | None) -> str:
