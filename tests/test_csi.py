@@ -765,6 +765,11 @@ def test_create_answers_already_exists_and_out_of_range(
         with c.node.cluster.client() as cl, cl.open_ioctx(pool) as io, \
                 rbd.Image(io, v.volume_id.rsplit(":", 1)[1], read_only=True) as img:
             assert img.size() == 320 * MiB
+    # Already larger than the limit: never shrunk, and not an OK either.
+    got, msg = error(lambda: c.controller.ControllerExpandVolume(
+        pb.ControllerExpandVolumeRequest(volume_id=vol.volume_id, capacity_range=(
+            pb.CapacityRange(required_bytes=16 * MiB, limit_bytes=32 * MiB))), timeout=T))
+    assert got == Code.OUT_OF_RANGE and "never shrink" in msg, (got, msg)
     assert "Traceback" not in c.daemon.log.read_text()
     for v in (vol, small):
         delete(c, v)
