@@ -567,11 +567,13 @@ def test_delete_of_an_image_open_elsewhere_is_refused(start_csi: Callable[..., C
     image = vol.volume_id.rsplit(":", 1)[1]
     with c.node.cluster.client() as cl, cl.open_ioctx(c.node.cluster.pool) as io, \
             rbd.Image(io, image):  # another client holds it open (a watcher)
+        before = _file_identity(c, vol)
         what, msg = error(lambda: delete(c, vol))
         assert what == Code.FAILED_PRECONDITION and "open by" in msg, msg
         assert c.node.image_exists(image)
         name = ids.volume_name(*ids.parse_volume_id(vol.volume_id))  # type: ignore[misc]
         assert c.files()[name]["spec"]["state"] == "present"  # kept as it was
+        assert _file_identity(c, vol) == before  # not even rewritten
     delete(c, vol)  # the CO's retry, once it is free
     assert not c.node.image_exists(image)
     assert c.stop() == 0
@@ -646,3 +648,130 @@ def test_a_pool_that_does_not_answer_is_unavailable(
     assert c.stop() == 0
     for f in c.csi_dir.glob("*.yaml"):  # its pool goes with the fixture
         f.unlink()
+
+
+# --- a controller call never tears down node-side state --------------------------------
+
+def _file_identity(c: CsiNode, vol: pb.Volume) -> tuple[int, int, bytes]:
+    """The volume file's inode, mtime and bytes: any edit (even one put back) shows."""
+    name = ids.volume_name(*ids.parse_volume_id(vol.volume_id))  # type: ignore[misc]
+    path = c.csi_dir / f"{name}.yaml"
+    st = path.stat()
+    return st.st_ino, st.st_mtime_ns, path.read_bytes()
+
+
+def test_delete_of_a_staged_and_published_volume_is_refused(
+        start_csi: Callable[..., CsiNode]) -> None:
+    c = start_csi()
+    vol = c.create("pvc-Still-Mounted", size=64 * MiB)
+    image = vol.volume_id.rsplit(":", 1)[1]
+    staging, target = c.kubelet_paths("pv-still-mounted")
+    c.nodes.NodeStageVolume(stage_req(vol, staging), timeout=T)
+    c.nodes.NodePublishVolume(publish_req(vol, staging, target), timeout=T)
+    data = os.urandom(1 << 20)
+    (target / "blob").write_bytes(data)
+    os.sync()
+    before = _file_identity(c, vol)
+
+    what, msg = error(lambda: delete(c, vol))
+    assert what == Code.FAILED_PRECONDITION and "published at" in msg and str(target) in msg, msg
+    # Nothing changed: the file (not even rewritten), both mounts, the data, the image.
+    assert _file_identity(c, vol) == before
+    mounts = c.node.mounts()
+    assert str(staging) in mounts and str(target) in mounts
+    assert (target / "blob").read_bytes() == data
+    assert c.node.image_exists(image)
+
+    unpublish(c, vol, target)
+    before = _file_identity(c, vol)
+    what, msg = error(lambda: delete(c, vol))  # still staged: still refused
+    assert what == Code.FAILED_PRECONDITION and f"staged at {staging}" in msg, msg
+    assert _file_identity(c, vol) == before and str(staging) in c.node.mounts()
+    assert c.node.image_exists(image)
+
+    # A delete racing a stage: one operation per volume, so either it waits
+    # its turn (ABORTED) or it sees the stage; never does it undo it.
+    unstage(c, vol, staging)
+    staging2, _ = c.kubelet_paths("pv-still-mounted-2")
+    results: list[grpc.StatusCode] = []
+    name = ids.volume_name(*ids.parse_volume_id(vol.volume_id))  # type: ignore[misc]
+    stager = threading.Thread(target=lambda: results.append(code(
+        lambda: c.nodes.NodeStageVolume(stage_req(vol, staging2), timeout=T))))
+    stager.start()
+    wait_for(lambda: "stage" in c.files().get(name, {}).get("spec", {}), "the stage's edit")
+    raced = code(lambda: delete(c, vol))
+    stager.join()
+    assert results == [Code.OK]
+    assert raced in (Code.ABORTED, Code.FAILED_PRECONDITION), raced
+    assert str(staging2) in c.node.mounts() and c.node.image_exists(image)
+
+    unstage(c, vol, staging2)
+    delete(c, vol)  # the CO's retry once the node let go
+    assert not c.node.image_exists(image)
+    assert not c.files()
+    assert c.stop() == 0
+
+
+# --- CreateVolume's answers --------------------------------------------------------------
+
+def test_create_answers_already_exists_and_out_of_range(
+        start_csi: Callable[..., CsiNode]) -> None:
+    c = start_csi()
+    pool = c.node.cluster.pool
+    vol = c.create("pvc-Answers", size=320 * MiB)
+    assert c.create("pvc-Answers", size=320 * MiB).volume_id == vol.volume_id  # idempotent
+    before = c.files()
+    for what, call in (
+            ("block instead of mount", lambda: c.create("pvc-Answers", size=320 * MiB,
+                                                        cap=block_cap())),
+            ("another fsType", lambda: c.create("pvc-Answers", size=320 * MiB, fsType="xfs")),
+            ("another mapper", lambda: c.create("pvc-Answers", size=320 * MiB, mapper="krbd")),
+            ("other features", lambda: c.create("pvc-Answers", size=320 * MiB,
+                                                imageFeatures="layering")),
+            ("larger", lambda: c.create("pvc-Answers", size=480 * MiB))):
+        got, msg = error(call)
+        assert got == Code.ALREADY_EXISTS and "already exists" in msg, (what, got, msg)
+    assert c.files() == before
+
+    huge = (1 << 63) - 1
+    cv = pb.CreateVolumeRequest
+    for params in ({"pool": pool}, {"pool": pool, "imageFeatures": "layering"}):
+        for required in (huge, (1 << 63) - MiB + 1):
+            got, msg = error(lambda p=params, r=required: c.controller.CreateVolume(cv(
+                name="pvc-Huge", volume_capabilities=[mount_cap()], parameters=p,
+                capacity_range=pb.CapacityRange(required_bytes=r)), timeout=T))
+            assert got == Code.OUT_OF_RANGE and "more than a volume" in msg, (params, got, msg)
+    # With object-map (the default) the object map's limit is the largest.
+    got, msg = error(lambda: c.controller.CreateVolume(cv(
+        name="pvc-Huge", volume_capabilities=[mount_cap()], parameters={"pool": pool},
+        capacity_range=pb.CapacityRange(required_bytes=256_000_000 * 4 * MiB + 1)), timeout=T))
+    assert got == Code.OUT_OF_RANGE and "object map" in msg, msg
+    assert code(lambda: c.controller.CreateVolume(cv(
+        name="pvc-Huge", volume_capabilities=[mount_cap()], parameters={"pool": pool},
+        capacity_range=pb.CapacityRange(required_bytes=2 * MiB, limit_bytes=MiB)),
+        timeout=T)) == Code.INVALID_ARGUMENT
+    # Nothing was created for any of them, and no traceback in the log.
+    assert c.files() == before
+    assert not c.node.image_exists(ids.image_for_request("pvc-Huge"))
+    assert "Traceback" not in c.daemon.log.read_text()
+
+    # Expansion is held to the same limits, and the volume stays as it was.
+    small = c.create("pvc-Small-Layering", size=320 * MiB, imageFeatures="layering")
+    for v in (vol, small):
+        got, msg = error(lambda v=v: c.controller.ControllerExpandVolume(
+            pb.ControllerExpandVolumeRequest(volume_id=v.volume_id, capacity_range=(
+                pb.CapacityRange(required_bytes=huge))), timeout=T))
+        assert got == Code.OUT_OF_RANGE, (got, msg)
+        with c.node.cluster.client() as cl, cl.open_ioctx(pool) as io, \
+                rbd.Image(io, v.volume_id.rsplit(":", 1)[1], read_only=True) as img:
+            assert img.size() == 320 * MiB
+    # Already larger than the limit: never shrunk, and not an OK either.
+    got, msg = error(lambda: c.controller.ControllerExpandVolume(
+        pb.ControllerExpandVolumeRequest(volume_id=vol.volume_id, capacity_range=(
+            pb.CapacityRange(required_bytes=16 * MiB, limit_bytes=32 * MiB))), timeout=T))
+    assert got == Code.OUT_OF_RANGE and "never shrink" in msg, (got, msg)
+    assert "Traceback" not in c.daemon.log.read_text()
+    for v in (vol, small):
+        delete(c, v)
+    assert not c.files()
+    assert c.stop() == 0

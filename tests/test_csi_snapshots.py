@@ -147,9 +147,14 @@ def test_restore_and_clone_through_csi(start_csi: Callable[..., CsiNode]) -> Non
         volume=pb.VolumeContentSource.VolumeSource(volume_id=vol.volume_id)))
     assert cloned.content_source.volume.volume_id == vol.volume_id
 
-    # A clone depends on the snapshot: deleting it is refused, naming the clone.
+    # A clone depends on the snapshot: deleting it is refused, naming the clone,
+    # before anything is touched (its file is not even rewritten).
+    snap_file = c.csi_dir / f"{ids.parse_snapshot_id(s.snapshot_id)[2]}.yaml"  # type: ignore[index]
+    before = (snap_file.stat().st_ino, snap_file.stat().st_mtime_ns, snap_file.read_bytes())
     code_, why = error(lambda: delete_snap(c, s.snapshot_id))
     assert code_ == Code.FAILED_PRECONDITION and "clones depend on it" in why, why
+    assert (snap_file.stat().st_ino, snap_file.stat().st_mtime_ns,
+            snap_file.read_bytes()) == before
 
     for name, v, want in (("pv-restored", restored, hashlib.sha256(old).hexdigest()),
                           ("pv-cloned", cloned, hashlib.sha256(b"new" * 1000).hexdigest())):

@@ -11,7 +11,7 @@ import pytest
 from reconciler.config import ConfigError, load_config
 from reconciler.csi import capability, ids
 from reconciler.csi import csi_pb2 as pb
-from reconciler.csi.controller import _parameters, _size
+from reconciler.csi.controller import MAX_REPLY_SIZE, _parameters, _size, max_size
 from reconciler.csi.desired import forgettable, load_desired
 from reconciler.csi.errors import CsiError
 
@@ -49,6 +49,24 @@ def test_impossible_sizes(required: int, limit: int, code: grpc.StatusCode) -> N
     with pytest.raises(CsiError) as exc:
         _size(pb.CapacityRange(required_bytes=required, limit_bytes=limit))
     assert exc.value.code == code
+
+
+def test_sizes_fit_rbd_the_mapper_and_the_reply() -> None:
+    """Checked before rounding: 2^63-1 would round up to 2^63, past an int64."""
+    om = 256_000_000 * 4 * MiB
+    assert max_size(None) == max_size(["layering", "exclusive-lock", "object-map"]) == om
+    assert max_size(["layering"]) == MAX_REPLY_SIZE == (1 << 63) - MiB
+    rng = pb.CapacityRange
+    assert _size(rng(required_bytes=MAX_REPLY_SIZE), MAX_REPLY_SIZE) == MAX_REPLY_SIZE
+    assert _size(rng(required_bytes=om), om) == om
+    for required, most in (((1 << 63) - 1, MAX_REPLY_SIZE), (MAX_REPLY_SIZE + 1, MAX_REPLY_SIZE),
+                           (om + 1, om), ((1 << 63) - 1, om)):
+        with pytest.raises(CsiError) as exc:
+            _size(rng(required_bytes=required), most)
+        assert exc.value.code == grpc.StatusCode.OUT_OF_RANGE, required
+    with pytest.raises(CsiError) as exc:  # the default bound is the reply's
+        _size(rng(required_bytes=(1 << 63) - 1))
+    assert exc.value.code == grpc.StatusCode.OUT_OF_RANGE
 
 
 def test_parameters() -> None:

@@ -14,7 +14,7 @@ import rados
 import rbd
 
 from ..config import CephConfig
-from ..drivers.ceph import CephError, connect, set_meta
+from ..drivers.ceph import CephError, connect, set_meta, snapshot_children
 
 CSI_NAME_META = "rbd-reconciler.csi-name"
 PROBE_CACHE_S = 5.0
@@ -64,6 +64,24 @@ class CephInfo:
         except (rados.ObjectNotFound, rbd.ImageNotFound):
             return None
         return None
+
+    def watchers(self, pool: str, image: str) -> list[str]:
+        """Addresses of the clients that have the image open (none when it,
+        or its pool, does not exist). A Ceph that does not answer raises."""
+        try:
+            with self._client() as c, c.open_ioctx(pool) as io, \
+                    rbd.Image(io, image, read_only=True) as img:
+                return sorted(w["addr"] for w in img.watchers_list())
+        except (rados.ObjectNotFound, rbd.ImageNotFound):
+            return []
+
+    def snapshot_children(self, pool: str, image: str, snap: str) -> list[str]:
+        """``pool/image`` of the clones of a snapshot (none when it is gone)."""
+        try:
+            with self._client() as c:
+                return snapshot_children(c, pool, image, snap)
+        except (rados.ObjectNotFound, rbd.ImageNotFound):
+            return []
 
     def record_name(self, pool: str, image: str, request_name: str) -> None:
         with self._client() as c:

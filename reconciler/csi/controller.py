@@ -11,6 +11,8 @@ from typing import Any
 import grpc
 
 from ..drivers.ceph import CephError
+from ..spec import DEFAULT_FEATURES
+from ..units import MAX_OBJECT_MAP_SIZE, format_size
 from . import capability, csi_pb2_grpc, ids
 from . import csi_pb2 as pb
 from .cephinfo import CephInfo
@@ -27,16 +29,34 @@ PARAMETERS = ("pool", "imageFeatures", "mapper", "fsType")
 # external-provisioner's own keys (PVC/PV names with --extra-create-metadata).
 CO_PREFIX = "csi.storage.k8s.io/"
 _TOKEN = re.compile(r"csi-(x|snap-)?[0-9a-f]{32}")
+# The answer's capacity_bytes is an int64, and so is the size a mapped device
+# (loff_t) can have: the largest whole-MiB size below 2^63.
+MAX_REPLY_SIZE = ((1 << 63) - 1) // MiB * MiB
+IN_USE_PHASES = ("Mapped", "Staged", "Published")  # the daemon's status phases
 
 
-def _size(rng: pb.CapacityRange | None) -> int:
-    """Bytes for a capacity range: required rounded up to whole MiB."""
+def max_size(features: list[str] | tuple[str, ...] | None) -> int:
+    """The largest volume an image with ``features`` can be: what the reply
+    and the mapper hold, and with object-map what the loader allows."""
+    feats = DEFAULT_FEATURES if features is None else features
+    return min(MAX_REPLY_SIZE, MAX_OBJECT_MAP_SIZE) if "object-map" in feats else MAX_REPLY_SIZE
+
+
+def _size(rng: pb.CapacityRange | None, most: int = MAX_REPLY_SIZE) -> int:
+    """Bytes for a capacity range: required rounded up to whole MiB, at most
+    ``most`` (checked before rounding: rounding never overflows)."""
     req = rng.required_bytes if rng is not None else 0
     lim = rng.limit_bytes if rng is not None else 0
     if req < 0 or lim < 0:
         raise invalid("capacity_range: bytes must not be negative")
     if lim and req > lim:
         raise invalid(f"capacity_range: required_bytes {req} exceeds limit_bytes {lim}")
+    if req > most:
+        raise CsiError(grpc.StatusCode.OUT_OF_RANGE,
+                       f"capacity_range: required_bytes {req} is more than a volume of these "
+                       f"features can hold ({most} bytes, {format_size(most)}"
+                       + (": the object map's limit; drop object-map and fast-diff from "
+                          "imageFeatures for more)" if most == MAX_OBJECT_MAP_SIZE else ")"))
     size = -(-req // MiB) * MiB if req else min(DEFAULT_SIZE, lim // MiB * MiB if lim else
                                                 DEFAULT_SIZE)
     if size < MiB or (lim and size > lim):
@@ -61,6 +81,13 @@ def _parameters(params: dict[str, str]) -> dict[str, str]:
     return out
 
 
+def _features(params: dict[str, str]) -> list[str] | None:
+    """The StorageClass's imageFeatures as a list; None: the defaults."""
+    if "imageFeatures" not in params:
+        return None
+    return [f.strip() for f in params["imageFeatures"].split(",") if f.strip()]
+
+
 def _volume(doc: dict[str, Any]) -> pb.Volume:
     img = doc["spec"]["image"]
     return pb.Volume(capacity_bytes=int(img["size"]),
@@ -83,14 +110,20 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
             raise invalid("name is required")
         access = capability.parse_all(list(request.volume_capabilities))
         params = _parameters(dict(request.parameters))
+        features = _features(params)
+        most = max_size(features)
         source, least = None, 0
         if request.HasField("volume_content_source"):
             source, least = self.content_source(request)
         if source is not None and not request.HasField("capacity_range"):
             size = max(MiB, -(-least // MiB) * MiB)  # as large as its source
+            if size > most:
+                raise CsiError(grpc.StatusCode.OUT_OF_RANGE,
+                               f"the source ({least} bytes) is larger than a volume of these "
+                               f"features can hold ({most} bytes)")
         else:
             size = _size(request.capacity_range if request.HasField("capacity_range")
-                         else None)
+                         else None, most)
         if size < least:
             raise CsiError(grpc.StatusCode.OUT_OF_RANGE,
                            f"capacity_range: {size} bytes is smaller than the source "
@@ -106,8 +139,8 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
         name = ids.volume_name(pool, image)
         img: dict[str, Any] = {"pool": pool, "name": image, "size": size,
                                "reclaimPolicy": "Delete"}
-        if "imageFeatures" in params:
-            img["features"] = [f.strip() for f in params["imageFeatures"].split(",") if f.strip()]
+        if features is not None:
+            img["features"] = features
         if source is not None:
             img["source"] = source
         labels = {L_REQUEST: request.name, L_ORIGIN: "controller", L_FSTYPE: fs_type,
@@ -136,15 +169,22 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
         rng = request.capacity_range
         size = int(have.get("size") or 0)
         fits = size >= rng.required_bytes and (not rng.limit_bytes or size <= rng.limit_bytes)
-        same = (old.get(L_REQUEST) == request.name and have.get("pool") == img["pool"]
-                and have.get("features") == img.get("features")
-                and have.get("source") == img.get("source")
-                and old.get(L_FSTYPE) == labels[L_FSTYPE]
-                and old.get(L_MAPPER) == labels.get(L_MAPPER))
-        if not (fits and same):
+        if not fits:
             raise CsiError(grpc.StatusCode.ALREADY_EXISTS,
                            f"a volume named {request.name!r} already exists with another "
-                           f"capacity ({size} bytes) or parameters")
+                           f"capacity ({size} bytes)")
+        differ = [what for what, a, b in (
+            ("name", old.get(L_REQUEST), request.name),
+            ("pool", have.get("pool"), img["pool"]),
+            ("imageFeatures", have.get("features"), img.get("features")),
+            ("content source", have.get("source"), img.get("source")),
+            ("fsType", old.get(L_FSTYPE), labels[L_FSTYPE]),
+            ("access type", old.get(L_ACCESS), labels[L_ACCESS]),
+            ("mapper", old.get(L_MAPPER), labels.get(L_MAPPER))) if a != b]
+        if differ:
+            raise CsiError(grpc.StatusCode.ALREADY_EXISTS,
+                           f"a volume named {request.name!r} already exists with another "
+                           f"{', '.join(differ)}")
 
     @rpc
     def DeleteVolume(self, request: pb.DeleteVolumeRequest,
@@ -170,12 +210,43 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
                 raise CsiError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"volume {name} has snapshots ({', '.join(snaps)}); delete "
                                "them first")
+            if why := self._in_use(name, doc, *parsed):
+                # A controller call never tears down node-side state: the
+                # node's own calls (unpublish, unstage) do, then the CO retries.
+                raise CsiError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"volume {name} is in use: {why}; nothing was changed")
             present = copy.deepcopy(doc)
             doc["spec"]["state"] = "absent"
             doc["spec"]["image"]["reclaimPolicy"] = "Delete"
             # Refused (still open elsewhere, not ours): the volume stays as it was.
             self.volumes.retire(name, present, doc, deadline)
         return pb.DeleteVolumeResponse()
+
+    def _in_use(self, name: str, doc: dict[str, Any], pool: str, image: str) -> str | None:
+        """Why the volume is in use (None: it is not): a stage or publish on
+        record in its file, this node's status showing it mapped, staged or
+        published, or a client with the image open (another node)."""
+        spec = doc["spec"]
+        if spec.get("publish"):
+            return "published at " + ", ".join(p["path"] for p in spec["publish"])
+        if spec.get("stage"):
+            return f"staged at {spec['stage'].get('path')}"
+        if "map" in spec:
+            return "mapped on this node"
+        status = self.volumes.daemon.status(name)
+        if status.get("phase") in IN_USE_PHASES or status.get("device") or \
+                status.get("staging") or status.get("published"):
+            return (f"this node reports it {str(status.get('phase', '')).lower()} "
+                    f"(device {status.get('device') or '-'})")
+        try:
+            watchers = self.ceph.watchers(pool, image)
+        except Exception as exc:  # unknown is not "free": the CO retries
+            raise CsiError(grpc.StatusCode.UNAVAILABLE,
+                           f"volume {name}: cannot ask Ceph who has it open ({exc}); "
+                           "nothing was changed, retry later") from None
+        if watchers:
+            return f"image {pool}/{image} is open by {', '.join(watchers)}"
+        return None
 
     # -- questions -------------------------------------------------------------
     @rpc
@@ -265,18 +336,26 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
             raise invalid("volume_id is required")
         if not request.HasField("capacity_range"):
             raise invalid("capacity_range is required")
-        size = _size(request.capacity_range)
+        rng = request.capacity_range
+        _size(rng)  # the arguments alone first: INVALID_ARGUMENT before NOT_FOUND
         parsed = ids.parse_volume_id(request.volume_id)
         if parsed is None:
             raise not_found(f"volume {request.volume_id!r} does not exist")
         name = ids.volume_name(*parsed)
         deadline = self.volumes.deadline(context)
+        # Staged or published is no reason to refuse: we advertise ONLINE
+        # expansion, and growing never tears anything down on the node.
         with self.volumes.operation(name):
             doc = self.files.read(name)
             if doc is None or doc["spec"].get("state", "present") != "present":
                 raise not_found(f"volume {request.volume_id!r} does not exist")
             img = doc["spec"]["image"]
+            size = _size(rng, max_size(img.get("features")))
             current = int(img.get("size") or 0)
+            if rng.limit_bytes and current > rng.limit_bytes:
+                raise CsiError(grpc.StatusCode.OUT_OF_RANGE,
+                               f"volume {name} is already {current} bytes, more than "
+                               f"limit_bytes {rng.limit_bytes}; volumes never shrink")
             if size > current:
                 img["size"] = size
                 self.volumes.converge(name, doc, deadline)

@@ -112,11 +112,34 @@ class SnapshotRpcs:
             doc = self.files.read(name)
             if doc is None or doc.get("kind") != "Snapshot":
                 return pb.DeleteSnapshotResponse()
+            self._refuse_if_cloned(name, doc)
             present = copy.deepcopy(doc)
             doc["spec"]["state"] = "absent"
-            # Refused (clones depend on it): it stays as it was.
+            # Refused by the engine all the same (a clone appeared since): it
+            # stays as it was.
             self.volumes.retire(name, present, doc, deadline)
         return pb.DeleteSnapshotResponse()
+
+    def _refuse_if_cloned(self, name: str, doc: dict[str, Any]) -> None:
+        """Clones depend on the snapshot and the node config does not let the
+        engine flatten them first: refuse before the file is touched."""
+        if self.volumes.config.clone.flatten_on_delete:
+            return  # flattening is online: a clone in use keeps its data
+        src = doc["spec"].get("source", {}).get("image") or {}
+        if not src.get("pool") or not src.get("name"):
+            return
+        try:
+            children = self.ceph.snapshot_children(src["pool"], src["name"], name)
+        except Exception as exc:
+            raise CsiError(grpc.StatusCode.UNAVAILABLE,
+                           f"snapshot {name}: cannot ask Ceph for its clones ({exc}); "
+                           "nothing was changed, retry later") from None
+        if children:
+            raise CsiError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"snapshot {name} is in use: clones depend on it "
+                           f"({', '.join(children)}); delete or flatten them first, or set "
+                           "clone.flattenOnDelete: true in the node config; nothing was "
+                           "changed")
 
     @rpc
     def ListSnapshots(self, request: pb.ListSnapshotsRequest,
