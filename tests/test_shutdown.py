@@ -7,6 +7,7 @@ at shutdown, then converge again as the daemon does at boot.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -274,3 +275,86 @@ def test_release_all_takes_no_paths(node: NodeUnderTest) -> None:
     assert rc == 1
     with pytest.raises(SystemExit):
         node.cli("release", "--all", "--step-timeout", "0")
+
+
+# --- the units' sandbox, applied without systemd (tests/unit_sandbox.py) ---------
+
+
+def in_unit_sandbox(unit: Path, node: NodeUnderTest, key: str) -> list[str]:
+    """The unit's ExecStart= or ExecStop= argv, run from this checkout with the
+    test's config, inside the unit's capabilities, seccomp filter, address
+    families, NoNewPrivileges and umask."""
+    argv = shlex.split(unit_options(unit)[key][0])
+    assert argv[0] == INSTALLED
+    return ["setpriv", "--pdeathsig", "KILL", sys.executable,
+            str(ROOT / "tests" / "unit_sandbox.py"), str(unit), "--",
+            sys.executable, "-m", "reconciler", "--config", str(node.config), *argv[1:]]
+
+
+def status_phase(node: NodeUnderTest, name: str) -> str | None:
+    try:
+        return json.loads((node.state / "status" / f"{name}.json").read_text()).get("phase")
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.mark.ceph
+def test_the_units_work_inside_their_sandbox(node: NodeUnderTest) -> None:
+    """The daemon (ExecStart) converges, stops with its mounts up, the release
+    (ExecStop) gives everything back, and the daemon restores it: each inside
+    the sandbox its unit declares. Before the hardening this proves nothing;
+    after it, that the daemon needs no capability, call or socket family the
+    units take away."""
+    name, blk = node.name("sbx"), node.name("sbxb")
+    app = node.srv / "deep" / "app"
+    node.write(name, fs_spec(node.cluster.pool, "64Mi", "ext4", [(app, False)]))
+    node.write(blk, block_spec(node.cluster.pool, node.srv / "disk"))
+    log = node.root / "daemon.log"
+
+    def daemon() -> subprocess.Popen[bytes]:
+        with open(log, "ab") as out:
+            return subprocess.Popen(in_unit_sandbox(DAEMON_UNIT, node, "ExecStart"),
+                                    stdout=out, stderr=out, cwd=ROOT)
+
+    def published(proc: subprocess.Popen[bytes], since: int) -> None:
+        """Published by this daemon: a pass logged since it started (the status
+        files of the last one are still there) and both mounts up."""
+        def ok() -> bool:
+            assert proc.poll() is None, log.read_text()
+            return (" pass " in log.read_text()[since:]
+                    and status_phase(node, name) == status_phase(node, blk) == "Published"
+                    and {str(app), str(node.srv / "disk")} <= set(node.mounts()))
+        wait_for(ok, "both volumes Published under the sandbox")
+
+    def stop(proc: subprocess.Popen[bytes]) -> None:
+        proc.terminate()
+        assert proc.wait(timeout=120) == 0, log.read_text()[-4000:]
+        reap_zombies()
+
+    proc = daemon()
+    try:
+        published(proc, 0)
+    finally:
+        stop(proc)
+    assert (node.srv / "deep").stat().st_mode & 0o777 == 0o755  # UMask=0077 notwithstanding
+    (app / "data").write_bytes(os.urandom(1 << 16))
+    payload = os.urandom(4096)
+    write_block(node.srv / "disk", payload)
+    sums = checksum_tree(app)
+    assert str(app) in node.mounts()  # a daemon stop keeps the mounts
+
+    rel = subprocess.run(in_unit_sandbox(SHUTDOWN_UNIT, node, "ExecStop"), capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
+    reap_zombies()
+    reap_fuse_children()
+    assert rel.returncode == 0, rel.stdout + rel.stderr
+    assert held_by_us(node) == NOTHING, rel.stdout + rel.stderr
+
+    since = len(log.read_text())
+    proc = daemon()
+    try:
+        published(proc, since)
+        assert checksum_tree(app) == sums
+        assert read_block(node.srv / "disk", 4096) == payload
+    finally:
+        stop(proc)
