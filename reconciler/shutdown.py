@@ -167,19 +167,16 @@ def _plan_release(config: Config, node: Node) -> tuple[list[VolumePlan], dict[st
 
 def release_all(config: Config, step_timeout: float) -> Released:
     """Sync, release every volume of ours, then look again: whatever is still
-    mounted or mapped is reported in ``left``. Takes the state lock (the
-    daemon must not map while we unmap)."""
+    mounted or mapped is reported in ``left`` (the command prints it, so the
+    journal has it). Takes the state lock (the daemon must not map while we
+    unmap)."""
     out = Released(sync=sync_all(step_timeout))
-    if out.sync:
-        log.error("%s", out.sync)
     node = Node.from_config(config, Runner(timeout=step_timeout))
     with lock_within(config, step_timeout):
         plans, volumes, observed, _ = _plan_release(config, node)
         out.outcomes = apply(plans, volumes, observed, node)
         again, _, _, skipped = _plan_release(config, node)
     out.left = [*skipped, *_still_held(again)]
-    for line in out.left:
-        log.error("not released: %s", line)
     return out
 
 
