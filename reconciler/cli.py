@@ -43,6 +43,16 @@ def _add_paths_and_output(p: argparse.ArgumentParser) -> None:
     _add_output(p)
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < 86400:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds in (0, 86400)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rbd-reconciler",
@@ -79,9 +89,18 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Take the volumes of the given files down to CREATED "
                                    "(unpublish, unstage, unmap) whatever the files want. "
                                    "Images are never deleted. For maintenance, and for "
-                                   "giving a node back.")
+                                   "giving a node back. With --all: every volume of ours on "
+                                   "this node (files, the daemon's records, and mappings ours "
+                                   "by identity), after a sync; for shutdown and reboot. Exit "
+                                   "1 if anything is still mounted or mapped afterwards.")
     _add_paths_and_output(p)
-    p.set_defaults(func=cmd_apply, release=True)
+    p.add_argument("--all", action="store_true",
+                   help="release everything of ours on this node (what "
+                        "rbd-reconciler-shutdown.service runs at shutdown)")
+    p.add_argument("--step-timeout", type=_positive_seconds, default=30.0, metavar="SECONDS",
+                   help="with --all: deadline of the sync and of each unmount/unmap "
+                        "command (default: 30)")
+    p.set_defaults(func=cmd_release, release=True)
 
     p = sub.add_parser("run", help="the daemon: watch desiredDir and converge continuously",
                        description="Watch the desired directory, converge on every change and "
@@ -267,6 +286,41 @@ def cmd_apply(args: argparse.Namespace, config: Config) -> int:
                 print(f"  note: {note}")
         print("recap: " + " ".join(f"{k}={v}" for k, v in counts.items()))
     return EXIT_FAILED if counts["failed"] or p.loaded.diagnostics else EXIT_OK
+
+
+def cmd_release(args: argparse.Namespace, config: Config) -> int:
+    if not args.all:
+        return cmd_apply(args, config)
+    if args.paths:
+        print("rbd-reconciler: release --all takes no PATH (it releases every volume of ours)",
+              file=sys.stderr)
+        return EXIT_FAILED
+    from .engine import Busy
+    from .shutdown import release_all
+
+    try:
+        done = release_all(config, args.step_timeout)
+    except Busy as exc:
+        print(f"rbd-reconciler: {exc}; nothing released", file=sys.stderr)
+        return EXIT_FAILED
+    if args.output == "json":
+        json.dump({"sync": done.sync, "notReleased": done.left,
+                   "volumes": [o.as_dict() for o in done.outcomes]}, sys.stdout, indent=2)
+        print()
+    else:
+        for o in done.outcomes:
+            if o.steps or o.status == "failed":
+                print(f"{o.status}: [{o.name}]" + (f" {o.error}" if o.error else ""))
+            for s in o.steps:
+                msg = f" ({s.message})" if s.message else ""
+                print(f"  {s.status:<7} {s.step.action:<16} {s.step.target}{msg}")
+        if done.sync:
+            print(f"warning: {done.sync}", file=sys.stderr)
+        for line in done.left:
+            print(f"not released: {line}", file=sys.stderr)
+        print(f"released: {sum(bool(o.steps) for o in done.outcomes)} volume(s); "
+              f"{len(done.left)} thing(s) still held")
+    return EXIT_OK if done.ok else EXIT_FAILED
 
 
 def cmd_status(args: argparse.Namespace, config: Config) -> int:

@@ -146,7 +146,6 @@ def ensure_dir(path: str) -> bool:
     with opened(parent, O_PATH | os.O_DIRECTORY) as pfd:
         try:
             os.mkdir(name, 0o755, dir_fd=pfd)
-            return True
         except FileExistsError:
             st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
             if stat.S_ISLNK(st.st_mode):
@@ -154,6 +153,14 @@ def ensure_dir(path: str) -> bool:
             if not stat.S_ISDIR(st.st_mode):
                 raise UnsafePath(f"{path} exists and is not a directory") from None
             return False
+        # 0755 whatever the umask (the unit sets 0077): apps reach their
+        # volumes through the directories made here.
+        fd = os.open(name, O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+        try:
+            os.chmod(f"/proc/self/fd/{fd}", 0o755)
+        finally:
+            os.close(fd)
+        return True
 
 
 def ensure_file(path: str) -> bool:

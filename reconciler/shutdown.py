@@ -1,0 +1,189 @@
+"""``rbd-reconciler release --all``: give back everything of ours on this node.
+
+For shutdown and reboot (systemd/rbd-reconciler-shutdown.service runs it while
+the network is still up, after the daemon has stopped): sync, then unpublish,
+unstage and unmap every volume of ours. A mapped RBD device left with dirty
+data or a mounted filesystem when the network goes down hangs the reboot.
+
+"Ours" is wider than the files: the operator's and the CSI adapter's volume
+files, the daemon's records of volumes whose files vanished (or fail to load),
+and what is ours by identity alone (an rbd-fuse mount under stateDir/fuse; a
+kernel mapping whose image-meta names this node as its holder), such as a
+volume whose file was removed with ``onRemove: keep``. Nothing is deleted and
+no file is written: the daemon maps everything again at the next boot.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import meta
+from .apply import VolumeOutcome, apply
+from .config import Config
+from .csi.desired import load_desired
+from .drivers.run import Runner
+from .engine import Busy, context, state_lock
+from .loader import LoadResult
+from .observe import Node, observe
+from .observed import Mapping, Observed
+from .plan import VolumePlan, plan
+from .spec import ImageSpec, MapSpec, Source, Volume, volume_from_dict
+from .statefiles import read_json
+
+log = logging.getLogger(__name__)
+
+BY_IDENTITY = Path("(found by identity)")
+
+
+@dataclass
+class Released:
+    outcomes: list[VolumeOutcome] = field(default_factory=list)
+    left: list[str] = field(default_factory=list)  # what is still held, one line each
+    sync: str | None = None  # why sync did not finish, if it did not
+
+    @property
+    def ok(self) -> bool:
+        return not self.left and not any(o.status == "failed" for o in self.outcomes)
+
+
+def sync_all(timeout: float) -> str | None:
+    """sync(1) within ``timeout``. A sync stuck on a dead cluster (D state,
+    unkillable) is left behind rather than waited for: the unmounts that
+    follow flush each filesystem anyway, each under its own deadline."""
+    proc = subprocess.Popen(["sync"], stdin=subprocess.DEVNULL)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return f"sync did not finish within {timeout:g} s; releasing anyway"
+    return None if proc.returncode == 0 else f"sync exited {proc.returncode}"
+
+
+@contextmanager
+def lock_within(config: Config, timeout: float) -> Iterator[None]:
+    """The state lock, waiting up to ``timeout`` for a daemon still exiting."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with state_lock(config):
+                yield
+                return
+        except Busy:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _identity_volume(m: Mapping) -> Volume:
+    """A stand-in for a mapping no file or record names: no stage, no
+    publish, so the planner finds its mounts by device number alone."""
+    return Volume(name=f"{m.pool}/{m.image}", state="present",
+                  image=ImageSpec(m.pool, m.image, None, (), "Retain"),
+                  map=MapSpec(m.kind, ()), stage=None, publish=(), on_remove=None,
+                  source=Source(BY_IDENTITY, 0))
+
+
+def volumes_of_ours(config: Config, loaded: LoadResult, mappings: Iterable[Mapping]
+                    ) -> list[Volume]:
+    """Declared volumes, then recorded ones, then mappings only identity names;
+    each image once. Kernel mappings among the last are only candidates: see
+    ``provably_ours``."""
+    out = list(loaded.volumes)
+    images = {(v.image.pool, v.image.name) for v in out}
+    names = {v.name for v in out}
+    records = read_json(config.state_dir / "managed.json", {}) or {}
+    for name, record in sorted(records.items()):
+        try:
+            vol = volume_from_dict(record["volume"])
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("managed.json: record %s unreadable (%s); its volume is "
+                        "looked for by identity only", name, exc)
+            continue
+        if vol.name in names or (vol.image.pool, vol.image.name) in images:
+            continue
+        out.append(vol)
+        names.add(vol.name)
+        images.add((vol.image.pool, vol.image.name))
+    for m in mappings:
+        if (m.pool, m.image) not in images:
+            out.append(_identity_volume(m))
+            images.add((m.pool, m.image))
+    return out
+
+
+def provably_ours(v: Volume, observed: Observed, node_name: str) -> str | None:
+    """None when ``v`` may be released; else why not. A fuse mapping is ours
+    by its mount point; a kernel mapping only when its image-meta says this
+    node mapped it (another tool's, e.g. rbdmap's, is left alone)."""
+    if v.source.file != BY_IDENTITY or v.map is None or v.map.mapper == "fuse":
+        return None
+    key = (v.image.pool, v.image.name)
+    img = observed.images.get(key)
+    if img is None:
+        why = observed.image_errors.get(key) or observed.pool_errors.get(v.image.pool)
+        return (f"{v.name}: mapped here by {v.map.mapper} but its image-meta could not be "
+                f"read ({why or 'not found'}); not provably ours, left alone")
+    holder = img.meta.get(meta.HOLDER)
+    if holder != node_name:
+        return (f"{v.name}: mapped here by {v.map.mapper}, holder "
+                f"{holder or 'none recorded'}; not ours, left alone")
+    return None
+
+
+def _mappings(node: Node) -> list[Mapping]:
+    found = list(node.fuse.list())
+    for kind in ("krbd", "nbd"):
+        if kind in node.mappers_available:
+            try:
+                found += node.mapper(kind).list()
+            except Exception as exc:  # listing is best effort: say what was not seen
+                log.error("listing %s mappings failed: %s", kind, exc)
+    return found
+
+
+def _plan_release(config: Config, node: Node) -> tuple[list[VolumePlan], dict[str, Volume],
+                                                        Observed, list[str]]:
+    loaded = load_desired(config)
+    candidates = volumes_of_ours(config, loaded, _mappings(node))
+    observed = observe(node, candidates)
+    skipped: list[str] = []
+    volumes: dict[str, Volume] = {}
+    for v in candidates:
+        why = provably_ours(v, observed, config.node_name)
+        if why is None:
+            volumes[v.name] = v
+        else:
+            skipped.append(why)
+    plans = plan(list(volumes.values()), observed, context(config, node),
+                 release=list(volumes))
+    return plans, volumes, observed, skipped
+
+
+def release_all(config: Config, step_timeout: float) -> Released:
+    """Sync, release every volume of ours, then look again: whatever is still
+    mounted or mapped is reported in ``left`` (the command prints it, so the
+    journal has it). Takes the state lock (the daemon must not map while we
+    unmap)."""
+    out = Released(sync=sync_all(step_timeout))
+    node = Node.from_config(config, Runner(timeout=step_timeout))
+    with lock_within(config, step_timeout):
+        plans, volumes, observed, _ = _plan_release(config, node)
+        out.outcomes = apply(plans, volumes, observed, node)
+        again, _, _, skipped = _plan_release(config, node)
+    out.left = [*skipped, *_still_held(again)]
+    return out
+
+
+def _still_held(plans: Iterable[VolumePlan]) -> list[str]:
+    left = []
+    for vp in plans:
+        if vp.refusal:
+            left.append(f"{vp.name}: {vp.refusal}")
+        left += [f"{vp.name}: {s.action} {s.target} not done" for s in vp.steps]
+    return left
