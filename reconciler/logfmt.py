@@ -89,7 +89,8 @@ class JsonFormatter(logging.Formatter):
 
 class JournalHandler(logging.Handler):
     """Native journal entries through ``send`` (systemd.journal.send): the
-    message, its priority, where it came from, and the step fields."""
+    message, its priority, where it came from, and the step fields. Values
+    are str, but CODE_LINE an int: the binding formats it with ``{:d}``."""
 
     def __init__(self, send: Callable[..., object]) -> None:
         super().__init__()
@@ -104,7 +105,7 @@ class JournalHandler(logging.Handler):
             self.send(MESSAGE=message, PRIORITY=str(priority(record.levelno)),
                       SYSLOG_IDENTIFIER=IDENTIFIER, LOGGER=record.name,
                       THREAD_NAME=record.threadName or "", CODE_FILE=record.pathname,
-                      CODE_LINE=str(record.lineno), CODE_FUNC=record.funcName, **extra)
+                      CODE_LINE=record.lineno, CODE_FUNC=record.funcName, **extra)
         except Exception:
             self.handleError(record)
 
