@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import platform
 import re
+import shutil
+import subprocess
 import textwrap
 from pathlib import Path
 
@@ -279,3 +282,18 @@ def test_known_label_values_exist_at_zero_from_the_start() -> None:
     m.csi_served(["NodeStageVolume"])
     assert 'rbd_reconciler_csi_calls_total{code="OK",method="NodeStageVolume"} 0.0' in \
         generate_latest(m.registry).decode()
+
+
+PROMTOOL = os.environ.get("PROMTOOL") or shutil.which("promtool")
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian: prometheus; "
+                                             "or PROMTOOL=/path/to/promtool)")
+def test_promtool_checks_and_tests_the_rules() -> None:
+    """Prometheus' own parser, and the Down alert evaluated: scrapes failing,
+    the target gone (absent), a healthy one (examples/monitoring/alerts_test.yaml)."""
+    assert PROMTOOL is not None
+    for args in (["check", "rules", "alerts.yaml"], ["test", "rules", "alerts_test.yaml"]):
+        proc = subprocess.run([PROMTOOL, *args], cwd=MONITORING, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
