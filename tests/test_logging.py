@@ -20,9 +20,13 @@ __all__ = ["start"]  # the daemon fixture, shared with test_daemon
 ZONED = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d"
 
 
-def step_lines(log: Path, volume: str) -> list[dict]:
+def volume_lines(log: Path, volume: str) -> list[dict]:
     docs = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
-    return [d for d in docs if d.get("volume") == volume and "step" in d]
+    return [d for d in docs if d.get("volume") == volume]
+
+
+def step_lines(log: Path, volume: str) -> list[dict]:
+    return [d for d in volume_lines(log, volume) if "step" in d]
 
 
 def failing_mkfs(tmp_path: Path) -> tuple[Path, Path]:
@@ -68,6 +72,10 @@ def test_each_step_logged_with_its_fields(node: NodeUnderTest, start: Callable[.
         assert line["message"].startswith(f"{name}: ") and \
             f": {line['result']} in {line['duration_ms']} ms" in line["message"], line
 
+    # The chain's outcome is the volume's too, with its result.
+    assert [x for x in volume_lines(d.log, name)
+            if "step" not in x and x.get("result") == "failed" and "next try in" in x["message"]]
+
     # mkfs works again: the retry (after its backoff) converges, each step logged.
     flag.unlink()
     seen = len(lines)
@@ -75,4 +83,6 @@ def test_each_step_logged_with_its_fields(node: NodeUnderTest, start: Callable[.
     retry = {line["step"]: line["result"] for line in step_lines(d.log, name)[seen:]}
     assert {k: retry.get(k) for k in ("format", "stage", "publish")} == {
         "format": "changed", "stage": "changed", "publish": "changed"}, retry
+    assert [x for x in volume_lines(d.log, name)
+            if "step" not in x and x.get("result") == "changed"]
     assert d.stop() == 0
