@@ -590,7 +590,8 @@ class Daemon:
             self.inflight.pop(vol.name, None)
         left = [u.removesuffix(LEFT) for u in out.undone if u.endswith(LEFT)]
         log.warning("%s: stopped: %s%s", vol.name, out.error,
-                    f"; not undone, for the next start: {', '.join(left)}" if left else "")
+                    f"; not undone, for the next start: {', '.join(left)}" if left else "",
+                    extra={"volume": vol.name, "result": "aborted"})
         self._write_status(vol.name, {
             "phase": "Pending", "reason": "Interrupted",
             "message": f"{out.error}; the next start resumes",
