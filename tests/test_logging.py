@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import NodeUnderTest
-from test_daemon import Daemon, set_resync, spec, start
+from test_daemon import Daemon, set_resync, spec, start, wait_for
 
 pytestmark = pytest.mark.ceph
 __all__ = ["start"]  # the daemon fixture, shared with test_daemon
@@ -29,19 +29,24 @@ def step_lines(log: Path, volume: str) -> list[dict]:
     return [d for d in volume_lines(log, volume) if "step" in d]
 
 
-def failing_mkfs(tmp_path: Path) -> tuple[Path, Path]:
-    """mkfs.ext4 that fails, writing nothing, while ``flag`` exists."""
-    shims, flag = tmp_path / "shims", tmp_path / "mkfs-fails"
+def mkfs_shim(tmp_path: Path, when_flagged: str) -> tuple[Path, Path]:
+    """mkfs.ext4 that runs ``when_flagged`` (shell) while ``flag`` exists."""
+    shims, flag = tmp_path / "shims", tmp_path / "mkfs-flag"
     shims.mkdir()
     real = shutil.which("mkfs.ext4")
     assert real
     (shims / "mkfs.ext4").write_text(
         "#!/bin/sh\n"
-        f'if [ -e "{flag}" ]; then echo "mkfs.ext4: injected failure" >&2; exit 1; fi\n'
+        f'if [ -e "{flag}" ]; then {when_flagged}; fi\n'
         f'exec {real} "$@"\n')
     (shims / "mkfs.ext4").chmod(0o755)
     flag.touch()
     return shims, flag
+
+
+def failing_mkfs(tmp_path: Path) -> tuple[Path, Path]:
+    """Fails, writing nothing."""
+    return mkfs_shim(tmp_path, 'echo "mkfs.ext4: injected failure" >&2; exit 1')
 
 
 def test_each_step_logged_with_its_fields(node: NodeUnderTest, start: Callable[..., Daemon],
@@ -86,3 +91,26 @@ def test_each_step_logged_with_its_fields(node: NodeUnderTest, start: Callable[.
     assert [x for x in volume_lines(d.log, name)
             if "step" not in x and x.get("result") == "changed"]
     assert d.stop() == 0
+
+
+def test_steps_cut_short_by_a_stop_are_logged_aborted(
+        node: NodeUnderTest, start: Callable[..., Daemon], tmp_path: Path) -> None:
+    """SIGTERM while mkfs hangs: mkfs is killed after the stop grace and its
+    step logged aborted, the steps after it aborted as never run."""
+    hanging = tmp_path / "mkfs-hanging"
+    shims, _ = mkfs_shim(tmp_path, f'touch "{hanging}"; exec sleep 1000')
+    node.config.write_text(node.config.read_text()
+                           + "timeouts:\n  stopGraceSeconds: 1\n  stopSeconds: 10\n")
+    name = node.name("stop")
+    node.write(name, spec(node))
+    d = start(extra_env={"PATH": f"{shims}:{os.environ['PATH']}"},
+              args=("--log-format", "json"))
+    wait_for(hanging.exists, "mkfs to hang")
+    assert d.stop() == 0
+    by_step = {line["step"]: line for line in step_lines(d.log, name)}
+    assert {k: by_step[k]["result"] for k in ("map", "format", "stage", "publish")} == {
+        "map": "changed", "format": "aborted", "stage": "aborted", "publish": "aborted"}
+    assert by_step["format"]["duration_ms"] >= 1000  # it ran until killed after the grace
+    assert by_step["stage"]["message"].endswith("(not run: format aborted)")
+    assert [x for x in volume_lines(d.log, name)
+            if "step" not in x and x.get("result") == "aborted"]
