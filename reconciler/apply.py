@@ -24,6 +24,7 @@ from . import meta, safepath
 from .drivers import ceph, freeze
 from .drivers.fs import OnlineGrowRefused, block_device_size, is_ours
 from .drivers.run import Aborted
+from .logfmt import log_not_run, log_step
 from .observe import Node
 from .observed import Mapping, Observed
 from .parsers import parse_mountinfo
@@ -129,28 +130,36 @@ class _VolumeRun:
         return self.out
 
     def run_steps(self) -> VolumeOutcome:
-        for step in self.plan.steps:
+        steps = self.plan.steps
+        for i, step in enumerate(steps):
             if self.node.runner.halt.stopping:
                 self.abort(f"daemon stopping: {step.action} {step.target} not started")
+                log_not_run(log, steps[i:], "daemon stopping")
                 return self.out
             t0 = time.monotonic()
             try:
                 status, message = self.execute(step)
             except Aborted as exc:
-                self.out.steps.append(StepOutcome(step, "aborted", str(exc),
-                                                  time.monotonic() - t0))
+                took = time.monotonic() - t0
+                log_step(log, step, "aborted", took, str(exc))
+                log_not_run(log, steps[i + 1:], f"{step.action} aborted")
+                self.out.steps.append(StepOutcome(step, "aborted", str(exc), took))
                 self.abort(f"{step.action} {step.target}: {exc}")
                 return self.out
             except Exception as exc:  # every failure is reported, never raised past a volume
-                log.warning("%s: %s %s failed: %s", step.volume, step.action, step.target, exc)
-                self.out.steps.append(StepOutcome(step, "failed", str(exc),
-                                                  time.monotonic() - t0))
+                took = time.monotonic() - t0
+                refused = isinstance(exc, StepRefused)
+                log_step(log, step, "refused" if refused else "failed", took, str(exc))
+                log_not_run(log, steps[i + 1:], f"{step.action} failed")
+                self.out.steps.append(StepOutcome(step, "failed", str(exc), took))
                 self.out.status, self.out.error = "failed", f"{step.action} {step.target}: {exc}"
-                self.out.refused = isinstance(exc, StepRefused)
+                self.out.refused = refused
                 if isinstance(step, STAGE_CHAIN):
                     self.undo()
                 return self.out
-            self.out.steps.append(StepOutcome(step, status, message, time.monotonic() - t0))
+            took = time.monotonic() - t0
+            log_step(log, step, status, took, message)
+            self.out.steps.append(StepOutcome(step, status, message, took))
             if status == "changed":
                 self.out.status = "changed"
         return self.out

@@ -109,8 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "reloads the config. Speaks sd_notify under systemd.")
     p.add_argument("--allow-mass-removal", action="store_true",
                    help="let volumes go even when most or all files vanish at once")
-    p.add_argument("--log-format", choices=("journal", "json", "plain"), default="journal",
-                   help="stderr log lines: <N> priority prefixes (default), JSON, or plain")
+    p.add_argument("--log-format", choices=("auto", "journal", "json", "plain"), default="auto",
+                   help="auto (default): journal under journald, plain otherwise; journal: "
+                        "native journal fields (python3-systemd) or <N> priority prefixes; "
+                        "JSON lines; plain lines with ISO 8601 timestamps")
     p.add_argument("--csi-endpoint", metavar="unix:///PATH",
                    help="also serve CSI v1 (Identity, Controller, Node) on this unix socket "
                         "(default: the config's csi.endpoint; none: no CSI)")

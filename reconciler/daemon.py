@@ -533,12 +533,12 @@ class Daemon:
             self.inflight[vol.name] = fut
 
     def _converge(self, vol: Volume, vp: VolumePlan, observed: object, released: bool) -> None:
-        log.info("%s: %d step(s) start", vol.name, len(vp.steps))
+        log.info("%s: %d step(s) start", vol.name, len(vp.steps), extra={"volume": vol.name})
         crashed = False
         try:
             [outcome] = apply([vp], {vol.name: vol}, observed, self.node)  # type: ignore[arg-type]
         except Exception as exc:  # a driver bug must not kill the worker silently
-            log.exception("%s: apply crashed", vol.name)
+            log.exception("%s: apply crashed", vol.name, extra={"volume": vol.name})
             outcome, crashed = VolumeOutcome(vol.name, status="failed", error=str(exc)), True
         self.metrics.outcome(vp, outcome, crashed)
         self._record_outcome(vol, vp, outcome, released)
@@ -556,13 +556,15 @@ class Daemon:
                 delay = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (n - 1))
                 delay *= random.uniform(0.5, 1.0)  # jitter: failing volumes do not align
                 self.backoff[vol.name] = Backoff(n, time.monotonic() + delay, vol.spec_hash)
-                log.warning("%s: failed (%s); next try in %.0f s", vol.name, out.error, delay)
+                log.warning("%s: failed (%s); next try in %.0f s", vol.name, out.error, delay,
+                            extra={"volume": vol.name, "result": "failed"})
             else:
                 self.backoff.pop(vol.name, None)
                 if released and vol.name in self.records:
                     del self.records[vol.name]
                     self._save_records()
-                log.info("%s: %s", vol.name, out.status)
+                log.info("%s: %s", vol.name, out.status,
+                         extra={"volume": vol.name, "result": out.status})
         phase = ("Released" if released else
                  "Failed" if out.status == "failed" else
                  PHASE_NAMES[vp.wanted.name] if vp.wanted is not None else "Pending")
@@ -588,7 +590,8 @@ class Daemon:
             self.inflight.pop(vol.name, None)
         left = [u.removesuffix(LEFT) for u in out.undone if u.endswith(LEFT)]
         log.warning("%s: stopped: %s%s", vol.name, out.error,
-                    f"; not undone, for the next start: {', '.join(left)}" if left else "")
+                    f"; not undone, for the next start: {', '.join(left)}" if left else "",
+                    extra={"volume": vol.name, "result": "aborted"})
         self._write_status(vol.name, {
             "phase": "Pending", "reason": "Interrupted",
             "message": f"{out.error}; the next start resumes",

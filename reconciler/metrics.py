@@ -14,6 +14,7 @@ import contextlib
 import ipaddress
 import logging
 import os
+import platform
 import re
 import tempfile
 import threading
@@ -26,6 +27,9 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from . import __version__
+from .logfmt import step_kind
 
 if TYPE_CHECKING:
     from http.server import HTTPServer
@@ -74,9 +78,19 @@ def refusal_reason(message: str | None) -> str:
     return REFUSAL_OTHER
 
 
-def step_kind(action: str) -> str:
-    """A Step's ``action`` ("create image") as a label value ("create_image")."""
-    return re.sub(r"[^a-z0-9]+", "_", action.lower()).strip("_")
+PASS_RESULTS = ("ok", "refused", "error")
+FAILURE_CRASH = "crash"
+
+
+def step_kinds() -> tuple[str, ...]:
+    """Every step kind the planner can emit, as label values."""
+    from .steps import Step
+
+    def walk(cls: type[Step]) -> Iterator[type[Step]]:
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from walk(sub)
+    return tuple(sorted({step_kind(c.action) for c in walk(Step)}))
 
 
 def ceph_reachable(pools_listed: Iterable[str], pool_errors: dict[str, str]) -> bool | None:
@@ -170,7 +184,33 @@ class Metrics:
         # For alerts that scale with the config ("no successful pass for 3 x resync").
         self.resync = Gauge(f"{NS}_resync_interval_seconds", "The configured resyncSeconds.",
                             registry=r)
+        self.build_info = Gauge(f"{NS}_build_info", "Always 1; the labels say which build "
+                                "runs.", ["version", "python"], registry=r)
+        self.build_info.labels(__version__, platform.python_version()).set(1)
         self.http: HTTPServer | None = None
+        self._zero_series()
+
+    def _zero_series(self) -> None:
+        """Every label value known at start gets its series now, at 0: an
+        alert on a series that does not exist yet never fires, and rate()
+        misses the first event of a series born with it."""
+        for result in PASS_RESULTS:
+            self.passes.labels(result)
+        for reason, _ in REFUSAL_REASONS:
+            self.refusals.labels(reason)
+        self.refusals.labels(REFUSAL_OTHER)
+        for kind in step_kinds():
+            self.step_seconds.labels(kind)
+            self.failures.labels(kind)
+        self.failures.labels(FAILURE_CRASH)
+
+    def csi_served(self, methods: Iterable[str]) -> None:
+        """The CSI methods the adapter implements, at 0, once it serves
+        them (error codes appear with their first call: a method x code
+        grid of zeros would be hundreds of series nobody reads)."""
+        for method in methods:
+            self.csi_calls.labels(method, "OK")
+            self.csi_seconds.labels(method)
 
     # -- per-volume state -------------------------------------------------------
     def set_phase(self, name: str, phase: str) -> None:
@@ -205,7 +245,7 @@ class Metrics:
             self.refusals.labels(refusal_reason(out.error)).inc()
         elif out.status == "failed" and not vp.refused:
             failed = [s for s in out.steps if s.status == "failed"]
-            self.failures.labels("crash" if crashed or not failed
+            self.failures.labels(FAILURE_CRASH if crashed or not failed
                                  else step_kind(failed[-1].step.action)).inc()
         if out.status == "failed":
             self.backoffs.inc()

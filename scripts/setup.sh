@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(ceph-mon ceph-osd ceph-common python3-rados python3-rbd rbd-fuse rbd-nbd
+APT_PACKAGES=(ceph-mon ceph-osd ceph-common python3-rados python3-rbd python3-systemd rbd-fuse rbd-nbd
               xfsprogs e2fsprogs kmod util-linux fuse3 python3-venv python3-pip)
 
 missing=()

@@ -3,6 +3,8 @@ textfile, checked against the state they describe."""
 
 from __future__ import annotations
 
+import json
+import platform
 import socket
 import time
 import urllib.request
@@ -11,10 +13,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 from conftest import NodeUnderTest
 from prometheus_client.parser import text_string_to_metric_families
 from test_daemon import Daemon, set_observe_timeout, set_resync, spec, start, wait_for
+from test_metrics_units import MONITORING, referenced
 
+from reconciler import __version__
 from reconciler.csi import csi_pb2 as pb
 
 pytestmark = pytest.mark.ceph
@@ -127,12 +132,64 @@ def test_http_and_textfile_follow_the_state(node: NodeUnderTest,
     assert (value(s, "rbd_reconciler_backoffs_total") or 0) >= 1
     assert value(s, "rbd_reconciler_volumes_in_backoff") == 1
     assert value(s, "rbd_reconciler_frozen_files") == 0
-    assert not [k for k in s if k[0] == "rbd_reconciler_failures_total"]  # refused, not failed
+    assert not [k for k, v in s.items()  # refused, not failed
+                if k[0] == "rbd_reconciler_failures_total" and v != 0]
 
     f.write_text(good)  # a new spec is tried at once, backoff or not
     d.wait_phase(name, "Published")
     wait_metric(lambda: scrape(port), "back to Published",
                 lambda s: published(s) and value(s, "rbd_reconciler_volumes_in_backoff") == 0)
+    assert d.stop() == 0
+
+
+def used_by_alerts_and_dashboard() -> set[str]:
+    doc = yaml.safe_load((MONITORING / "alerts.yaml").read_text())
+    exprs = [r["expr"] for g in doc["groups"] for r in g["rules"]]
+    dash = json.loads((MONITORING / "grafana-dashboard.json").read_text())
+    exprs += [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs += [v["definition"] for v in dash["templating"]["list"] if "definition" in v]
+    return {name for e in exprs for name in referenced(e)}
+
+
+# Per-volume series appear with their volume; ceph_up says nothing until a
+# pass needed Ceph (a guess either way would be an alert or a lie).
+NOT_BEFORE_EVENTS = {"rbd_reconciler_volume_phase", "rbd_reconciler_volume_observed_phase",
+                     "rbd_reconciler_volume_wanted_phase", "rbd_reconciler_ceph_up"}
+# CSI's, once CSI serves (test_csi_calls_counted_by_method_and_code).
+CSI = {"rbd_reconciler_csi_calls_total", "rbd_reconciler_csi_call_duration_seconds_bucket"}
+
+
+def test_every_series_alerts_use_exists_from_start_up(node: NodeUnderTest,
+                                                      start: Callable[..., Daemon]) -> None:
+    """No volume, no event: the first scrape that answers already has every
+    series an alert or a dashboard panel reads (at 0), and build_info."""
+    port = free_port()
+    metrics_config(node, port)
+    d = start()
+
+    def first() -> str | None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                return r.read().decode()
+        except OSError:
+            return None
+    text = wait_for(first, "the metrics endpoint")
+    assert isinstance(text, str)
+    s = parse(text)
+    have = {name for name, _ in s}
+    used = used_by_alerts_and_dashboard()
+    assert "rbd_reconciler_refusals_total" in used and "rbd_reconciler_passes_total" in used
+    missing = {n for n in used - NOT_BEFORE_EVENTS - CSI if n not in have}
+    assert not missing, missing
+    for name in used & NOT_BEFORE_EVENTS:  # declared, at least
+        assert f"# TYPE {name.removesuffix('_total')} " in text, name
+    for result in ("refused", "error"):
+        assert value(s, "rbd_reconciler_passes_total", result=result) == 0
+    assert value(s, "rbd_reconciler_refusals_total", reason="shrink") == 0
+    assert value(s, "rbd_reconciler_failures_total", reason="crash") == 0
+    assert value(s, "rbd_reconciler_step_duration_seconds_count", action="stage") == 0
+    assert value(s, "rbd_reconciler_build_info", version=__version__,
+                 python=platform.python_version()) == 1
     assert d.stop() == 0
 
 
@@ -178,6 +235,12 @@ def test_csi_calls_counted_by_method_and_code(node: NodeUnderTest,
                                               start_csi: Callable[..., object]) -> None:
     port = free_port()
     c = start_csi(config=f"metrics:\n  listen: \"127.0.0.1:{port}\"\n")
+    # Every implemented method is there at 0 once CSI serves, before any call.
+    wait_metric(lambda: scrape(port), "CSI methods at 0",
+                lambda s: value(s, "rbd_reconciler_csi_calls_total", method="NodeStageVolume",
+                                code="OK") == 0
+                and value(s, "rbd_reconciler_csi_call_duration_seconds_count",
+                          method="ControllerExpandVolume") == 0)
     c.identity.GetPluginInfo(pb.GetPluginInfoRequest(), timeout=T)  # type: ignore[attr-defined]
     with pytest.raises(grpc.RpcError) as err:
         c.controller.CreateVolume(pb.CreateVolumeRequest(), timeout=T)  # type: ignore[attr-defined]

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+import platform
 import re
+import shutil
+import subprocess
 import textwrap
 from pathlib import Path
 
@@ -14,9 +18,11 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from reconciler import __version__
 from reconciler.config import ConfigError, load_config
 from reconciler.metrics import (
     REFUSAL_OTHER,
+    REFUSAL_REASONS,
     Metrics,
     ceph_reachable,
     is_loopback,
@@ -215,9 +221,79 @@ def test_alert_rules_parse_and_reference_exported_metrics() -> None:
         assert {"alert", "expr", "for"} <= set(rule), rule
         assert re.fullmatch(r"\d+[smh]", rule["for"]), rule
         refs = referenced(rule["expr"])
-        assert refs and refs <= names, (rule["alert"], refs - names)
+        assert refs <= names, (rule["alert"], refs - names)
+        assert refs or rule["alert"] == "RbdReconcilerDown", rule
+    # A daemon that stopped reporting: every other alert goes quiet with it.
+    down = rules["RbdReconcilerDown"]["expr"]
+    assert 'up{job="rbd-reconciler"} == 0' in down and 'absent(up{job="rbd-reconciler"})' in down
     assert 'phase="Failed"' in rules["RbdVolumeFailed"]["expr"]
     assert rules["RbdVolumeFailed"]["for"] == rules["RbdVolumeFrozen"]["for"] == "10m"
     assert rules["RbdCephUnreachable"]["for"] == "5m"
     assert "3 * rbd_reconciler_resync_interval_seconds" in \
         rules["RbdReconcilerNoSuccessfulPass"]["expr"]
+
+
+def github_anchors(markdown: str) -> set[str]:
+    """The anchors a git forge gives headings (GitHub's rule: lower case,
+    punctuation but - and _ dropped, spaces to -)."""
+    anchors = set()
+    for line in markdown.splitlines():
+        m = re.match(r"#{1,6} (.+)", line)
+        if m:
+            anchors.add(re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-"))
+    return anchors
+
+
+def test_every_alert_has_a_runbook_in_the_readme() -> None:
+    doc = yaml.safe_load((MONITORING / "alerts.yaml").read_text())
+    readme = (ROOT / "README.md").read_text()
+    anchors = github_anchors(readme)
+    assert "troubleshooting" in anchors
+    trouble = readme[readme.index("\n## Troubleshooting\n"):]
+    trouble = trouble[:trouble.index("\n## ", 1)]
+    for rule in (r for g in doc["groups"] for r in g["rules"]):
+        url = rule.get("annotations", {}).get("runbook_url", "")
+        assert re.fullmatch(r"https://\S+/README\.md#[a-z0-9-]+", url), (rule["alert"], url)
+        anchor = url.rsplit("#", 1)[1]
+        assert anchor == rule["alert"].lower() and anchor in anchors, (rule["alert"], anchor)
+        assert f"\n### {rule['alert']}\n" in trouble, rule["alert"]  # in that section
+
+
+def test_known_label_values_exist_at_zero_from_the_start() -> None:
+    """Before any event: what an alert or a dashboard panel selects on."""
+    m = Metrics()
+    s = {(x.name, frozenset(x.labels.items())): x.value
+         for fam in text_string_to_metric_families(generate_latest(m.registry).decode())
+         for x in fam.samples}
+    for result in ("ok", "refused", "error"):
+        assert s[("rbd_reconciler_passes_total", frozenset({("result", result)}))] == 0
+    for reason in [r for r, _ in REFUSAL_REASONS] + [REFUSAL_OTHER]:
+        assert s[("rbd_reconciler_refusals_total", frozenset({("reason", reason)}))] == 0
+    kinds = {step_kind(c.action) for c in Step.__subclasses__()}
+    for kind in kinds | {"crash"}:
+        assert s[("rbd_reconciler_failures_total", frozenset({("reason", kind)}))] == 0
+    for kind in kinds:
+        assert s[("rbd_reconciler_step_duration_seconds_count",
+                  frozenset({("action", kind)}))] == 0
+    [(labels, v)] = [(dict(k[1]), v) for k, v in s.items()
+                     if k[0] == "rbd_reconciler_build_info"]
+    assert v == 1 and labels["version"] == __version__
+    assert labels["python"] == platform.python_version()
+    m.csi_served(["NodeStageVolume"])
+    assert 'rbd_reconciler_csi_calls_total{code="OK",method="NodeStageVolume"} 0.0' in \
+        generate_latest(m.registry).decode()
+
+
+PROMTOOL = os.environ.get("PROMTOOL") or shutil.which("promtool")
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian: prometheus; "
+                                             "or PROMTOOL=/path/to/promtool)")
+def test_promtool_checks_and_tests_the_rules() -> None:
+    """Prometheus' own parser, and the Down alert evaluated: scrapes failing,
+    the target gone (absent), a healthy one (examples/monitoring/alerts_test.yaml)."""
+    assert PROMTOOL is not None
+    for args in (["check", "rules", "alerts.yaml"], ["test", "rules", "alerts_test.yaml"]):
+        proc = subprocess.run([PROMTOOL, *args], cwd=MONITORING, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr

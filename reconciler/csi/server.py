@@ -36,6 +36,16 @@ def socket_path(endpoint: str) -> Path:
     return Path(endpoint[len("unix://"):])
 
 
+def implemented(servicer: object) -> list[str]:
+    """The RPCs a servicer (or a mixin of it) overrides: the generated base
+    class answers the others UNIMPLEMENTED."""
+    mro = type(servicer).__mro__
+    [base] = [c for c in mro if c.__module__ == csi_pb2_grpc.__name__]
+    ours = mro[:mro.index(base)]
+    return sorted({name for cls in ours for name in vars(cls)
+                   if name[:1].isupper() and hasattr(base, name)})
+
+
 class CsiServer:
     def __init__(self, daemon: Daemon, endpoint: str) -> None:
         self.daemon = daemon
@@ -49,9 +59,12 @@ class CsiServer:
         ceph = CephInfo(config.ceph)
         server = grpc.server(ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="csi"),
                              interceptors=[MetricsInterceptor(self.daemon.metrics)])
-        csi_pb2_grpc.add_IdentityServicer_to_server(IdentityServicer(self.daemon, ceph), server)
-        csi_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(volumes, ceph), server)
-        csi_pb2_grpc.add_NodeServicer_to_server(NodeServicer(volumes, ceph), server)
+        servicers = (IdentityServicer(self.daemon, ceph), ControllerServicer(volumes, ceph),
+                     NodeServicer(volumes, ceph))
+        csi_pb2_grpc.add_IdentityServicer_to_server(servicers[0], server)
+        csi_pb2_grpc.add_ControllerServicer_to_server(servicers[1], server)
+        csi_pb2_grpc.add_NodeServicer_to_server(servicers[2], server)
+        self.daemon.metrics.csi_served(m for s in servicers for m in implemented(s))
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
         self._remove_stale()
         old = os.umask(0o177)  # the socket is born 0600: root talks to it, nobody else
