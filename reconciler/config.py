@@ -50,6 +50,13 @@ class CloneConfig:
 
 
 @dataclass(frozen=True)
+class SnapshotsConfig:
+    # Longest a filesystem stays frozen around a snapshot: a watchdog thaws
+    # it then, even while the snapshot call hangs, and the snapshot fails.
+    freeze_timeout_seconds: float = 5.0
+
+
+@dataclass(frozen=True)
 class Config:
     desired_dir: Path
     state_dir: Path
@@ -67,6 +74,7 @@ class Config:
     csi: CsiConfig = CsiConfig(None, None, DEFAULT_DRIVER_NAME, 120.0)
     metrics: MetricsConfig = MetricsConfig(None, None)
     clone: CloneConfig = CloneConfig()
+    snapshots: SnapshotsConfig = SnapshotsConfig()
 
     @property
     def staging_root(self) -> Path:
@@ -89,6 +97,7 @@ def _build(data: dict, source: Path | None) -> Config:
     csi = data.get("csi", {})
     metrics = data.get("metrics", {})
     clone = data.get("clone", {})
+    snapshots = data.get("snapshots", {})
     return Config(
         desired_dir=Path(data.get("desiredDir", "/etc/rbd-reconciler/volumes.d")),
         state_dir=Path(data.get("stateDir", "/var/lib/rbd-reconciler")),
@@ -119,6 +128,8 @@ def _build(data: dict, source: Path | None) -> Config:
         clone=CloneConfig(max_depth=int(clone.get("maxDepth", 8)),
                           flatten=clone.get("flatten", "depth"),
                           flatten_on_delete=bool(clone.get("flattenOnDelete", False))),
+        snapshots=SnapshotsConfig(
+            freeze_timeout_seconds=float(snapshots.get("freezeTimeoutSeconds", 5))),
     )
 
 

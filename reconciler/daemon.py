@@ -29,6 +29,7 @@ from .apply import VolumeOutcome, apply
 from .conditions import Conditions
 from .config import Config, ConfigError, load_config
 from .csi.desired import forgettable, load_desired
+from .drivers.freeze import thaw_recorded
 from .engine import Busy, context, state_lock
 from .loader import discover, is_ignored
 from .metrics import Metrics, ceph_reachable
@@ -182,6 +183,10 @@ class Daemon:
             return 1
         try:
             with state_lock(self.config):
+                # Before any Ceph call: a freeze a dead run left hangs every
+                # writer on it, and Ceph may not answer for a while.
+                for line in thaw_recorded(self.config.state_dir):
+                    log.warning("freeze: %s", line)
                 become_subreaper()
                 self.records = read_json(self.records_path, {}) or {}
                 self.install_signals()
