@@ -224,19 +224,28 @@ def device_lock(state_dir: Path, rdev: tuple[int, int], wait: float) -> Iterator
     fd = os.open(locks / f"freeze-{rdev[0]}:{rdev[1]}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
                  0o600)
     try:
-        deadline = time.monotonic() + wait
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise Busy(f"busy: another snapshot of the filesystem on {rdev[0]}:"
-                               f"{rdev[1]} has been in progress for {wait:g} s") from None
-                time.sleep(_LOCK_POLL_S)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _wait_for_lock(fd, rdev, wait)
         yield
     finally:
         os.close(fd)
+
+
+def _wait_for_lock(fd: int, rdev: tuple[int, int], wait: float) -> None:
+    """Another chain freezes this device now: its freeze ends within its own
+    deadline, so wait as long, then give up."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise Busy(f"busy: another snapshot of the filesystem on {rdev[0]}:{rdev[1]} "
+                           f"has been in progress for more than {wait:g} s") from None
+            time.sleep(_LOCK_POLL_S)
 
 
 class Hold:
