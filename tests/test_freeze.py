@@ -286,3 +286,46 @@ def test_two_snapshots_of_one_filesystem_at_once(
     assert records(node) == {}
     assert writers(node.srv / src / "after").done_within(30)
     tear_down(node, src)
+
+
+# -- no cluster needed -------------------------------------------------------------
+@pytest.mark.parametrize(("body", "error"), [
+    ("snapshots:\n  freezeTimeoutSeconds: 0\n",
+     "snapshots.freezeTimeoutSeconds: 0 must be greater than 0"),
+    ("snapshots:\n  freezeTimeoutSeconds: 600\n",
+     "snapshots.freezeTimeoutSeconds: 600 is greater than the maximum of 60"),
+    ("snapshots:\n  freezeTimeout: 3\n", "snapshots.freezeTimeout: unknown field"),
+])
+def test_freeze_timeout_config(tmp_path: Path, body: str, error: str) -> None:
+    from reconciler.config import ConfigError, load_config
+
+    path = tmp_path / "config.yaml"
+    path.write_text("nodeName: n\n")
+    assert load_config(path).snapshots.freeze_timeout_seconds == 5
+    path.write_text("snapshots:\n  freezeTimeoutSeconds: 2.5\n")
+    assert load_config(path).snapshots.freeze_timeout_seconds == 2.5
+    path.write_text(body)
+    with pytest.raises(ConfigError) as exc:
+        load_config(path)
+    assert error in str(exc.value)
+
+
+def test_record_owner_liveness(tmp_path: Path) -> None:
+    """A live process's record is its own; a reused pid (another start time),
+    a gone pid, or this process's record of a chain that ended are not."""
+    from reconciler.drivers import freeze
+
+    parent = os.getppid()
+    began = freeze._start_time(parent)
+    alive = freeze.Record.parse("a", {"path": "/x", "dev": [7, 1], "pid": parent,
+                                      "start": began})
+    assert alive.owner_alive() and alive.dev == (7, 1)
+    assert not freeze.Record.parse("b", {"path": "/x", "pid": parent,
+                                         "start": (began or 0) + 1}).owner_alive()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert not freeze.Record.parse("c", {"path": "/x", "pid": gone.pid, "start": 1}
+                                   ).owner_alive()
+    me = {"path": "/x", "pid": os.getpid(), "start": freeze._start_time(os.getpid())}
+    assert not freeze.Record.parse("ended-chain", me).owner_alive()
+    assert freeze.Record.parse("legacy-path", {"pid": 0}).path == "legacy-path"

@@ -244,7 +244,7 @@ def _wait_for_lock(fd: int, rdev: tuple[int, int], wait: float) -> None:
         except BlockingIOError:
             if time.monotonic() >= deadline:
                 raise Busy(f"busy: another snapshot of the filesystem on {rdev[0]}:{rdev[1]} "
-                           f"has been in progress for more than {wait:g} s") from None
+                           f"is in progress (waited {wait:g} s)") from None
             time.sleep(_LOCK_POLL_S)
 
 
