@@ -54,8 +54,30 @@ _THAWS = Bounded(max_running=4, name="thaw")
 
 
 class Freezes(Registry):
+    """The records. Written by more than one process (the daemon's chains, a
+    CLI thawing what a dead run left): each update holds a file lock too, or
+    one process's write would drop a record the other just made."""
+
     def __init__(self, state_dir: Path) -> None:
         super().__init__(state_dir / "freezes.json")
+
+    @contextlib.contextmanager
+    def _across_processes(self) -> Iterator[None]:
+        fd = os.open(self.path.with_name("freezes.lock"),
+                     os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held for one small write only
+            yield
+        finally:
+            os.close(fd)
+
+    def record(self, key: str, value: Any) -> None:
+        with self._across_processes():
+            super().record(key, value)
+
+    def forget(self, key: str) -> None:
+        with self._across_processes():
+            super().forget(key)
 
 
 class WrongFilesystem(Exception):
@@ -95,7 +117,9 @@ class Record:
     def owner_alive(self) -> bool:
         if self.pid is None:
             return False
-        if self.pid == os.getpid() and self.start == _start_time(self.pid):
+        if self.pid == os.getpid():
+            if self.start is None or self.start != _start_time(self.pid):
+                return False  # another process, since gone, had our pid
             with _live_guard:
                 return self.key in _live
         started = _start_time(self.pid)
@@ -173,10 +197,11 @@ def thaw_recorded(state_dir: Path, wait: float = THAW_WAIT_S) -> list[str]:
     Returns one line per record handled, for the operator."""
     records = Freezes(state_dir)
     out = []
+    deadline = time.monotonic() + wait  # for all of them: stuck thaws do not add up
     for rec in left_frozen(state_dir):
         try:
             task = _THAWS.submit(rec.dev or rec.path, lambda r=rec: _thaw_device(r.path, r.dev))
-            thawed = _THAWS.wait(task, wait, time.monotonic() + wait)
+            thawed = _THAWS.wait(task, wait, deadline)
         except NotMounted as exc:
             if rec.dev is not None and Path(f"/sys/dev/block/{rec.dev[0]}:{rec.dev[1]}"
                                             ).exists():
