@@ -67,6 +67,10 @@ class StepRefused(Exception):
     """A safety check at execution time said no."""
 
 
+class FreezeExpired(Exception):
+    """The watchdog thawed the filesystem before the snapshot was taken."""
+
+
 @dataclass
 class StepOutcome:
     step: Step
@@ -249,7 +253,10 @@ class _VolumeRun:
             case DeleteSnapshot():
                 return self.delete_snapshot(step)
             case Thaw():
-                if not freeze.thaw(step.path, freeze.Freezes(node.config.state_dir)):
+                thawed = freeze.thaw_left(node.config.state_dir, step.path)
+                if thawed is None:
+                    return "ok", "frozen by a snapshot in progress: left to it"
+                if not thawed:
                     return "ok", "was not frozen"
             case _:
                 raise NotImplementedError(type(step).__name__)
@@ -278,16 +285,38 @@ class _VolumeRun:
                 meta.SPEC_HASH: self.volume.spec_hash if self.volume else ""}
 
     def snapshot(self, step: CreateSnapshot) -> tuple[str, str]:
-        """The filesystem is frozen around the snapshot only (thawed whatever
-        happens); the owner is recorded before the snapshot (ceph driver)."""
+        """The filesystem is frozen around the snapshot only, and never longer
+        than snapshots.freezeTimeoutSeconds: a watchdog thaws it then, even
+        while the call hangs, and the snapshot fails. The owner is recorded
+        before the snapshot (ceph driver)."""
         cluster = self.need_cluster()
-        with freeze.frozen(step.freeze, freeze.Freezes(self.node.config.state_dir),
-                           step.freeze_rdev):
-            result = ceph.create_snapshot(cluster, step.pool, step.image, step.snap,
-                                          self.node.config.node_name)
+        limit = self.node.config.snapshots.freeze_timeout_seconds
+        with freeze.frozen(step.freeze, self.node.config.state_dir, step.freeze_rdev,
+                           limit) as hold:
+            try:
+                result = ceph.create_snapshot(cluster, step.pool, step.image, step.snap,
+                                              self.node.config.node_name)
+            except Exception as exc:
+                if hold is not None and hold.expired:
+                    raise FreezeExpired(f"froze {step.freeze} for more than {limit:g} s: "
+                                        f"thawed; snapshot not taken ({exc})") from exc
+                raise
+        if hold is not None and hold.expired and result == "changed":
+            raise FreezeExpired(self.late_snapshot(step, limit))
         if result == "ok":
             return "ok", "already taken by this node"
         return "changed", f"frozen {step.freeze}" if step.freeze else ""
+
+    def late_snapshot(self, step: CreateSnapshot, limit: float) -> str:
+        """The call returned after the watchdog's thaw: the snapshot is not of
+        the frozen moment. Removed, so the next pass takes it properly."""
+        why = (f"froze {step.freeze} for more than {limit:g} s: thawed; the snapshot "
+               "completed only after the thaw (not under the freeze)")
+        try:
+            ceph.remove_snapshot(self.need_cluster(), step.pool, step.image, step.snap)
+        except Exception as exc:
+            return f"{why}, and removing it failed ({exc}): {step.target} is kept, not frozen"
+        return f"{why}: removed it; the next pass takes it again"
 
     def clone(self, step: CloneImage) -> None:
         self.with_intent(step.pool, step.image, lambda: ceph.clone_image(

@@ -18,6 +18,7 @@ TYPE_CHECKING = False  # typing itself costs ~5 ms at start-up
 if TYPE_CHECKING:
     from .apply import VolumeOutcome
     from .config import Config
+    from .drivers.freeze import Record
     from .engine import Pass
     from .plan import VolumePlan
     from .steps import Step
@@ -196,18 +197,30 @@ def _default_paths(config: Config) -> list[Path]:
     return [config.desired_dir, *([config.csi_dir] if config.csi_dir.is_dir() else [])]
 
 
+def _left_frozen(config: Config) -> list[Record]:
+    """Plan changes nothing, not even a thaw (apply and the daemon thaw first
+    thing): it reports a freeze a dead run left, which Ceph need not answer."""
+    from .drivers.freeze import left_frozen
+
+    if not (config.state_dir / "freezes.json").exists():
+        return []
+    return left_frozen(config.state_dir)
+
+
 def cmd_plan(args: argparse.Namespace, config: Config) -> int:
     from .engine import plan_pass
     from .observe import Node
 
+    left = _left_frozen(config)
     p = plan_pass(_paths(args, config), config, Node.from_config(config))
-    steps = sum(len(vp.steps) for vp in p.plans)
+    steps = sum(len(vp.steps) for vp in p.plans) + len(left)
     refused = [vp for vp in p.plans if vp.refused]
     failed = bool(refused or p.loaded.diagnostics)
     if args.output == "json":
         json.dump({
             "changes": steps > 0,
             "errors": [d.as_dict() for d in p.loaded.diagnostics],
+            "leftFrozen": [r.path for r in left],
             "volumes": [{"name": vp.name, "kind": vp.kind, "waiting": vp.waiting,
                          "phase": vp.phase_name, "unknown": vp.unknown,
                          "wanted": vp.wanted.name if vp.wanted is not None else None,
@@ -217,6 +230,9 @@ def cmd_plan(args: argparse.Namespace, config: Config) -> int:
         print()
     else:
         _print_load_errors(p)
+        for r in left:
+            print(f"LEFT FROZEN: {r.path} (by {r.owner}, which is gone): "
+                  "apply thaws it first, before any Ceph call")
         _print_plans(p.plans)
         destructive = sum(s.destructive for vp in p.plans for s in vp.steps)
         unknown = sum(bool(vp.unknown) for vp in p.plans)
@@ -250,10 +266,25 @@ def _merge_outcomes(first: list[VolumeOutcome], then: list[VolumeOutcome]
     return [by_name[n] for n in sorted(by_name)]
 
 
+def _thaw_first(config: Config) -> list[str]:
+    """A filesystem a dead run left frozen hangs every writer on it: thawed
+    from the local record alone, before anything waits on Ceph (an outage
+    must not keep it frozen). Freezes of a live run are left alone."""
+    from .drivers.freeze import thaw_recorded
+
+    if not (config.state_dir / "freezes.json").exists():
+        return []
+    thawed = thaw_recorded(config.state_dir)
+    for line in thawed:
+        print(f"rbd-reconciler: {line}", file=sys.stderr)
+    return thawed
+
+
 def cmd_apply(args: argparse.Namespace, config: Config) -> int:
     from .engine import Busy, apply_pass, plan_pass, state_lock
     from .observe import Node
 
+    thawed = _thaw_first(config)
     node = Node.from_config(config)
     try:
         with state_lock(config):
@@ -273,7 +304,8 @@ def cmd_apply(args: argparse.Namespace, config: Config) -> int:
     counts = {k: sum(o.status == k for o in outcomes) for k in ("ok", "changed", "failed")}
     if args.output == "json":
         json.dump({"recap": counts, "errors": [d.as_dict() for d in p.loaded.diagnostics],
-                   "volumes": [o.as_dict() for o in outcomes]}, sys.stdout, indent=2)
+                   "thawed": thawed, "volumes": [o.as_dict() for o in outcomes]},
+                  sys.stdout, indent=2)
         print()
     else:
         _print_load_errors(p)

@@ -65,6 +65,13 @@ STOP_AFTER_GRACE_S = 6.0
 
 
 @dataclass(frozen=True)
+class SnapshotsConfig:
+    # Longest a filesystem stays frozen around a snapshot: a watchdog thaws
+    # it then, even while the snapshot call hangs, and the snapshot fails.
+    freeze_timeout_seconds: float = 5.0
+
+
+@dataclass(frozen=True)
 class Config:
     desired_dir: Path
     state_dir: Path
@@ -83,6 +90,7 @@ class Config:
     metrics: MetricsConfig = MetricsConfig(None, None)
     clone: CloneConfig = CloneConfig()
     timeouts: TimeoutsConfig = TimeoutsConfig()
+    snapshots: SnapshotsConfig = SnapshotsConfig()
 
     @property
     def staging_root(self) -> Path:
@@ -106,6 +114,7 @@ def _build(data: dict, source: Path | None) -> Config:
     metrics = data.get("metrics", {})
     clone = data.get("clone", {})
     timeouts = data.get("timeouts", {})
+    snapshots = data.get("snapshots", {})
     return Config(
         desired_dir=Path(data.get("desiredDir", "/etc/rbd-reconciler/volumes.d")),
         state_dir=Path(data.get("stateDir", "/var/lib/rbd-reconciler")),
@@ -142,6 +151,8 @@ def _build(data: dict, source: Path | None) -> Config:
             stop_seconds=float(timeouts.get("stopSeconds", 30)),
             stop_grace_seconds=float(timeouts.get("stopGraceSeconds", 5)),
         ),
+        snapshots=SnapshotsConfig(
+            freeze_timeout_seconds=float(snapshots.get("freezeTimeoutSeconds", 5))),
     )
 
 

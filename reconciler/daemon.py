@@ -31,6 +31,7 @@ from .apply import LEFT, VolumeOutcome, apply
 from .conditions import Conditions
 from .config import Config, ConfigError, load_config
 from .csi.desired import forgettable, load_desired
+from .drivers.freeze import thaw_recorded
 from .drivers.run import Aborted, Halt
 from .engine import Busy, context, state_lock
 from .loader import discover, is_ignored
@@ -195,6 +196,10 @@ class Daemon:
             return 1
         try:
             with state_lock(self.config):
+                # Before any Ceph call: a freeze a dead run left hangs every
+                # writer on it, and Ceph may not answer for a while.
+                for line in thaw_recorded(self.config.state_dir):
+                    log.warning("freeze: %s", line)
                 become_subreaper()
                 self.records = read_json(self.records_path, {}) or {}
                 self.install_signals()

@@ -16,7 +16,7 @@ from pathlib import Path
 from .bounded import Bounded, NoAnswer, StillStuck
 from .config import Config
 from .devprobe import ProbeCache, Probed, probe_full, probe_mounted
-from .drivers.freeze import Freezes
+from .drivers.freeze import left_frozen
 from .drivers.fs import DeviceUnreadable, Filesystems, block_device_size
 from .drivers.mappers import FuseMapper, KernelMapper, available_mappers
 from .drivers.run import CommandError, Halt, Runner
@@ -190,7 +190,7 @@ def observe(node: Node, volumes: Iterable[Volume], all_watchers: bool = False) -
                     if stat.S_ISBLK(st.st_mode):
                         path_rdev[p] = (os.major(st.st_rdev), os.minor(st.st_rdev))
     intents = Intents(node.config.state_dir).images()
-    freezes = frozenset(Freezes(node.config.state_dir).all())
+    freezes = frozenset(r.path for r in left_frozen(node.config.state_dir))
     imgs = ceph_pass.result()
     return Observed(images=imgs.images, pools_listed=frozenset(imgs.listed),
                     pool_errors=imgs.errors, image_errors=imgs.image_errors,

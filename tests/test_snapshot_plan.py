@@ -153,6 +153,6 @@ def test_freeze_refuses_a_path_that_is_no_longer_ours(tmp_path: Path) -> None:
     from reconciler.drivers import freeze
 
     records = freeze.Freezes(tmp_path)
-    with pytest.raises(freeze.WrongFilesystem), freeze.frozen(str(tmp_path), records, (999, 999)):
+    with pytest.raises(freeze.WrongFilesystem), freeze.frozen(str(tmp_path), tmp_path, (999, 999)):
         pytest.fail("the body must not run")
     assert records.all() == {}

@@ -1,9 +1,17 @@
-"""fsfreeze around a snapshot, with a record that outlives a crash.
+"""fsfreeze around a snapshot: bounded, one per device, and undone after a crash.
 
 A filesystem frozen by a process that then dies stays frozen: every writer
-on it hangs. So the freeze is recorded (stateDir/freezes.json) before it is
-made and forgotten only after the thaw; the next pass thaws whatever is
-recorded (a thaw of a filesystem that is not frozen is harmless).
+on it hangs. So each freeze is recorded (stateDir/freezes.json) before it is
+made and forgotten only after the thaw. A record names its owner (pid, the
+process's start time, and a token per chain): ``thaw_recorded`` thaws what a
+dead owner left behind from the record alone, before anything talks to Ceph
+(a Ceph outage must not keep an application's writes hanging), and never
+thaws a freeze a live chain still holds.
+
+While held, a freeze is bounded: a watchdog thaws at the deadline even when
+the snapshot call hangs (a monitor that does not answer). And one freeze per
+device at a time: a second FIFREEZE fails with EBUSY, so chains (threads of
+one apply, or the daemon and a CLI) take a per-device lock first.
 """
 
 from __future__ import annotations
@@ -11,25 +19,121 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
+import secrets
+import threading
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .. import safepath
+from ..bounded import Bounded, NoAnswer
+from ..parsers import parse_mountinfo
 from ..registry import Registry
+
+log = logging.getLogger(__name__)
 
 # <linux/fs.h>: _IOWR('X', 119, int) and _IOWR('X', 120, int)
 FIFREEZE = 0xC0045877
 FITHAW = 0xC0045878
 
+DEFAULT_TIMEOUT_S = 5.0
+# A thaw of a filesystem whose storage is gone (OSD down) waits in the kernel:
+# never hold up the caller (the daemon's start-up) longer than this.
+THAW_WAIT_S = 10.0
+_LOCK_POLL_S = 0.02
+
+# Tokens of the freezes this process holds right now: its other records are
+# left over from chains that failed to thaw, and may be thawed.
+_live: set[str] = set()
+_live_guard = threading.Lock()
+_THAWS = Bounded(max_running=4, name="thaw")
+
 
 class Freezes(Registry):
+    """The records. Written by more than one process (the daemon's chains, a
+    CLI thawing what a dead run left): each update holds a file lock too, or
+    one process's write would drop a record the other just made."""
+
     def __init__(self, state_dir: Path) -> None:
         super().__init__(state_dir / "freezes.json")
+
+    @contextlib.contextmanager
+    def _across_processes(self) -> Iterator[None]:
+        fd = os.open(self.path.with_name("freezes.lock"),
+                     os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held for one small write only
+            yield
+        finally:
+            os.close(fd)
+
+    def record(self, key: str, value: Any) -> None:
+        with self._across_processes():
+            super().record(key, value)
+
+    def forget(self, key: str) -> None:
+        with self._across_processes():
+            super().forget(key)
 
 
 class WrongFilesystem(Exception):
     """The path no longer holds the filesystem the plan meant to freeze."""
+
+
+class Busy(Exception):
+    """Another chain holds a freeze of this filesystem."""
+
+
+class NotMounted(Exception):
+    """The recorded filesystem is mounted nowhere: it cannot be thawed now."""
+
+
+@dataclass(frozen=True)
+class Record:
+    key: str
+    path: str
+    dev: tuple[int, int] | None  # None: a record written before devices were recorded
+    pid: int | None
+    start: int | None  # the owner's start time (/proc/PID/stat field 22)
+
+    @classmethod
+    def parse(cls, key: str, value: Any) -> Record:
+        v = value if isinstance(value, dict) else {}
+        dev = v.get("dev")
+        ok_dev = isinstance(dev, list) and len(dev) == 2 and all(isinstance(x, int) for x in dev)
+        pid, start = v.get("pid"), v.get("start")
+        return cls(key, str(v.get("path", key)), (dev[0], dev[1]) if ok_dev else None,
+                   pid if isinstance(pid, int) else None,
+                   start if isinstance(start, int) else None)
+
+    @property
+    def owner(self) -> str:
+        return f"pid {self.pid}" if self.pid is not None else "an unknown process"
+
+    def owner_alive(self) -> bool:
+        if self.pid is None:
+            return False
+        if self.pid == os.getpid():
+            if self.start is None or self.start != _start_time(self.pid):
+                return False  # another process, since gone, had our pid
+            with _live_guard:
+                return self.key in _live
+        started = _start_time(self.pid)
+        # Without a recorded start time (an old record) a live pid is trusted.
+        return started is not None and (self.start is None or started == self.start)
+
+
+def _start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot): a reused pid differs."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+        return int(text[text.rindex(")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _ioctl(path: str, request: int, rdev: tuple[int, int] | None = None) -> None:
@@ -38,43 +142,218 @@ def _ioctl(path: str, request: int, rdev: tuple[int, int] | None = None) -> None
     fd = safepath.open_nofollow(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         if rdev is not None and os.fstat(fd).st_dev != os.makedev(*rdev):
-            # Unmounted since the plan: freezing what is there now (the root
-            # filesystem, say) would hang the node.
+            # Unmounted since: freezing (or thawing) what is there now (the
+            # root filesystem, say) could hang the node.
             raise WrongFilesystem(f"{path} is no longer a mount of device "
-                                  f"{rdev[0]}:{rdev[1]}; not freezing it")
+                                  f"{rdev[0]}:{rdev[1]}")
         fcntl.ioctl(fd, request, 0)
     finally:
         os.close(fd)
 
 
-def thaw(path: str, records: Freezes) -> bool:
-    """Thaw ``path``; False when it was not frozen. Forgets the record."""
+def _dev_of(path: str) -> tuple[int, int]:
+    fd = safepath.open_nofollow(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        _ioctl(path, FITHAW)
-        thawed = True
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:  # EINVAL: not frozen
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    return os.major(st.st_dev), os.minor(st.st_dev)
+
+
+def _thaw_device(path: str, rdev: tuple[int, int] | None) -> bool:
+    """FITHAW the filesystem of device ``rdev``: at ``path`` while it is still
+    mounted there, else at any other mount of it (the superblock is one).
+    False: it was not frozen. NotMounted: it is mounted nowhere."""
+    candidates = [path]
+    if rdev is not None:
+        mounts = parse_mountinfo(Path("/proc/self/mountinfo").read_text())
+        candidates += [m.mount_point for m in mounts
+                       if (m.major, m.minor) == rdev and m.mount_point != path]
+    for where in candidates:
+        try:
+            _ioctl(where, FITHAW, rdev)
+            return True
+        except (WrongFilesystem, FileNotFoundError, NotADirectoryError, safepath.UnsafePath):
+            continue
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:  # not frozen
+                return False
             raise
-        thawed = False
-    records.forget(path)
+    raise NotMounted(f"device {rdev[0]}:{rdev[1]} is not mounted anywhere" if rdev
+                     else f"{path} is not accessible")
+
+
+# -- what a dead owner left ----------------------------------------------------
+def left_frozen(state_dir: Path) -> list[Record]:
+    """Recorded freezes whose owner is gone (no Ceph, no ioctl)."""
+    return [r for k, v in Freezes(state_dir).all().items()
+            if not (r := Record.parse(k, v)).owner_alive()]
+
+
+def thaw_recorded(state_dir: Path, wait: float = THAW_WAIT_S) -> list[str]:
+    """Thaw every freeze a dead owner left behind and forget its record: from
+    the record alone, so it runs before anything connects to Ceph. Freezes a
+    live chain holds (the daemon's, while a CLI runs) are left to it.
+    Returns one line per record handled, for the operator."""
+    records = Freezes(state_dir)
+    out = []
+    deadline = time.monotonic() + wait  # for all of them: stuck thaws do not add up
+    for rec in left_frozen(state_dir):
+        try:
+            task = _THAWS.submit(rec.dev or rec.path, lambda r=rec: _thaw_device(r.path, r.dev))
+            thawed = _THAWS.wait(task, wait, deadline)
+        except NotMounted as exc:
+            if rec.dev is not None and Path(f"/sys/dev/block/{rec.dev[0]}:{rec.dev[1]}"
+                                            ).exists():
+                out.append(f"{rec.path}: left frozen by {rec.owner}, but {exc}; kept to "
+                           "thaw once it is mounted again")
+                continue
+            out.append(f"{rec.path}: left frozen by {rec.owner}; its device is gone")
+        except NoAnswer as exc:
+            out.append(f"{rec.path}: left frozen by {rec.owner}; the thaw did not complete "
+                       f"({exc}: its storage does not answer); kept to retry")
+            continue
+        except OSError as exc:
+            out.append(f"{rec.path}: left frozen by {rec.owner}; the thaw failed: {exc}")
+            continue
+        else:
+            out.append(f"{rec.path}: thawed (left frozen by {rec.owner}, which is gone)"
+                       if thawed else f"{rec.path}: was not frozen (record of {rec.owner})")
+        records.forget(rec.key)
+    return out
+
+
+def thaw_left(state_dir: Path, path: str) -> bool | None:
+    """The planned Thaw step: thaw what a dead owner left at ``path``. None:
+    a live chain holds it (a snapshot in progress); False: was not frozen."""
+    recs = [r for r in left_frozen(state_dir) if r.path == path]
+    if not recs:
+        # Already handled (thaw_recorded at start-up), or a live chain's:
+        # without a record, what is at ``path`` now is not ours to thaw.
+        held = any(Record.parse(k, v).path == path for k, v in Freezes(state_dir).all().items())
+        return None if held else False
+    thawed = False
+    for rec in recs:
+        thawed = _thaw_device(rec.path, rec.dev) or thawed
+        Freezes(state_dir).forget(rec.key)
     return thawed
 
 
+# -- one freeze, held ----------------------------------------------------------
 @contextlib.contextmanager
-def frozen(path: str | None, records: Freezes, rdev: tuple[int, int] | None
-           ) -> Iterator[None]:
-    """Freeze ``path`` (None: nothing to freeze), which must be a mount of
-    device ``rdev``, for the body; thawed on the way out whatever happens."""
-    if path is None:
-        yield
-        return
-    records.record(path, {"pid": os.getpid()})
+def device_lock(state_dir: Path, rdev: tuple[int, int], wait: float) -> Iterator[None]:
+    """One freeze per device at a time, across threads and processes (each
+    open has its own flock). Waits up to ``wait`` s, then raises Busy."""
+    locks = state_dir / "locks"
+    locks.mkdir(mode=0o700, exist_ok=True)
+    fd = os.open(locks / f"freeze-{rdev[0]}:{rdev[1]}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                 0o600)
     try:
-        _ioctl(path, FIFREEZE, rdev)
-    except BaseException:
-        records.forget(path)
-        raise
-    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _wait_for_lock(fd, rdev, wait)
         yield
     finally:
-        thaw(path, records)
+        os.close(fd)
+
+
+def _wait_for_lock(fd: int, rdev: tuple[int, int], wait: float) -> None:
+    """Another chain freezes this device now: its freeze ends within its own
+    deadline, so wait as long, then give up."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise Busy(f"busy: another snapshot of the filesystem on {rdev[0]}:{rdev[1]} "
+                           f"is in progress (waited {wait:g} s)") from None
+            time.sleep(_LOCK_POLL_S)
+
+
+class Hold:
+    """A freeze in place: thawed once, by the chain or by the watchdog at the
+    deadline, whichever comes first."""
+
+    def __init__(self, path: str, rdev: tuple[int, int], records: Freezes,
+                 timeout: float) -> None:
+        self.path, self.rdev, self.records, self.timeout = path, rdev, records, timeout
+        self.token = f"{os.getpid()}-{secrets.token_hex(8)}"
+        self.expired = False  # the watchdog thawed it
+        self._thawed = False
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+
+    def freeze(self) -> None:
+        with _live_guard:
+            _live.add(self.token)
+        pid = os.getpid()
+        self.records.record(self.token, {"path": self.path, "dev": list(self.rdev), "pid": pid,
+                                         "start": _start_time(pid)})
+        try:
+            _ioctl(self.path, FIFREEZE, self.rdev)
+        except BaseException:
+            self.records.forget(self.token)
+            self._forget_live()
+            raise
+        threading.Thread(target=self._watchdog, daemon=True,
+                         name=f"freeze-watchdog:{self.path}").start()
+
+    def _watchdog(self) -> None:
+        if self._done.wait(self.timeout):
+            return
+        log.warning("%s frozen for %g s: thawing it now", self.path, self.timeout)
+        try:
+            self.thaw(expired=True)
+        except Exception as exc:  # the chain's own thaw tries again
+            log.error("%s: the watchdog's thaw failed: %s", self.path, exc)
+
+    def thaw(self, expired: bool = False) -> None:
+        with self._lock:
+            if self._thawed:
+                return
+            self.expired = self.expired or expired
+            try:
+                _thaw_device(self.path, self.rdev)
+            except NotMounted as exc:
+                # Unmounted while frozen: the record stays (its owner is gone
+                # once this chain ends), so the next pass thaws it if it is
+                # mounted again.
+                log.warning("%s: cannot thaw: %s", self.path, exc)
+                self._thawed = True
+                return
+            self._thawed = True
+            self.records.forget(self.token)
+
+    def release(self) -> None:
+        self._done.set()
+        try:
+            self.thaw()
+        finally:
+            self._forget_live()
+
+    def _forget_live(self) -> None:
+        with _live_guard:
+            _live.discard(self.token)
+
+
+@contextlib.contextmanager
+def frozen(path: str | None, state_dir: Path, rdev: tuple[int, int] | None,
+           timeout: float = DEFAULT_TIMEOUT_S) -> Iterator[Hold | None]:
+    """Freeze ``path`` (None: nothing to freeze), which must be a mount of
+    device ``rdev``, for the body; thawed on the way out whatever happens,
+    and by a watchdog after ``timeout`` s even while the body hangs (then
+    ``Hold.expired`` is set)."""
+    if path is None:
+        yield None
+        return
+    rdev = rdev or _dev_of(path)
+    with device_lock(state_dir, rdev, timeout):
+        hold = Hold(path, rdev, Freezes(state_dir), timeout)
+        hold.freeze()
+        try:
+            yield hold
+        finally:
+            hold.release()
