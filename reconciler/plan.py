@@ -367,20 +367,20 @@ class _VolumePlanner(SnapshotRules):
                            self.mapping.fuse_mount, release_claim=False))
             self.mapping = None
         if self.mapping is None:
-            if self.img is not None and self.foreign_watchers():
-                holder = self.claim.node if self.claim else None
-                raise Refused(f"image {v.image.spec} is open by {self.foreign_watchers()} "
-                              f"other client(s) ({', '.join(self.img.watchers)})"
-                              + (f", mapped by {holder}" if holder else "")
-                              + "; mapping it here too could corrupt it")
+            busy = self.foreign_watchers() if self.img is not None else 0
+            users = f"{busy} other client(s) ({', '.join(self.img.watchers)})" if busy else ""
             other = self.claimed_elsewhere()
             if other is not None:
                 raise Refused(
                     f"image {v.image.spec} is claimed by node {other.node}"
-                    + (f" (clients {', '.join(other.clients)})" if other.clients else "")
+                    + (f" and is open by {users}" if busy else
+                       f" (clients {', '.join(other.clients)})" if other.clients else "")
                     + ": one writer per image, so it is not mapped here. If that node is "
                     f"gone for good, `rbd-reconciler takeover {v.name} --yes-i-am-sure` on "
                     "this node blocklists its client and takes the claim")
+            if busy:
+                raise Refused(f"image {v.image.spec} is open by {users}; mapping it here "
+                              "too could corrupt it")
             mapper = resolve_mapper(v.map.mapper, self.ctx.mappers_available)
             self.add(MapImage(v.name, v.image.pool, v.image.name, mapper, v.map.options))
             return
