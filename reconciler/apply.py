@@ -319,14 +319,18 @@ class _VolumeRun:
         try:
             claims.record_clients(cluster, step.pool, step.image, me, after)
         except claims.ClaimedElsewhere as exc:
-            raise StepRefused(f"{exc} (taken while mapping here); unmapped here") from None
+            raise StepRefused(f"{step.pool}/{step.image} is claimed by node {exc.holder.node} "
+                              "(taken while mapping here); unmapped here") from None
         return "changed", self.device
 
     def take_claim(self, cluster: rados.Rados, pool: str, image: str) -> tuple[Claim, bool]:
         try:
             return claims.take(cluster, pool, image, self.node.config.node_name)
         except claims.ClaimedElsewhere as exc:
-            raise StepRefused(f"{exc}: one writer per image, so it is not mapped here") from None
+            raise StepRefused(f"{pool}/{image} is claimed by node {exc.holder.node}"
+                              + (f" (clients {', '.join(exc.holder.clients)})"
+                                 if exc.holder.clients else "")
+                              + ": one writer per image, so it is not mapped here") from None
 
     def release_claim(self, pool: str, image: str) -> str:
         """After an unmap. Without Ceph the unmap still counts; the claim stays
