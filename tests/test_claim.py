@@ -211,28 +211,41 @@ def test_takeover_fences_the_old_holder(
     helper = mappers._fuse_children[str(node.state / "fuse" / f"{node.cluster.pool}@{image}")]
     helper.send_signal(signal.SIGSTOP)  # node A hangs: alive, silent
     try:
-        rc, out = b.cli("plan", "-o", "json")
-        refusal = json.loads(out)["volumes"][0]["refusal"]
-        assert rc == 1 and "claimed by node test-node" in refusal and "takeover" in refusal
-        # Without the confirmation it only says what it would do.
-        rc, out = b.cli("takeover", image)
-        assert rc == 1 and old[0] in out and "--yes-i-am-sure" in out
-        assert claim_of(node, image).node == "test-node"  # type: ignore[union-attr]
-        assert old[0] not in blocklisted(node)
-
-        rc, out = b.cli("takeover", image, "--yes-i-am-sure")
-        assert rc == 0, out
-        assert old[0] in blocklisted(node)
-        assert claim_of(node, image) == Claim("node-b", (), "test-node", tuple(old))
-        rc, out = b.cli("explain", image)
-        assert f"blocklisted: {old[0]}" in out and "took it over from test-node" in out
-        assert b.cli("apply")[0] == 0
-        new = watchers(node, image)
-        assert len(new) == 1 and new != old
-        assert claim_of(node, image).clients == tuple(new)  # type: ignore[union-attr]
+        fence_and_take_over(node, a, b, image, old, helper, device, tmp_path)
     finally:
+        # A fenced helper never finishes its writes (a release would wait on
+        # them): stop it, as an operator would.
         helper.send_signal(signal.SIGCONT)
+        helper.kill()
+        helper.wait(timeout=30)
+    assert a.cli("release")[0] == 0
+    assert claim_of(node, image).node == "node-b"  # type: ignore[union-attr]
+    mon(node, {"prefix": "osd blocklist", "blocklistop": "rm", "addr": old[0]})
+
+
+def fence_and_take_over(node: NodeUnderTest, a: Node, b: Node, image: str, old: list[str],
+                        helper: subprocess.Popen[bytes], device: str, tmp_path: Path) -> None:
+    rc, out = b.cli("plan", "-o", "json")
+    refusal = json.loads(out)["volumes"][0]["refusal"]
+    assert rc == 1 and "claimed by node test-node" in refusal and "takeover" in refusal
+    # Without the confirmation it only says what it would do.
+    rc, out = b.cli("takeover", image)
+    assert rc == 1 and old[0] in out and "--yes-i-am-sure" in out
+    assert claim_of(node, image).node == "test-node"  # type: ignore[union-attr]
+    assert old[0] not in blocklisted(node)
+
+    rc, out = b.cli("takeover", image, "--yes-i-am-sure")
+    assert rc == 0, out
+    assert old[0] in blocklisted(node)
+    assert claim_of(node, image) == Claim("node-b", (), "test-node", tuple(old))
+    rc, out = b.cli("explain", image)
+    assert f"blocklisted: {old[0]}" in out and "took it over from test-node" in out
+    assert b.cli("apply")[0] == 0
+    new = watchers(node, image)
+    assert len(new) == 1 and new != old
+    assert claim_of(node, image).clients == tuple(new)  # type: ignore[union-attr]
     # Node A comes back: its client is fenced, its writes do not land.
+    helper.send_signal(signal.SIGCONT)
     pattern = tmp_path / "pattern"
     pattern.write_bytes(b"A" * 4096)
     dd = subprocess.run(["dd", f"if={pattern}", f"of={device}", "bs=4096", "count=1",
@@ -244,9 +257,5 @@ def test_takeover_fences_the_old_holder(
     rc, out = a.cli("plan", "-o", "json")
     refusal = json.loads(out)["volumes"][0]["refusal"]
     assert rc == 1 and "claimed by node node-b" in refusal and "release" in refusal
-    # A fenced helper never finishes its writes; stop it, as an operator would.
-    helper.kill()
-    helper.wait(timeout=30)
-    assert a.cli("release")[0] == 0
-    assert claim_of(node, image).node == "node-b"  # type: ignore[union-attr]
-    mon(node, {"prefix": "osd blocklist", "blocklistop": "rm", "addr": old[0]})
+    rc, out = a.cli("explain", image)
+    assert f"blocklisted: {old[0]}" in out
