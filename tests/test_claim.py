@@ -259,3 +259,18 @@ def fence_and_take_over(node: NodeUnderTest, a: Node, b: Node, image: str, old: 
     assert rc == 1 and "claimed by node node-b" in refusal and "release" in refusal
     rc, out = a.cli("explain", image)
     assert f"blocklisted: {old[0]}" in out
+
+
+def test_takeover_bad_input_changes_nothing(
+        node: NodeUnderTest, two_nodes: tuple[Node, Node, str],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    a, b, image = two_nodes
+    assert b.cli("takeover", "no-such-volume", "--yes-i-am-sure")[0] == 1
+    assert "no volume 'no-such-volume'" in capsys.readouterr().err
+    assert b.cli("takeover", image, "--yes-i-am-sure")[0] == 1  # nobody holds it
+    assert "not claimed by any node" in capsys.readouterr().err
+    assert claim_of(node, image) is None
+    assert a.cli("apply")[0] == 0
+    rc, out = a.cli("takeover", image, "--yes-i-am-sure")
+    assert rc == 0 and "already claimed by this node" in out
+    assert claim_of(node, image).taken_from is None  # type: ignore[union-attr]
