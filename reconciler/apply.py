@@ -19,9 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import rados
+import rbd
 
 from . import meta, safepath
-from .drivers import ceph, freeze
+from .claim import Claim
+from .claim import parse as parse_claim
+from .drivers import ceph, claims, freeze
 from .drivers.fs import OnlineGrowRefused, block_device_size, is_ours
 from .drivers.run import Aborted
 from .logfmt import log_not_run, log_step
@@ -32,6 +35,7 @@ from .plan import GROW_SLACK, VolumePlan
 from .registry import Intents, intent_key
 from .spec import Volume
 from .steps import (
+    ClaimImage,
     CloneImage,
     CreateImage,
     CreateSnapshot,
@@ -44,6 +48,7 @@ from .steps import (
     MountStaging,
     Publish,
     RefreshDevice,
+    ReleaseClaim,
     Remount,
     ResizeImage,
     SetImageMeta,
@@ -57,7 +62,8 @@ from .steps import (
 log = logging.getLogger(__name__)
 
 CEPH_STEPS = (CreateImage, ResizeImage, SetImageMeta, DeleteImage, FormatDevice, GrowFilesystem,
-              MountStaging, CreateSnapshot, CloneImage, FlattenImage, DeleteSnapshot)
+              MountStaging, CreateSnapshot, CloneImage, FlattenImage, DeleteSnapshot,
+              MapImage, ClaimImage, ReleaseClaim)
 # Failures here leave a stage half done: undo what this run acquired.
 STAGE_CHAIN = (MapImage, RefreshDevice, FormatDevice, MountStaging)
 LEFT = ": left for the next start (daemon stopping)"  # an undo not done at a stop
@@ -199,14 +205,16 @@ class _VolumeRun:
                 if step.key == meta.OWNER:  # an interrupted create, now finished
                     Intents(node.config.state_dir).forget(intent_key(step.pool, step.image))
             case MapImage():
-                mapper = node.mapper(step.mapper)
-                self.device = mapper.map(step.pool, step.image, step.options)
-                mapping = Mapping(step.mapper, step.pool, step.image, self.device,
-                                  str(node.fuse.mount_point(step.pool, step.image))
-                                  if step.mapper == "fuse" else None)
-                self.acquired.append((f"unmap {self.device}", lambda: mapper.unmap(mapping)))
-                self.note_holder(step.pool, step.image, set_it=True)
-                return "changed", self.device
+                return self.map(step)
+            case ClaimImage():
+                cluster = self.need_cluster()
+                self.take_claim(cluster, step.pool, step.image)
+                with cluster.open_ioctx(step.pool) as ioctx:
+                    clients = claims.watchers(ioctx, step.image)
+                claims.record_clients(cluster, step.pool, step.image, step.node, clients)
+            case ReleaseClaim():
+                if not claims.release(self.need_cluster(), step.pool, step.image, step.node):
+                    return "ok", "not claimed by this node"
             case RefreshDevice():
                 node.mapper(step.mapper).refresh(self.dev(step.device), step.new_size)
             case FormatDevice():
@@ -240,7 +248,8 @@ class _VolumeRun:
                 node.mapper(step.mapper).unmap(
                     Mapping(step.mapper, step.pool, step.image, step.device, step.fuse_mount))
                 self.device = None
-                self.note_holder(step.pool, step.image, set_it=False)
+                if step.release_claim:
+                    return "changed", self.release_claim(step.pool, step.image)
             case DeleteImage():
                 self.delete(step)
             case CreateSnapshot():
@@ -340,19 +349,57 @@ class _VolumeRun:
         ceph.remove_snapshot(cluster, step.pool, step.image, step.snap)
         return "changed", ""
 
-    def note_holder(self, pool: str, image: str, set_it: bool) -> None:
-        """Record which node maps the image, so another node's refusal and
-        `explain` can name it. Informational: a failure here changes nothing."""
-        if self.cluster is None:
-            return
-        name = self.node.config.node_name
+    def map(self, step: MapImage) -> tuple[str, str]:
+        """One writer per image: the claim is taken (atomically, in the OSD)
+        before the map, and checked again after it, before anything is
+        mounted: a loser unmaps and refuses, naming the holder."""
+        cluster, me = self.need_cluster(), self.node.config.node_name
+        held, fresh = self.take_claim(cluster, step.pool, step.image)
+        if fresh:  # a claim this node held before (a takeover's) is kept on failure
+            self.acquired.append(("release claim", lambda: claims.release(
+                cluster, step.pool, step.image, me)))
+        mapper = self.node.mapper(step.mapper)
+        self.device = mapper.map(step.pool, step.image, step.options)
+        mapping = Mapping(step.mapper, step.pool, step.image, self.device,
+                          str(self.node.fuse.mount_point(step.pool, step.image))
+                          if step.mapper == "fuse" else None)
+        self.acquired.append((f"unmap {self.device}", lambda: mapper.unmap(mapping)))
+        with cluster.open_ioctx(step.pool) as ioctx:
+            # A watch of our own earlier helper (dead, its watch not yet
+            # expired) is no other writer: the claim names it.
+            after = tuple(a for a in claims.watchers(ioctx, step.image)
+                          if a not in held.clients)
+        if len(after) > 1:  # our helper is one; someone opened it meanwhile
+            raise StepRefused(f"image {step.pool}/{step.image} is open by {len(after)} "
+                              f"clients ({', '.join(after)}) right after mapping it: another "
+                              "client opened it at the same time; unmapped here")
         try:
-            if set_it:
-                ceph.set_meta(self.cluster, pool, image, meta.HOLDER, name)
-            elif ceph.get_meta(self.cluster, pool, image).get(meta.HOLDER) == name:
-                ceph.remove_meta(self.cluster, pool, image, meta.HOLDER)
-        except Exception as exc:  # never fail a map/unmap over a note
-            log.info("%s/%s: could not record the holder: %s", pool, image, exc)
+            claims.record_clients(cluster, step.pool, step.image, me, after)
+        except claims.ClaimedElsewhere as exc:
+            raise StepRefused(f"{step.pool}/{step.image} is claimed by node {exc.holder.node} "
+                              "(taken while mapping here); unmapped here") from None
+        return "changed", self.device
+
+    def take_claim(self, cluster: rados.Rados, pool: str, image: str) -> tuple[Claim, bool]:
+        try:
+            return claims.take(cluster, pool, image, self.node.config.node_name)
+        except claims.ClaimedElsewhere as exc:
+            raise StepRefused(f"{pool}/{image} is claimed by node {exc.holder.node}"
+                              + (f" (clients {', '.join(exc.holder.clients)})"
+                                 if exc.holder.clients else "")
+                              + ": one writer per image, so it is not mapped here") from None
+
+    def release_claim(self, pool: str, image: str) -> str:
+        """After an unmap. Without Ceph the unmap still counts; the claim stays
+        until a pass that reaches Ceph sees it with no mapping here."""
+        if self.cluster is None:
+            return "claim kept (Ceph not reachable); a later pass releases it"
+        try:
+            claims.release(self.cluster, pool, image, self.node.config.node_name)
+        except (rados.Error, rbd.Error, ceph.CephError) as exc:
+            log.warning("%s/%s: claim not released: %s", pool, image, exc)
+            return f"claim kept ({exc}); a later pass releases it"
+        return ""
 
     def format(self, step: FormatDevice) -> tuple[str, str]:
         """mkfs only over a device proven readable and blank (safety rule 1).
@@ -455,6 +502,9 @@ class _VolumeRun:
         owner = found.meta.get(meta.OWNER)
         if owner != self.node.config.node_name:
             raise StepRefused(f"{step.pool}/{step.image} is owned by {owner or 'nobody'}")
+        holder = parse_claim(found.meta.get(meta.HOLDER))
+        if holder is not None and holder.node != self.node.config.node_name:
+            raise StepRefused(f"{step.pool}/{step.image} is claimed by node {holder.node}")
         if found.watchers:
             raise StepRefused(f"{step.pool}/{step.image} is still open by "
                               f"{', '.join(found.watchers)}")
@@ -469,9 +519,12 @@ def apply(plans: list[VolumePlan], volumes: dict[str, Volume], observed: Observe
     """Run each volume's chain; up to ``parallel`` (default: the config's)
     volumes at a time, each chain in order. Outcomes come back in plan order."""
     needed = any(isinstance(s, CEPH_STEPS) for p in plans for s in p.steps)
+    # An unmap releases its claim through the connection observe kept; it
+    # never waits to connect: the unmap matters, a later pass drops the claim.
+    unmaps = any(isinstance(s, Unmap) and s.release_claim for p in plans for s in p.steps)
     with contextlib.ExitStack() as stack:
         cluster = None
-        if needed:
+        if needed or unmaps:
             # The connection observe kept (the daemon's, or this command's own
             # pass), held until the chains end: a second connect costs ~15 ms.
             handle = node.ceph_session.take(node.config.ceph)

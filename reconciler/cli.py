@@ -139,6 +139,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output(p)
     p.set_defaults(func=cmd_explain)
 
+    p = sub.add_parser("takeover", help="fence the node holding a volume's claim; claim it here",
+                       description="For a node that is gone for good: blocklist the Ceph "
+                                   "clients of the node holding the image's claim (so it "
+                                   "cannot write if it comes back), then take the claim for "
+                                   "this node; the next apply maps it here. Without "
+                                   "--yes-i-am-sure it only prints what it would do (exit 1).")
+    p.add_argument("name", help="volume name (metadata.name)")
+    p.add_argument("--yes-i-am-sure", dest="sure", action="store_true",
+                   help="really blocklist the holder's clients and take the claim")
+    p.set_defaults(func=cmd_takeover)
+
     p = sub.add_parser("status", help="show the observed state of every desired volume",
                        description="Phase (ABSENT, CREATED, MAPPED, STAGED, PUBLISHED; "
                                    "DEGRADED, or UNKNOWN with the reason when its pool, image "
@@ -497,6 +508,7 @@ def cmd_explain(args: argparse.Namespace, config: Config) -> int:
         "refusal": vp.refused if vp else None,
         "notes": vp.notes if vp else [],
         "nextSteps": [s.as_dict() for s in vp.steps] if vp else [],
+        "claim": _claim_doc(config, actual),
     }
     rc = EXIT_FAILED if doc["unknown"] else EXIT_OK
     if args.output == "json":
@@ -528,6 +540,7 @@ def cmd_explain(args: argparse.Namespace, config: Config) -> int:
                 print(f"  snapshots: {', '.join(actual['snapshots'])}")
         print(f"  watchers: {', '.join(actual['watchers']) or 'none'}"
               + (f" (mapped by {actual['holder']})" if actual.get("holder") else ""))
+        _print_claim(doc.get("claim"))
         print(f"  mapping:  {actual['mapper'] or '-'} {actual['device'] or ''}")
         print(f"  holders:  {', '.join(holders) or 'none'}")
         print(f"  staging:  {actual['staging'] or '-'}")
@@ -546,6 +559,94 @@ def cmd_explain(args: argparse.Namespace, config: Config) -> int:
     if not doc["nextSteps"] and not doc["refusal"]:
         print("  next:     nothing; it is where it should be")
     return rc
+
+
+def _claim_doc(config: Config, actual: dict | None) -> dict | None:
+    """The claim, and which of the addresses it names Ceph has blocklisted."""
+    claim = (actual or {}).get("claim")
+    if not claim:
+        return None
+    doc = {**claim, "blocklisted": {}, "blocklistError": None}
+    addrs = set(claim["clients"]) | set(claim["fenced"])
+    if not addrs:
+        return doc
+    from .drivers import ceph, claims
+
+    try:
+        with ceph.connect(config.ceph, timeout=claims.MON_TIMEOUT_S) as cluster:
+            listed = claims.blocklist(cluster)
+    except Exception as exc:  # explain still answers; it says what it could not see
+        doc["blocklistError"] = str(exc)
+        return doc
+    doc["blocklisted"] = {a: listed[a] for a in sorted(addrs) if a in listed}
+    return doc
+
+
+def _print_claim(claim: dict | None) -> None:
+    if not claim:
+        print("  claim:    none")
+        return
+    print(f"  claim:    node {claim['node']}"
+          + (f", clients {', '.join(claim['clients'])}" if claim["clients"] else "")
+          + (f" (took it over from {claim['takenFrom']})" if claim["takenFrom"] else ""))
+    for addr, until in claim["blocklisted"].items():
+        print(f"  blocklisted: {addr} until {until}")
+    if claim["blocklistError"]:
+        print(f"  blocklist: not listed ({claim['blocklistError']})")
+
+
+def cmd_takeover(args: argparse.Namespace, config: Config) -> int:
+    import rados
+    import rbd
+
+    from .claim import Claim
+    from .drivers import ceph, claims
+    from .loader import load
+
+    vol = next((v for v in load(_default_paths(config), config).volumes
+                if v.name == args.name), None)
+    if vol is None or vol.snapshot is not None:
+        print(f"rbd-reconciler: no volume {args.name!r} in {config.desired_dir}", file=sys.stderr)
+        return EXIT_FAILED
+    pool, image, me = vol.image.pool, vol.image.name, config.node_name
+    try:
+        with ceph.connect(config.ceph) as cluster:
+            held = claims.current(cluster, pool, image)
+            if held is None:
+                print(f"rbd-reconciler: {pool}/{image} is not claimed by any node; nothing "
+                      "to take over (apply maps it)", file=sys.stderr)
+                return EXIT_FAILED
+            if held.node == me:
+                print(f"{pool}/{image} is already claimed by this node ({me})")
+                return EXIT_OK
+            with cluster.open_ioctx(pool) as ioctx:
+                fence = sorted(set(held.clients) | set(claims.watchers(ioctx, image)))
+            what = (f"blocklist {', '.join(fence)} (the clients of node {held.node} and "
+                    "any other client that has the image open)" if fence
+                    else f"blocklist nothing (node {held.node} recorded no client and "
+                         "nothing has the image open)")
+            if not args.sure:
+                print(f"would {what}, then claim {pool}/{image} for {me}. "
+                      "Only do this when that node is gone for good: its writes will fail. "
+                      "Re-run with --yes-i-am-sure to do it.")
+                return EXIT_FAILED
+            for addr in fence:
+                print(claims.blocklist_add(cluster, addr))
+            left = claims.wait_watchers_gone(cluster, pool, image, set(fence))
+            if left:
+                print(f"rbd-reconciler: {', '.join(left)} still watch {pool}/{image} after "
+                      "being blocklisted; the claim was not taken", file=sys.stderr)
+                return EXIT_FAILED
+            new = Claim(me, (), held.node, tuple(fence))
+            if not claims.replace(cluster, pool, image, held, new):
+                print(f"rbd-reconciler: the claim of {pool}/{image} changed meanwhile; "
+                      "nothing taken (run takeover again to see it)", file=sys.stderr)
+                return EXIT_FAILED
+    except (ceph.CephError, rados.Error, rbd.Error) as exc:
+        print(f"rbd-reconciler: {pool}/{image}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"{pool}/{image}: claimed by {me} (taken over from {held.node}); apply maps it here")
+    return EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -62,6 +62,7 @@ REFUSAL_REASONS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("has_snapshots", r"has snapshots this node did not make|still has snapshots"),
         ("no_source", r"clone source .*does not exist|cannot see the clone source|"
                       r"its source image .* does not exist"),
+        ("claimed", r"is claimed by node"),
         ("in_use", r"is open by|still open by"),
         ("foreign_filesystem", r"refusing to format|refusing to mkfs|\(image-meta\), not|"
                                r"has data written to it"),

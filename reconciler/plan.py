@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from . import meta
+from .claim import Claim, parse
 from .observed import Device, ImageState, Mapping, Mount, Observed
 from .plan_snapshots import Refused, SnapshotRules, Waiting
 from .spec import (
@@ -21,6 +22,7 @@ from .spec import (
     resolve_mapper,
 )
 from .steps import (
+    ClaimImage,
     CreateImage,
     DeleteImage,
     FormatDevice,
@@ -29,6 +31,7 @@ from .steps import (
     MountStaging,
     Publish,
     RefreshDevice,
+    ReleaseClaim,
     Remount,
     ResizeImage,
     SetImageMeta,
@@ -114,6 +117,7 @@ class _VolumePlanner(SnapshotRules):
         self.plan = VolumePlan(vol.name, wanted=vol.wanted_phase)
         key = (vol.image.pool, vol.image.name)
         self.img: ImageState | None = obs.images.get(key)
+        self.claim: Claim | None = parse(self.img.meta.get(meta.HOLDER)) if self.img else None
         maps = obs.mappings_by_image.get(key, [])
         self.mapping: Mapping | None = maps[0] if maps else None
         self.extra_mappings = maps[1:]
@@ -179,6 +183,25 @@ class _VolumePlanner(SnapshotRules):
             return f"cannot read {self.dev.path}: {self.dev.unknown}"
         return None
 
+    def claimed_elsewhere(self) -> Claim | None:
+        """The claim of another node, if another node holds it."""
+        c = self.claim
+        return c if c is not None and c.node != self.ctx.node_name else None
+
+    def check_not_fenced(self) -> None:
+        """Mapped here, but another node holds the claim: it took over (and
+        blocklisted our client), or the image was mapped twice before claims.
+        Nothing but a release may touch it."""
+        other = self.claimed_elsewhere()
+        if other is None or self.mapping is None:
+            return
+        how = (f"took it over from {other.taken_from}" if other.taken_from
+               else "holds it")
+        raise Refused(f"{self.v.image.spec} is mapped here but is claimed by node "
+                      f"{other.node}, which {how}: this node must not write to it (its "
+                      "client may be blocklisted). Stop what uses it, then "
+                      "`rbd-reconciler release` this volume's file")
+
     def foreign_watchers(self) -> int:
         assert self.img is not None
         ours = len(self.obs.mappings_by_image.get((self.v.image.pool, self.v.image.name), []))
@@ -201,6 +224,7 @@ class _VolumePlanner(SnapshotRules):
             self.plan.unknown = self.unknown()
             if self.plan.unknown:
                 raise Refused(self.plan.unknown)
+            self.check_not_fenced()
             self.check_symlinks()
             self.thaw_left_frozen()
             if self.mapping is not None and self.mapping.problem:
@@ -275,7 +299,8 @@ class _VolumePlanner(SnapshotRules):
                 "and apply again")
         if v.state == "absent" or v.wanted_phase < Phase.MAPPED:
             return  # the teardown unmaps it
-        self.add(Unmap(v.name, v.image.pool, v.image.name, mp.kind, mp.device, mp.fuse_mount))
+        self.add(Unmap(v.name, v.image.pool, v.image.name, mp.kind, mp.device, mp.fuse_mount,
+                       release_claim=False))
         self.mapping, self.dev = None, None
 
     def forward(self) -> None:
@@ -334,23 +359,33 @@ class _VolumePlanner(SnapshotRules):
                     f"{self.mapping.kind}")
             mp = self.mapping
             self.add(Unmap(v.name, v.image.pool, v.image.name, mp.kind, mp.device,
-                           mp.fuse_mount))
+                           mp.fuse_mount, release_claim=False))
             self.mapping, self.dev = None, None
         if self.mapping is not None and self.mapping.device is None:
             # A fuse mount without its loop device: half mapped. Redo it.
             self.add(Unmap(v.name, v.image.pool, v.image.name, "fuse", None,
-                           self.mapping.fuse_mount))
+                           self.mapping.fuse_mount, release_claim=False))
             self.mapping = None
         if self.mapping is None:
-            if self.img is not None and self.foreign_watchers():
-                holder = self.img.meta.get(meta.HOLDER)
-                raise Refused(f"image {v.image.spec} is open by {self.foreign_watchers()} "
-                              f"other client(s) ({', '.join(self.img.watchers)})"
-                              + (f", mapped by {holder}" if holder else "")
-                              + "; mapping it here too could corrupt it")
+            busy = self.foreign_watchers() if self.img is not None else 0
+            users = f"{busy} other client(s) ({', '.join(self.img.watchers)})" if busy else ""
+            other = self.claimed_elsewhere()
+            if other is not None:
+                raise Refused(
+                    f"image {v.image.spec} is claimed by node {other.node}"
+                    + (f" and is open by {users}" if busy else
+                       f" (clients {', '.join(other.clients)})" if other.clients else "")
+                    + ": one writer per image, so it is not mapped here. If that node is "
+                    f"gone for good, `rbd-reconciler takeover {v.name} --yes-i-am-sure` on "
+                    "this node blocklists its client and takes the claim")
+            if busy:
+                raise Refused(f"image {v.image.spec} is open by {users}; mapping it here "
+                              "too could corrupt it")
             mapper = resolve_mapper(v.map.mapper, self.ctx.mappers_available)
             self.add(MapImage(v.name, v.image.pool, v.image.name, mapper, v.map.options))
             return
+        if self.claim is None and self.img is not None:
+            self.add(ClaimImage(v.name, v.image.pool, v.image.name, self.ctx.node_name))
         # krbd and nbd pick up a resize by themselves; a loop device over the
         # rbd-fuse file keeps its old size until told (losetup -c).
         if (self.mapping.kind == "fuse" and self.dev is not None and new_size is not None
@@ -461,8 +496,12 @@ class _VolumePlanner(SnapshotRules):
                 self.add(Unstage(v.name, self.staging_path, self.rdev))
         mappings = ([self.mapping] if self.mapping else []) + self.extra_mappings
         if wanted < Phase.MAPPED:
-            for mp in mappings:
-                self.add(Unmap(v.name, mp.pool, mp.image, mp.kind, mp.device, mp.fuse_mount))
+            for i, mp in enumerate(mappings):
+                # The claim goes with the last mapping of the image.
+                self.add(Unmap(v.name, mp.pool, mp.image, mp.kind, mp.device, mp.fuse_mount,
+                               release_claim=i == len(mappings) - 1))
+            if not mappings and self.claim is not None and not self.claimed_elsewhere():
+                self.add(ReleaseClaim(v.name, v.image.pool, v.image.name, self.ctx.node_name))
             self.mapping = None
         if wanted < Phase.CREATED and self.img is not None:
             self.plan_delete()
@@ -494,6 +533,11 @@ class _VolumePlanner(SnapshotRules):
             self.plan.withheld.append(
                 f"refusing to delete {v.image.spec}: it was not created by this node "
                 f"(owner: {owner or 'none recorded'}); the image is kept")
+            return
+        if (other := self.claimed_elsewhere()) is not None:
+            self.plan.withheld.append(
+                f"refusing to delete {v.image.spec}: it is claimed by node {other.node} "
+                "(mapped there); the image is kept")
             return
         if self.foreign_watchers():
             self.plan.withheld.append(
@@ -545,7 +589,8 @@ def actual_state(vol: Volume, observed: Observed, ctx: Context) -> dict[str, obj
         "published": sorted((m.mount_point, "ro" if m.read_only else "rw")
                             for m in p.published_targets()),
         "watchers": list(p.img.watchers) if p.img else [],
-        "holder": p.img.meta.get(meta.HOLDER) if p.img else None,
+        "holder": p.claim.node if p.claim else None,
+        "claim": p.claim.as_dict() if p.claim else None,
         "kind": "Volume",
         "clonedFrom": p.img.parent if p.img else None,
         "cloneDepth": p.img.depth if p.img else 0,
@@ -572,5 +617,5 @@ def snapshot_state(p: _VolumePlanner) -> dict[str, object]:
         "children": list(snap.children) if snap else [],
         "owner": img.meta.get(meta.snap_owner(vol.snapshot.snap)) if img else None,
         "mapper": None, "device": None, "filesystem": None, "staging": None,
-        "stagingOptions": None, "published": [], "watchers": [], "holder": None,
+        "stagingOptions": None, "published": [], "watchers": [], "holder": None, "claim": None,
     }

@@ -207,12 +207,44 @@ class Unstage(Step):
 
 
 @dataclass(frozen=True)
+class ClaimImage(Step):
+    """Record this node's claim on an image it already has mapped (one mapped
+    before claims existed, or whose claim was removed by hand)."""
+
+    pool: str
+    image: str
+    node: str
+    action: ClassVar[str] = "claim"
+
+    target = property(lambda self: f"{self.pool}/{self.image}")
+    before = property(lambda self: "unclaimed")
+    after = property(lambda self: f"claimed by {self.node}")
+
+
+@dataclass(frozen=True)
+class ReleaseClaim(Step):
+    """Our claim on an image no longer mapped here (an unmap that could not
+    reach Ceph left it): released so that another node may map it."""
+
+    pool: str
+    image: str
+    node: str
+    action: ClassVar[str] = "release claim"
+
+    target = property(lambda self: f"{self.pool}/{self.image}")
+    before = property(lambda self: f"claimed by {self.node}")
+    after = property(lambda self: "unclaimed")
+
+
+@dataclass(frozen=True)
 class Unmap(Step):
     pool: str
     image: str
     mapper: str
     device: str | None
     fuse_mount: str | None
+    # False: it is mapped again in the same chain (a remap): the claim stays.
+    release_claim: bool = True
     disruptive: ClassVar[bool] = True
     action: ClassVar[str] = "unmap"
 

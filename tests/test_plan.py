@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from reconciler import meta
+from reconciler.claim import Claim
 from reconciler.config import default_config
 from reconciler.loader import load
 from reconciler.observed import Device, ImageState, Mapping, Mount, Observed
@@ -28,6 +29,7 @@ from reconciler.spec import (
     Volume,
 )
 from reconciler.steps import (
+    ClaimImage,
     CreateImage,
     DeleteImage,
     FormatDevice,
@@ -36,6 +38,7 @@ from reconciler.steps import (
     MountStaging,
     Publish,
     RefreshDevice,
+    ReleaseClaim,
     Remount,
     ResizeImage,
     SetImageMeta,
@@ -125,8 +128,16 @@ class World:
         return self
 
     def observed(self) -> Observed:
+        # An image this node maps carries this node's claim (apply takes it
+        # before mapping), unless a test says what the claim is.
+        images = dict(self.images)
+        for m in self.mappings:
+            img = images.get((m.pool, m.image))
+            if img is not None and meta.HOLDER not in img.meta:
+                images[(m.pool, m.image)] = replace(
+                    img, meta={**img.meta, meta.HOLDER: Claim(NODE).encode()})
         return Observed(
-            images=dict(self.images), pools_listed=frozenset(self.pools),
+            images=images, pools_listed=frozenset(self.pools),
             pool_errors=dict(self.pool_errors), mappings=tuple(self.mappings),
             devices=dict(self.devices), mounts=tuple(self.mounts),
             path_rdev=dict(self.path_rdev),
@@ -410,7 +421,9 @@ def test_half_mapped_fuse_is_unmapped_and_mapped_again() -> None:
     w.mapping("pgdata", None)
     p = plan_one(vol, w)
     assert p.steps[:2] == [
-        Unmap("pgdata", "rbd", "pgdata", "fuse", None, f"{FUSE_ROOT}/rbd@pgdata"),
+        # Mapped again at once: the claim stays.
+        Unmap("pgdata", "rbd", "pgdata", "fuse", None, f"{FUSE_ROOT}/rbd@pgdata",
+              release_claim=False),
         MapImage("pgdata", "rbd", "pgdata", "fuse", ()),
     ]
     assert actions(p)[2:] == ["stage", "publish", "publish"]
@@ -757,8 +770,65 @@ def test_teardown_unmaps_every_mapping_of_the_image() -> None:
                       watchers=("client.1", "client.2"))
     w.mapping("pgdata", "/dev/rbd0", kind="krbd").mapping("pgdata", LOOP)
     p = plan_one(vol, w)
-    assert p.steps == [Unmap("pgdata", "rbd", "pgdata", "krbd", "/dev/rbd0", None),
+    # The claim goes with the last mapping.
+    assert p.steps == [Unmap("pgdata", "rbd", "pgdata", "krbd", "/dev/rbd0", None,
+                             release_claim=False),
                        Unmap("pgdata", "rbd", "pgdata", "fuse", LOOP, f"{FUSE_ROOT}/rbd@pgdata")]
+
+
+# --- the claim: one writer per image -----------------------------------------------
+
+
+def test_image_claimed_by_another_node_is_not_mapped() -> None:
+    vol = volume()
+    w = World().image("pgdata", 256 * MiB, meta={
+        **owned_meta(vol), meta.HOLDER: Claim("node-b", ("10.0.0.2:0/7",)).encode()})
+    p = plan_one(vol, w)
+    assert p.steps == [] and p.refusal is not None
+    assert "claimed by node node-b (clients 10.0.0.2:0/7)" in p.refusal
+    assert "takeover pgdata --yes-i-am-sure" in p.refusal
+
+
+def test_own_claim_never_refuses_and_an_old_plain_record_is_a_claim() -> None:
+    vol = volume()
+    for holder in (Claim(NODE, ("10.0.0.1:0/1",)).encode(), NODE):
+        w = World().image("pgdata", 256 * MiB, meta={**owned_meta(vol), meta.HOLDER: holder})
+        assert actions(plan_one(vol, w))[:1] == ["map"]
+    w = World().image("pgdata", 256 * MiB, meta={**owned_meta(vol), meta.HOLDER: "node-b"})
+    assert "claimed by node node-b" in (plan_one(vol, w).refusal or "")
+
+
+def test_mapped_here_but_claimed_elsewhere_is_refused_except_release() -> None:
+    vol = volume()
+    taken = Claim("node-b", (), "node-a", ("10.0.0.1:0/1",)).encode()
+    w = converged(vol, image_meta={**owned_meta(vol), meta.HOLDER: taken})
+    p = plan_one(vol, w)
+    assert p.steps == [] and "took it over from node-a" in (p.refusal or "")
+    released = plan([vol], w.observed(), CTX, release=["pgdata"])[0]
+    assert actions(released) == ["unpublish", "unpublish", "unstage", "unmap"]
+
+
+def test_our_claim_with_nothing_mapped_is_released_when_not_wanted_mapped() -> None:
+    vol = volume(mapper=None, stage=False)
+    w = World().image("pgdata", 256 * MiB,
+                      meta={**owned_meta(vol), meta.HOLDER: Claim(NODE).encode()})
+    assert plan_one(vol, w).steps == [ReleaseClaim("pgdata", "rbd", "pgdata", NODE)]
+    w.images[("rbd", "pgdata")].meta[meta.HOLDER] = Claim("node-b").encode()
+    assert plan_one(vol, w).steps == []  # never another node's
+
+
+def test_mapped_image_without_a_claim_is_claimed() -> None:
+    vol = volume()
+    w = converged(vol, image_meta={**owned_meta(vol), meta.HOLDER: ""})
+    assert plan_one(vol, w).steps == [ClaimImage("pgdata", "rbd", "pgdata", NODE)]
+
+
+def test_delete_of_an_image_claimed_elsewhere_is_withheld() -> None:
+    vol = volume(state="absent", reclaim="Delete", mapper=None, stage=False)
+    w = World().image("pgdata", 256 * MiB,
+                      meta={**owned_meta(vol), meta.HOLDER: Claim("node-b").encode()})
+    p = plan_one(vol, w)
+    assert p.steps == [] and "claimed by node node-b" in p.withheld[0]
 
 
 def test_teardown_of_block_mode() -> None:

@@ -1,0 +1,56 @@
+"""The claim: which node may map an image read-write. Pure; no I/O.
+
+One image-meta key (``meta.HOLDER``) carries it, as JSON. It is only ever
+changed by a compare-and-set on the image's header object
+(``drivers/claims.py``), so two nodes that map at the same moment cannot
+both win. Held from just before the map until the unmap; it names the
+mapping clients so that a takeover can fence exactly them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Claim:
+    node: str
+    # Addresses ("ip:port/nonce") of the clients doing this node's I/O: the
+    # image's watchers right after the map. A takeover blocklists them.
+    clients: tuple[str, ...] = ()
+    # Set by a takeover: the previous holder and the addresses blocklisted.
+    taken_from: str | None = None
+    fenced: tuple[str, ...] = ()
+
+    def encode(self) -> str:
+        doc: dict[str, object] = {"node": self.node, "clients": list(self.clients)}
+        if self.taken_from is not None:
+            doc["takenFrom"] = self.taken_from
+            doc["fenced"] = list(self.fenced)
+        # ASCII only: librados compares the value byte for byte with what we read.
+        return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+    def as_dict(self) -> dict[str, object]:
+        return {"node": self.node, "clients": list(self.clients),
+                "takenFrom": self.taken_from, "fenced": list(self.fenced)}
+
+
+def parse(raw: str | None) -> Claim | None:
+    """None: unclaimed. A value that is not our JSON is the plain node name an
+    earlier version recorded (informational then, a claim now)."""
+    if not raw:
+        return None
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return Claim(raw.strip())
+    if not isinstance(doc, dict) or not isinstance(doc.get("node"), str):
+        return Claim(raw.strip())
+    return Claim(doc["node"], _addrs(doc.get("clients")),
+                 doc.get("takenFrom") if isinstance(doc.get("takenFrom"), str) else None,
+                 _addrs(doc.get("fenced")))
+
+
+def _addrs(value: object) -> tuple[str, ...]:
+    return tuple(str(a) for a in value) if isinstance(value, list) else ()
