@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,6 +17,8 @@ from . import __version__
 
 TYPE_CHECKING = False  # typing itself costs ~5 ms at start-up
 if TYPE_CHECKING:
+    from typing import NoReturn
+
     from .apply import VolumeOutcome
     from .config import Config
     from .drivers.freeze import Record
@@ -26,6 +29,18 @@ if TYPE_CHECKING:
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_CHANGES = 2
+EXIT_USAGE = 64  # sysexits EX_USAGE: not argparse's 2, which `plan` means "changes pending"
+EXIT_PIPE = 141  # the reader went away (128 + SIGPIPE, as a tool killed by it)
+EXIT_INTERRUPTED = 130
+
+# Only these run as any user: they read files and change nothing on the node.
+UNPRIVILEGED = ("validate",)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
 def _version() -> str:
@@ -55,7 +70,7 @@ def _positive_seconds(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="rbd-reconciler",
         description="Declarative reconciler for Ceph RBD volumes on bare nodes.",
     )
@@ -64,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="node config file (default: /etc/rbd-reconciler/config.yaml; "
                              "built-in defaults if that is missing)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log every command run")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=_Parser)
 
     p = sub.add_parser("validate", help="check desired-volume files; change nothing",
                        description="Load and validate desired-volume files. Exit 0 when all "
@@ -158,6 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "load errors or any DEGRADED or UNKNOWN volume.")
     _add_paths_and_output(p)
     p.set_defaults(func=cmd_status)
+    for p in sub.choices.values():
+        # `rbd-reconciler plan -c FILE` works like `rbd-reconciler -c FILE plan`;
+        # SUPPRESS: not given here, the top-level value stands.
+        p.add_argument("-c", "--config", type=Path, default=argparse.SUPPRESS,
+                       help="node config file (also accepted before COMMAND)")
+        p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                       help="log every command run")
     return parser
 
 
@@ -655,10 +678,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        rc = _run(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return rc
+    except BrokenPipeError:
+        # Whoever read our output (`| head`) has gone: stop quietly. Later
+        # writes (at exit) go nowhere instead of raising again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE
+    except KeyboardInterrupt:
+        print("rbd-reconciler: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # never a traceback at a user: one line, and -v for details
+        import logging
+        import traceback
+
+        if getattr(args, "verbose", False):
+            traceback.print_exc()
+        logging.getLogger("reconciler").debug("unexpected error", exc_info=True)
+        print(f"rbd-reconciler {args.command}: internal error: {type(exc).__name__}: {exc}"
+              + ("" if getattr(args, "verbose", False) else " (-v shows the traceback)"),
+              file=sys.stderr)
+        return EXIT_FAILED
+
+
+def _run(args: argparse.Namespace) -> int:
     import logging
 
     from .config import ConfigError, load_config
 
+    if args.command not in UNPRIVILEGED and os.geteuid() != 0:
+        print(f"rbd-reconciler {args.command}: needs root (it reads devices, mounts and the "
+              "Ceph keyring, and maps and mounts volumes); only `validate` runs as any user",
+              file=sys.stderr)
+        return EXIT_FAILED
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -14,11 +14,13 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import re
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 import rados
@@ -240,4 +242,19 @@ def _connect(cfg: CephConfig, handle: _Handle, timeout: float, deadline: float) 
         handle.connected(stack, cluster)
 
     task = _CALLS.submit(("connect", cfg.conf, cfg.user), connect)
-    _CALLS.wait(task, timeout, deadline)
+    try:
+        _CALLS.wait(task, timeout, deadline)
+    except NoAnswer as exc:
+        # Say where it was trying to go: that is what an operator checks first.
+        raise type(exc)(f"{exc} (connecting to mon host {_mon_host(cfg.conf)} from "
+                        f"{cfg.conf}, as client.{cfg.user})") from None
+
+
+def _mon_host(conffile: str) -> str:
+    """The ``mon host`` line of a ceph.conf, for messages only ('?' if none)."""
+    try:
+        text = Path(conffile).read_text(errors="replace")
+    except OSError:
+        return "?"
+    found = re.search(r"^\s*mon[ _]host\s*=\s*(.+?)\s*$", text, re.MULTILINE)
+    return found.group(1) if found else "?"

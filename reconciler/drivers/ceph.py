@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -49,19 +50,66 @@ def feature_bits(names: Iterable[str]) -> int:
 
 @contextlib.contextmanager
 def connect(cfg: CephConfig, timeout: int = OP_TIMEOUT_S) -> Iterator[rados.Rados]:
+    _readable("Ceph conf", cfg.conf)
+    if cfg.keyring:
+        _readable("keyring", cfg.keyring)
     conf = {"rados_mon_op_timeout": str(timeout), "rados_osd_op_timeout": str(timeout),
             "client_mount_timeout": str(timeout)}
     if cfg.keyring:
         conf["keyring"] = cfg.keyring
     try:
         cluster = rados.Rados(conffile=cfg.conf, rados_id=cfg.user, conf=conf)
+    except (rados.Error, OSError) as exc:
+        raise CephError(f"Ceph conf {cfg.conf}: {exc}") from exc
+    try:
         cluster.connect(timeout=timeout)
     except (rados.Error, OSError) as exc:
-        raise CephError(f"cannot connect to Ceph ({cfg.conf}, user {cfg.user}): {exc}") from exc
+        why = _why_not_connected(cluster, cfg, timeout, exc)
+        cluster.shutdown()
+        raise CephError(why) from exc
     try:
         yield cluster
     finally:
         cluster.shutdown()
+
+
+def _readable(what: str, path: str) -> None:
+    """librados says only "object not found" for a missing file: name it."""
+    try:
+        with open(path, "rb"):
+            pass
+    except FileNotFoundError:
+        raise CephError(f"{what} {path}: not found") from None
+    except PermissionError:
+        raise CephError(f"{what} {path}: permission denied (run as root?)") from None
+    except OSError as exc:
+        raise CephError(f"{what} {path}: cannot read: {exc.strerror}") from None
+
+
+def _why_not_connected(cluster: rados.Rados, cfg: CephConfig, timeout: int,
+                       exc: Exception) -> str:
+    """One line that names what to look at: the monitors, or the keyring."""
+    def conf_get(key: str) -> str:
+        try:
+            return cluster.conf_get(key) or ""
+        except rados.Error:
+            return ""
+
+    mon_host = conf_get("mon_host")
+    client = f"client.{cfg.user}"
+    if isinstance(exc, rados.TimedOut):
+        return (f"Ceph did not answer within {timeout} s (mon host {mon_host or '?'}, "
+                f"from {cfg.conf}, as {client})")
+    if isinstance(exc, rados.ObjectNotFound):
+        if not mon_host:
+            return f"Ceph conf {cfg.conf} names no monitor (mon host)"
+        keyrings = [k for k in conf_get("keyring").split(",") if k]
+        if not any(os.path.exists(k) for k in keyrings):
+            return f"no keyring for {client}: looked for {', '.join(keyrings) or 'none'}"
+    if isinstance(exc, rados.PermissionDeniedError | rados.PermissionError):
+        return (f"Ceph refused {client} (keyring {cfg.keyring or conf_get('keyring')}): "
+                f"{exc}")
+    return f"cannot connect to Ceph ({cfg.conf}, {client}, mon host {mon_host or '?'}): {exc}"
 
 
 @dataclass
