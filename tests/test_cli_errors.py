@@ -66,7 +66,7 @@ def test_missing_and_unreadable_config_named_either_side_of_the_command(
 
 def test_usage_errors_are_not_changes_pending() -> None:
     rc, out, err = run("plan", "--no-such-flag")
-    assert rc == 64  # not 2: `plan` exits 2 for "changes pending"
+    assert rc == 64 and not out  # not 2: `plan` exits 2 for "changes pending"
     assert "unrecognized arguments: --no-such-flag" in err
 
 
