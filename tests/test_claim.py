@@ -17,6 +17,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -124,9 +125,10 @@ def mon(node: NodeUnderTest, cmd: dict[str, object]) -> str:
     return out.decode()
 
 
-def blocklisted(node: NodeUnderTest) -> set[str]:
+def blocklisted(node: NodeUnderTest) -> dict[str, str]:
+    """addr -> until (UTC, as Ceph prints it)."""
     out = mon(node, {"prefix": "osd blocklist ls", "format": "json"})
-    return {e["addr"] for e in json.JSONDecoder().raw_decode(out)[0]}
+    return {e["addr"]: e["until"] for e in json.JSONDecoder().raw_decode(out)[0]}
 
 
 def race(nodes: list[Node], tmp_path: Path, trial: int) -> list[tuple[int, dict]]:
@@ -237,6 +239,10 @@ def fence_and_take_over(node: NodeUnderTest, a: Node, b: Node, image: str, old: 
     rc, out = b.cli("takeover", image, "--yes-i-am-sure")
     assert rc == 0, out
     assert old[0] in blocklisted(node)
+    # Fenced for weeks, not Ceph's default hour: a node cut off for an
+    # afternoon must not come back able to write.
+    until = datetime.fromisoformat(blocklisted(node)[old[0]].replace("+0000", "+00:00"))
+    assert until - datetime.now(UTC) > timedelta(days=7), until
     assert claim_of(node, image) == Claim("node-b", (), "test-node", tuple(old))
     rc, out = b.cli("explain", image)
     assert f"blocklisted: {old[0]}" in out and "took it over from test-node" in out

@@ -156,12 +156,20 @@ def _mon(cluster: rados.Rados, cmd: dict[str, object]) -> tuple[bytes, str]:
     return out, err
 
 
+# How long a fenced client stays fenced. Ceph's default (1 h) would let a
+# node that was only cut off, and comes back later with its mapping still
+# up, write again. The entry names one client instance (its nonce), which no
+# later client reuses, so a long expiry costs nothing but an osdmap entry.
+FENCE_SECONDS = 30 * 24 * 3600
+
+
 def blocklist_add(cluster: rados.Rados, addr: str) -> str:
     """Blocklist one client instance (ip:port/nonce, never a bare ip: other
-    clients on that host must keep working). Ceph's default expiry (1 h)."""
+    clients on that host must keep working) for FENCE_SECONDS."""
     if "/" not in addr:
         raise CephError(f"refusing to blocklist {addr!r}: not one client's address")
-    return _mon(cluster, {"prefix": "osd blocklist", "blocklistop": "add", "addr": addr})[1]
+    return _mon(cluster, {"prefix": "osd blocklist", "blocklistop": "add", "addr": addr,
+                          "expire": float(FENCE_SECONDS)})[1]
 
 
 def blocklist(cluster: rados.Rados) -> dict[str, str]:
