@@ -281,12 +281,19 @@ class _VolumeRun:
         record leaves an image the next pass recognises as ours (and finishes)."""
         intents = Intents(self.node.config.state_dir)
         key = intent_key(pool, image)
+        interrupted = intents.get(key) is not None  # an earlier run died creating it
         intents.record(key, {"node": self.node.config.node_name})
         try:
             make()
         except ceph.ImageExists:
-            intents.forget(key)  # someone else's image: never claim it
-            raise
+            # Killed inside librbd's create (after its id object, before its
+            # directory entry) leaves an image nobody can list or open, whose
+            # name is taken. Only our own recorded attempt is cleared away;
+            # a listed image is someone's, never ours to claim.
+            if not (interrupted and ceph.remove_unlisted(self.need_cluster(), pool, image)):
+                intents.forget(key)
+                raise
+            make()
         intents.forget(key)
 
     def owner_meta(self) -> dict[str, str]:

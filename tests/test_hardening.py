@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import struct
 import subprocess
 from pathlib import Path
 
@@ -322,6 +323,36 @@ def test_crash_between_create_and_owner_record_is_recovered(
     f.write_text(f.read_text().replace("spec:\n", "spec:\n  state: absent\n"))
     assert node.apply()["rc"] == 0
     assert not node.image_exists(name)
+
+
+def test_killed_inside_librbd_create_is_recovered(
+        node: NodeUnderTest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed after librbd wrote the image's id object but before its
+    directory entry: the name is taken, yet no listing shows the image. Our
+    own recorded attempt is cleared and the create done again."""
+    name = node.name("halfmade")
+    node.write(name, f"  image: {{pool: {node.cluster.pool}, size: 16Mi}}\n")
+
+    from reconciler.drivers import ceph
+
+    def die_inside_create(cluster, pool, image, *_: object) -> None:  # type: ignore[no-untyped-def]
+        with cluster.open_ioctx(pool) as io:  # what librbd's create writes first
+            image_id = b"0badc0ffee"
+            io.write_full(f"rbd_id.{image}", struct.pack("<I", len(image_id)) + image_id)
+        raise ProcessDies
+
+    monkeypatch.setattr(ceph, "create_image", die_inside_create)
+    with pytest.raises(ProcessDies):
+        node.apply()
+    monkeypatch.undo()
+    assert not node.image_exists(name)  # not listed, but the name is taken
+    with node.cluster.client() as c, c.open_ioctx(node.cluster.pool) as io, \
+            pytest.raises(rbd.ImageExists):
+        rbd.RBD().create(io, name, 1 << 20)
+
+    assert node.apply()["rc"] == 0
+    assert node.image_exists(name)
+    assert image_meta(node, name)[meta.OWNER] == "test-node"
 
 
 # --- 18: a mapper change ------------------------------------------------------------

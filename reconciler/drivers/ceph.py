@@ -245,6 +245,20 @@ def create_image(cluster: rados.Rados, pool: str, name: str, size: int,
             raise
 
 
+def remove_unlisted(cluster: rados.Rados, pool: str, name: str) -> bool:
+    """Remove the remains of a create that died half-way: the name is taken
+    (its id object exists) but the image is not in the pool's directory.
+    False, touching nothing, when the image is listed (a real image)."""
+    with cluster.open_ioctx(pool) as ioctx:
+        if name in rbd.RBD().list(ioctx):
+            return False
+        # librbd's remove clears the id object (and any header) of such an
+        # image, then reports ImageNotFound for the part that never existed.
+        with contextlib.suppress(rbd.ImageNotFound):
+            rbd.RBD().remove(ioctx, name)
+    return True
+
+
 def resize_image(cluster: rados.Rados, pool: str, name: str, size: int) -> None:
     with cluster.open_ioctx(pool) as ioctx, rbd.Image(ioctx, name) as img:
         if size < img.size():
