@@ -40,17 +40,49 @@ def test_non_root_gets_one_line_and_validate_still_works() -> None:
     assert "plan: needs root" in one_line(err)
     rc, _, err = run("validate", "-c", LOCAL, EXAMPLE, prefix=tuple(NOBODY))
     assert rc == 0, err
+    rc, out, err = run("--version", prefix=tuple(NOBODY))
+    assert rc == 0 and out.startswith("rbd-reconciler "), err
 
 
-def test_a_closed_pipe_ends_quietly() -> None:
+def _into_closed_pipe(*argv: str, stderr_too: bool = False) -> tuple[int, str]:
+    """Run with stdout (and stderr) a pipe whose reader is gone before the first byte."""
     read, write = os.pipe()
-    os.close(read)  # the reader is gone before the first byte is written
+    os.close(read)
     try:
-        rc, _, err = run("-c", LOCAL, "validate", "-o", "json", EXAMPLE, stdout=write)
+        proc = subprocess.run([CMD, *argv], stdout=write,
+                              stderr=write if stderr_too else subprocess.PIPE,
+                              text=True, timeout=60, check=False, cwd="/")
     finally:
         os.close(write)
+    return proc.returncode, proc.stderr or ""
+
+
+@pytest.mark.parametrize("argv", [
+    ("-c", LOCAL, "validate", "-o", "json", EXAMPLE),
+    ("--version",),              # the console script's fast path
+    ("-c", LOCAL, "--version"),  # argparse's version action
+    ("--help",),
+    ("plan", "--help"),
+], ids=["validate-json", "version-fast", "version-argparse", "help", "plan-help"])
+def test_a_closed_pipe_ends_quietly(argv: tuple[str, ...]) -> None:
+    rc, err = _into_closed_pipe(*argv)
+    assert (rc, err) == (141, ""), err
+
+
+def test_a_closed_pipe_on_stdout_and_stderr_ends_quietly(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("apiVersion: rbd-reconciler/v1\nkind: Volume\n")
+    rc, _ = _into_closed_pipe("-c", LOCAL, "validate", str(bad), stderr_too=True)
     assert rc == 141
-    assert err == ""
+
+
+@pytest.mark.ceph
+def test_status_into_a_closed_pipe_ends_quietly(tmp_path: Path,
+                                                ceph_cluster: DevCluster) -> None:
+    config = _config(tmp_path, f"  conf: {ceph_cluster.conf}\n  user: {ceph_cluster.user}\n"
+                               f"  keyring: {ceph_cluster.keyring}\n")
+    rc, err = _into_closed_pipe("-c", config, "status")
+    assert (rc, err) == (141, ""), err
 
 
 @pytest.mark.parametrize("where", ["before", "after"])
