@@ -4,8 +4,11 @@ that names what to fix, and the documented exit code (README: Exit codes)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,6 +45,38 @@ def test_non_root_gets_one_line_and_validate_still_works() -> None:
     assert rc == 0, err
     rc, out, err = run("--version", prefix=tuple(NOBODY))
     assert rc == 0 and out.startswith("rbd-reconciler "), err
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory anyone may enter (pytest's tmp_path sits under a 0700 one)."""
+    path = Path(tempfile.mkdtemp(prefix="rbd-reconciler-cli-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path)
+
+
+def test_non_root_with_a_root_only_config_is_told_plainly(open_dir: Path) -> None:
+    config = open_dir / "config.yaml"
+    config.write_text("nodeName: x\n")
+    config.chmod(0o644)  # the control: readable, so validate runs as nobody
+    rc, _, err = run("-c", str(config), "validate", EXAMPLE, prefix=tuple(NOBODY))
+    assert rc == 0, err
+    config.chmod(0o600)
+    rc, out, err = run("-c", str(config), "validate", EXAMPLE, prefix=tuple(NOBODY))
+    assert rc == 1 and not out
+    line = one_line(err)
+    assert f"{config}:1:1: (file): cannot read: permission denied" in line, line
+    assert "Errno" not in line
+
+
+def test_a_config_that_is_not_text_is_told_plainly(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_bytes(b"\xff\xfe\x00binary")
+    rc, _, err = run("-c", str(config), "plan")
+    assert rc == 1
+    line = one_line(err)
+    assert f"{config}:1:1: (file): cannot read: not UTF-8 text" in line, line
 
 
 def _into_closed_pipe(*argv: str, stderr_too: bool = False) -> tuple[int, str]:
