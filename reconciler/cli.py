@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import __version__
+from .entry import reader_gone  # and exit 141 (EXIT_PIPE) when the reader is gone
 
 TYPE_CHECKING = False  # typing itself costs ~5 ms at start-up
 if TYPE_CHECKING:
@@ -30,7 +31,6 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_CHANGES = 2
 EXIT_USAGE = 64  # sysexits EX_USAGE: not argparse's 2, which `plan` means "changes pending"
-EXIT_PIPE = 141  # the reader went away (128 + SIGPIPE, as a tool killed by it)
 EXIT_INTERRUPTED = 130
 
 # Only these run as any user: they read files and change nothing on the node.
@@ -673,20 +673,27 @@ def cmd_takeover(args: argparse.Namespace, config: Config) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        try:
+            return _main(argv)
+        finally:
+            # A closed pipe shows here, not at interpreter exit; this covers
+            # argparse's --help and --version too (they exit from parse_args).
+            sys.stdout.flush()
+    except BrokenPipeError:
+        return reader_gone()
+
+
+def _main(argv: Sequence[str] | None) -> int:
     if list(sys.argv[1:] if argv is None else argv) == ["--version"]:
         print(f"rbd-reconciler {_version()}")  # argparse's help formatter costs ~5 ms
         return EXIT_OK
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        rc = _run(args)
-        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
-        return rc
+        return _run(args)
     except BrokenPipeError:
-        # Whoever read our output (`| head`) has gone: stop quietly. Later
-        # writes (at exit) go nowhere instead of raising again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_PIPE
+        raise  # main() ends quietly
     except KeyboardInterrupt:
         print("rbd-reconciler: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -181,6 +181,10 @@ def load_config(path: Path | None) -> Config:
                                       f"error {type(exc).__name__}; please report it)")]) from None
 
 
+def _unreadable(path: Path, why: str) -> ConfigError:
+    return ConfigError([Diagnostic(path, 1, 1, "(file)", f"cannot read: {why}")])
+
+
 def _load_config(path: Path, explicit: bool) -> Config:
     try:
         if path.stat().st_size > MAX_CONFIG_BYTES:
@@ -190,9 +194,12 @@ def _load_config(path: Path, explicit: bool) -> Config:
         if explicit:
             raise ConfigError([Diagnostic(path, 1, 1, "(file)", "no such file")]) from None
         return default_config()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError([Diagnostic(path, 1, 1, "(file)",
-                                      f"cannot read: {excerpt(str(exc), 200)}")]) from None
+    except PermissionError:
+        raise _unreadable(path, "permission denied (run as root, or make it readable)") from None
+    except OSError as exc:
+        raise _unreadable(path, excerpt(exc.strerror or str(exc), 200)) from None
+    except UnicodeDecodeError as exc:
+        raise _unreadable(path, f"not UTF-8 text (byte {exc.start})") from None
     docs = list(load_documents(text))
     diags: list[Diagnostic] = []
     for d in docs:

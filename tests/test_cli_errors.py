@@ -4,8 +4,11 @@ that names what to fix, and the documented exit code (README: Exit codes)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,17 +43,81 @@ def test_non_root_gets_one_line_and_validate_still_works() -> None:
     assert "plan: needs root" in one_line(err)
     rc, _, err = run("validate", "-c", LOCAL, EXAMPLE, prefix=tuple(NOBODY))
     assert rc == 0, err
+    rc, out, err = run("--version", prefix=tuple(NOBODY))
+    assert rc == 0 and out.startswith("rbd-reconciler "), err
 
 
-def test_a_closed_pipe_ends_quietly() -> None:
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory anyone may enter (pytest's tmp_path sits under a 0700 one)."""
+    path = Path(tempfile.mkdtemp(prefix="rbd-reconciler-cli-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path)
+
+
+def test_non_root_with_a_root_only_config_is_told_plainly(open_dir: Path) -> None:
+    config = open_dir / "config.yaml"
+    config.write_text("nodeName: x\n")
+    config.chmod(0o644)  # the control: readable, so validate runs as nobody
+    rc, _, err = run("-c", str(config), "validate", EXAMPLE, prefix=tuple(NOBODY))
+    assert rc == 0, err
+    config.chmod(0o600)
+    rc, out, err = run("-c", str(config), "validate", EXAMPLE, prefix=tuple(NOBODY))
+    assert rc == 1 and not out
+    line = one_line(err)
+    assert f"{config}:1:1: (file): cannot read: permission denied" in line, line
+    assert "Errno" not in line
+
+
+def test_a_config_that_is_not_text_is_told_plainly(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_bytes(b"\xff\xfe\x00binary")
+    rc, _, err = run("-c", str(config), "plan")
+    assert rc == 1
+    line = one_line(err)
+    assert f"{config}:1:1: (file): cannot read: not UTF-8 text" in line, line
+
+
+def _into_closed_pipe(*argv: str, stderr_too: bool = False) -> tuple[int, str]:
+    """Run with stdout (and stderr) a pipe whose reader is gone before the first byte."""
     read, write = os.pipe()
-    os.close(read)  # the reader is gone before the first byte is written
+    os.close(read)
     try:
-        rc, _, err = run("-c", LOCAL, "validate", "-o", "json", EXAMPLE, stdout=write)
+        proc = subprocess.run([CMD, *argv], stdout=write,
+                              stderr=write if stderr_too else subprocess.PIPE,
+                              text=True, timeout=60, check=False, cwd="/")
     finally:
         os.close(write)
+    return proc.returncode, proc.stderr or ""
+
+
+@pytest.mark.parametrize("argv", [
+    ("-c", LOCAL, "validate", "-o", "json", EXAMPLE),
+    ("--version",),              # the console script's fast path
+    ("-c", LOCAL, "--version"),  # argparse's version action
+    ("--help",),
+    ("plan", "--help"),
+], ids=["validate-json", "version-fast", "version-argparse", "help", "plan-help"])
+def test_a_closed_pipe_ends_quietly(argv: tuple[str, ...]) -> None:
+    rc, err = _into_closed_pipe(*argv)
+    assert (rc, err) == (141, ""), err
+
+
+def test_a_closed_pipe_on_stdout_and_stderr_ends_quietly(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("apiVersion: rbd-reconciler/v1\nkind: Volume\n")
+    rc, _ = _into_closed_pipe("-c", LOCAL, "validate", str(bad), stderr_too=True)
     assert rc == 141
-    assert err == ""
+
+
+@pytest.mark.ceph
+def test_status_into_a_closed_pipe_ends_quietly(tmp_path: Path,
+                                                ceph_cluster: DevCluster) -> None:
+    config = _config(tmp_path, f"  conf: {ceph_cluster.conf}\n  user: {ceph_cluster.user}\n"
+                               f"  keyring: {ceph_cluster.keyring}\n")
+    rc, err = _into_closed_pipe("-c", config, "status")
+    assert (rc, err) == (141, ""), err
 
 
 @pytest.mark.parametrize("where", ["before", "after"])

@@ -55,7 +55,8 @@ def test_sdist_carries_the_sources_of_truth(installed: Path) -> None:
     top = names[0].split("/")[0]
     for want in ("schemas/volume.schema.json", "schemas/config.schema.json",
                  "CHANGELOG.md", "README.md", "systemd/rbd-reconciler.service",
-                 "examples/pgdata.yaml"):
+                 "examples/pgdata.yaml", "man/rbd-reconciler.1",
+                 "completions/rbd-reconciler.bash", "scripts/gen-manpage.py"):
         assert f"{top}/{want}" in names, f"{want} missing from the sdist"
 
 
@@ -80,6 +81,16 @@ def test_the_installed_commands_work_from_another_directory(
     out = _run([cmd, "--config", config, "validate", bad], cwd=tmp_path, ok=(1,))
     assert "reclaimPolicy" in out.stdout + out.stderr
     assert "Traceback" not in out.stdout + out.stderr
+
+
+def test_the_man_page_and_completion_are_installed(installed: Path, tmp_path: Path) -> None:
+    for installed_at, source in (
+            ("share/man/man1/rbd-reconciler.1", "man/rbd-reconciler.1"),
+            ("share/bash-completion/completions/rbd-reconciler.bash",
+             "completions/rbd-reconciler.bash")):
+        assert (installed / installed_at).read_text() == (REPO / source).read_text()
+    shown = _run(["man", "-M", installed / "share" / "man", "rbd-reconciler"], cwd=tmp_path)
+    assert "EXIT STATUS" in shown.stdout
 
 
 @pytest.mark.ceph
