@@ -8,7 +8,7 @@ data or a mounted filesystem when the network goes down hangs the reboot.
 "Ours" is wider than the files: the operator's and the CSI adapter's volume
 files, the daemon's records of volumes whose files vanished (or fail to load),
 and what is ours by identity alone (an rbd-fuse mount under stateDir/fuse; a
-kernel mapping whose image-meta names this node as its holder), such as a
+kernel mapping whose image claim names this node), such as a
 volume whose file was removed with ``onRemove: keep``. Nothing is deleted and
 no file is written: the daemon maps everything again at the next boot.
 """
@@ -25,6 +25,7 @@ from pathlib import Path
 
 from . import meta
 from .apply import VolumeOutcome, apply
+from .claim import parse as parse_claim
 from .config import Config
 from .csi.desired import load_desired
 from .drivers.run import Runner
@@ -119,8 +120,8 @@ def volumes_of_ours(config: Config, loaded: LoadResult, mappings: Iterable[Mappi
 
 def provably_ours(v: Volume, observed: Observed, node_name: str) -> str | None:
     """None when ``v`` may be released; else why not. A fuse mapping is ours
-    by its mount point; a kernel mapping only when its image-meta says this
-    node mapped it (another tool's, e.g. rbdmap's, is left alone)."""
+    by its mount point; a kernel mapping only when the image's claim names
+    this node (another tool's, e.g. rbdmap's, is left alone)."""
     if v.source.file != BY_IDENTITY or v.map is None or v.map.mapper == "fuse":
         return None
     key = (v.image.pool, v.image.name)
@@ -129,10 +130,10 @@ def provably_ours(v: Volume, observed: Observed, node_name: str) -> str | None:
         why = observed.image_errors.get(key) or observed.pool_errors.get(v.image.pool)
         return (f"{v.name}: mapped here by {v.map.mapper} but its image-meta could not be "
                 f"read ({why or 'not found'}); not provably ours, left alone")
-    holder = img.meta.get(meta.HOLDER)
-    if holder != node_name:
-        return (f"{v.name}: mapped here by {v.map.mapper}, holder "
-                f"{holder or 'none recorded'}; not ours, left alone")
+    held = parse_claim(img.meta.get(meta.HOLDER))
+    if held is None or held.node != node_name:
+        return (f"{v.name}: mapped here by {v.map.mapper}, claimed by "
+                f"{held.node if held else 'nobody'}; not ours, left alone")
     return None
 
 

@@ -136,6 +136,12 @@ def test_kernel_mappings_by_identity_need_our_holder() -> None:
     fuse = _identity_volume(Mapping("fuse", "p", "i", "/dev/loop0", "/x/fuse/p@i"))
     assert provably_ours(krbd, observed({"rbd-reconciler.holder": "me"}), "me") is None
     assert "not ours" in provably_ours(krbd, observed({"rbd-reconciler.holder": "n2"}), "me")
+    # The claim as apply writes it (JSON, with the mapping clients).
+    claim = '{"node": "me", "clients": ["127.0.0.1:0/42"]}'
+    assert provably_ours(krbd, observed({"rbd-reconciler.holder": claim}), "me") is None
+    other = '{"node": "n2", "clients": ["127.0.0.1:0/43"]}'
+    assert "claimed by n2" in provably_ours(krbd, observed({"rbd-reconciler.holder": other}),
+                                            "me")
     assert "not ours" in provably_ours(krbd, observed({}), "me")
     assert "timed out" in provably_ours(krbd, observed(None), "me")
     assert provably_ours(fuse, observed(None), "me") is None  # its mount point says so
