@@ -184,12 +184,20 @@ class _VolumeRun:
         self.acquired.clear()
 
     def undo(self) -> None:
+        """Reverse order, stopping at the first undo that fails: each thing
+        acquired earlier is what the later ones stand on (never unmap under a
+        mount that stayed, never release the claim of an image still mapped)."""
+        failed = None
         for what, fn in reversed(self.acquired):
+            if failed is not None:
+                self.out.undone.append(f"{what}: not undone ({failed} failed)")
+                continue
             try:
                 fn()
                 self.out.undone.append(what)
-            except Exception as exc:  # keep undoing the rest; report what stayed
+            except Exception as exc:  # report what stayed; the next pass sees it
                 self.out.undone.append(f"{what} FAILED: {exc}")
+                failed = what
         self.acquired.clear()
 
     # -- one step --------------------------------------------------------------

@@ -280,3 +280,32 @@ def test_takeover_bad_input_changes_nothing(
     rc, out = a.cli("takeover", image, "--yes-i-am-sure")
     assert rc == 0 and "already claimed by this node" in out
     assert claim_of(node, image).taken_from is None  # type: ignore[union-attr]
+
+
+def test_a_failed_undo_keeps_the_claim_of_an_image_still_mapped(
+        node: NodeUnderTest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stage fails after the map and the undo cannot unmap: the image is
+    still mapped here, so its claim must stay (released, another node could
+    map it beside our live helper)."""
+    from reconciler.drivers import fs
+
+    image = node.name("undo")
+    node.write(image, f"  image: {{pool: {node.cluster.pool}, size: 64Mi}}\n"
+                      f"  map: {{mapper: fuse}}\n  stage: {{fsType: ext4}}\n")
+
+    def mkfs_fails(*_: object, **__: object) -> None:
+        raise RuntimeError("mkfs fails (test)")
+
+    def unmap_fails(*_: object, **__: object) -> None:
+        raise RuntimeError("unmap fails (test)")
+
+    monkeypatch.setattr(fs.Filesystems, "mkfs", mkfs_fails)
+    monkeypatch.setattr(mappers.FuseMapper, "unmap", unmap_fails)
+    out = node.apply()
+    assert out["rc"] == 1
+    undone = out["volumes"][0]["undone"]
+    assert any("FAILED" in u and u.startswith("unmap") for u in undone), undone
+    assert claim_of(node, image) is not None and claim_of(node, image).node == "test-node"
+    monkeypatch.undo()
+    assert node.cli("release")[0] == 0
+    assert claim_of(node, image) is None
