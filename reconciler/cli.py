@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "JSON lines; plain lines with ISO 8601 timestamps")
     p.add_argument("--csi-endpoint", metavar="unix:///PATH",
                    help="also serve CSI v1 (Identity, Controller, Node) on this unix socket "
-                        "(default: the config's csi.endpoint; none: no CSI)")
+                        "(default: the config's csi.endpoint; with neither, no CSI)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("allow-removal", help="let the daemon's held-back removals go",
