@@ -23,8 +23,8 @@ from p1_publish import find_cli, sweep
 
 from reconciler.csi import csi_pb2 as pb
 from reconciler.csi import csi_pb2_grpc
-from reconciler.devcluster import start_cluster
-from reconciler.reaper import become_subreaper, reap_zombies
+from reconciler.drivers.reaper import become_subreaper, reap_zombies
+from reconciler.testing.devcluster import start_cluster
 
 MiB = 1 << 20
 CALL_TIMEOUT = 120.0

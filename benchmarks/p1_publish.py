@@ -3,7 +3,7 @@
 
 What is measured: the wall-clock time of bringing one fresh 256 MiB RBD image
 all the way to a published ext4 bind mount, two ways, on the same disposable
-local Ceph cluster (reconciler.devcluster, 1 mon + 1 memstore OSD):
+local Ceph cluster (reconciler.testing.devcluster, 1 mon + 1 memstore OSD):
 
 - apply: `.venv/bin/rbd-reconciler --config CFG apply DIR` run as a subprocess
   (so Python start-up, imports, config/spec loading, observe, plan, the
@@ -54,8 +54,8 @@ from types import FrameType
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout: import this tree's reconciler
 
-from reconciler.devcluster import DevCluster, start_cluster  # noqa: E402
-from reconciler.reaper import become_subreaper, reap_zombies  # noqa: E402
+from reconciler.drivers.reaper import become_subreaper, reap_zombies  # noqa: E402
+from reconciler.testing.devcluster import DevCluster, start_cluster  # noqa: E402
 
 FEATURES = ("layering", "exclusive-lock", "object-map", "fast-diff", "deep-flatten")
 SIZE = "256M"  # the shell's spelling; the Volume says 256Mi (the same 268435456 bytes)
@@ -352,21 +352,22 @@ def shell_run(env: Env, name: str, trace: list[str] | None = None) -> float:
 
 # (label, file suffix, function name): cumulative times read from the apply's cProfile.
 APPLY_PARTS = (
-    ("import reconciler.cli (rados, rbd, jsonschema, sh...)", "reconciler/cli.py", "<module>"),
-    ("load_config", "reconciler/config.py", "load_config"),
-    ("loader.load", "reconciler/loader.py", "load"),
-    ("schemas.validator: compiling the JSON schemas (in both)", "reconciler/schemas.py",
+    ("import reconciler.cli.main (rados, rbd, jsonschema, sh...)", "reconciler/cli/main.py",
+     "<module>"),
+    ("load_config", "reconciler/spec/config.py", "load_config"),
+    ("loader.load", "reconciler/spec/loader.py", "load"),
+    ("schemas.validator: compiling the JSON schemas (in both)", "reconciler/spec/schemas.py",
      "validator"),
-    ("observe", "reconciler/observe.py", "observe"),
-    ("plan", "reconciler/plan.py", "plan"),
+    ("observe", "reconciler/observe/node.py", "observe"),
+    ("plan", "reconciler/plan/planner.py", "plan"),
     ("ceph.connect: librados connect+shutdown (x2 per session)",
      "reconciler/drivers/ceph.py", "connect"),
-    ("apply", "reconciler/apply.py", "apply"),
+    ("apply", "reconciler/apply/runner.py", "apply"),
     ("  create image + meta", "reconciler/drivers/ceph.py", "create_image"),
     ("  map (rbd-fuse + losetup)", "reconciler/drivers/mappers.py", "map"),
     ("    of which rbd-fuse start/mount wait", "reconciler/drivers/mappers.py", "_start_fuse"),
-    ("  format (probe, meta, mkfs)", "reconciler/apply.py", "format"),
-    ("  stage (mount)", "reconciler/apply.py", "stage"),
+    ("  format (probe, meta, mkfs)", "reconciler/apply/runner.py", "format"),
+    ("  stage (mount)", "reconciler/apply/runner.py", "stage"),
     ("  publish (bind)", "reconciler/drivers/fs.py", "bind"),
 )
 

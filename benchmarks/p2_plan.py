@@ -3,11 +3,11 @@
 
 What is measured, for each N:
 
-- load: ``reconciler.loader.load([DIR], config)`` over N generated Volume files
+- load: ``reconciler.spec.loader.load([DIR], config)`` over N generated Volume files
   (one per file: image + map fuse + stage ext4 + one publish target), i.e.
   discovery, YAML parsing with source marks, JSON-Schema validation, building
   typed volumes and the cross-file uniqueness checks;
-- plan: ``reconciler.plan.plan(volumes, observed, ctx)`` against an in-memory
+- plan: ``reconciler.plan.planner.plan(volumes, observed, ctx)`` against an in-memory
   *converged* observed state (image with owner/spec-hash/formatted meta, a fuse
   mapping with its loop device, an ext4 device of the image's size, the
   staging mount and the publish bind of that device). Each repetition gets a
@@ -21,9 +21,9 @@ schemas are compiled once per process; that one-off cost is printed apart),
 reported as ms total and µs per volume, plus the per-volume ratio between the
 largest and the smallest N (1.0 = linear). Target: 1,000 volumes under 1 s.
 
-Then, unless --quick: ONE real ``reconciler.observe.observe(Node.from_config(cfg),
+Then, unless --quick: ONE real ``reconciler.observe.node.observe(Node.from_config(cfg),
 volumes)`` pass at N=100 against a disposable local Ceph cluster
-(reconciler.devcluster) holding all 100 images (created, not mapped).
+(reconciler.testing.devcluster) holding all 100 images (created, not mapped).
 
 Usage: .venv/bin/python benchmarks/p2_plan.py [--quick] [--repeat R] [--sizes 100,1000,5000]
 """
@@ -46,12 +46,12 @@ sys.path.insert(0, str(REPO))  # run from a checkout: import this tree's reconci
 
 from p1_publish import signals_ignored, signals_raise  # noqa: E402
 
-from reconciler import meta  # noqa: E402
-from reconciler.config import Config, load_config  # noqa: E402
-from reconciler.loader import LoadResult, load  # noqa: E402
-from reconciler.observed import Device, ImageState, Mapping, Mount, Observed  # noqa: E402
-from reconciler.plan import Context, VolumePlan, plan  # noqa: E402
-from reconciler.spec import Phase, Volume  # noqa: E402
+from reconciler.facts import meta  # noqa: E402
+from reconciler.facts.observed import Device, ImageState, Mapping, Mount, Observed  # noqa: E402
+from reconciler.plan.planner import Context, VolumePlan, plan  # noqa: E402
+from reconciler.spec.config import Config, load_config  # noqa: E402
+from reconciler.spec.loader import LoadResult, load  # noqa: E402
+from reconciler.spec.model import Phase, Volume  # noqa: E402
 
 T = TypeVar("T")
 
@@ -264,11 +264,11 @@ def report(rows: list[Row]) -> None:
 def real_observe(root: Path, n: int) -> None:
     import rbd
 
-    from reconciler import observe as observe_mod
-    from reconciler.devcluster import start_cluster
     from reconciler.drivers import ceph
-    from reconciler.observe import Node, observe
-    from reconciler.observe_ceph import CephView
+    from reconciler.observe import node as observe_mod
+    from reconciler.observe.ceph import CephView
+    from reconciler.observe.node import Node, observe
+    from reconciler.testing.devcluster import start_cluster
 
     t0 = time.perf_counter()
     cluster = start_cluster(root=root / "ceph")

@@ -3,7 +3,7 @@
 
 What is measured: one `rbd-reconciler --config CFG run --log-format json` process
 runs for the whole benchmark on a disposable local Ceph cluster
-(reconciler.devcluster), with resyncSeconds 3600 so that only file events
+(reconciler.testing.devcluster), with resyncSeconds 3600 so that only file events
 trigger passes. Each run writes a new Volume file (unique name; 64Mi, mapper
 fuse, stage ext4, one publish target under the allowed root) atomically: the
 file is written next to desiredDir, then os.rename()d into it; t0 = time.time()
@@ -65,8 +65,8 @@ from p1_publish import (
     wait_exit,
 )
 
-from reconciler.devcluster import DevCluster, start_cluster
-from reconciler.reaper import become_subreaper, reap_zombies
+from reconciler.drivers.reaper import become_subreaper, reap_zombies
+from reconciler.testing.devcluster import DevCluster, start_cluster
 
 TARGET_P99_FIRST_STEP = 0.100
 POLL_S = 0.001

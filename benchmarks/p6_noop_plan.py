@@ -2,7 +2,7 @@
 """P6: a real no-op `plan` over 10, 50 and 200 published volumes, and Ansible's
 `mount` module in check mode over the same mounts.
 
-On a disposable local cluster (reconciler.devcluster), N volumes (ext4, 16 MiB,
+On a disposable local cluster (reconciler.testing.devcluster), N volumes (ext4, 16 MiB,
 fuse mapper, one publish target) are applied, then, interleaved --repeat times:
 
 - warm: ``engine.plan_pass`` in this process with one ``Node`` kept across
@@ -53,8 +53,8 @@ from p1_publish import (  # noqa: E402
     sweep,
 )
 
-from reconciler.devcluster import DevCluster, start_cluster  # noqa: E402
-from reconciler.reaper import become_subreaper  # noqa: E402
+from reconciler.drivers.reaper import become_subreaper  # noqa: E402
+from reconciler.testing.devcluster import DevCluster, start_cluster  # noqa: E402
 
 GOAL_MS_PER_VOLUME = 2.0
 GOAL_VS_ANSIBLE = 50.0
@@ -235,9 +235,9 @@ def main(argv: list[str] | None = None) -> int:
             cfg_path.write_text(CONFIG.format(
                 desired=root / "desired", state=root / "state", conf=cluster.conf,
                 user=cluster.user, keyring=cluster.keyring, pub=root / "pub"))
-            from reconciler.config import load_config
             from reconciler.engine import plan_pass
-            from reconciler.observe import Node
+            from reconciler.observe.node import Node
+            from reconciler.spec.config import load_config
             config = load_config(cfg_path)
             for n in sizes:
                 write_volumes(root, cluster, n)

@@ -41,8 +41,8 @@ from p1_publish import (  # noqa: E402
     sweep,
 )
 
-from reconciler.devcluster import start_cluster  # noqa: E402
-from reconciler.reaper import become_subreaper, reap_zombies  # noqa: E402
+from reconciler.drivers.reaper import become_subreaper, reap_zombies  # noqa: E402
+from reconciler.testing.devcluster import start_cluster  # noqa: E402
 
 GOAL = 0.6
 VOLUME = """\

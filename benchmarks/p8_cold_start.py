@@ -34,7 +34,7 @@ def timed(argv: list[str]) -> float:
 
 
 def heavy(args: list[str]) -> list[str]:
-    code = ("import sys; from reconciler.cli import main\n"
+    code = ("import sys; from reconciler.cli.main import main\n"
             f"try:\n    main({args!r})\nexcept SystemExit:\n    pass\n"
             "print('MODULES:', *(m for m in ('rados', 'rbd', 'jsonschema', 'yaml', 'watchdog', "
             "'grpc') if m in sys.modules))")

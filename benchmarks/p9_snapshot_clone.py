@@ -50,8 +50,8 @@ from p1_publish import (
     wait_exit,
 )
 
-from reconciler.devcluster import DevCluster, start_cluster
-from reconciler.reaper import become_subreaper, reap_zombies
+from reconciler.drivers.reaper import become_subreaper, reap_zombies
+from reconciler.testing.devcluster import DevCluster, start_cluster
 
 GOLDEN = """\
 apiVersion: rbd-reconciler/v1

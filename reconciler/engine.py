@@ -10,12 +10,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .apply import VolumeOutcome, apply
-from .config import Config
-from .loader import LoadResult, load
-from .observe import Node, observe
-from .observed import Observed
-from .plan import Context, VolumePlan, plan
+from reconciler.apply.runner import VolumeOutcome, apply
+from reconciler.facts.observed import Observed
+from reconciler.observe.node import Node, observe
+from reconciler.plan.planner import Context, VolumePlan, plan
+from reconciler.spec.config import Config
+from reconciler.spec.loader import LoadResult, load
 
 
 @dataclass

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs inside `python -m reconciler.devcluster run` (Ceph env vars are set).
+# Runs inside `python -m reconciler.testing.devcluster run` (Ceph env vars are set).
 # Every wait has a deadline, waits on a state that holds (a phase, a size, a
 # mount; never a transient value) and says what it waited for when it gives
 # up. On success, failure or interrupt, what the demo started is undone.

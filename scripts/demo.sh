@@ -12,4 +12,4 @@ if [[ -e $DEMO ]] && [[ -n "$(ls -A "$DEMO")" ]]; then
   echo "demo: see scripts/demo-inner.sh for what it holds; remove it when nothing is mounted there" >&2
   exit 1
 fi
-exec .venv/bin/python -m reconciler.devcluster run --dir "$DEMO" -- scripts/demo-inner.sh
+exec .venv/bin/python -m reconciler.testing.devcluster run --dir "$DEMO" -- scripts/demo-inner.sh

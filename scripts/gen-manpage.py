@@ -5,7 +5,7 @@
     .venv/bin/python scripts/gen-manpage.py --check  # exit 1 if either is stale
 
 One source of truth: every command, option, choice and help text comes from
-``reconciler.cli.build_parser()``; tests/test_manpage.py fails when the
+``reconciler.cli.main.build_parser()``; tests/test_manpage.py fails when the
 checked-in files differ from what this writes.
 """
 
@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from reconciler import __version__  # noqa: E402
-from reconciler.cli import build_parser  # noqa: E402
+from reconciler.cli.main import build_parser  # noqa: E402
 
 MAN = REPO / "man" / "rbd-reconciler.1"
 COMPLETION = REPO / "completions" / "rbd-reconciler.bash"

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import rbd
 
-from reconciler import cli
-from reconciler.devcluster import DevCluster, start_cluster
+from reconciler.cli import main as cli
 from reconciler.drivers.mappers import fuse_pids, loop_devices, reap_fuse_children
-from reconciler.parsers import parse_mountinfo
-from reconciler.reaper import become_subreaper, reap_zombies
+from reconciler.drivers.reaper import become_subreaper, reap_zombies
+from reconciler.facts.parsers import parse_mountinfo
+from reconciler.testing.devcluster import DevCluster, start_cluster
 
-# --- real Ceph cluster (reconciler.devcluster) ---------------------------------
+# --- real Ceph cluster (reconciler.testing.devcluster) ---------------------------------
 # One disposable 1-mon + 1-memstore-OSD cluster per test session. Startup takes
 # about a second, but its data lives in OSD RAM (3 GiB cap), so tests share it:
 # use unique image names and remove what you create. Mark such tests

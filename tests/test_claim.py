@@ -25,9 +25,10 @@ import rbd
 from conftest import NodeUnderTest
 from test_daemon import wait_for
 
-from reconciler import cli, meta
-from reconciler.claim import Claim, parse
+from reconciler.cli import main as cli
 from reconciler.drivers import mappers
+from reconciler.facts import meta
+from reconciler.facts.claim import Claim, parse
 
 pytestmark = pytest.mark.ceph
 
@@ -39,8 +40,13 @@ BARRIER = """
 import sys, time
 from pathlib import Path
 import rados, rbd
-from reconciler import apply, cli, engine, observe, plan
-from reconciler.drivers import claims, mappers
+from reconciler import engine
+from reconciler.apply import claims
+from reconciler.apply import runner as apply
+from reconciler.cli import main as cli
+from reconciler.drivers import mappers
+from reconciler.observe import node as observe
+from reconciler.plan import planner as plan
 Path(sys.argv[1]).touch()
 deadline = time.monotonic() + 60
 while not Path(sys.argv[2]).exists():

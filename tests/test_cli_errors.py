@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.devcluster import DevCluster
+from reconciler.testing.devcluster import DevCluster
 
 REPO = Path(__file__).resolve().parent.parent
 CMD = str(Path(sys.executable).parent / "rbd-reconciler")

@@ -8,12 +8,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from reconciler.config import ConfigError, load_config
 from reconciler.csi import capability, ids
 from reconciler.csi import csi_pb2 as pb
 from reconciler.csi.controller import MAX_REPLY_SIZE, _parameters, _size, max_size
-from reconciler.csi.desired import forgettable, load_desired
 from reconciler.csi.errors import CsiError
+from reconciler.spec.config import ConfigError, load_config
+from reconciler.spec.desired import forgettable, load_desired
 
 MiB = 1 << 20
 Mode = pb.VolumeCapability.AccessMode

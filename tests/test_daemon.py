@@ -546,8 +546,8 @@ def test_allow_removal_without_restart_and_logged_once(
 def test_watchdog_liveness_looks_at_the_pass_thread_only(tmp_path: Path) -> None:
     from dataclasses import replace
 
-    from reconciler.config import default_config
-    from reconciler.daemon import Daemon as RunLoop
+    from reconciler.daemon.service import Daemon as RunLoop
+    from reconciler.spec.config import default_config
 
     loop = RunLoop(replace(default_config(), state_dir=tmp_path, resync_seconds=1), None)
     assert loop._alive()  # waiting for the next pass

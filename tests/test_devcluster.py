@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.devcluster import DevCluster, DevClusterError, start_cluster
+from reconciler.testing.devcluster import DevCluster, DevClusterError, start_cluster
 
 pytestmark = pytest.mark.ceph
 
@@ -160,7 +160,7 @@ def test_cli_run_sets_env_and_returns_exit_code(tmp_path: Path) -> None:
         "sys.exit(7)\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "reconciler.devcluster", "run", "--dir", str(root), "--",
+        [sys.executable, "-m", "reconciler.testing.devcluster", "run", "--dir", str(root), "--",
          sys.executable, "-c", script],
         capture_output=True, text=True, timeout=120,
     )

@@ -14,8 +14,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reconciler.fastschema import surely_valid
-from reconciler.schemas import schema, validator
+from reconciler.spec.fastschema import surely_valid
+from reconciler.spec.schemas import schema, validator
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 DOCS = [("volume", d) for f in sorted(EXAMPLES.glob("*.yaml"))
@@ -80,7 +80,7 @@ def test_never_valid_where_jsonschema_is_not(case: tuple[str, Any]) -> None:
 
 
 def test_validate_of_a_valid_file_does_not_import_jsonschema() -> None:
-    code = ("import sys; from reconciler.cli import main; rc = main(['validate', "
+    code = ("import sys; from reconciler.cli.main import main; rc = main(['validate', "
             f"'{EXAMPLES / 'pgdata.yaml'}']); "
             "print(rc, 'jsonschema' in sys.modules, 'rados' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -23,14 +23,14 @@ from test_daemon import wait_for
 from test_hardening import image_meta
 from test_lifecycle import checksum_tree, fs_spec
 
-from reconciler import meta
-from reconciler.reaper import reap_zombies
+from reconciler.drivers.reaper import reap_zombies
+from reconciler.facts import meta
 
 pytestmark = pytest.mark.ceph
 
 SHIMMED = ("mount", "umount", "losetup", "mkfs.ext4", "blkid", "dumpe2fs", "e2fsck",
            "resize2fs", "rbd-fuse")
-CLI = [sys.executable, "-m", "reconciler.cli"]
+CLI = [sys.executable, "-m", "reconciler.cli.main"]
 
 
 class Killer:

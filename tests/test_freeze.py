@@ -18,7 +18,7 @@ from conftest import NodeUnderTest
 from test_daemon import Daemon, start, wait_for  # noqa: F401  (start: the daemon fixture)
 from test_snapshots import killed_apply, published, set_config, snaps_of, snapshot, tear_down
 
-from reconciler import cli
+from reconciler.cli import main as cli
 
 pytestmark = pytest.mark.ceph
 
@@ -239,7 +239,7 @@ def test_two_snapshots_of_one_filesystem_at_once(
     """Two Snapshot files of one volume in one parallel apply: the second
     waits for the first's freeze (no EBUSY), and neither forgets the other's
     record."""
-    from reconciler import apply as apply_mod
+    from reconciler.apply import runner as apply_mod
     from reconciler.drivers import ceph, freeze
 
     src, s1, s2 = node.name("two"), node.name("two-a"), node.name("two-b")
@@ -297,7 +297,7 @@ def test_two_snapshots_of_one_filesystem_at_once(
     ("snapshots:\n  freezeTimeout: 3\n", "snapshots.freezeTimeout: unknown field"),
 ])
 def test_freeze_timeout_config(tmp_path: Path, body: str, error: str) -> None:
-    from reconciler.config import ConfigError, load_config
+    from reconciler.spec.config import ConfigError, load_config
 
     path = tmp_path / "config.yaml"
     path.write_text("nodeName: n\n")

@@ -18,9 +18,9 @@ import rbd
 from conftest import NodeUnderTest
 from test_lifecycle import checksum_tree, fs_spec, status_of
 
-from reconciler import meta
 from reconciler.drivers import mappers
 from reconciler.drivers.run import CommandError
+from reconciler.facts import meta
 
 pytestmark = pytest.mark.ceph
 
@@ -210,10 +210,10 @@ def test_symlink_in_a_publish_path_is_refused(node: NodeUnderTest) -> None:
 
 def test_symlink_swapped_in_after_plan_is_refused_at_apply(node: NodeUnderTest) -> None:
     """The plan is stale by the time apply acts: apply checks again, through descriptors."""
-    from reconciler.apply import apply
-    from reconciler.config import load_config
+    from reconciler.apply.runner import apply
     from reconciler.engine import plan_pass
-    from reconciler.observe import Node
+    from reconciler.observe.node import Node
+    from reconciler.spec.config import load_config
 
     outside = node.root / "outside"
     outside.mkdir()
@@ -400,7 +400,7 @@ def test_second_node_refuses_an_image_the_first_has_published(
     (desired / f"{name}.yaml").write_text(
         f"apiVersion: rbd-reconciler/v1\nkind: Volume\nmetadata:\n  name: {name}\nspec:\n"
         + fs_spec(node.cluster.pool, "64Mi", "ext4", [(srv / "app", False)]))
-    from reconciler import cli
+    from reconciler.cli import main as cli
 
     rc, out = run_cli(cli, config_b, "plan", "-o", "json")
     refusal = json.loads(out)["volumes"][0]["refusal"]

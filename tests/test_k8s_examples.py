@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from reconciler.config import load_config
+from reconciler.spec.config import load_config
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "kubernetes"
 

@@ -294,10 +294,10 @@ def test_refuses_to_delete_an_image_it_did_not_create(node: NodeUnderTest) -> No
 
 def test_never_publishes_an_unmounted_staging_path(node: NodeUnderTest) -> None:
     """Safety rule 2 at execution time: the plan said stage was there; it is not."""
-    from reconciler.apply import apply
-    from reconciler.config import load_config
+    from reconciler.apply.runner import apply
     from reconciler.engine import plan_pass
-    from reconciler.observe import Node
+    from reconciler.observe.node import Node
+    from reconciler.spec.config import load_config
 
     name = node.name("unstaged")
     app = node.srv / "app"

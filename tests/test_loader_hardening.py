@@ -14,9 +14,9 @@ import pytest
 from conftest import NodeUnderTest
 from test_spec_invalid import GOOD  # the same valid document, varied per test
 
-from reconciler.config import ConfigError, default_config, load_config
-from reconciler.loader import load
-from reconciler.yamldoc import MAX_NODES
+from reconciler.spec.config import ConfigError, default_config, load_config
+from reconciler.spec.loader import load
+from reconciler.spec.yamldoc import MAX_NODES
 
 
 def edit(text: str, replace: dict[str, str]) -> str:
@@ -65,7 +65,7 @@ def test_an_unexpected_exception_fails_only_its_file(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The catch-all: whatever a file's content triggers, the caller (the
     # daemon) gets a diagnostic for that file, and the other files load.
-    import reconciler.loader as loader_mod
+    import reconciler.spec.loader as loader_mod
 
     (tmp_path / "good.yaml").write_text(GOOD)
     (tmp_path / "evil.yaml").write_text(edit(GOOD, {"name: vol": "name: evil",
@@ -431,7 +431,7 @@ def test_validate_refuses_a_symlink_out_and_never_opens_it(
         capsys: pytest.CaptureFixture[str]) -> None:
     import os
 
-    from reconciler.cli import main
+    from reconciler.cli.main import main
 
     secret = _key_outside(tmp_path)
     desired = tmp_path / "desired"

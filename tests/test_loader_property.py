@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reconciler.config import ConfigError, default_config, load_config
-from reconciler.diagnostics import EXCERPT_CHARS, FORBIDDEN_CHARS
-from reconciler.loader import load
+from reconciler.spec.config import ConfigError, default_config, load_config
+from reconciler.spec.diagnostics import EXCERPT_CHARS, FORBIDDEN_CHARS
+from reconciler.spec.loader import load
 
 EXAMPLES = int(os.environ.get("RBD_FUZZ_EXAMPLES", "2000"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,

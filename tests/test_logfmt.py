@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from reconciler import logfmt
-from reconciler.logfmt import (
+from reconciler.apply import logfmt
+from reconciler.apply.logfmt import (
     JournalFormatter,
     JournalHandler,
     JsonFormatter,
@@ -29,8 +29,8 @@ from reconciler.logfmt import (
     make_handler,
     under_journald,
 )
-from reconciler.metrics import step_kind as metrics_step_kind
-from reconciler.steps import MountStaging, Step
+from reconciler.daemon.metrics import step_kind as metrics_step_kind
+from reconciler.plan.steps import MountStaging, Step
 
 ROOT = Path(__file__).resolve().parent.parent
 ZONED = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d"
@@ -174,8 +174,8 @@ err = open(sys.argv[1], "w")
 os.dup2(err.fileno(), 2)
 st = os.fstat(2)
 os.environ["JOURNAL_STREAM"] = f"{st.st_dev}:{st.st_ino}"
-from reconciler import logfmt
-from reconciler.steps import MountStaging
+from reconciler.apply import logfmt
+from reconciler.plan.steps import MountStaging
 logfmt.setup("auto", verbose=False)
 log = logging.getLogger("rbd-reconciler")
 step = MountStaging(volume="pgdata", device="/dev/loop7", path="/srv/pg", mode="filesystem",
@@ -236,10 +236,10 @@ def test_native_fields_reach_a_journald_socket(tmp_path: Path) -> None:
                                   ["-c", "examples/config/node.yaml", "validate",
                                    "examples/pgdata.yaml"]])
 def test_fast_paths_never_import_the_binding(argv: list[str]) -> None:
-    code = ("import sys\nfrom reconciler.cli import main\n"
+    code = ("import sys\nfrom reconciler.cli.main import main\n"
             "try:\n    rc = main(sys.argv[1:])\nexcept SystemExit as e:\n    rc = e.code\n"
             "print('LOADED', sorted(m for m in sys.modules if m.startswith(('systemd', "
-            "'reconciler.logfmt'))), rc)")
+            "'reconciler.apply.logfmt'))), rc)")
     proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
                           timeout=60, cwd=ROOT, env={**os.environ, "JOURNAL_STREAM": ""})
     assert proc.stdout.splitlines()[-1] == "LOADED [] 0", proc.stdout + proc.stderr

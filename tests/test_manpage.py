@@ -23,7 +23,7 @@ def test_the_checked_in_files_are_what_the_parser_makes() -> None:
 
 
 def test_every_command_and_option_is_in_the_man_page() -> None:
-    from reconciler.cli import build_parser
+    from reconciler.cli.main import build_parser
 
     text = MAN.read_text()
     parser = build_parser()

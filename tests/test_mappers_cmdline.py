@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.config import CephConfig
 from reconciler.drivers import mappers
 from reconciler.drivers.mappers import FuseMapper, KernelMapper
 from reconciler.drivers.run import CommandError, Result, Runner
-from reconciler.observed import Mapping
-from reconciler.parsers import LoopDevice, MapError
+from reconciler.facts.observed import Mapping
+from reconciler.facts.parsers import LoopDevice, MapError
+from reconciler.spec.config import CephConfig
 
 DATA = Path(__file__).resolve().parent / "data"
 CEPH = CephConfig(conf="/etc/ceph/ceph.conf", user="admin", keyring="/k")

@@ -19,8 +19,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from reconciler import __version__
-from reconciler.config import ConfigError, load_config
-from reconciler.metrics import (
+from reconciler.daemon.metrics import (
     REFUSAL_OTHER,
     REFUSAL_REASONS,
     Metrics,
@@ -30,7 +29,8 @@ from reconciler.metrics import (
     refusal_reason,
     step_kind,
 )
-from reconciler.steps import Step
+from reconciler.plan.steps import Step
+from reconciler.spec.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 MONITORING = ROOT / "examples" / "monitoring"
@@ -110,8 +110,8 @@ def test_every_refusal_in_the_code_has_a_reason() -> None:
     """A new refusal message needs a pattern in metrics.REFUSAL_REASONS:
     otherwise it is counted as "other" and dashboards cannot tell it apart."""
     unclassified = []
-    for path in (ROOT / "reconciler" / "plan.py", ROOT / "reconciler" / "apply.py",
-                 ROOT / "reconciler" / "plan_snapshots.py"):
+    for path in sorted([*(ROOT / "reconciler" / "plan").glob("*.py"),
+                        *(ROOT / "reconciler" / "apply").glob("*.py")]):
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Call) or not node.args:
                 continue

@@ -9,9 +9,9 @@ import subprocess
 import pytest
 from conftest import NodeUnderTest
 
-from reconciler.config import load_config
 from reconciler.engine import plan_pass
-from reconciler.observe import Node
+from reconciler.observe.node import Node
+from reconciler.spec.config import load_config
 
 pytestmark = pytest.mark.ceph
 
@@ -69,7 +69,7 @@ def test_header_read_matches_librbd(node: NodeUnderTest) -> None:
     import rbd
 
     from reconciler.drivers import ceph, rbdheader
-    from reconciler.observe_ceph import observe_images
+    from reconciler.observe.ceph import observe_images
 
     a, b = node.name("hdr-a"), node.name("hdr-b")
     node.images.update({a, b})
@@ -101,7 +101,7 @@ def test_header_read_matches_librbd(node: NodeUnderTest) -> None:
 
 def test_ceph_session_kept_across_passes_and_replaced_after_no_answer(
         node: NodeUnderTest, dead_pool: str) -> None:
-    from reconciler.observe_ceph import Session, observe_images
+    from reconciler.observe.ceph import Session, observe_images
 
     cfg = load_config(node.config).ceph
     session = Session()

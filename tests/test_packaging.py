@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.devcluster import DevCluster
+from reconciler.testing.devcluster import DevCluster
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml")) + sorted(
@@ -66,7 +66,7 @@ def test_the_installed_commands_work_from_another_directory(
     assert _run([cmd, "--version"], cwd=tmp_path).stdout.startswith("rbd-reconciler ")
     # The package (and its schemas) come from the venv, not from this checkout.
     where = _run([installed / "bin" / "python", "-c",
-                  "import reconciler.schemas as s, json; print(s.__file__); "
+                  "import reconciler.spec.schemas as s, json; print(s.__file__); "
                   "print(sorted(json.loads(s.schema_text('volume'))['properties']))"],
                  cwd=tmp_path).stdout.splitlines()
     assert where[0].startswith(str(installed)), where

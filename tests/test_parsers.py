@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.parsers import (
+from reconciler.facts.parsers import (
     LoopDevice,
     MapError,
     Probe,

@@ -12,23 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from reconciler import meta
-from reconciler.claim import Claim
-from reconciler.config import default_config
-from reconciler.loader import load
-from reconciler.observed import Device, ImageState, Mapping, Mount, Observed
-from reconciler.plan import GROW_SLACK, Context, VolumePlan, plan, resolve_mapper
-from reconciler.spec import (
-    DEFAULT_FEATURES,
-    ImageSpec,
-    MapSpec,
-    Phase,
-    PublishSpec,
-    Source,
-    StageSpec,
-    Volume,
-)
-from reconciler.steps import (
+from reconciler.facts import meta
+from reconciler.facts.claim import Claim
+from reconciler.facts.observed import Device, ImageState, Mapping, Mount, Observed
+from reconciler.plan.planner import GROW_SLACK, Context, VolumePlan, plan, resolve_mapper
+from reconciler.plan.steps import (
     ClaimImage,
     CreateImage,
     DeleteImage,
@@ -45,6 +33,18 @@ from reconciler.steps import (
     Unmap,
     Unpublish,
     Unstage,
+)
+from reconciler.spec.config import default_config
+from reconciler.spec.loader import load
+from reconciler.spec.model import (
+    DEFAULT_FEATURES,
+    ImageSpec,
+    MapSpec,
+    Phase,
+    PublishSpec,
+    Source,
+    StageSpec,
+    Volume,
 )
 
 MiB = 2**20

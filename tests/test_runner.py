@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.config import ConfigError, load_config
 from reconciler.drivers.run import KILL_WAIT_S, Aborted, CommandError, Halt, Runner
+from reconciler.spec.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from reconciler import meta
-from reconciler.config import default_config
-from reconciler.loader import load
-from reconciler.observed import ImageState, Observed, SnapState
-from reconciler.plan import Context, VolumePlan, plan
-from reconciler.spec import Volume
+from reconciler.facts import meta
+from reconciler.facts.observed import ImageState, Observed, SnapState
+from reconciler.plan.planner import Context, VolumePlan, plan
+from reconciler.spec.config import default_config
+from reconciler.spec.loader import load
+from reconciler.spec.model import Volume
 
 CTX = Context(node_name="n1", staging_root="/var/lib/rbd-reconciler/staging")
 HEAD = "apiVersion: rbd-reconciler/v1\nkind: {kind}\nmetadata: {{name: {name}}}\nspec:\n"

@@ -223,7 +223,7 @@ def test_snapshot_failure_still_thaws(node: NodeUnderTest, monkeypatch: pytest.M
 KILLER = """
 import os, signal, sys, types
 import rbd
-from reconciler import cli
+from reconciler.cli import main as cli
 from reconciler.drivers import ceph
 
 def die():

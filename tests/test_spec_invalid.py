@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.config import default_config
-from reconciler.loader import load
+from reconciler.spec.config import default_config
+from reconciler.spec.loader import load
 
 GOOD = """\
 apiVersion: rbd-reconciler/v1

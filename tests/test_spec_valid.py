@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.cli import main
-from reconciler.config import ConfigError, default_config, load_config
-from reconciler.loader import load
-from reconciler.spec import DEFAULT_FEATURES, Phase
-from reconciler.units import format_size, parse_size
+from reconciler.cli.main import main
+from reconciler.spec.config import ConfigError, default_config, load_config
+from reconciler.spec.loader import load
+from reconciler.spec.model import DEFAULT_FEATURES, Phase
+from reconciler.spec.units import format_size, parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -151,6 +151,6 @@ def test_cli_help_and_version(args: list[str]) -> None:
 def test_schemas_are_valid_draft_2020_12(name: str) -> None:
     import jsonschema
 
-    from reconciler.schemas import validator
+    from reconciler.spec.schemas import validator
 
     jsonschema.Draft202012Validator.check_schema(validator(name).schema)

@@ -13,7 +13,7 @@ import pytest
 
 from reconciler.drivers.fs import Filesystems
 from reconciler.drivers.run import Runner
-from reconciler.parsers import (
+from reconciler.facts.parsers import (
     parse_blkid_export,
     parse_dumpe2fs_size,
     parse_superblock,

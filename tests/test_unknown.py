@@ -15,9 +15,9 @@ import pytest
 from conftest import NodeUnderTest
 from test_plan import CTX, LOOP, converged, plan_one, volume
 
-from reconciler.bounded import Bounded, NoAnswer, StillStuck
-from reconciler.plan import actual_state
-from reconciler.spec import Phase
+from reconciler.drivers.bounded import Bounded, NoAnswer, StillStuck
+from reconciler.plan.planner import actual_state
+from reconciler.spec.model import Phase
 
 
 def test_bounded_writes_off_a_stuck_call_and_never_piles_it_up() -> None:

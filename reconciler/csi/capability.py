@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from . import csi_pb2 as pb
-from .errors import invalid
+from reconciler.csi import csi_pb2 as pb
+from reconciler.csi.errors import invalid
 
 Mode = pb.VolumeCapability.AccessMode
 # One node at a time, or many nodes reading: an RBD image with a local

@@ -13,8 +13,8 @@ import time
 import rados
 import rbd
 
-from ..config import CephConfig
-from ..drivers.ceph import CephError, connect, set_meta, snapshot_children
+from reconciler.drivers.ceph import CephError, connect, set_meta, snapshot_children
+from reconciler.spec.config import CephConfig
 
 CSI_NAME_META = "rbd-reconciler.csi-name"
 PROBE_CACHE_S = 5.0

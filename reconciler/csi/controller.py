@@ -10,16 +10,16 @@ from typing import Any
 
 import grpc
 
-from ..drivers.ceph import CephError
-from ..spec import DEFAULT_FEATURES
-from ..units import MAX_OBJECT_MAP_SIZE, format_size
-from . import capability, csi_pb2_grpc, ids
-from . import csi_pb2 as pb
-from .cephinfo import CephInfo
-from .errors import CsiError, invalid, not_found, rpc
-from .files import L_ACCESS, L_FSTYPE, L_MAPPER, L_ORIGIN, L_REQUEST, new_document
-from .snapshots import SnapshotRpcs, content_source_of
-from .volumes import Volumes
+from reconciler.csi import capability, csi_pb2_grpc, ids
+from reconciler.csi import csi_pb2 as pb
+from reconciler.csi.cephinfo import CephInfo
+from reconciler.csi.errors import CsiError, invalid, not_found, rpc
+from reconciler.csi.files import L_ACCESS, L_FSTYPE, L_MAPPER, L_ORIGIN, L_REQUEST, new_document
+from reconciler.csi.snapshots import SnapshotRpcs, content_source_of
+from reconciler.csi.volumes import Volumes
+from reconciler.drivers.ceph import CephError
+from reconciler.spec.model import DEFAULT_FEATURES
+from reconciler.spec.units import MAX_OBJECT_MAP_SIZE, format_size
 
 log = logging.getLogger("rbd-reconciler.csi")
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
-from ..spec import API_VERSION
-from .errors import precondition
+from reconciler.csi.errors import precondition
+from reconciler.spec.model import API_VERSION
 
 LABEL = "csi.rbd-reconciler/"
 L_REQUEST = LABEL + "request-name"  # the CO's name for it (CreateVolume)

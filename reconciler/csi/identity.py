@@ -7,14 +7,14 @@ from typing import TYPE_CHECKING
 import grpc
 from google.protobuf.wrappers_pb2 import BoolValue
 
-from .. import __version__
-from . import csi_pb2 as pb
-from . import csi_pb2_grpc
-from .cephinfo import CephInfo
-from .errors import rpc
+from reconciler import __version__
+from reconciler.csi import csi_pb2 as pb
+from reconciler.csi import csi_pb2_grpc
+from reconciler.csi.cephinfo import CephInfo
+from reconciler.csi.errors import rpc
 
 if TYPE_CHECKING:
-    from ..daemon import Daemon
+    from reconciler.daemon.service import Daemon
 
 
 class IdentityServicer(csi_pb2_grpc.IdentityServicer):

@@ -15,13 +15,13 @@ from typing import Any
 
 import grpc
 
-from ..parsers import parse_mountinfo
-from . import capability, csi_pb2_grpc, ids
-from . import csi_pb2 as pb
-from .cephinfo import CephInfo
-from .errors import CsiError, invalid, not_found, precondition, rpc
-from .files import L_FSTYPE, L_MAPPER, L_ORIGIN, new_document
-from .volumes import Volumes
+from reconciler.csi import capability, csi_pb2_grpc, ids
+from reconciler.csi import csi_pb2 as pb
+from reconciler.csi.cephinfo import CephInfo
+from reconciler.csi.errors import CsiError, invalid, not_found, precondition, rpc
+from reconciler.csi.files import L_FSTYPE, L_MAPPER, L_ORIGIN, new_document
+from reconciler.csi.volumes import Volumes
+from reconciler.facts.parsers import parse_mountinfo
 
 BLOCK_DEVICE_FILE = "rbd-device"  # the device node's bind inside kubelet's staging dir
 

@@ -14,16 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from . import csi_pb2_grpc
-from .cephinfo import CephInfo
-from .controller import ControllerServicer
-from .identity import IdentityServicer
-from .node import NodeServicer
-from .volumes import Volumes
+from reconciler.csi import csi_pb2_grpc
+from reconciler.csi.cephinfo import CephInfo
+from reconciler.csi.controller import ControllerServicer
+from reconciler.csi.identity import IdentityServicer
+from reconciler.csi.node import NodeServicer
+from reconciler.csi.volumes import Volumes
 
 if TYPE_CHECKING:
-    from ..daemon import Daemon
-    from ..metrics import Metrics
+    from reconciler.daemon.metrics import Metrics
+    from reconciler.daemon.service import Daemon
 
 log = logging.getLogger("rbd-reconciler.csi")
 WORKERS = 128  # calls mostly wait on the engine; 100 concurrent CreateVolume must not queue

@@ -10,12 +10,12 @@ from typing import Any
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from . import csi_pb2 as pb
-from . import ids
-from .cephinfo import CephInfo
-from .errors import CsiError, invalid, not_found, rpc
-from .files import L_ORIGIN, L_REQUEST, L_SOURCE, VolumeFiles, new_snapshot_document
-from .volumes import Volumes
+from reconciler.csi import csi_pb2 as pb
+from reconciler.csi import ids
+from reconciler.csi.cephinfo import CephInfo
+from reconciler.csi.errors import CsiError, invalid, not_found, rpc
+from reconciler.csi.files import L_ORIGIN, L_REQUEST, L_SOURCE, VolumeFiles, new_snapshot_document
+from reconciler.csi.volumes import Volumes
 
 MiB = 1 << 20
 

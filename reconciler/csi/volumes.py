@@ -17,15 +17,15 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from ..config import Config
-from ..loader import load
-from ..spec import Volume
-from .desired import claims, operator_conflicts
-from .errors import CsiError, invalid, precondition
-from .files import VolumeFiles
+from reconciler.csi.errors import CsiError, invalid, precondition
+from reconciler.csi.files import VolumeFiles
+from reconciler.spec.config import Config
+from reconciler.spec.desired import claims, operator_conflicts
+from reconciler.spec.loader import load
+from reconciler.spec.model import Volume
 
 if TYPE_CHECKING:
-    from ..daemon import Daemon
+    from reconciler.daemon.service import Daemon
 
 log = logging.getLogger("rbd-reconciler.csi")
 DEADLINE_MARGIN_S = 0.25  # answer before the caller's deadline cuts us off

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import rados
 import rbd
 
-from .. import meta as metakeys
-from ..config import CephConfig
-from ..observed import ImageState, SnapState
+from reconciler.facts import meta as metakeys
+from reconciler.facts.observed import ImageState, SnapState
+from reconciler.spec.config import CephConfig
 
 FEATURE_BITS = {
     "layering": rbd.RBD_FEATURE_LAYERING,

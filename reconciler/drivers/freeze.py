@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import safepath
-from ..bounded import Bounded, NoAnswer
-from ..parsers import parse_mountinfo
-from ..registry import Registry
+from reconciler.drivers import safepath
+from reconciler.drivers.bounded import Bounded, NoAnswer
+from reconciler.facts.parsers import parse_mountinfo
+from reconciler.state.registry import Registry
 
 log = logging.getLogger(__name__)
 

@@ -10,18 +10,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..observed import Mount
-from ..parsers import (
-    EXT4_SB_OFFSET,
-    Probe,
-    Superblock,
-    parse_blkid_export,
-    parse_mountinfo,
-    parse_superblock,
-    xfs_live_size,
-)
-from ..registry import CreatedPaths
-from ..safepath import (
+from reconciler.drivers.run import CommandError, Runner
+from reconciler.drivers.safepath import (
     O_PATH,
     UnsafePath,
     ensure_dir,
@@ -33,7 +23,17 @@ from ..safepath import (
     opened,
     split,
 )
-from .run import CommandError, Runner
+from reconciler.facts.observed import Mount
+from reconciler.facts.parsers import (
+    EXT4_SB_OFFSET,
+    Probe,
+    Superblock,
+    parse_blkid_export,
+    parse_mountinfo,
+    parse_superblock,
+    xfs_live_size,
+)
+from reconciler.state.registry import CreatedPaths
 
 # -m0: no root reserve on a data volume; nodiscard/lazy init: mkfs does not
 # touch every block of a thin RBD image (fast, and stays thin).

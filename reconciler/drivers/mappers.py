@@ -19,17 +19,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import CephConfig
-from ..observed import Mapping
-from ..parsers import (
+from reconciler.drivers.fs import block_device_size
+from reconciler.drivers.run import CommandError, Runner
+from reconciler.facts.observed import Mapping
+from reconciler.facts.parsers import (
     LoopDevice,
     explain_map_failure,
     parse_losetup_json,
     parse_mountinfo,
     parse_rbd_device_list,
 )
-from .fs import block_device_size
-from .run import CommandError, Runner
+from reconciler.spec.config import CephConfig
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from collections.abc import Iterable
 
 import rados
 
-from ..observed import ImageState
-from .ceph import CephError, feature_names
+from reconciler.drivers.ceph import CephError, feature_names
+from reconciler.facts.observed import ImageState
 
 MAX_META = 4096
 

@@ -34,7 +34,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from ..reaper import reap_group
+from reconciler.drivers.reaper import reap_group
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ them). Data lives in the OSD's RAM, so the cluster is throw-away by design.
 
 CLI (used by the README demo):
 
-    python -m reconciler.devcluster run [--dir DIR] [--pool rbd] -- CMD ARGS...
+    python -m reconciler.testing.devcluster run [--dir DIR] [--pool rbd] -- CMD ARGS...
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from .reaper import become_subreaper, reap_zombies
+from reconciler.drivers.reaper import become_subreaper, reap_zombies
 
 if TYPE_CHECKING:  # the bindings come from Debian packages; import them lazily
     import rados
@@ -512,7 +512,7 @@ def _tty_foreground() -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m reconciler.devcluster",
+    p = argparse.ArgumentParser(prog="python -m reconciler.testing.devcluster",
                                 description="Run a command against a disposable Ceph cluster.")
     sub = p.add_subparsers(dest="action", required=True)
     run = sub.add_parser("run", help="start a cluster, run CMD with client env set, stop it")

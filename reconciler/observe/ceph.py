@@ -25,10 +25,10 @@ from typing import TypeVar
 
 import rados
 
-from .bounded import Bounded, NoAnswer, Task
-from .config import CephConfig
-from .drivers import ceph, rbdheader
-from .observed import ImageState
+from reconciler.drivers import ceph, rbdheader
+from reconciler.drivers.bounded import Bounded, NoAnswer, Task
+from reconciler.facts.observed import ImageState
+from reconciler.spec.config import CephConfig
 
 T = TypeVar("T")
 

@@ -13,21 +13,21 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .bounded import Bounded, NoAnswer, StillStuck
-from .config import Config
-from .devprobe import ProbeCache, Probed, probe_full, probe_mounted
-from .drivers.freeze import left_frozen
-from .drivers.fs import DeviceUnreadable, Filesystems, block_device_size
-from .drivers.mappers import FuseMapper, KernelMapper, available_mappers
-from .drivers.run import CommandError, Halt, Runner
-from .observe_ceph import CephView, Session, observe_images
-from .observed import Device, Mapping, Mount, Observed
-from .parsers import parse_mountinfo
-from .registry import CreatedPaths, Intents
-from .safepath import first_symlink
-from .spec import Volume, resolve_mapper
+from reconciler.drivers.bounded import Bounded, NoAnswer, StillStuck
+from reconciler.drivers.freeze import left_frozen
+from reconciler.drivers.fs import DeviceUnreadable, Filesystems, block_device_size
+from reconciler.drivers.mappers import FuseMapper, KernelMapper, available_mappers
+from reconciler.drivers.run import CommandError, Halt, Runner
+from reconciler.drivers.safepath import first_symlink
+from reconciler.facts.observed import Device, Mapping, Mount, Observed
+from reconciler.facts.parsers import parse_mountinfo
+from reconciler.observe.ceph import CephView, Session, observe_images
+from reconciler.observe.devprobe import ProbeCache, Probed, probe_full, probe_mounted
+from reconciler.spec.config import Config
+from reconciler.spec.model import Volume, resolve_mapper
+from reconciler.state.registry import CreatedPaths, Intents
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("reconciler.observe")  # the name log lines have always carried
 
 
 @dataclass

@@ -17,12 +17,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from . import security
-from .config import Config
-from .diagnostics import Diagnostic, excerpt, format_field
-from .mkfsopts import check_mkfs_options
-from .schemas import schema_errors
-from .spec import (
+from reconciler.spec import security
+from reconciler.spec.config import Config
+from reconciler.spec.diagnostics import Diagnostic, excerpt, format_field
+from reconciler.spec.mkfsopts import check_mkfs_options
+from reconciler.spec.model import (
     DEFAULT_FEATURES,
     XFS_MIN_BYTES,
     CloneSource,
@@ -34,10 +33,11 @@ from .spec import (
     StageSpec,
     Volume,
 )
-from .units import MAX_OBJECT_MAP_SIZE, MAX_SIZE, MiB, format_size, parse_size
-from .yamldoc import Document, YamlError, load_documents
+from reconciler.spec.schemas import schema_errors
+from reconciler.spec.units import MAX_OBJECT_MAP_SIZE, MAX_SIZE, MiB, format_size, parse_size
+from reconciler.spec.yamldoc import Document, YamlError, load_documents
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("reconciler.loader")  # the name log lines have always carried
 
 MAX_FILE_BYTES = 1 << 20
 YAML_SUFFIXES = (".yaml", ".yml")

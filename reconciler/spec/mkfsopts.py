@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .diagnostics import excerpt
+from reconciler.spec.diagnostics import excerpt
 
 Check = Callable[[str], bool]
 

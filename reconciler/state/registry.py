@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from .statefiles import read_json, write_json
+from reconciler.state.files import read_json, write_json
 
 _locks: dict[Path, threading.Lock] = {}
 _locks_guard = threading.Lock()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .units import format_size
+from reconciler.spec.units import format_size
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .statefiles import read_json, write_json
+from reconciler.state.files import read_json, write_json
 
 FILENAME = "allow-removal.json"
 

@@ -8,11 +8,11 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from .diagnostics import Diagnostic, excerpt, format_field
-from .schemas import schema_errors
-from .yamldoc import Document, YamlError, load_documents
+from reconciler.spec.diagnostics import Diagnostic, excerpt, format_field
+from reconciler.spec.schemas import schema_errors
+from reconciler.spec.yamldoc import Document, YamlError, load_documents
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("reconciler.config")  # the name log lines have always carried
 
 DEFAULT_CONFIG_PATH = Path("/etc/rbd-reconciler/config.yaml")
 MAX_CONFIG_BYTES = 1 << 20

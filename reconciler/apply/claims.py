@@ -17,9 +17,9 @@ import time
 import rados
 import rbd
 
-from .. import meta
-from ..claim import Claim, parse
-from .ceph import CephError
+from reconciler.drivers.ceph import CephError
+from reconciler.facts import meta
+from reconciler.facts.claim import Claim, parse
 
 KEY = "metadata_" + meta.HOLDER
 MON_TIMEOUT_S = 15  # every mon command has a deadline

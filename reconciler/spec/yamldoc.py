@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from .diagnostics import FORBIDDEN_CHARS, excerpt
+from reconciler.spec.diagnostics import FORBIDDEN_CHARS, excerpt
 
 Path_ = tuple[str | int, ...]
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config import Config
-from ..diagnostics import Diagnostic
-from ..loader import LoadResult, load
-from ..spec import Volume
+from reconciler.spec.config import Config
+from reconciler.spec.diagnostics import Diagnostic
+from reconciler.spec.loader import LoadResult, load
+from reconciler.spec.model import Volume
 
 
 def claims(v: Volume) -> list[tuple[str, str, str]]:

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import meta
-from .observed import ImageState, Observed, SnapState
-from .spec import Phase, Volume
-from .steps import (
+from reconciler.facts import meta
+from reconciler.facts.observed import ImageState, Observed, SnapState
+from reconciler.plan.steps import (
     CloneImage,
     CreateSnapshot,
     DeleteSnapshot,
@@ -20,10 +19,11 @@ from .steps import (
     Step,
     Thaw,
 )
-from .units import format_size
+from reconciler.spec.model import Phase, Volume
+from reconciler.spec.units import format_size
 
 if TYPE_CHECKING:
-    from .plan import Context, VolumePlan
+    from reconciler.plan.planner import Context, VolumePlan
 
 FLATTEN_POLICIES = ("never", "always", "depth")
 

@@ -23,21 +23,21 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import meta
-from .apply import VolumeOutcome, apply
-from .claim import parse as parse_claim
-from .config import Config
-from .csi.desired import load_desired
-from .drivers.run import Runner
-from .engine import Busy, context, state_lock
-from .loader import LoadResult
-from .observe import Node, observe
-from .observed import Mapping, Observed
-from .plan import VolumePlan, plan
-from .spec import ImageSpec, MapSpec, Source, Volume, volume_from_dict
-from .statefiles import read_json
+from reconciler.apply.runner import VolumeOutcome, apply
+from reconciler.drivers.run import Runner
+from reconciler.engine import Busy, context, state_lock
+from reconciler.facts import meta
+from reconciler.facts.claim import parse as parse_claim
+from reconciler.facts.observed import Mapping, Observed
+from reconciler.observe.node import Node, observe
+from reconciler.plan.planner import VolumePlan, plan
+from reconciler.spec.config import Config
+from reconciler.spec.desired import load_desired
+from reconciler.spec.loader import LoadResult
+from reconciler.spec.model import ImageSpec, MapSpec, Source, Volume, volume_from_dict
+from reconciler.state.files import read_json
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("reconciler.shutdown")  # the name log lines have always carried
 
 BY_IDENTITY = Path("(found by identity)")
 

@@ -21,20 +21,19 @@ from pathlib import Path
 import rados
 import rbd
 
-from . import meta, safepath
-from .claim import Claim
-from .claim import parse as parse_claim
-from .drivers import ceph, claims, freeze
-from .drivers.fs import OnlineGrowRefused, block_device_size, is_ours
-from .drivers.run import Aborted
-from .logfmt import log_not_run, log_step
-from .observe import Node
-from .observed import Mapping, Observed
-from .parsers import parse_mountinfo
-from .plan import GROW_SLACK, VolumePlan
-from .registry import Intents, intent_key
-from .spec import Volume
-from .steps import (
+from reconciler.apply import claims
+from reconciler.apply.logfmt import log_not_run, log_step
+from reconciler.drivers import ceph, freeze, safepath
+from reconciler.drivers.fs import OnlineGrowRefused, block_device_size, is_ours
+from reconciler.drivers.run import Aborted
+from reconciler.facts import meta
+from reconciler.facts.claim import Claim
+from reconciler.facts.claim import parse as parse_claim
+from reconciler.facts.observed import Mapping, Observed
+from reconciler.facts.parsers import parse_mountinfo
+from reconciler.observe.node import Node
+from reconciler.plan.planner import GROW_SLACK, VolumePlan
+from reconciler.plan.steps import (
     ClaimImage,
     CloneImage,
     CreateImage,
@@ -58,8 +57,10 @@ from .steps import (
     Unpublish,
     Unstage,
 )
+from reconciler.spec.model import Volume
+from reconciler.state.registry import Intents, intent_key
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("reconciler.apply")  # the name log lines have always carried
 
 CEPH_STEPS = (CreateImage, ResizeImage, SetImageMeta, DeleteImage, FormatDevice, GrowFilesystem,
               MountStaging, CreateSnapshot, CloneImage, FlattenImage, DeleteSnapshot,

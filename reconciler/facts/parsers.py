@@ -9,7 +9,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from .observed import Mount
+from reconciler.facts.observed import Mount
 
 _OCTAL = re.compile(r"\\([0-7]{3})")
 

@@ -12,16 +12,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from . import meta
-from .claim import Claim, parse
-from .observed import Device, ImageState, Mapping, Mount, Observed
-from .plan_snapshots import Refused, SnapshotRules, Waiting
-from .spec import (
-    Phase,
-    Volume,
-    resolve_mapper,
-)
-from .steps import (
+from reconciler.facts import meta
+from reconciler.facts.claim import Claim, parse
+from reconciler.facts.observed import Device, ImageState, Mapping, Mount, Observed
+from reconciler.plan.snapshots import Refused, SnapshotRules, Waiting
+from reconciler.plan.steps import (
     ClaimImage,
     CreateImage,
     DeleteImage,
@@ -40,7 +35,12 @@ from .steps import (
     Unpublish,
     Unstage,
 )
-from .units import format_size
+from reconciler.spec.model import (
+    Phase,
+    Volume,
+    resolve_mapper,
+)
+from reconciler.spec.units import format_size
 
 # A filesystem this much smaller than its device is grown; less is alignment slack.
 GROW_SLACK = 16 * 2**20

@@ -13,19 +13,19 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import __version__
-from .entry import reader_gone  # and exit 141 (EXIT_PIPE) when the reader is gone
+from reconciler import __version__
+from reconciler.cli.pipe import reader_gone  # and exit 141 (EXIT_PIPE) when the reader is gone
 
 TYPE_CHECKING = False  # typing itself costs ~5 ms at start-up
 if TYPE_CHECKING:
     from typing import NoReturn
 
-    from .apply import VolumeOutcome
-    from .config import Config
-    from .drivers.freeze import Record
-    from .engine import Pass
-    from .plan import VolumePlan
-    from .steps import Step
+    from reconciler.apply.runner import VolumeOutcome
+    from reconciler.drivers.freeze import Record
+    from reconciler.engine import Pass
+    from reconciler.plan.planner import VolumePlan
+    from reconciler.plan.steps import Step
+    from reconciler.spec.config import Config
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -234,7 +234,7 @@ def _default_paths(config: Config) -> list[Path]:
 def _left_frozen(config: Config) -> list[Record]:
     """Plan changes nothing, not even a thaw (apply and the daemon thaw first
     thing): it reports a freeze a dead run left, which Ceph need not answer."""
-    from .drivers.freeze import left_frozen
+    from reconciler.drivers.freeze import left_frozen
 
     if not (config.state_dir / "freezes.json").exists():
         return []
@@ -242,8 +242,8 @@ def _left_frozen(config: Config) -> list[Record]:
 
 
 def cmd_plan(args: argparse.Namespace, config: Config) -> int:
-    from .engine import plan_pass
-    from .observe import Node
+    from reconciler.engine import plan_pass
+    from reconciler.observe.node import Node
 
     left = _left_frozen(config)
     p = plan_pass(_paths(args, config), config, Node.from_config(config))
@@ -304,7 +304,7 @@ def _thaw_first(config: Config) -> list[str]:
     """A filesystem a dead run left frozen hangs every writer on it: thawed
     from the local record alone, before anything waits on Ceph (an outage
     must not keep it frozen). Freezes of a live run are left alone."""
-    from .drivers.freeze import thaw_recorded
+    from reconciler.drivers.freeze import thaw_recorded
 
     if not (config.state_dir / "freezes.json").exists():
         return []
@@ -315,8 +315,8 @@ def _thaw_first(config: Config) -> list[str]:
 
 
 def cmd_apply(args: argparse.Namespace, config: Config) -> int:
-    from .engine import Busy, apply_pass, plan_pass, state_lock
-    from .observe import Node
+    from reconciler.engine import Busy, apply_pass, plan_pass, state_lock
+    from reconciler.observe.node import Node
 
     thawed = _thaw_first(config)
     node = Node.from_config(config)
@@ -363,8 +363,8 @@ def cmd_release(args: argparse.Namespace, config: Config) -> int:
         print("rbd-reconciler: release --all takes no PATH (it releases every volume of ours)",
               file=sys.stderr)
         return EXIT_FAILED
-    from .engine import Busy
-    from .shutdown import release_all
+    from reconciler.cli.release import release_all
+    from reconciler.engine import Busy
 
     try:
         done = release_all(config, args.step_timeout)
@@ -392,10 +392,10 @@ def cmd_release(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_status(args: argparse.Namespace, config: Config) -> int:
-    from .engine import context, plan_pass
-    from .observe import Node
-    from .plan import actual_state
-    from .units import format_size
+    from reconciler.engine import context, plan_pass
+    from reconciler.observe.node import Node
+    from reconciler.plan.planner import actual_state
+    from reconciler.spec.units import format_size
 
     node = Node.from_config(config)
     p = plan_pass(_paths(args, config), config, node, all_watchers=True)
@@ -435,7 +435,7 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_validate(args: argparse.Namespace, config: Config) -> int:
-    from .loader import load
+    from reconciler.spec.loader import load
 
     paths = args.paths or _default_paths(config)
     result = load(paths, config)
@@ -458,8 +458,8 @@ def cmd_validate(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_run(args: argparse.Namespace, config: Config) -> int:
-    from .daemon import Daemon
-    from .logfmt import setup
+    from reconciler.apply.logfmt import setup
+    from reconciler.daemon.service import Daemon
 
     setup(args.log_format, args.verbose)
     if args.csi_endpoint is not None and not args.csi_endpoint.startswith("unix:///"):
@@ -470,8 +470,8 @@ def cmd_run(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_allow_removal(args: argparse.Namespace, config: Config) -> int:
-    from .allowance import grant
-    from .statefiles import read_json
+    from reconciler.state.allowance import grant
+    from reconciler.state.files import read_json
 
     if not args.names and not args.all:
         print("rbd-reconciler: allow-removal needs NAME... or --all", file=sys.stderr)
@@ -490,16 +490,16 @@ def cmd_allow_removal(args: argparse.Namespace, config: Config) -> int:
 
 
 def _daemon_status(config: Config, name: str) -> dict | None:
-    from .statefiles import read_json
+    from reconciler.state.files import read_json
 
     return read_json(config.state_dir / "status" / f"{name}.json")
 
 
 def cmd_explain(args: argparse.Namespace, config: Config) -> int:
-    from .engine import context, plan_pass
-    from .observe import Node
-    from .plan import actual_state
-    from .units import format_size
+    from reconciler.engine import context, plan_pass
+    from reconciler.observe.node import Node
+    from reconciler.plan.planner import actual_state
+    from reconciler.spec.units import format_size
 
     node = Node.from_config(config)
     p = plan_pass(_default_paths(config), config, node, all_watchers=True)
@@ -593,7 +593,8 @@ def _claim_doc(config: Config, actual: dict | None) -> dict | None:
     addrs = set(claim["clients"]) | set(claim["fenced"])
     if not addrs:
         return doc
-    from .drivers import ceph, claims
+    from reconciler.apply import claims
+    from reconciler.drivers import ceph
 
     try:
         with ceph.connect(config.ceph, timeout=claims.MON_TIMEOUT_S) as cluster:
@@ -622,9 +623,10 @@ def cmd_takeover(args: argparse.Namespace, config: Config) -> int:
     import rados
     import rbd
 
-    from .claim import Claim
-    from .drivers import ceph, claims
-    from .loader import load
+    from reconciler.apply import claims
+    from reconciler.drivers import ceph
+    from reconciler.facts.claim import Claim
+    from reconciler.spec.loader import load
 
     vol = next((v for v in load(_default_paths(config), config).volumes
                 if v.name == args.name), None)
@@ -713,7 +715,7 @@ def _main(argv: Sequence[str] | None) -> int:
 def _run(args: argparse.Namespace) -> int:
     import logging
 
-    from .config import ConfigError, load_config
+    from reconciler.spec.config import ConfigError, load_config
 
     if args.command not in UNPRIVILEGED and os.geteuid() != 0:
         print(f"rbd-reconciler {args.command}: needs root (it reads devices, mounts and the "

@@ -8,17 +8,17 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .diagnostics import excerpt, format_field
-from .fastschema import surely_valid
-from .yamldoc import Document
+from reconciler.spec.diagnostics import excerpt, format_field
+from reconciler.spec.fastschema import surely_valid
+from reconciler.spec.yamldoc import Document
 
 if TYPE_CHECKING:
     import jsonschema
 
 # One source of truth, the repository's top-level schemas/: a wheel carries
 # it as the package data reconciler/_schemas (pyproject maps the directory).
-_HERE = Path(__file__).resolve().parent
-SCHEMA_DIRS = (_HERE / "_schemas", _HERE.parent / "schemas")  # installed; source checkout
+_PACKAGE = Path(__file__).resolve().parent.parent  # reconciler/
+SCHEMA_DIRS = (_PACKAGE / "_schemas", _PACKAGE.parent / "schemas")  # installed; source checkout
 
 
 def schema_text(name: str) -> str:

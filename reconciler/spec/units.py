@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from .diagnostics import excerpt
+from reconciler.spec.diagnostics import excerpt
 
 _SUFFIX = {
     "": 1,

@@ -28,15 +28,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from . import __version__
-from .logfmt import step_kind
+from reconciler import __version__
+from reconciler.apply.logfmt import step_kind
 
 if TYPE_CHECKING:
     from http.server import HTTPServer
 
-    from .apply import VolumeOutcome
-    from .plan import VolumePlan
-    from .spec import Volume
+    from reconciler.apply.runner import VolumeOutcome
+    from reconciler.plan.planner import VolumePlan
+    from reconciler.spec.model import Volume
 
 log = logging.getLogger("rbd-reconciler")
 
@@ -85,7 +85,7 @@ FAILURE_CRASH = "crash"
 
 def step_kinds() -> tuple[str, ...]:
     """Every step kind the planner can emit, as label values."""
-    from .steps import Step
+    from reconciler.plan.steps import Step
 
     def walk(cls: type[Step]) -> Iterator[type[Step]]:
         for sub in cls.__subclasses__():

@@ -12,8 +12,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .drivers.fs import Filesystems, fs_size_from, read_head, read_superblock
-from .parsers import parse_superblock
+from reconciler.drivers.fs import Filesystems, fs_size_from, read_head, read_superblock
+from reconciler.facts.parsers import parse_superblock
 
 
 @dataclass(frozen=True)

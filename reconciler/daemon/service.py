@@ -26,22 +26,23 @@ from pathlib import Path
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
-from . import allowance, sdnotify
-from .apply import LEFT, VolumeOutcome, apply
-from .conditions import Conditions
-from .config import Config, ConfigError, load_config
-from .csi.desired import forgettable, load_desired
-from .drivers.freeze import thaw_recorded
-from .drivers.run import Aborted, Halt
-from .engine import Busy, context, state_lock
-from .loader import discover, is_ignored
-from .metrics import Metrics, ceph_reachable
-from .observe import Node, observe
-from .plan import VolumePlan, actual_state, plan
-from .reaper import become_subreaper, reap_zombies
-from .security import desired_dir_problems
-from .spec import Volume, volume_from_dict, volume_to_dict
-from .statefiles import read_json, write_json
+from reconciler.apply.runner import LEFT, VolumeOutcome, apply
+from reconciler.daemon import sdnotify
+from reconciler.daemon.conditions import Conditions
+from reconciler.daemon.metrics import Metrics, ceph_reachable
+from reconciler.drivers.freeze import thaw_recorded
+from reconciler.drivers.reaper import become_subreaper, reap_zombies
+from reconciler.drivers.run import Aborted, Halt
+from reconciler.engine import Busy, context, state_lock
+from reconciler.observe.node import Node, observe
+from reconciler.plan.planner import VolumePlan, actual_state, plan
+from reconciler.spec.config import Config, ConfigError, load_config
+from reconciler.spec.desired import forgettable, load_desired
+from reconciler.spec.loader import discover, is_ignored
+from reconciler.spec.model import Volume, volume_from_dict, volume_to_dict
+from reconciler.spec.security import desired_dir_problems
+from reconciler.state import allowance
+from reconciler.state.files import read_json, write_json
 
 log = logging.getLogger("rbd-reconciler")
 
@@ -232,7 +233,7 @@ class Daemon:
         endpoint = self.csi_endpoint or self.config.csi.endpoint
         if not endpoint:
             return None
-        from .csi.server import CsiServer  # grpc loads only when CSI is served
+        from reconciler.csi.server import CsiServer  # grpc loads only when CSI is served
 
         server = CsiServer(self, endpoint)
         server.start()

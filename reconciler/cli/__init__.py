@@ -1,0 +1,1 @@
+"""The command line: parsing and one function per command."""

@@ -1,0 +1,1 @@
+"""The `run` loop: watch, per-volume chains, status, sd_notify, metrics."""

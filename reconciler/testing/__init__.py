@@ -1,0 +1,1 @@
+"""The disposable local Ceph cluster for the demo and the tests."""
