@@ -6,9 +6,10 @@ import contextlib
 import errno
 import fcntl
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal, Protocol
 
 from reconciler.apply.runner import VolumeOutcome, apply
 from reconciler.facts.observed import Observed
@@ -27,6 +28,43 @@ class Pass:
 
 class Busy(Exception):
     pass
+
+
+# How a wait for a volume's status ended.
+Awaited = Literal["covered", "deadline", "stopping"]
+
+
+class FrontDoorMetrics(Protocol):
+    def csi_served(self, methods: Iterable[str]) -> None: ...
+
+    def csi_call(self, method: str, code: str, seconds: float) -> None: ...
+
+
+class Served(Protocol):
+    """All a front door (the CSI server) may ask of the running engine. The
+    daemon implements it; the front door never sees the daemon itself."""
+
+    config: Config  # replaced by a reload (SIGHUP): read it at each use
+    metrics: FrontDoorMetrics
+
+    @property
+    def ready(self) -> bool: ...  # a first pass is done
+
+    def wake_volume(self, name: str) -> None: ...
+
+    def status(self, name: str) -> dict[str, Any]: ...
+
+    def await_status(self, name: str, covers: Callable[[dict[str, Any]], bool],
+                     deadline: float) -> tuple[Awaited, dict[str, Any]]: ...
+
+
+class Stoppable(Protocol):
+    def stop(self) -> None: ...
+
+
+# Starts a front door on an endpoint, serving the engine: given to the daemon
+# by whoever builds both (the CLI), so the daemon needs no front door's code.
+FrontDoor = Callable[[Served, str], Stoppable]
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from reconciler.apply.runner import VolumeOutcome
     from reconciler.drivers.freeze import Record
-    from reconciler.engine import Pass
+    from reconciler.engine import Pass, Served, Stoppable
     from reconciler.plan.planner import VolumePlan
     from reconciler.plan.steps import Step
     from reconciler.spec.config import Config
@@ -466,7 +466,18 @@ def cmd_run(args: argparse.Namespace, config: Config) -> int:
         print(f"--csi-endpoint {args.csi_endpoint!r}: expected unix:///absolute/path",
               file=sys.stderr)
         return 1
-    return Daemon(config, args.config, args.allow_mass_removal, args.csi_endpoint).run()
+    return Daemon(config, args.config, args.allow_mass_removal, args.csi_endpoint,
+                  serve_csi=_serve_csi).run()
+
+
+def _serve_csi(engine: Served, endpoint: str) -> Stoppable:
+    """The CSI front door, on the daemon's engine: built here, where both
+    are known, so neither imports the other."""
+    from reconciler.csi.server import CsiServer  # grpc loads only when CSI is served
+
+    server = CsiServer(engine, endpoint)
+    server.start()
+    return server
 
 
 def cmd_allow_removal(args: argparse.Namespace, config: Config) -> int:

@@ -233,7 +233,7 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
             return f"staged at {spec['stage'].get('path')}"
         if "map" in spec:
             return "mapped on this node"
-        status = self.volumes.daemon.status(name)
+        status = self.volumes.engine.status(name)
         if status.get("phase") in IN_USE_PHASES or status.get("device") or \
                 status.get("staging") or status.get("published"):
             return (f"this node reports it {str(status.get('phase', '')).lower()} "

@@ -14,18 +14,18 @@ from reconciler.csi.cephinfo import CephInfo
 from reconciler.csi.errors import rpc
 
 if TYPE_CHECKING:
-    from reconciler.daemon.service import Daemon
+    from reconciler.engine import Served
 
 
 class IdentityServicer(csi_pb2_grpc.IdentityServicer):
-    def __init__(self, daemon: Daemon, ceph: CephInfo) -> None:
-        self.daemon = daemon
+    def __init__(self, engine: Served, ceph: CephInfo) -> None:
+        self.engine = engine
         self.ceph = ceph
 
     @rpc
     def GetPluginInfo(self, request: pb.GetPluginInfoRequest,
                       context: grpc.ServicerContext) -> pb.GetPluginInfoResponse:
-        return pb.GetPluginInfoResponse(name=self.daemon.config.csi.driver_name,
+        return pb.GetPluginInfoResponse(name=self.engine.config.csi.driver_name,
                                         vendor_version=__version__)
 
     @rpc
@@ -42,5 +42,5 @@ class IdentityServicer(csi_pb2_grpc.IdentityServicer):
               context: grpc.ServicerContext) -> pb.ProbeResponse:
         # Ready once the first pass is done and while Ceph answers; a Ceph
         # outage is "not ready", not an error (restarting us would not help).
-        ready = self.daemon.ready and self.ceph.problem() is None
+        ready = self.engine.ready and self.ceph.problem() is None
         return pb.ProbeResponse(ready=BoolValue(value=ready))

@@ -22,8 +22,7 @@ from reconciler.csi.node import NodeServicer
 from reconciler.csi.volumes import Volumes
 
 if TYPE_CHECKING:
-    from reconciler.daemon.metrics import Metrics
-    from reconciler.daemon.service import Daemon
+    from reconciler.engine import FrontDoorMetrics, Served
 
 log = logging.getLogger("rbd-reconciler.csi")
 WORKERS = 128  # calls mostly wait on the engine; 100 concurrent CreateVolume must not queue
@@ -47,24 +46,24 @@ def implemented(servicer: object) -> list[str]:
 
 
 class CsiServer:
-    def __init__(self, daemon: Daemon, endpoint: str) -> None:
-        self.daemon = daemon
+    def __init__(self, engine: Served, endpoint: str) -> None:
+        self.engine = engine
         self.path = socket_path(endpoint)
         self.server: grpc.Server | None = None
 
     def start(self) -> None:
-        config = self.daemon.config
-        volumes = Volumes(self.daemon)
+        config = self.engine.config
+        volumes = Volumes(self.engine)
         volumes.files.ensure_dir()
         ceph = CephInfo(config.ceph)
         server = grpc.server(ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="csi"),
-                             interceptors=[MetricsInterceptor(self.daemon.metrics)])
-        servicers = (IdentityServicer(self.daemon, ceph), ControllerServicer(volumes, ceph),
+                             interceptors=[MetricsInterceptor(self.engine.metrics)])
+        servicers = (IdentityServicer(self.engine, ceph), ControllerServicer(volumes, ceph),
                      NodeServicer(volumes, ceph))
         csi_pb2_grpc.add_IdentityServicer_to_server(servicers[0], server)
         csi_pb2_grpc.add_ControllerServicer_to_server(servicers[1], server)
         csi_pb2_grpc.add_NodeServicer_to_server(servicers[2], server)
-        self.daemon.metrics.csi_served(m for s in servicers for m in implemented(s))
+        self.engine.metrics.csi_served(m for s in servicers for m in implemented(s))
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
         self._remove_stale()
         old = os.umask(0o177)  # the socket is born 0600: root talks to it, nobody else
@@ -103,7 +102,7 @@ class MetricsInterceptor(grpc.ServerInterceptor):
     Only methods with a handler are labelled: a client cannot invent label
     values by calling made-up method names (those answer UNIMPLEMENTED)."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: FrontDoorMetrics) -> None:
         self.metrics = metrics
 
     def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
@@ -124,8 +123,7 @@ class MetricsInterceptor(grpc.ServerInterceptor):
                 code = context.code() or grpc.StatusCode.UNKNOWN  # abort() set it
                 raise
             finally:
-                m.csi_calls.labels(method, code.name).inc()
-                m.csi_seconds.labels(method).observe(time.monotonic() - t0)
+                m.csi_call(method, code.name, time.monotonic() - t0)
 
         return grpc.unary_unary_rpc_method_handler(
             timed, request_deserializer=handler.request_deserializer,

@@ -25,22 +25,22 @@ from reconciler.spec.loader import load
 from reconciler.spec.model import Volume
 
 if TYPE_CHECKING:
-    from reconciler.daemon.service import Daemon
+    from reconciler.engine import Served
 
 log = logging.getLogger("rbd-reconciler.csi")
 DEADLINE_MARGIN_S = 0.25  # answer before the caller's deadline cuts us off
 
 
 class Volumes:
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
-        self.files = VolumeFiles(daemon.config.csi_dir)
+    def __init__(self, engine: Served) -> None:
+        self.engine = engine
+        self.files = VolumeFiles(engine.config.csi_dir)
         self._guard = threading.Lock()
         self._busy: set[str] = set()
 
     @property
     def config(self) -> Config:  # the daemon may reload it (SIGHUP)
-        return self.daemon.config
+        return self.engine.config
 
     # -- one operation per volume ---------------------------------------------
     @contextlib.contextmanager
@@ -112,7 +112,7 @@ class Volumes:
         except CsiError as exc:
             if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
                 self.files.commit(name, self.files.write_temp(name, before))
-                self.daemon.wake_volume(name)
+                self.engine.wake_volume(name)
             raise
         self.files.remove(name)
 
@@ -121,32 +121,19 @@ class Volumes:
         ``generation``: from a pass that began after the file was written
         (and the node was as the caller found it), with no chain for the
         volume still running."""
-        d = self.daemon
-        with d.progress:
-            # A pass under way now may have read the node before the change
-            # we wait for: only one that begins after this point counts.
-            first = d.passes_started + 1
-        d.wake_volume(name)
-        while True:
-            with d.progress:
-                seq = d.progress_seq
-                passes = d.passes_done
-            if passes >= first and not d.busy(name):
-                status = d.status(name)
-                if status.get("phase") == "Frozen" or \
-                        status.get("observedGeneration") == generation:
-                    return self._answer(name, status)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise CsiError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                               f"volume {name} has not converged yet; the work goes on "
-                               "(its file stays), retry to get the result")
-            if d.stopping.is_set():
-                raise CsiError(grpc.StatusCode.UNAVAILABLE,
-                               "rbd-reconciler is stopping; the work resumes when it restarts")
-            with d.progress:
-                if d.progress_seq == seq:
-                    d.progress.wait(min(left, 1.0))
+        def covers(status: dict[str, Any]) -> bool:
+            return status.get("phase") == "Frozen" or \
+                status.get("observedGeneration") == generation
+
+        end, status = self.engine.await_status(name, covers, deadline)
+        if end == "deadline":
+            raise CsiError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                           f"volume {name} has not converged yet; the work goes on "
+                           "(its file stays), retry to get the result")
+        if end == "stopping":
+            raise CsiError(grpc.StatusCode.UNAVAILABLE,
+                           "rbd-reconciler is stopping; the work resumes when it restarts")
+        return self._answer(name, status)
 
     def _answer(self, name: str, status: dict[str, Any]) -> dict[str, Any]:
         phase = status.get("phase")

@@ -213,6 +213,10 @@ class Metrics:
             self.csi_calls.labels(method, "OK")
             self.csi_seconds.labels(method)
 
+    def csi_call(self, method: str, code: str, seconds: float) -> None:
+        self.csi_calls.labels(method, code).inc()
+        self.csi_seconds.labels(method).observe(seconds)
+
     # -- per-volume state -------------------------------------------------------
     def set_phase(self, name: str, phase: str) -> None:
         with self.states.lock:

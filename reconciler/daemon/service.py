@@ -22,6 +22,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
@@ -33,7 +34,7 @@ from reconciler.daemon.metrics import Metrics, ceph_reachable
 from reconciler.drivers.freeze import thaw_recorded
 from reconciler.drivers.reaper import become_subreaper, reap_zombies
 from reconciler.drivers.run import Aborted, Halt
-from reconciler.engine import Busy, context, state_lock
+from reconciler.engine import Awaited, Busy, FrontDoor, Stoppable, context, state_lock
 from reconciler.observe.node import Node, observe
 from reconciler.plan.planner import VolumePlan, actual_state, plan
 from reconciler.spec.config import Config, ConfigError, load_config
@@ -96,7 +97,8 @@ class _Wake(FileSystemEventHandler):
 
 class Daemon:
     def __init__(self, config: Config, config_path: Path | None,
-                 allow_mass_removal: bool = False, csi_endpoint: str | None = None) -> None:
+                 allow_mass_removal: bool = False, csi_endpoint: str | None = None,
+                 serve_csi: FrontDoor | None = None) -> None:
         self.config = config
         self.config_path = config_path
         self.allow_mass_removal = allow_mass_removal
@@ -121,6 +123,7 @@ class Daemon:
         # Hooks for the CSI adapter (reconciler/csi): a wake that skips the
         # debounce, and counts of passes begun and finished it can wait on.
         self.csi_endpoint = csi_endpoint
+        self.serve_csi = serve_csi
         self.urgent = threading.Event()
         self.passes_started = 0  # passes run one after another: started - done <= 1
         self.passes_done = 0
@@ -161,6 +164,33 @@ class Daemon:
 
     def status(self, name: str) -> dict:
         return read_json(self.status_path(name), {}) or {}
+
+    def await_status(self, name: str, covers: Callable[[dict[str, Any]], bool],
+                     deadline: float) -> tuple[Awaited, dict[str, Any]]:
+        """Wake the engine for ``name`` and wait for a status that ``covers``
+        accepts: from a pass that began after this call (and the node was as
+        the caller found it), with no chain for the volume still running."""
+        with self.progress:
+            # A pass under way now may have read the node before the change
+            # the caller waits for: only one that begins after this point counts.
+            first = self.passes_started + 1
+        self.wake_volume(name)
+        while True:
+            with self.progress:
+                seq = self.progress_seq
+                passes = self.passes_done
+            if passes >= first and not self.busy(name):
+                status = self.status(name)
+                if covers(status):
+                    return "covered", status
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return "deadline", {}
+            if self.stopping.is_set():
+                return "stopping", {}
+            with self.progress:
+                if self.progress_seq == seq:
+                    self.progress.wait(min(left, 1.0))
 
     def install_signals(self) -> None:
         def stop(signum: int, _frame: object) -> None:
@@ -229,15 +259,15 @@ class Daemon:
             os._exit(rc)
         return rc
 
-    def _start_csi(self) -> object | None:
+    def _start_csi(self) -> Stoppable | None:
         endpoint = self.csi_endpoint or self.config.csi.endpoint
         if not endpoint:
             return None
-        from reconciler.csi.server import CsiServer  # grpc loads only when CSI is served
-
-        server = CsiServer(self, endpoint)
-        server.start()
-        return server
+        if self.serve_csi is None:
+            log.error("CSI endpoint %s: no CSI server was given to this loop; not serving it",
+                      endpoint)
+            return None
+        return self.serve_csi(self, endpoint)
 
     def _serve(self) -> int:
         """Passes run in their own thread; this one handles signals and pings the

@@ -7,8 +7,6 @@ clone; a delete of an image or snapshot respects what depends on it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from reconciler.facts import meta
 from reconciler.facts.observed import ImageState, Observed, SnapState
 from reconciler.plan.steps import (
@@ -19,23 +17,11 @@ from reconciler.plan.steps import (
     Step,
     Thaw,
 )
+from reconciler.plan.types import Context, Refused, VolumePlan, Waiting
 from reconciler.spec.model import Phase, Volume
 from reconciler.spec.units import format_size
 
-if TYPE_CHECKING:
-    from reconciler.plan.planner import Context, VolumePlan
-
 FLATTEN_POLICIES = ("never", "always", "depth")
-
-
-class Refused(Exception):
-    """Raised inside the planner to abandon one volume's plan with a reason."""
-
-
-class Waiting(Exception):
-    """Raised inside the planner: this one starts from another desired object
-    that does not exist yet (a snapshot not yet taken). Not a failure: the
-    next pass, once that one converged, plans it."""
 
 
 def temp_snapshot(volume: str) -> str:
