@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from p1_publish import find_cli, sweep
+from harness import find_cli, sweep
 
 from reconciler.csi import csi_pb2 as pb
 from reconciler.csi import csi_pb2_grpc

@@ -44,7 +44,7 @@ from typing import TypeVar
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout: import this tree's reconciler
 
-from p1_publish import signals_ignored, signals_raise  # noqa: E402
+from harness import signals_ignored, signals_raise  # noqa: E402
 
 from reconciler.facts import meta  # noqa: E402
 from reconciler.facts.observed import Device, ImageState, Mapping, Mount, Observed  # noqa: E402

@@ -48,10 +48,10 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-# P1's helpers; importing p1_publish also puts this tree's reconciler first on sys.path.
+# The shared helpers; importing harness also puts this tree's reconciler first on sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from p1_publish import (
+from harness import (
     BenchError,
     assert_published,
     find_cli,

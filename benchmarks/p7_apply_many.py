@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from p1_publish import (  # noqa: E402
+from harness import (  # noqa: E402
     SHELL_SEQUENCE,
     BenchError,
     find_cli,

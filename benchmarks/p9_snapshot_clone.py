@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from p1_publish import (
+from harness import (
     CMD_TIMEOUT,
     CONFIG_YAML,
     BenchError,

@@ -5,7 +5,7 @@
     .venv/bin/python scripts/gen-manpage.py --check  # exit 1 if either is stale
 
 One source of truth: every command, option, choice and help text comes from
-``reconciler.cli.main.build_parser()``; tests/test_manpage.py fails when the
+``reconciler.cli.main.build_parser()``; tests/unit/cli/test_manpage.py fails when the
 checked-in files differ from what this writes.
 """
 

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import rbd
 
 from reconciler.cli import main as cli
 from reconciler.drivers.mappers import fuse_pids, loop_devices, reap_fuse_children
@@ -24,7 +23,15 @@ from reconciler.testing.devcluster import DevCluster, start_cluster
 # One disposable 1-mon + 1-memstore-OSD cluster per test session. Startup takes
 # about a second, but its data lives in OSD RAM (3 GiB cap), so tests share it:
 # use unique image names and remove what you create. Mark such tests
-# `@pytest.mark.ceph`.
+# `@pytest.mark.ceph`. Every test that needs the cluster (marked, or using
+# the `ceph_cluster` fixture, directly or through `node`) is also marked
+# `cluster`: `pytest -m "not cluster"` runs the rest in seconds.
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("ceph") or "ceph_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.cluster)
 
 
 @pytest.fixture(scope="session")
@@ -104,6 +111,8 @@ class NodeUnderTest:
                 if m.mount_point.startswith(str(self.root))}
 
     def image_exists(self, name: str) -> bool:
+        import rbd  # Ceph's binding only where a test needs the cluster
+
         with self.cluster.client() as c, c.open_ioctx(self.cluster.pool) as io:
             return name in rbd.RBD().list(io)
 
@@ -167,6 +176,8 @@ def node(tmp_path: Path, ceph_cluster: DevCluster) -> Iterator[NodeUnderTest]:
 
 
 def _remove_with_snapshots(io: object, name: str) -> None:
+    import rbd
+
     with contextlib.suppress(rbd.ImageNotFound, rbd.ImageBusy, rbd.ImageHasSnapshots):
         with rbd.Image(io, name) as img:
             for snap in list(img.list_snaps()):
@@ -192,7 +203,7 @@ def _force_cleanup(mounts: list[str], loops: list[str]) -> None:
 
 @pytest.fixture
 def start_csi(node: NodeUnderTest) -> Iterator[object]:
-    """Start the daemon with --csi-endpoint; returns a CsiNode (tests/csi_fixture.py)."""
+    """Start the daemon with --csi-endpoint; returns a CsiNode (tests/csi/csi_fixture.py)."""
     from csi_fixture import start_csi_fixture
 
     yield from start_csi_fixture(node)

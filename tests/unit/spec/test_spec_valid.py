@@ -15,7 +15,7 @@ from reconciler.spec.loader import load
 from reconciler.spec.model import DEFAULT_FEATURES, Phase
 from reconciler.spec.units import format_size, parse_size
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = ROOT / "examples"
 
 

@@ -21,7 +21,7 @@ from reconciler.facts.parsers import (
     unescape_mount_path,
 )
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 NODE = "/tmp/rec.PL1R/node"  # where the recordings were made
 FUSE_ROOT = f"{NODE}/state dir/fuse"
 STAGING = f"{NODE}/state dir/staging/pgdata"

@@ -32,7 +32,7 @@ from reconciler.apply.logfmt import (
 from reconciler.daemon.metrics import step_kind as metrics_step_kind
 from reconciler.plan.steps import MountStaging, Step
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 ZONED = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d"
 STAGE = MountStaging(volume="pgdata", device="/dev/loop7", path="/srv/pg", mode="filesystem",
                      fs_type="ext4", options=(), grow_offline=False)

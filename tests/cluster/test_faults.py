@@ -42,7 +42,7 @@ class Killer:
     def env(self, kill_at: int) -> dict[str, str]:
         self.counter.write_text("0")
         return {**os.environ, "PATH": f"{self.shims}:{os.environ['PATH']}",
-                "KILL_AT": str(kill_at), "PYTHONPATH": str(Path(__file__).parent.parent)}
+                "KILL_AT": str(kill_at), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
 
     def calls(self) -> int:
         return int(self.counter.read_text())

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
 GEN = REPO / "scripts" / "gen-manpage.py"
 MAN = REPO / "man" / "rbd-reconciler.1"
 COMPLETION = REPO / "completions" / "rbd-reconciler.bash"

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from reconciler.spec.fastschema import surely_valid
 from reconciler.spec.schemas import schema, validator
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 DOCS = [("volume", d) for f in sorted(EXAMPLES.glob("*.yaml"))
         for d in yaml.safe_load_all(f.read_text()) if d]
 DOCS += [("config", yaml.safe_load(f.read_text()))

@@ -21,7 +21,7 @@ from reconciler.facts.observed import Mapping
 from reconciler.facts.parsers import LoopDevice, MapError
 from reconciler.spec.config import CephConfig
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 CEPH = CephConfig(conf="/etc/ceph/ceph.conf", user="admin", keyring="/k")
 CEPH_ARGS = ["-c", "/etc/ceph/ceph.conf", "--id", "admin", "--keyring", "/k"]
 RECORDED_FUSE_ROOT = "/tmp/rec.PL1R/node/state dir/fuse"

@@ -27,7 +27,7 @@ from reconciler.drivers.reaper import reap_zombies
 from reconciler.drivers.safepath import ensure_dir
 from reconciler.facts.observed import ImageState, Mapping, Observed
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 UNITS = ROOT / "systemd"
 DAEMON_UNIT = UNITS / "rbd-reconciler.service"
 SHUTDOWN_UNIT = UNITS / "rbd-reconciler-shutdown.service"
@@ -284,7 +284,7 @@ def test_release_all_takes_no_paths(node: NodeUnderTest) -> None:
         node.cli("release", "--all", "--step-timeout", "0")
 
 
-# --- the units' sandbox, applied without systemd (tests/unit_sandbox.py) ---------
+# --- the units' sandbox, applied without systemd (tests/cluster/unit_sandbox.py) ---------
 
 
 def in_unit_sandbox(unit: Path, node: NodeUnderTest, key: str) -> list[str]:
@@ -294,7 +294,7 @@ def in_unit_sandbox(unit: Path, node: NodeUnderTest, key: str) -> list[str]:
     argv = shlex.split(unit_options(unit)[key][0])
     assert argv[0] == INSTALLED
     return ["setpriv", "--pdeathsig", "KILL", sys.executable,
-            str(ROOT / "tests" / "unit_sandbox.py"), str(unit), "--",
+            str(ROOT / "tests" / "cluster" / "unit_sandbox.py"), str(unit), "--",
             sys.executable, "-m", "reconciler", "--config", str(node.config), *argv[1:]]
 
 

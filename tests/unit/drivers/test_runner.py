@@ -22,7 +22,7 @@ import pytest
 from reconciler.drivers.run import KILL_WAIT_S, Aborted, CommandError, Halt, Runner
 from reconciler.spec.config import ConfigError, load_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def alive(pid: int) -> bool:

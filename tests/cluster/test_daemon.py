@@ -19,7 +19,7 @@ import pytest
 from conftest import NodeUnderTest
 
 pytestmark = pytest.mark.ceph
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEADLINE = 120.0  # generous: a loaded 2-core machine is slow, a healthy run is not
 
 

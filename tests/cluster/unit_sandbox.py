@@ -1,6 +1,6 @@
 """Run a command inside the sandbox a unit file describes, without systemd.
 
-    python tests/unit_sandbox.py UNIT -- COMMAND...
+    python tests/cluster/unit_sandbox.py UNIT -- COMMAND...
 
 PID 1 here is not systemd, so `systemd-run` cannot start the units. This
 applies the parts of their [Service] hardening that decide whether the

@@ -32,7 +32,7 @@ from reconciler.facts.claim import Claim, parse
 
 pytestmark = pytest.mark.ceph
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TRIALS = 20
 # Imports everything an apply needs, says it is ready, then waits for the
 # shared start signal (a file) and runs the CLI: both nodes start together.

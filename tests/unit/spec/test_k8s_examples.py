@@ -8,7 +8,7 @@ import yaml
 
 from reconciler.spec.config import load_config
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "kubernetes"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "kubernetes"
 
 
 def docs() -> dict[tuple[str, str], dict]:

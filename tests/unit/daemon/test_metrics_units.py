@@ -32,7 +32,7 @@ from reconciler.daemon.metrics import (
 from reconciler.plan.steps import Step
 from reconciler.spec.config import ConfigError, load_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 MONITORING = ROOT / "examples" / "monitoring"
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"),
             "gauge": ("",), "summary": ("", "_count", "_sum")}

@@ -15,7 +15,7 @@ import pytest
 
 from reconciler.testing.devcluster import DevCluster
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
 CMD = str(Path(sys.executable).parent / "rbd-reconciler")
 LOCAL = str(REPO / "examples" / "config" / "local-cluster.yaml")
 EXAMPLE = str(REPO / "examples" / "pgdata.yaml")
