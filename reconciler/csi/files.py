@@ -8,8 +8,6 @@ whichever it finds.
 from __future__ import annotations
 
 import contextlib
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +15,7 @@ import yaml
 
 from reconciler.csi.errors import precondition
 from reconciler.spec.model import API_VERSION
+from reconciler.state.files import commit, durable_temp, sync_dir
 
 LABEL = "csi.rbd-reconciler/"
 L_REQUEST = LABEL + "request-name"  # the CO's name for it (CreateVolume)
@@ -62,22 +61,12 @@ class VolumeFiles:
         """The new content next to the file (a dotfile: the loader ignores it),
         durable on disk, ready to be validated and then renamed into place."""
         self.ensure_dir()
-        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=f".{name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write("# Written by the rbd-reconciler CSI adapter; edited by CSI calls.\n")
-                yaml.safe_dump(doc, f, sort_keys=False)
-                f.flush()
-                os.fsync(f.fileno())
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        return Path(tmp)
+        text = ("# Written by the rbd-reconciler CSI adapter; edited by CSI calls.\n"
+                + yaml.safe_dump(doc, sort_keys=False))
+        return durable_temp(self.dir / name, text.encode())  # .NAME.*.tmp beside NAME.yaml
 
     def commit(self, name: str, tmp: Path) -> None:
-        os.replace(tmp, self.path(name))
-        self._sync_dir()
+        commit(tmp, self.path(name))
 
     def discard(self, tmp: Path) -> None:
         with contextlib.suppress(OSError):
@@ -86,14 +75,7 @@ class VolumeFiles:
     def remove(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.path(name).unlink()
-            self._sync_dir()
-
-    def _sync_dir(self) -> None:
-        fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            sync_dir(self.dir)
 
 
 def new_document(name: str, labels: dict[str, str], image: dict[str, Any]) -> dict[str, Any]:

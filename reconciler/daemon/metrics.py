@@ -10,13 +10,10 @@ volume and phase), computed at scrape time from what the daemon last set.
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import logging
-import os
 import platform
 import re
-import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -30,6 +27,7 @@ from prometheus_client.registry import Collector
 
 from reconciler import __version__
 from reconciler.apply.logfmt import step_kind
+from reconciler.state.files import write_atomic
 
 if TYPE_CHECKING:
     from http.server import HTTPServer
@@ -284,18 +282,8 @@ class Metrics:
         a pass."""
         try:
             data = prometheus_client.generate_latest(self.registry)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.chmod(tmp, 0o644)  # node_exporter usually runs as another user
-                os.replace(tmp, path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            # 0644: node_exporter usually runs as another user
+            write_atomic(path, data, mode=0o644)
         except OSError as exc:
             log.warning("metrics: cannot write %s: %s", path, exc)
 

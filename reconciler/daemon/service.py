@@ -44,6 +44,7 @@ from reconciler.spec.model import Volume, volume_from_dict, volume_to_dict
 from reconciler.spec.security import desired_dir_problems
 from reconciler.state import allowance
 from reconciler.state.files import read_json, write_json
+from reconciler.state.status import VolumeStatus
 
 log = logging.getLogger("rbd-reconciler")
 
@@ -446,11 +447,11 @@ class Daemon:
         self.metrics.observed(plans, current.values(),
                               ceph_reachable(observed.pools_listed, observed.pool_errors))
         for name in sorted(frozen):
-            self._write_status(name, {"phase": "Frozen", "reason": "FileFailedToLoad",
-                                      "message": "its file failed to load; left as it is"})
+            self._write_status(name, VolumeStatus(
+                "Frozen", reason="FileFailedToLoad",
+                message="its file failed to load; left as it is"))
         for name, why in sorted(held.items()):
-            self._write_status(name, {"phase": "Frozen", "reason": "RemovalHeld",
-                                      "message": why})
+            self._write_status(name, VolumeStatus("Frozen", reason="RemovalHeld", message=why))
         busy = 0
         unknown: dict[str, str] = {}
         for vp in plans:
@@ -458,9 +459,9 @@ class Daemon:
             if vp.unknown and vol not in release:
                 # Unknown is not absent: report it, act on nothing, look again.
                 unknown[vol.name] = f"{vol.name}: unknown: {vp.unknown}"
-                self._write_status(vol.name, {"phase": "Unknown", "reason": "CannotObserve",
-                                              "message": vp.unknown,
-                                              "observedGeneration": vol.spec_hash})
+                self._write_status(vol.name, VolumeStatus(
+                    "Unknown", reason="CannotObserve", message=vp.unknown,
+                    observed_generation=vol.spec_hash))
                 continue
             if not vp.steps and not vp.refused:
                 self._converged(vol, vp, observed, released=vol in release)
@@ -528,7 +529,7 @@ class Daemon:
                 if (vol.on_remove or self.config.on_remove) == "keep":
                     log.info("%s: file removed; onRemove=keep leaves it as it is", name)
                     del self.records[name]
-                    self._write_status(name, {"phase": "Released", "reason": "FileRemovedKept"})
+                    self._write_status(name, VolumeStatus("Released", reason="FileRemovedKept"))
                 else:
                     release.append(vol)
             for v in current.values():
@@ -561,9 +562,9 @@ class Daemon:
         if self.halt.stopping:  # a pass that was under way at SIGTERM
             return
         if vp.refusal is None and not self.status_path(vol.name).exists():
-            self._write_status(vol.name, {"phase": "Pending"})
+            self._write_status(vol.name, VolumeStatus("Pending"))
         elif vol.state == "absent" and vp.refusal is None:
-            self._write_status(vol.name, {"phase": "Deleting"})
+            self._write_status(vol.name, VolumeStatus("Deleting"))
         with self.lock:
             fut = self.pool.submit(self._converge, vol, vp, observed, released)
             self.inflight[vol.name] = fut
@@ -604,19 +605,19 @@ class Daemon:
         phase = ("Released" if released else
                  "Failed" if out.status == "failed" else
                  PHASE_NAMES[vp.wanted.name] if vp.wanted is not None else "Pending")
-        self._write_status(vol.name, {
-            "phase": phase,
-            "observedGeneration": vol.spec_hash,
-            "lastResult": out.status,
-            "lastError": out.error,
-            "refusal": vp.refused or (out.error if out.refused else None),
-            "notes": out.notes,
-            "undone": out.undone,
-            "steps": [s.as_dict() for s in out.steps],
-            "conditions": [{"type": "Converged", "status": out.status != "failed",
-                            "reason": "Applied" if out.status != "failed" else "StepFailed",
-                            "message": out.error or "", "lastTransitionTime": _now()}],
-        })
+        self._write_status(vol.name, VolumeStatus(
+            phase,
+            observed_generation=vol.spec_hash,
+            last_result=out.status,
+            last_error=out.error,
+            refusal=vp.refused or (out.error if out.refused else None),
+            notes=out.notes,
+            undone=out.undone,
+            steps=[s.as_dict() for s in out.steps],
+            conditions=[{"type": "Converged", "status": out.status != "failed",
+                         "reason": "Applied" if out.status != "failed" else "StepFailed",
+                         "message": out.error or "", "lastTransitionTime": _now()}],
+        ))
         self.wake()  # look again: level-triggered, the next pass confirms
 
     def _record_aborted(self, vol: Volume, out: VolumeOutcome) -> None:
@@ -628,13 +629,13 @@ class Daemon:
         log.warning("%s: stopped: %s%s", vol.name, out.error,
                     f"; not undone, for the next start: {', '.join(left)}" if left else "",
                     extra={"volume": vol.name, "result": "aborted"})
-        self._write_status(vol.name, {
-            "phase": "Pending", "reason": "Interrupted",
-            "message": f"{out.error}; the next start resumes",
-            "observedGeneration": vol.spec_hash, "lastResult": "aborted",
-            "notes": out.notes, "undone": out.undone,
-            "steps": [s.as_dict() for s in out.steps],
-        })
+        self._write_status(vol.name, VolumeStatus(
+            "Pending", reason="Interrupted",
+            message=f"{out.error}; the next start resumes",
+            observed_generation=vol.spec_hash, last_result="aborted",
+            notes=out.notes, undone=out.undone,
+            steps=[s.as_dict() for s in out.steps],
+        ))
 
     def _converged(self, vol: Volume, vp: VolumePlan, observed: object, released: bool) -> None:
         with self.lock:
@@ -643,20 +644,21 @@ class Daemon:
                 del self.records[vol.name]
                 self._save_records()
         actual = actual_state(vol, observed, context(self.config, self.node))  # type: ignore[arg-type]
-        self._write_status(vol.name, {
+        self._write_status(vol.name, VolumeStatus(
             # A clone whose source is still on its way is pending, not absent.
-            "phase": "Released" if released else "Pending" if vp.waiting else
+            "Released" if released else "Pending" if vp.waiting else
             PHASE_NAMES[vp.phase.name],
-            "observedGeneration": vol.spec_hash,
-            "notes": vp.notes,
-            "device": actual["device"], "staging": actual["staging"],
-            "published": actual["published"], "size": actual["size"],
-            "conditions": [{"type": "Converged", "status": True, "reason": "UpToDate",
-                            "message": "", "lastTransitionTime": _now()}],
-        })
+            observed_generation=vol.spec_hash,
+            notes=vp.notes,
+            device=actual["device"], staging=actual["staging"],
+            published=actual["published"], size=actual["size"],
+            conditions=[{"type": "Converged", "status": True, "reason": "UpToDate",
+                         "message": "", "lastTransitionTime": _now()}],
+        ))
 
-    def _write_status(self, name: str, data: dict) -> None:
-        self.metrics.set_phase(name, data["phase"])
+    def _write_status(self, name: str, status: VolumeStatus) -> None:
+        data = status.to_json()
+        self.metrics.set_phase(name, status.phase)
         path = self.status_path(name)
         old = read_json(path, {}) or {}
         merged = {**{k: v for k, v in old.items() if k in ("lastError",)}, **data,

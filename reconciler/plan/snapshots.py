@@ -21,8 +21,6 @@ from reconciler.plan.types import Context, Refused, VolumePlan, Waiting
 from reconciler.spec.model import Phase, Volume
 from reconciler.spec.units import format_size
 
-FLATTEN_POLICIES = ("never", "always", "depth")
-
 
 def temp_snapshot(volume: str) -> str:
     """The snapshot a clone of a volume goes through (removed once flattened)."""

@@ -1,0 +1,58 @@
+"""One volume's status file, ``<stateDir>/status/<name>.json``: what the
+daemon last saw and did for it. Read by ``rbd-reconciler status``, the CSI
+adapter (through the engine) and whoever monitors the node.
+
+The keys, once (camelCase in the file; a field left unset is not written):
+
+- ``phase``: Pending, Mapped, Staged, Published, Deleting, Released,
+  Failed, Frozen or Unknown.
+- ``reason``, ``message``: why, for Frozen, Unknown, Interrupted, ...
+- ``observedGeneration``: the spec hash the status is about.
+- ``lastResult`` (changed, ok, failed, aborted), ``lastError``, ``refusal``.
+- ``notes``, ``undone``, ``steps``: what the last chain said, undid, ran.
+- ``device``, ``staging``, ``published``, ``size``: where it is, once converged.
+- ``conditions``: ``[{type: Converged, status, reason, message, lastTransitionTime}]``.
+
+The daemon adds ``name`` and ``updated`` when it writes the file.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+class _Unset(enum.Enum):
+    UNSET = 0
+
+
+UNSET = _Unset.UNSET  # not written at all (unlike None, written as null)
+
+
+@dataclass(frozen=True)
+class VolumeStatus:
+    phase: str
+    reason: str | _Unset = UNSET
+    message: str | _Unset = UNSET
+    observed_generation: str | _Unset = UNSET
+    last_result: str | _Unset = UNSET
+    last_error: str | _Unset | None = UNSET
+    refusal: str | _Unset | None = UNSET
+    notes: list[str] | _Unset = UNSET
+    undone: list[str] | _Unset = UNSET
+    steps: list[dict[str, Any]] | _Unset = UNSET
+    device: Any = UNSET
+    staging: Any = UNSET
+    published: Any = UNSET
+    size: Any = UNSET
+    conditions: list[dict[str, Any]] | _Unset = UNSET
+
+    def to_json(self) -> dict[str, Any]:
+        return {_camel(f.name): value for f in fields(self)
+                if (value := getattr(self, f.name)) is not UNSET}
+
+
+def _camel(name: str) -> str:
+    first, *rest = name.split("_")
+    return first + "".join(w.title() for w in rest)
