@@ -12,6 +12,10 @@ from reconciler.cli.reconcile import default_paths, paths_of, print_load_errors
 
 TYPE_CHECKING = False  # typing itself costs ~5 ms at start-up
 if TYPE_CHECKING:
+    from typing import Any
+
+    from reconciler.engine import Pass
+    from reconciler.observe.node import Node
     from reconciler.spec.config import Config
 
 
@@ -65,34 +69,49 @@ def _daemon_status(config: Config, name: str) -> dict | None:
 
 
 def cmd_explain(args: argparse.Namespace, config: Config) -> int:
-    from reconciler.engine import context, plan_pass
+    from reconciler.engine import plan_pass
     from reconciler.observe.node import Node
-    from reconciler.plan.planner import actual_state
-    from reconciler.spec.units import format_size
 
     node = Node.from_config(config)
     p = plan_pass(default_paths(config), config, node, all_watchers=True)
     if p.loaded.refused:  # an untrusted directory or file: say so, explain nothing
         print_load_errors(p)
         return EXIT_FAILED
-    vols = {v.name: v for v in p.loaded.volumes}
     daemon = _daemon_status(config, args.name)
-    if args.name not in vols and args.name not in p.loaded.frozen_names and daemon is None:
+    declared = {v.name for v in p.loaded.volumes}
+    if args.name not in declared and args.name not in p.loaded.frozen_names and daemon is None:
         print(f"rbd-reconciler: no volume {args.name!r} in {config.desired_dir}", file=sys.stderr)
         return EXIT_FAILED
-    vp = next((x for x in p.plans if x.name == args.name), None)
-    actual = actual_state(vols[args.name], p.observed, context(config, node)) \
-        if args.name in vols else None
+    doc = _explanation(args.name, p, config, node, daemon)
+    rc = EXIT_FAILED if doc["unknown"] else EXIT_OK
+    if args.output == "json":
+        json.dump(doc, sys.stdout, indent=2)
+        print()
+        return rc
+    _print_explanation(doc)
+    return rc
+
+
+def _explanation(name: str, p: Pass, config: Config, node: Node,
+                 daemon: dict | None) -> dict[str, Any]:
+    """What ``explain NAME`` says, as the document ``-o json`` prints."""
+    from reconciler.engine import context
+    from reconciler.plan.planner import actual_state
+
+    vols = {v.name: v for v in p.loaded.volumes}
+    vp = next((x for x in p.plans if x.name == name), None)
+    actual = actual_state(vols[name], p.observed, context(config, node)) \
+        if name in vols else None
     holders: list[str] = []
     if actual and actual["device"]:
         dev = Path(str(actual["device"])).name
         holders = sorted(h.name for h in Path(f"/sys/class/block/{dev}/holders").glob("*"))
-    doc = {
-        "name": args.name,
-        "declaredIn": str(vols[args.name].source) if args.name in vols else None,
-        "frozen": args.name in p.loaded.frozen_names,
+    return {
+        "name": name,
+        "declaredIn": str(vols[name].source) if name in vols else None,
+        "frozen": name in p.loaded.frozen_names,
         "loadErrors": [str(d) for d in p.loaded.diagnostics
-                       if args.name in p.loaded.frozen_names],
+                       if name in p.loaded.frozen_names],
         "actual": actual,
         "deviceHolders": holders,
         "daemon": daemon,
@@ -102,42 +121,18 @@ def cmd_explain(args: argparse.Namespace, config: Config) -> int:
         "nextSteps": [s.as_dict() for s in vp.steps] if vp else [],
         "claim": _claim_doc(config, actual),
     }
-    rc = EXIT_FAILED if doc["unknown"] else EXIT_OK
-    if args.output == "json":
-        json.dump(doc, sys.stdout, indent=2)
-        print()
-        return rc
+
+
+def _print_explanation(doc: dict[str, Any]) -> None:
+    actual, daemon = doc["actual"], doc["daemon"]
     kind = (actual or {}).get("kind", "Volume").lower()
-    print(f"{kind} {args.name}" + (f" ({doc['declaredIn']})" if doc["declaredIn"] else ""))
+    print(f"{kind} {doc['name']}" + (f" ({doc['declaredIn']})" if doc["declaredIn"] else ""))
     if doc["frozen"]:
         print("  FROZEN: its file failed to load; nothing is done to it until it loads:")
         for e in doc["loadErrors"]:
             print(f"    {e}")
     if actual:
-        print(f"  phase:    {actual['phase']} (wanted {actual['wanted']})")
-        if actual["unknown"]:
-            print(f"  unknown:  {actual['unknown']}")
-        if actual["problem"]:
-            print(f"  PROBLEM:  {actual['problem']}")
-        size = format_size(actual["size"]) if actual["size"] else "-"
-        print(f"  image:    {actual['image']}  size {size}")
-        if actual.get("kind") == "Snapshot":
-            print(f"  snapshot: of {actual['source']}, owner {actual['owner'] or 'none recorded'}"
-                  f", protected {actual['protected']}")
-            print(f"  clones:   {', '.join(actual['children']) or 'none'}")
-        else:
-            if actual.get("clonedFrom"):
-                print(f"  clone of: {actual['clonedFrom']} (depth {actual['cloneDepth']})")
-            if actual.get("snapshots"):
-                print(f"  snapshots: {', '.join(actual['snapshots'])}")
-        print(f"  watchers: {', '.join(actual['watchers']) or 'none'}"
-              + (f" (mapped by {actual['holder']})" if actual.get("holder") else ""))
-        _print_claim(doc.get("claim"))
-        print(f"  mapping:  {actual['mapper'] or '-'} {actual['device'] or ''}")
-        print(f"  holders:  {', '.join(holders) or 'none'}")
-        print(f"  staging:  {actual['staging'] or '-'}")
-        for path, mode in actual["published"]:
-            print(f"  published {path} ({mode})")
+        _print_actual(actual, doc["deviceHolders"], doc.get("claim"))
     if daemon:
         print(f"  daemon:   {daemon.get('phase')} at {daemon.get('updated')}"
               + (f" ({daemon['message']})" if daemon.get("message") else "")
@@ -150,7 +145,35 @@ def cmd_explain(args: argparse.Namespace, config: Config) -> int:
         print(f"  next:     {s['action']} {s['target']}: {s['from']} -> {s['to']}")
     if not doc["nextSteps"] and not doc["refusal"]:
         print("  next:     nothing; it is where it should be")
-    return rc
+
+
+def _print_actual(actual: dict[str, Any], holders: list[str], claim: dict | None) -> None:
+    from reconciler.spec.units import format_size
+
+    print(f"  phase:    {actual['phase']} (wanted {actual['wanted']})")
+    if actual["unknown"]:
+        print(f"  unknown:  {actual['unknown']}")
+    if actual["problem"]:
+        print(f"  PROBLEM:  {actual['problem']}")
+    size = format_size(actual["size"]) if actual["size"] else "-"
+    print(f"  image:    {actual['image']}  size {size}")
+    if actual.get("kind") == "Snapshot":
+        print(f"  snapshot: of {actual['source']}, owner {actual['owner'] or 'none recorded'}"
+              f", protected {actual['protected']}")
+        print(f"  clones:   {', '.join(actual['children']) or 'none'}")
+    else:
+        if actual.get("clonedFrom"):
+            print(f"  clone of: {actual['clonedFrom']} (depth {actual['cloneDepth']})")
+        if actual.get("snapshots"):
+            print(f"  snapshots: {', '.join(actual['snapshots'])}")
+    print(f"  watchers: {', '.join(actual['watchers']) or 'none'}"
+          + (f" (mapped by {actual['holder']})" if actual.get("holder") else ""))
+    _print_claim(claim)
+    print(f"  mapping:  {actual['mapper'] or '-'} {actual['device'] or ''}")
+    print(f"  holders:  {', '.join(holders) or 'none'}")
+    print(f"  staging:  {actual['staging'] or '-'}")
+    for path, mode in actual["published"]:
+        print(f"  published {path} ({mode})")
 
 
 def _claim_doc(config: Config, actual: dict | None) -> dict | None:
