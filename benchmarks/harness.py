@@ -247,9 +247,10 @@ def find_cli() -> Path:
             return cand
     raise BenchError("rbd-reconciler CLI not found (expected .venv/bin/rbd-reconciler)")
 
-def cleanup(root: Path, cluster: DevCluster | None) -> int:
-    """Returns 1 if something could not be removed (and says what)."""
-    problems = sweep(root)
+def cleanup(root: Path, cluster: DevCluster | None, problems: list[str] | None = None) -> int:
+    """Returns 1 if something could not be removed (and says what).
+    ``problems``: what the caller's own clean-up already could not do."""
+    problems = [*(problems or []), *sweep(root)]
     if cluster is not None:
         try:
             cluster.stop()

@@ -64,6 +64,7 @@ from harness import (
     sweep,
     wait_exit,
 )
+from harness import cleanup as harness_cleanup
 
 from reconciler.drivers.reaper import become_subreaper, reap_zombies
 from reconciler.testing.devcluster import DevCluster, start_cluster
@@ -371,19 +372,7 @@ def cleanup(root: Path, cluster: DevCluster | None, daemon: DaemonProc | None,
             except (BenchError, subprocess.TimeoutExpired) as e:
                 problems.append(f"removing the images stopped at {f.stem}: {e}")
                 break
-        try:
-            cluster.stop()
-        except Exception as e:  # report, then still try to remove what we can
-            problems.append(f"cluster stop: {e}")
-    left = mounts_under(root)
-    if left:
-        problems.append(f"mounts still under {root}, left in place: "
-                        f"{', '.join(m.point for m in left)}")
-    else:
-        shutil.rmtree(root, ignore_errors=True)
-    for msg in problems:
-        print(f"p3_daemon_latency: cleanup: {msg}", file=sys.stderr)
-    return 1 if problems else 0
+    return harness_cleanup(root, cluster, problems)
 
 
 if __name__ == "__main__":
