@@ -123,3 +123,52 @@ def test_ceph_session_kept_across_passes_and_replaced_after_no_answer(
     assert fresh is not None and fresh is not first
     fresh.drop()
     session.discard()
+
+
+def image_only(node: NodeUnderTest, name: str, source: str = "") -> None:
+    src = f"    source: {{{source}}}\n" if source else ""
+    node.write(name, f"  image:\n    pool: {node.cluster.pool}\n    size: 16Mi\n{src}")
+
+
+def test_image_only_volume_is_read_from_its_header(node: NodeUnderTest,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """No map, nothing mapped here: the planner needs no watchers, so no librbd open."""
+    from reconciler.drivers import ceph
+
+    names = [node.name(f"only{i}") for i in range(3)]
+    for name in names:
+        image_only(node, name)
+    assert node.apply()["rc"] == 0
+    opened: list[str] = []
+    real = ceph.image_state
+
+    def counting(cluster: object, pool: str, name: str) -> object:
+        opened.append(name)
+        return real(cluster, pool, name)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ceph, "image_state", counting)
+    config = load_config(node.config)
+    p = plan_pass([node.desired], config, Node.from_config(config))
+    assert all(not vp.steps and not vp.refusal for vp in p.plans), p.plans
+    assert opened == []
+    for name in names:
+        img = p.observed.images[(node.cluster.pool, name)]
+        assert img.size == 16 << 20 and img.meta.get("rbd-reconciler.owner") == "test-node"
+
+
+def test_clone_of_an_image_snapshot_sees_the_snapshot(node: NodeUnderTest) -> None:
+    """The source image is read in full: its snapshots are not in the header read."""
+    import rbd
+
+    base, copy = node.name("base"), node.name("copy")
+    node.images.update({base, copy})
+    with node.cluster.client() as c, c.open_ioctx(node.cluster.pool) as io:
+        rbd.RBD().create(io, base, 16 << 20, old_format=False, features=1)
+        with rbd.Image(io, base) as img:
+            img.create_snap("gold")
+            img.protect_snap("gold")
+    image_only(node, copy, f"image: {{pool: {node.cluster.pool}, name: {base}, "
+                           "snapshot: gold}")
+    doc = node.apply()
+    assert doc["rc"] == 0, doc
+    assert node.image_exists(copy)
