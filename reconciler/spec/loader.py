@@ -359,12 +359,21 @@ class LoadCache:
             self.config = config
 
     def lookup(self, path: Path) -> _FileResult | None:
-        """The cached result of an unchanged, still trusted file (raises like a read)."""
-        real = _trusted_path(path)
-        st = os.lstat(real)
-        _check_stat(real, st)
+        """The cached result of an unchanged file that passes the trust checks
+        as it is now. A regular file (not a symlink) cannot lead out of its
+        directory; anything else, or any doubt, is None: the full read decides
+        (and says why)."""
         entry = self.entries.get(path)
-        return _copy(entry[1]) if entry is not None and entry[0] == _signature(st) else None
+        if entry is None:
+            return None
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return None
+        if _signature(st) != entry[0] or not stat.S_ISREG(st.st_mode) or \
+                st.st_size > MAX_FILE_BYTES or security.unsafe(path, st, "file") is not None:
+            return None
+        return _copy(entry[1])
 
     def store(self, res: _FileResult, st: os.stat_result, read_at_ns: int) -> None:
         if max(st.st_mtime_ns, st.st_ctime_ns) < read_at_ns - RACY_NS:
