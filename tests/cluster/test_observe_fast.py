@@ -172,3 +172,53 @@ def test_clone_of_an_image_snapshot_sees_the_snapshot(node: NodeUnderTest) -> No
     doc = node.apply()
     assert doc["rc"] == 0, doc
     assert node.image_exists(copy)
+
+
+def test_a_stuck_header_read_makes_only_its_image_unknown(
+        node: NodeUnderTest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool's headers are read in one call; one that does not answer (its PG
+    down) is unknown, the others are seen, and while that call is still stuck
+    the next pass reads the pool's images one call each."""
+    import threading
+
+    import rbd
+
+    from reconciler.drivers import ceph, rbdheader
+    from reconciler.observe import ceph as observe_ceph
+
+    names = [node.name(f"stuck{i}") for i in range(4)]
+    node.images.update(names)
+    with node.cluster.client() as c, c.open_ioctx(node.cluster.pool) as io:
+        for name in names:
+            rbd.RBD().create(io, name, 16 << 20, old_format=False,
+                             features=ceph.feature_bits(["layering"]))
+    gate = threading.Event()
+    real = rbdheader.header_states
+    batches: list[int] = []
+
+    def one_stuck(cluster: object, pool: str, ids: dict[str, str],
+                  deliver: object) -> None:
+        def withhold(name: str, answer: object) -> None:
+            if name != names[0]:
+                deliver(name, answer)  # type: ignore[operator]
+
+        batches.append(len(ids))
+        real(cluster, pool, ids, withhold)  # type: ignore[arg-type]
+        gate.wait()  # as if its read never came back
+        deliver(names[0], None)  # type: ignore[operator]
+
+    monkeypatch.setattr(rbdheader, "header_states", one_stuck)
+    cfg = load_config(node.config).ceph
+    keys = {(node.cluster.pool, n) for n in names}
+    try:
+        view = observe_ceph.observe_images(cfg, keys, 1, watchers_for=set())
+        assert set(view.image_errors) == {(node.cluster.pool, names[0])}
+        assert "no answer within 1 s" in view.image_errors[(node.cluster.pool, names[0])]
+        assert set(view.images) == keys - {(node.cluster.pool, names[0])}
+        assert node.cluster.pool in view.listed and not view.errors
+        # The batch is still stuck: this pass reads each image in its own call.
+        again = observe_ceph.observe_images(cfg, keys, 5, watchers_for=set())
+        assert set(again.images) == keys and not again.image_errors
+        assert batches == [4]
+    finally:
+        gate.set()
