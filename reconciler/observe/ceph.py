@@ -5,8 +5,10 @@ A pool whose PGs map to no OSD makes a listing wait for the OSD op timeout
 (30 s); a cluster that is down makes connecting wait as long; an image whose
 header sits on a PG that is down makes opening it wait. None of them may
 hold up other volumes (safety rule 10): each pool is listed, and each image
-opened, in its own bounded call. What has not answered by the deadline is
-reported in ``errors`` (per pool) or ``image_errors``: unknown, never absent.
+opened, in its own bounded call; the images read from their header alone are
+read in one bounded call per pool, each image's answer taken as it comes.
+What has not answered by the deadline is reported in ``errors`` (per pool)
+or ``image_errors`` (per image): unknown, never absent.
 """
 
 from __future__ import annotations

@@ -222,3 +222,58 @@ def test_a_stuck_header_read_makes_only_its_image_unknown(
         assert batches == [4]
     finally:
         gate.set()
+
+
+def test_observe_reads_node_wide_facts_once_and_writes_nothing(
+        node: NodeUnderTest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mount table, the loop table and the helper table are read once a
+    pass, whatever the number of volumes; observing leaves every file as it was."""
+    import os
+    from pathlib import Path
+
+    from reconciler.drivers import mappers
+    from reconciler.observe.node import observe
+    from reconciler.spec.desired import load_desired
+
+    for i in range(3):
+        node.write(node.name(f"m{i}"), spec(node, stage=False))
+        image_only(node, node.name(f"i{i}"))
+    assert node.apply()["rc"] == 0
+
+    def tree() -> dict[str, tuple[int, int, int]]:
+        out = {}
+        for d in (node.state, node.desired):
+            for dirpath, _, files in os.walk(d):
+                for f in [dirpath, *(os.path.join(dirpath, f) for f in files)]:
+                    st = os.lstat(f)
+                    out[f] = (st.st_ino, st.st_size, st.st_mtime_ns)
+        return out
+
+    config = load_config(node.config)
+    n = Node.from_config(config)
+    volumes = load_desired(config).volumes
+    observe(n, volumes)  # the helpers' pids are on record from here on
+    before = tree()
+    reads: list[str] = []
+    scans: list[int] = []
+    real_read, real_loops = Path.read_text, mappers.loop_devices
+
+    def read_text(self: Path, *args: object, **kwargs: object) -> str:
+        reads.append(str(self))
+        return real_read(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    def loops(*args: object) -> object:
+        scans.append(1)
+        return real_loops(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    monkeypatch.setattr(mappers, "loop_devices", loops)
+    monkeypatch.setattr(n.fuse, "scan_helpers", lambda *a: scans.append(2))
+    observed = observe(n, volumes)
+    assert len([m for m in observed.mappings if m.problem is None]) == 3
+    assert reads.count("/proc/self/mountinfo") == 1, reads
+    assert scans == [1]  # the loop table once; no /proc scan: every helper on record
+    assert [a for a in n.runner.history if a[:3] == ["rbd", "device", "list"]] == [
+        ["rbd", "device", "list", *(["-t", "nbd"] if k == "nbd" else []), "--format", "json"]
+        for k in ("krbd", "nbd") if k in n.mappers_available]
+    assert tree() == before
