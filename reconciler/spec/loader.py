@@ -347,7 +347,8 @@ RACY_NS = 2_000_000_000
 class LoadCache:
     """Per-file results kept across loads (the daemon keeps one). A file is
     opened and parsed again only when its (device, inode, size, mtime, ctime)
-    changed; the trust checks are stats and run on every load regardless."""
+    changed; the trust checks are stats and run on every load regardless.
+    Not shared between threads: one per caller that loads in turn."""
 
     config: Config | None = None
     entries: dict[Path, tuple[Signature, _FileResult]] = field(default_factory=dict)
