@@ -5,8 +5,10 @@ A pool whose PGs map to no OSD makes a listing wait for the OSD op timeout
 (30 s); a cluster that is down makes connecting wait as long; an image whose
 header sits on a PG that is down makes opening it wait. None of them may
 hold up other volumes (safety rule 10): each pool is listed, and each image
-opened, in its own bounded call. What has not answered by the deadline is
-reported in ``errors`` (per pool) or ``image_errors``: unknown, never absent.
+opened, in its own bounded call; the images read from their header alone are
+read in one bounded call per pool, each image's answer taken as it comes.
+What has not answered by the deadline is reported in ``errors`` (per pool)
+or ``image_errors`` (per image): unknown, never absent.
 """
 
 from __future__ import annotations
@@ -172,6 +174,7 @@ def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
             out.errors[pool] = str(exc)
     # Open the images of each pool as soon as its listing is in.
     images: dict[tuple[str, str], Task[ImageState | None]] = {}
+    batches: list[_Headers] = []  # the header reads of a pool's images, together
     ids: dict[str, str]
     pending = {t.future: pool for pool, t in lists.items()}
     with contextlib.suppress(TimeoutError):
@@ -184,14 +187,16 @@ def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
                 out.errors[pool] = str(exc)
                 continue
             out.listed.add(pool)
-            for name in sorted(by_pool[pool] & existing):
+            present = sorted(by_pool[pool] & existing)
+            fast = {n: ids[n] for n in present if n in ids}
+            if fast:
                 try:
-                    images[(pool, name)] = handle.submit(
-                        ("image", cfg.conf, pool, name),
-                        functools.partial(_image_state, pool=pool, name=name,
-                                          image_id=ids.get(name)))
-                except NoAnswer as exc:
-                    out.image_errors[(pool, name)] = str(exc)
+                    batches.append(_Headers(handle, cfg, pool, fast))
+                except NoAnswer:  # the last pass's reads are still stuck: one call each
+                    fast = {}
+            for name in present:
+                if name not in fast:
+                    _submit_image(handle, cfg, pool, name, ids.get(name), images, out)
     for pool, t in lists.items():  # not listed in time: written off
         try:
             handle.wait(t, timeout, deadline)
@@ -199,6 +204,14 @@ def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
         except (NoAnswer, ceph.CephError) as exc:
             out.errors[pool] = str(exc)
     image_deadline = time.monotonic() + timeout
+    for batch in batches:
+        for name, answer in batch.collect(timeout, image_deadline).items():
+            if isinstance(answer, rbdheader.Fallback):
+                _submit_image(handle, cfg, batch.pool, name, None, images, out)
+            elif isinstance(answer, Exception):
+                out.image_errors[(batch.pool, name)] = str(answer)
+            elif answer is not None:
+                out.images[(batch.pool, name)] = answer
     for key, t in images.items():
         try:
             state = handle.wait(t, timeout, image_deadline)
@@ -223,6 +236,57 @@ def _list_pool(cluster: rados.Rados, pool: str, names: set[str],
         return existing, rbdheader.image_ids(cluster, pool, fast)
     except (rados.Error, rbdheader.Fallback):
         return existing, {}  # librbd opens them all, as before
+
+
+def _submit_image(handle: _Handle, cfg: CephConfig, pool: str, name: str,
+                  image_id: str | None, images: dict[tuple[str, str], Task[ImageState | None]],
+                  out: CephView) -> None:
+    """One image in its own bounded call: librbd, or its header alone."""
+    try:
+        images[(pool, name)] = handle.submit(
+            ("image", cfg.conf, pool, name),
+            functools.partial(_image_state, pool=pool, name=name, image_id=image_id))
+    except NoAnswer as exc:
+        out.image_errors[(pool, name)] = str(exc)
+
+
+class _Headers:
+    """A pool's image headers read in one bounded call (no thread per image),
+    each image's answer handed over as it comes: one header on a PG that is
+    down makes that image unknown, not its pool (nor the other images)."""
+
+    def __init__(self, handle: _Handle, cfg: CephConfig, pool: str, ids: dict[str, str]
+                 ) -> None:
+        self.pool = pool
+        self._ids = ids
+        self._handle = handle
+        self._answers: dict[str, concurrent.futures.Future[rbdheader.Answer]] = {
+            n: concurrent.futures.Future() for n in ids}
+        self._task = handle.submit(("headers", cfg.conf, pool), self._read)
+
+    def _read(self, cluster: rados.Rados) -> None:
+        try:
+            rbdheader.header_states(cluster, self.pool, self._ids, self._deliver)
+        except Exception as exc:  # e.g. the pool went away: every image not answered
+            for name in self._ids:
+                self._deliver(name, ceph.CephError(f"{self.pool}/{name}: {exc}"))
+
+    def _deliver(self, name: str, answer: rbdheader.Answer) -> None:
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            self._answers[name].set_result(answer)
+
+    def collect(self, timeout: float, deadline: float) -> dict[str, rbdheader.Answer]:
+        """Every image's answer; one that has none by ``deadline`` is unknown."""
+        out: dict[str, rbdheader.Answer] = {}
+        for name, fut in self._answers.items():
+            try:
+                out[name] = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                out[name] = NoAnswer(f"no answer within {timeout:g} s")
+        # Still reading: written off (it no longer holds a slot); its images said so.
+        with contextlib.suppress(NoAnswer):
+            self._handle.wait(self._task, timeout, deadline)
+        return out
 
 
 def _image_state(cluster: rados.Rados, pool: str, name: str,

@@ -201,22 +201,34 @@ def observe(node: Node, volumes: Iterable[Volume], all_watchers: bool = False) -
 
 def _watchers_needed(volumes: Iterable[Volume], mappings: Iterable[Mapping],
                      available: frozenset[str]) -> set[tuple[str, str]]:
-    """Images whose watchers the planner may consult: to map one (another
-    client has it open?) or delete one. A present volume mapped here once,
-    alive, by the mapper it wants, is neither."""
+    """Images the planner may need more of than the header read gives
+    (watchers, snapshots, parent): to map one (another client has it open?),
+    to delete one, to take or clone from a snapshot. A present volume is
+    neither when it is mapped here once, alive, by the mapper it wants, or
+    when it wants no mapping and nothing is mapped here for it (an image-only
+    volume: every CSI volume until it is staged)."""
     here: dict[tuple[str, str], list[Mapping]] = {}
     for m in mappings:
         here.setdefault((m.pool, m.image), []).append(m)
     out = set()
     for v in volumes:
         key = (v.image.pool, v.image.name)
-        ms = here.get(key, [])
-        settled = (v.state == "present" and v.map is not None and len(ms) == 1
-                   and ms[0].device is not None and ms[0].problem is None
-                   and ms[0].kind == resolve_mapper(v.map.mapper, available))
-        if not settled:
+        src = v.image.source
+        if src is not None and src.pool:
+            out.add((src.pool, src.image))  # its snapshots and clone depth
+        if v.snapshot is not None or src is not None or not _settled(
+                v, here.get(key, []), available):
             out.add(key)
     return out
+
+
+def _settled(v: Volume, here: list[Mapping], available: frozenset[str]) -> bool:
+    if v.state != "present":
+        return False
+    if v.map is None:
+        return not here  # anything mapped here for it is unmapped: watchers count
+    return (len(here) == 1 and here[0].device is not None and here[0].problem is None
+            and here[0].kind == resolve_mapper(v.map.mapper, available))
 
 
 def _expected_mounts(volumes: Iterable[Volume], mappings: Iterable[Mapping]

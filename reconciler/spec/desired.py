@@ -12,7 +12,7 @@ from pathlib import Path
 
 from reconciler.spec.config import Config
 from reconciler.spec.diagnostics import Diagnostic
-from reconciler.spec.loader import LoadResult, load
+from reconciler.spec.loader import LoadCache, LoadResult, load
 from reconciler.spec.model import Volume
 
 
@@ -47,11 +47,13 @@ def operator_conflicts(candidates: tuple[Volume, ...], operator: LoadResult) -> 
     return diags
 
 
-def load_desired(config: Config) -> LoadResult:
-    operator = load([config.desired_dir], config)
+def load_desired(config: Config, cache: LoadCache | None = None) -> LoadResult:
+    """``cache``: kept by the caller (the daemon) across passes, so a file
+    that did not change is not read again; the checks across files still run."""
+    operator = load([config.desired_dir], config, cache)
     if not config.csi_dir.is_dir():
         return operator
-    csi = load([config.csi_dir], config)
+    csi = load([config.csi_dir], config, cache)
     conflicts = operator_conflicts(csi.volumes, operator)
     bad_files = {d.file for d in conflicts}
     bad = [v for v in csi.volumes if v.source.file in bad_files]

@@ -12,6 +12,7 @@ import fnmatch
 import logging
 import os
 import stat
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -287,34 +288,109 @@ class TooBig(Exception):
     pass
 
 
-def _read_trusted(path: Path) -> bytes:
-    """The bytes of ``path``, checked on the descriptor they are read from.
-
-    A symlink must resolve inside the file's own directory (it is then opened
-    by its real path with O_NOFOLLOW, so a swap cannot redirect the read); the
-    file must be a regular file (a FIFO would block) owned by root (or the
-    caller) and not writable by group or others.
-    """
+def _trusted_path(path: Path) -> Path:
+    """The real path of ``path``: a symlink must resolve inside the file's own
+    directory (the file is then used by its real path with O_NOFOLLOW, so a
+    swap cannot redirect the read)."""
     if (problem := security.escapes(path, path.parent.resolve())) is not None:
         raise Untrusted(problem)
-    real = path.resolve(strict=True)
+    return path.resolve(strict=True)
+
+
+def _check_stat(real: Path, st: os.stat_result) -> None:
+    """A regular file (a FIFO would block) owned by root (or the caller), not
+    writable by group or others, and small."""
+    if not stat.S_ISREG(st.st_mode):
+        raise Untrusted(f"{real} is not a regular file")
+    if (problem := security.unsafe(real, st, "file")) is not None:
+        raise Untrusted(problem)
+    if st.st_size > MAX_FILE_BYTES:
+        raise TooBig(f"file is {st.st_size} bytes; the limit is {MAX_FILE_BYTES} "
+                     f"(a desired-volume file is small)")
+
+
+def _read_trusted(path: Path) -> tuple[bytes, os.stat_result]:
+    """The bytes of ``path``, checked on the descriptor they are read from,
+    and that descriptor's stat."""
+    real = _trusted_path(path)
     fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise Untrusted(f"{real} is not a regular file")
-        if (problem := security.unsafe(real, st, "file")) is not None:
-            raise Untrusted(problem)
-        if st.st_size > MAX_FILE_BYTES:
-            raise TooBig(f"file is {st.st_size} bytes; the limit is {MAX_FILE_BYTES} "
-                         f"(a desired-volume file is small)")
+        _check_stat(real, st)
         raw = f.read(MAX_FILE_BYTES + 1)  # it may grow between fstat and read
     if len(raw) > MAX_FILE_BYTES:
         raise TooBig(f"file is larger than {MAX_FILE_BYTES} bytes")
-    return raw
+    return raw, st
 
 
-def _load_file(path: Path, config: Config) -> _FileResult:
+Signature = tuple[int, int, int, int, int]
+
+
+def _signature(st: os.stat_result) -> Signature:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _copy(res: _FileResult) -> _FileResult:
+    """The cross-file checks add diagnostics and resolve sources in place:
+    each load works on its own copy of a cached result."""
+    return _FileResult(res.path, list(res.docs), list(res.diags), set(res.names),
+                       res.untrusted)
+
+
+# A file whose mtime or ctime is this close to when it was read could change
+# again without either moving (timestamps are as coarse as the kernel's
+# clock tick, or a second on some filesystems): it is read again next time.
+RACY_NS = 2_000_000_000
+
+
+@dataclass
+class LoadCache:
+    """Per-file results kept across loads (the daemon keeps one). A file is
+    opened and parsed again only when its (device, inode, size, mtime, ctime)
+    changed; the trust checks are stats and run on every load regardless.
+    Not shared between threads: one per caller that loads in turn."""
+
+    config: Config | None = None
+    entries: dict[Path, tuple[Signature, _FileResult]] = field(default_factory=dict)
+    parsed: int = 0  # files opened and parsed by loads through this cache
+
+    def bind(self, config: Config) -> None:
+        if config != self.config:  # results depend on it (roots, defaults)
+            self.entries.clear()
+            self.config = config
+
+    def lookup(self, path: Path) -> _FileResult | None:
+        """The cached result of an unchanged file that passes the trust checks
+        as it is now. A regular file (not a symlink) cannot lead out of its
+        directory; anything else, or any doubt, is None: the full read decides
+        (and says why)."""
+        entry = self.entries.get(path)
+        if entry is None:
+            return None
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return None
+        if _signature(st) != entry[0] or not stat.S_ISREG(st.st_mode) or \
+                st.st_size > MAX_FILE_BYTES or security.unsafe(path, st, "file") is not None:
+            return None
+        return _copy(entry[1])
+
+    def store(self, res: _FileResult, st: os.stat_result, read_at_ns: int) -> None:
+        if max(st.st_mtime_ns, st.st_ctime_ns) < read_at_ns - RACY_NS:
+            self.entries[res.path] = (_signature(st), _copy(res))
+        else:
+            self.entries.pop(res.path, None)
+
+    def prune(self, roots: Iterable[Path], files: Iterable[Path]) -> None:
+        """Forget files under ``roots`` (directories or files) that are gone."""
+        roots, keep = set(roots), set(files)
+        for path in [p for p in self.entries if p not in keep]:
+            if path in roots or path.parent in roots:
+                del self.entries[path]
+
+
+def _load_file(path: Path, config: Config, cache: LoadCache | None = None) -> _FileResult:
     res = _FileResult(path)
 
     def fail(line: int, col: int, field_: str, msg: str) -> _FileResult:
@@ -322,7 +398,10 @@ def _load_file(path: Path, config: Config) -> _FileResult:
         return res
 
     try:
-        raw = _read_trusted(path)
+        if cache is not None and (hit := cache.lookup(path)) is not None:
+            return hit
+        read_at = time.time_ns()
+        raw, st = _read_trusted(path)
     except Untrusted as exc:
         res.untrusted = True
         return fail(1, 1, "(file)", f"refusing to read it: {exc}")
@@ -360,16 +439,19 @@ def _load_file(path: Path, config: Config) -> _FileResult:
     except RecursionError:
         res.diags.append(Diagnostic(path, 1, 1, "(file)", "structure nested too deeply"))
     if not res.docs and not res.diags:
-        return fail(1, 1, "(file)", "no Volume documents in this file (nor Snapshot ones)")
+        fail(1, 1, "(file)", "no Volume documents in this file (nor Snapshot ones)")
+    if cache is not None:
+        cache.parsed += 1
+        cache.store(res, st, read_at)
     return res
 
 
-def _load_file_guarded(path: Path, config: Config) -> _FileResult:
+def _load_file_guarded(path: Path, config: Config, cache: LoadCache | None) -> _FileResult:
     """The last line of defence: no content of a file may take the caller
     (the daemon) down. A bug that lets an exception out still fails only
     this file, and says so."""
     try:
-        return _load_file(path, config)
+        return _load_file(path, config, cache)
     except Exception as exc:
         log.exception("%s: unexpected error while loading", path)
         return _FileResult(path, diags=[Diagnostic(
@@ -542,8 +624,9 @@ def _untrusted_dirs(paths: Iterable[Path]) -> list[Diagnostic]:
             for d in sorted(dirs) for problem in security.directory_problems(d)]
 
 
-def load(paths: Iterable[Path], config: Config) -> LoadResult:
+def load(paths: Iterable[Path], config: Config, cache: LoadCache | None = None) -> LoadResult:
     """Load every desired volume under ``paths``. Never raises for bad input.
+    ``cache``: kept by the caller across loads; unchanged files are not read.
 
     Refuses (no volume at all, every file failed) when a directory, or any
     file, could have been written by someone other than root, or a file is a
@@ -555,7 +638,10 @@ def load(paths: Iterable[Path], config: Config) -> LoadResult:
         return LoadResult(volumes=(), diagnostics=tuple(sorted({*diags, *refusals})),
                           files=tuple(files), failed_files=frozenset(files),
                           frozen_names=frozenset(), refused=True)
-    results = [_load_file_guarded(f, config) for f in files]
+    if cache is not None:
+        cache.bind(config)
+        cache.prune(paths, files)
+    results = [_load_file_guarded(f, config, cache) for f in files]
     refused = any(res.untrusted for res in results)
     _cross_file_checks(results)
     resolve_sources(results)

@@ -123,3 +123,157 @@ def test_ceph_session_kept_across_passes_and_replaced_after_no_answer(
     assert fresh is not None and fresh is not first
     fresh.drop()
     session.discard()
+
+
+def image_only(node: NodeUnderTest, name: str, source: str = "") -> None:
+    src = f"    source: {{{source}}}\n" if source else ""
+    node.write(name, f"  image:\n    pool: {node.cluster.pool}\n    size: 16Mi\n{src}")
+
+
+def test_image_only_volume_is_read_from_its_header(node: NodeUnderTest,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """No map, nothing mapped here: the planner needs no watchers, so no librbd open."""
+    from reconciler.drivers import ceph
+
+    names = [node.name(f"only{i}") for i in range(3)]
+    for name in names:
+        image_only(node, name)
+    assert node.apply()["rc"] == 0
+    opened: list[str] = []
+    real = ceph.image_state
+
+    def counting(cluster: object, pool: str, name: str) -> object:
+        opened.append(name)
+        return real(cluster, pool, name)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ceph, "image_state", counting)
+    config = load_config(node.config)
+    p = plan_pass([node.desired], config, Node.from_config(config))
+    assert all(not vp.steps and not vp.refusal for vp in p.plans), p.plans
+    assert opened == []
+    for name in names:
+        img = p.observed.images[(node.cluster.pool, name)]
+        assert img.size == 16 << 20 and img.meta.get("rbd-reconciler.owner") == "test-node"
+
+
+def test_clone_of_an_image_snapshot_sees_the_snapshot(node: NodeUnderTest) -> None:
+    """The source image is read in full: its snapshots are not in the header read."""
+    import rbd
+
+    base, copy = node.name("base"), node.name("copy")
+    node.images.update({base, copy})
+    with node.cluster.client() as c, c.open_ioctx(node.cluster.pool) as io:
+        rbd.RBD().create(io, base, 16 << 20, old_format=False, features=1)
+        with rbd.Image(io, base) as img:
+            img.create_snap("gold")
+            img.protect_snap("gold")
+    image_only(node, copy, f"image: {{pool: {node.cluster.pool}, name: {base}, "
+                           "snapshot: gold}")
+    doc = node.apply()
+    assert doc["rc"] == 0, doc
+    assert node.image_exists(copy)
+
+
+def test_a_stuck_header_read_makes_only_its_image_unknown(
+        node: NodeUnderTest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool's headers are read in one call; one that does not answer (its PG
+    down) is unknown, the others are seen, and while that call is still stuck
+    the next pass reads the pool's images one call each."""
+    import threading
+
+    import rbd
+
+    from reconciler.drivers import ceph, rbdheader
+    from reconciler.observe import ceph as observe_ceph
+
+    names = [node.name(f"stuck{i}") for i in range(4)]
+    node.images.update(names)
+    with node.cluster.client() as c, c.open_ioctx(node.cluster.pool) as io:
+        for name in names:
+            rbd.RBD().create(io, name, 16 << 20, old_format=False,
+                             features=ceph.feature_bits(["layering"]))
+    gate = threading.Event()
+    real = rbdheader.header_states
+    batches: list[int] = []
+
+    def one_stuck(cluster: object, pool: str, ids: dict[str, str],
+                  deliver: object) -> None:
+        def withhold(name: str, answer: object) -> None:
+            if name != names[0]:
+                deliver(name, answer)  # type: ignore[operator]
+
+        batches.append(len(ids))
+        real(cluster, pool, ids, withhold)  # type: ignore[arg-type]
+        gate.wait()  # as if its read never came back
+        deliver(names[0], None)  # type: ignore[operator]
+
+    monkeypatch.setattr(rbdheader, "header_states", one_stuck)
+    cfg = load_config(node.config).ceph
+    keys = {(node.cluster.pool, n) for n in names}
+    try:
+        view = observe_ceph.observe_images(cfg, keys, 1, watchers_for=set())
+        assert set(view.image_errors) == {(node.cluster.pool, names[0])}
+        assert "no answer within 1 s" in view.image_errors[(node.cluster.pool, names[0])]
+        assert set(view.images) == keys - {(node.cluster.pool, names[0])}
+        assert node.cluster.pool in view.listed and not view.errors
+        # The batch is still stuck: this pass reads each image in its own call.
+        again = observe_ceph.observe_images(cfg, keys, 5, watchers_for=set())
+        assert set(again.images) == keys and not again.image_errors
+        assert batches == [4]
+    finally:
+        gate.set()
+
+
+def test_observe_reads_node_wide_facts_once_and_writes_nothing(
+        node: NodeUnderTest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mount table, the loop table and the helper table are read once a
+    pass, whatever the number of volumes; observing leaves every file as it was."""
+    import os
+    from pathlib import Path
+
+    from reconciler.drivers import mappers
+    from reconciler.observe.node import observe
+    from reconciler.spec.desired import load_desired
+
+    for i in range(3):
+        node.write(node.name(f"m{i}"), spec(node, stage=False))
+        image_only(node, node.name(f"i{i}"))
+    assert node.apply()["rc"] == 0
+
+    def tree() -> dict[str, tuple[int, int, int]]:
+        out = {}
+        for d in (node.state, node.desired):
+            for dirpath, _, files in os.walk(d):
+                for f in [dirpath, *(os.path.join(dirpath, f) for f in files)]:
+                    st = os.lstat(f)
+                    out[f] = (st.st_ino, st.st_size, st.st_mtime_ns)
+        return out
+
+    config = load_config(node.config)
+    n = Node.from_config(config)
+    volumes = load_desired(config).volumes
+    observe(n, volumes)  # the helpers' pids are on record from here on
+    before = tree()
+    reads: list[str] = []
+    scans: list[int] = []
+    real_read, real_loops = Path.read_text, mappers.loop_devices
+
+    def read_text(self: Path, *args: object, **kwargs: object) -> str:
+        reads.append(str(self))
+        return real_read(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    def loops(*args: object) -> object:
+        scans.append(1)
+        return real_loops(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    monkeypatch.setattr(mappers, "loop_devices", loops)
+    monkeypatch.setattr(n.fuse, "scan_helpers", lambda *a: scans.append(2))
+    observed = observe(n, volumes)
+    assert len([m for m in observed.mappings if m.problem is None]) == 3
+    assert reads.count("/proc/self/mountinfo") == 1, reads
+    assert scans == [1]  # the loop table once; no /proc scan: every helper on record
+    assert [a for a in n.runner.history if a[:3] == ["rbd", "device", "list"]] == [
+        ["rbd", "device", "list", *(["-t", "nbd"] if k == "nbd" else []), "--format", "json"]
+        for k in ("krbd", "nbd") if k in n.mappers_available]
+    assert tree() == before

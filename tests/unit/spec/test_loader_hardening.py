@@ -72,10 +72,10 @@ def test_an_unexpected_exception_fails_only_its_file(
                                                     "/srv/vol": "/srv/evil"}))
     real = loader_mod._load_file
 
-    def explode(path: Path, config: object) -> object:
+    def explode(path: Path, config: object, *rest: object) -> object:
         if path.name == "evil.yaml":
             raise KeyError("boom")
-        return real(path, config)  # type: ignore[arg-type]
+        return real(path, config, *rest)  # type: ignore[arg-type]
 
     monkeypatch.setattr(loader_mod, "_load_file", explode)
     result = load([tmp_path], default_config())
