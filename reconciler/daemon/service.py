@@ -39,7 +39,7 @@ from reconciler.observe.node import Node, observe
 from reconciler.plan.planner import VolumePlan, actual_state, plan
 from reconciler.spec.config import Config, ConfigError, load_config
 from reconciler.spec.desired import forgettable, load_desired
-from reconciler.spec.loader import discover, is_ignored
+from reconciler.spec.loader import LoadCache, discover, is_ignored
 from reconciler.spec.model import Volume, volume_from_dict, volume_to_dict
 from reconciler.spec.security import desired_dir_problems
 from reconciler.state import allowance
@@ -115,6 +115,8 @@ class Daemon:
         self.inflight: dict[str, Future[None]] = {}
         self.backoff: dict[str, Backoff] = {}
         self.records: dict[str, dict] = {}
+        # Files unchanged since the last pass (stat) are not read again.
+        self.load_cache = LoadCache()
         self.pool = ThreadPoolExecutor(max_workers=config.parallel,
                                        thread_name_prefix="volume")
         self.observer: Observer | None = None
@@ -426,7 +428,7 @@ class Daemon:
         if problems:
             sdnotify.notify(f"STATUS=refusing: {problems[0]}")
             return False
-        loaded = load_desired(self.config)
+        loaded = load_desired(self.config, self.load_cache)
         self.conditions.update("load", [str(d) for d in loaded.diagnostics])
         if loaded.refused:  # an untrusted file or directory: read nothing, touch nothing
             sdnotify.notify("STATUS=refusing: the desired directory is not trusted")
