@@ -1,7 +1,11 @@
 """``rbd-reconciler run``: watch the desired directory and converge continuously.
 
-Level-triggered: file events and the periodic resync only say *when* to look;
-every pass loads the files and observes the node afresh. Volumes converge in
+Level-triggered: events and the periodic resync only say *when* to look, and
+at which volumes; every pass loads the files (unchanged ones from a stat-first
+cache) and observes the volumes it looks at afresh. A pass looks at the dirty
+volumes: new or changed files, volumes an event named (a mount, a device, a
+helper, a resize: daemon/events.py), a CSI call, a retry that is due, a
+chain that just finished; the resync marks them all. Volumes converge in
 a bounded thread pool, one chain per volume at a time; a slow or failing
 volume never holds up the others (a failing one backs off exponentially,
 with jitter, until its spec changes).
@@ -16,7 +20,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -30,11 +34,15 @@ from watchdog.observers import Observer
 from reconciler.apply.runner import LEFT, VolumeOutcome, apply
 from reconciler.daemon import sdnotify
 from reconciler.daemon.conditions import Conditions
+from reconciler.daemon.events import EventHub
+from reconciler.daemon.interest import VolumeInterest, combine, forget, volume_interest
 from reconciler.daemon.metrics import Metrics, ceph_reachable
 from reconciler.drivers.freeze import thaw_recorded
 from reconciler.drivers.reaper import become_subreaper, reap_zombies
 from reconciler.drivers.run import Aborted, Halt
 from reconciler.engine import Awaited, Busy, FrontDoor, Stoppable, context, state_lock
+from reconciler.facts.observed import Observed
+from reconciler.observe.ceph import observe_images
 from reconciler.observe.node import Node, observe
 from reconciler.plan.planner import VolumePlan, actual_state, plan
 from reconciler.spec.config import Config, ConfigError, load_config
@@ -58,6 +66,9 @@ STALL_MIN_S = 120.0
 # Of timeouts.stopSeconds, kept for what follows the wait for the chains
 # (the CSI server's own grace, the file watcher, the log lines).
 STOP_RESERVE_S = 3.0
+
+# A status differing from the last written in none of these is not rewritten.
+STATUS_KEYS = ("phase", "observedGeneration", "lastResult", "reason", "message")
 
 PHASE_NAMES = {"ABSENT": "Absent", "CREATED": "Created", "MAPPED": "Mapped",
                "STAGED": "Staged", "PUBLISHED": "Published"}
@@ -132,6 +143,16 @@ class Daemon:
         self.passes_done = 0
         self.progress = threading.Condition()  # notified: pass finished, status written
         self.progress_seq = 0  # bumped with every notify: a waiter never misses one
+        # What the next pass looks at (names); everything while ``dirty_all``.
+        self.dirty: set[str] = set()
+        self.dirty_all = True
+        self.dirty_why: list[str] = []  # for the debug line of the next pass
+        self.last_hash: dict[str, str] = {}  # name -> spec_hash at the last pass
+        self.last_pass_start = 0.0
+        self.interest: dict[str, VolumeInterest] = {}
+        self.events: EventHub | None = None
+        # name -> the status fields compared before a write (no read per pass)
+        self.written: dict[str, tuple] = {}
         self.metrics = Metrics()
         self.metrics.in_backoff.set_function(lambda: len(self.backoff))
         self.metrics.resync.set_function(lambda: self.config.resync_seconds)  # follows SIGHUP
@@ -148,12 +169,24 @@ class Daemon:
     def wake(self) -> None:
         self.wake_event.set()
 
+    def mark_dirty(self, names: Iterable[str] | None, why: str) -> None:
+        """Have the next pass look at ``names`` (None: at every volume)."""
+        with self.lock:
+            if names is None:
+                self.dirty_all = True
+            else:
+                self.dirty.update(names)
+            if len(self.dirty_why) < 20:
+                self.dirty_why.append(why)
+        self.wake_event.set()
+
     # -- hooks for the CSI adapter -------------------------------------------
     def wake_volume(self, name: str) -> None:
         """A pass at once, without the debounce, that tries ``name`` even if it
         is backing off: a CSI call (maybe the CO's retry) is waiting on it."""
         with self.lock:
             self.backoff.pop(name, None)
+            self.dirty.add(name)
         self.urgent.set()
         self.wake_event.set()
 
@@ -238,6 +271,7 @@ class Daemon:
                 self.records = read_json(self.records_path, {}) or {}
                 self.install_signals()
                 self._watch()
+                self._start_events()
                 if self.config.metrics.listen:
                     try:
                         self.metrics.serve(self.config.metrics.listen)
@@ -294,6 +328,8 @@ class Daemon:
         if self.observer is not None:
             self.observer.stop()
             self.observer.join(timeout=max(0.1, min(5.0, deadline + 1 - time.monotonic())))
+        if self.events is not None:
+            self.events.stop(timeout=max(0.1, min(2.0, deadline + 1 - time.monotonic())))
         reap_zombies()
         return rc
 
@@ -335,7 +371,8 @@ class Daemon:
         sdnotify.notify("READY=1")
         next_resync = time.monotonic() + self.config.resync_seconds
         while not self.stopping.is_set():
-            woke = self.wake_event.wait(max(0.0, next_resync - time.monotonic()))
+            retry = self._next_retry()
+            woke = self.wake_event.wait(max(0.0, min(next_resync, retry) - time.monotonic()))
             if self.stopping.is_set():
                 break
             if woke and self.urgent.is_set():
@@ -345,10 +382,19 @@ class Daemon:
                 self._debounce()
             if self.reload_wanted.is_set():
                 self._reload()
-            if woke or time.monotonic() >= next_resync:
+            now = time.monotonic()
+            if now >= next_resync:
+                self.mark_dirty(None, "resync")
+                self.wake_event.clear()
+                next_resync = now + self.config.resync_seconds
+            if woke or now >= retry or self.dirty_all:
                 self._pass()
-                if not woke:
-                    next_resync = time.monotonic() + self.config.resync_seconds
+
+    def _next_retry(self) -> float:
+        """When the next backoff ends that the last pass could not yet retry."""
+        with self.lock:
+            return min((b.until for b in self.backoff.values()
+                        if b.until > self.last_pass_start), default=float("inf"))
 
     def _pass(self) -> None:
         self.busy_since = time.monotonic()
@@ -380,6 +426,7 @@ class Daemon:
         self.node = Node.from_config(config, halt=self.halt)
         log.info("config reloaded from %s", config.source or "built-in defaults")
         self._watch()
+        self.mark_dirty(None, "config reloaded")
 
     def _watch(self) -> None:
         """Watch the directory (through its symlink, re-resolved each time) and
@@ -401,6 +448,23 @@ class Daemon:
         observer.daemon = True
         observer.start()
         self.observer, self.watched = observer, want
+
+    def _start_events(self) -> None:
+        poll = self.config.events.image_poll_seconds
+        self.events = EventHub(self.mark_dirty, self._image_sizes, poll)
+        try:
+            self.events.start()
+        except OSError as exc:  # no /proc/self/mountinfo to poll: the resync still runs
+            log.warning("events: not watching the node (%s); drift is repaired at the "
+                        "resync, every %g s", exc, self.config.resync_seconds)
+            self.events = None
+
+    def _image_sizes(self, images: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
+        """Header reads (no open, no watch), bounded like observe's."""
+        node = self.node
+        view = observe_images(node.config.ceph, images, node.config.observe_timeout_seconds,
+                              watchers_for=set(), session=node.ceph_session)
+        return {key: img.size for key, img in view.images.items()}
 
     # -- one pass -------------------------------------------------------------
     def reconcile(self) -> None:
@@ -439,13 +503,16 @@ class Daemon:
             n for n, r in self.records.items() if r["file"] in failed_files}
         release, held = self._removals(current, frozen, failed_files)
 
-        candidates = [v for v in [*current.values(), *release] if self._due(v)]
+        look, why = self._take_dirty(current, release)
+        candidates = [v for v in [*current.values(), *release]
+                      if v.name in look and self._due(v)]
         t_obs = time.monotonic()
         observed = observe(self.node, candidates)
         t_obs = time.monotonic() - t_obs
         plans = plan(candidates, observed, context(self.config, self.node),
                      release=[v.name for v in release])
         by_name = {v.name: v for v in candidates}
+        self._update_interest(candidates, observed, current)
         self.metrics.observed(plans, current.values(),
                               ceph_reachable(observed.pools_listed, observed.pool_errors))
         for name in sorted(frozen):
@@ -456,6 +523,11 @@ class Daemon:
             self._write_status(name, VolumeStatus("Frozen", reason="RemovalHeld", message=why))
         busy = 0
         unknown: dict[str, str] = {}
+        # Looked at again by the next pass, whatever wakes it: what they wait
+        # on (Ceph answering, a source snapshot) comes with no event of ours.
+        again = {vp.name for vp in plans if vp.unknown or vp.waiting}
+        with self.lock:
+            self.dirty |= again
         for vp in plans:
             vol = by_name[vp.name]
             if vp.unknown and vol not in release:
@@ -480,12 +552,40 @@ class Daemon:
         sdnotify.notify(f"STATUS={len(current)} volume(s), {busy} converging, "
                         f"{len(unknown)} unknown, {len(frozen)} frozen, "
                         f"{len(held)} removal(s) held")
+        log.debug("pass %d: looked at %d volume(s): %s", self.passes_started, len(candidates),
+                  "; ".join(why) or "nothing changed")
         log.info("pass %d: %d volume(s), %d observed, %d converging, %d unknown, %d frozen, "
                  "%d releasing, %d removal(s) held; observe %.0f ms, pass %.0f ms",
                  self.passes_started, len(current), len(candidates), busy, len(unknown),
                  len(frozen),
                  len(release), len(held), t_obs * 1e3, (time.monotonic() - t0) * 1e3)
         return True
+
+    def _take_dirty(self, current: dict[str, Volume], release: list[Volume]
+                    ) -> tuple[set[str], list[str]]:
+        """The names this pass looks at, and why; the dirty set starts afresh."""
+        now = time.monotonic()
+        with self.lock:
+            every, names, why = self.dirty_all, self.dirty, self.dirty_why
+            self.dirty, self.dirty_all, self.dirty_why = set(), False, []
+            due = {n for n, b in self.backoff.items() if b.until <= now}
+            self.last_pass_start = now
+        changed = {n for n, v in current.items() if self.last_hash.get(n) != v.spec_hash}
+        self.last_hash = {n: v.spec_hash for n, v in current.items()}
+        if every:
+            return set(current) | {v.name for v in release}, why
+        if changed:
+            why = [*why, f"{len(changed)} new or changed"]
+        return names | changed | due | {v.name for v in release}, why
+
+    def _update_interest(self, looked: list[Volume], observed: Observed,
+                         current: dict[str, Volume]) -> None:
+        helpers = self.node.fuse.helper_pids()
+        for v in looked:
+            self.interest[v.name] = volume_interest(v, observed, helpers)
+        forget(self.interest, current)
+        if self.events is not None:
+            self.events.update(combine(self.interest))
 
     def _removals(self, current: dict[str, Volume], frozen: set[str],
                   failed_files: list[str]) -> tuple[list[Volume], dict[str, str]]:
@@ -604,6 +704,8 @@ class Daemon:
                     self._save_records()
                 log.info("%s: %s", vol.name, out.status,
                          extra={"volume": vol.name, "result": out.status})
+            if out.status != "failed":
+                self.dirty.add(vol.name)  # the next pass confirms what the chain did
         phase = ("Released" if released else
                  "Failed" if out.status == "failed" else
                  PHASE_NAMES[vp.wanted.name] if vp.wanted is not None else "Pending")
@@ -620,7 +722,7 @@ class Daemon:
                          "reason": "Applied" if out.status != "failed" else "StepFailed",
                          "message": out.error or "", "lastTransitionTime": _now()}],
         ))
-        self.wake()  # look again: level-triggered, the next pass confirms
+        self.wake()  # look again (a failed one when its backoff ends)
 
     def _record_aborted(self, vol: Volume, out: VolumeOutcome) -> None:
         """Cut short by SIGTERM: not a failure (no backoff, no alarm). What the
@@ -661,15 +763,18 @@ class Daemon:
     def _write_status(self, name: str, status: VolumeStatus) -> None:
         data = status.to_json()
         self.metrics.set_phase(name, status.phase)
+        key = tuple(data.get(k) for k in STATUS_KEYS)
+        if "steps" not in data and self.written.get(name) == key:
+            return  # unchanged since we wrote it: no read, no write
         path = self.status_path(name)
         old = read_json(path, {}) or {}
         merged = {**{k: v for k, v in old.items() if k in ("lastError",)}, **data,
                   "name": name, "updated": _now()}
-        if all(old.get(k) == merged.get(k) for k in
-               ("phase", "observedGeneration", "lastResult", "reason", "message")) \
-                and "steps" not in data:
+        if all(old.get(k) == merged.get(k) for k in STATUS_KEYS) and "steps" not in data:
+            self.written[name] = key
             return  # unchanged: spare the disk a write every resync
         write_json(path, merged)
+        self.written[name] = key
         with self.progress:
             self.progress_seq += 1
             self.progress.notify_all()

@@ -221,6 +221,11 @@ class FuseMapper:
         self._helpers = alive
         return set(alive)
 
+    def helper_pids(self) -> dict[str, int]:
+        """Mount point -> pid of the rbd-fuse helpers known to be serving it:
+        those started here and those found by the last listing."""
+        return {**self._helpers, **fuse_pids()}
+
     def scan_helpers(self, proc: Path = Path("/proc")) -> None:
         found: dict[str, int] = {}
         for pid_dir in proc.glob("[0-9]*"):

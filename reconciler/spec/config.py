@@ -72,6 +72,13 @@ class SnapshotsConfig:
 
 
 @dataclass(frozen=True)
+class EventsConfig:
+    # Images mapped through rbd-fuse: their size is read from the header this
+    # often (no open, no watch) to see a resize made elsewhere; 0: off.
+    image_poll_seconds: float = 2.0
+
+
+@dataclass(frozen=True)
 class Config:
     desired_dir: Path
     state_dir: Path
@@ -91,6 +98,7 @@ class Config:
     clone: CloneConfig = CloneConfig()
     timeouts: TimeoutsConfig = TimeoutsConfig()
     snapshots: SnapshotsConfig = SnapshotsConfig()
+    events: EventsConfig = EventsConfig()
 
     @property
     def staging_root(self) -> Path:
@@ -115,6 +123,7 @@ def _build(data: dict, source: Path | None) -> Config:
     clone = data.get("clone", {})
     timeouts = data.get("timeouts", {})
     snapshots = data.get("snapshots", {})
+    events = data.get("events", {})
     return Config(
         desired_dir=Path(data.get("desiredDir", "/etc/rbd-reconciler/volumes.d")),
         state_dir=Path(data.get("stateDir", "/var/lib/rbd-reconciler")),
@@ -153,6 +162,7 @@ def _build(data: dict, source: Path | None) -> Config:
         ),
         snapshots=SnapshotsConfig(
             freeze_timeout_seconds=float(snapshots.get("freezeTimeoutSeconds", 5))),
+        events=EventsConfig(image_poll_seconds=float(events.get("imagePollSeconds", 2))),
     )
 
 

@@ -1,0 +1,275 @@
+"""What wakes the daemon between resyncs: the node telling us something changed.
+
+Level-triggered still: an event only names the volumes to look at again; the
+pass that follows observes them afresh and acts on what it sees, never on the
+event. Every source here is a file descriptor polled by one thread:
+
+- the mount table: ``/proc/self/mountinfo`` signals POLLPRI/POLLERR on any
+  mount or unmount in our namespace; a re-read and a diff name the mount
+  points that changed;
+- block devices: the kernel's uevents (a NETLINK_KOBJECT_UEVENT socket), for
+  a device of ours removed or changed (krbd and rbd-nbd announce a resize
+  this way);
+- helpers: a pidfd per rbd-fuse helper, readable once the helper exits.
+
+An image resized elsewhere reaches no kernel object when it is mapped through
+rbd-fuse, and a librbd or rados watch would be a *watcher* of the image, which
+the one-writer claim and other nodes count as a user. So the mapped images'
+headers are read (no open, no watch) every ``events.imagePollSeconds``, in a
+thread of their own: a stalled Ceph holds up that poll, never the events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import select
+import socket
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from reconciler.facts.parsers import parse_mountinfo
+from reconciler.facts.uevent import Uevent, parse_uevent
+
+log = logging.getLogger("rbd-reconciler")
+
+MOUNTINFO = "/proc/self/mountinfo"
+NETLINK_KOBJECT_UEVENT = 15
+UEVENT_KERNEL_GROUP = 1
+UEVENT_ACTIONS = frozenset({"add", "remove", "change", "offline", "online"})
+
+# names, why: the daemon adds them to its dirty set and wakes its loop
+Mark = Callable[[Iterable[str] | None, str], None]
+# (pool, image) pairs -> their current size; missing: no answer (bounded)
+SizeReader = Callable[[list[tuple[str, str]]], dict[tuple[str, str], int]]
+
+
+@dataclass(frozen=True)
+class Interest:
+    """What of the node belongs to which volume, as the last passes saw it."""
+
+    paths: Mapping[str, str] = field(default_factory=dict)  # mount point -> volume
+    devices: Mapping[str, str] = field(default_factory=dict)  # "loop3", "rbd0" -> volume
+    pids: Mapping[int, str] = field(default_factory=dict)  # helper pid -> volume
+    # fuse-mapped images -> (volume, size last seen): polled for resizes
+    images: Mapping[tuple[str, str], tuple[str, int]] = field(default_factory=dict)
+
+
+def mount_keys(mountinfo: str) -> frozenset[tuple[int, str]]:
+    """(mount id, mount point) of every mount: a remount under the same
+    point gets a new id, so it shows up as a change too."""
+    return frozenset((m.mount_id, m.mount_point) for m in parse_mountinfo(mountinfo))
+
+
+def changed_points(before: frozenset[tuple[int, str]],
+                   after: frozenset[tuple[int, str]]) -> set[str]:
+    return {point for _, point in before ^ after}
+
+
+def names_for_points(points: Iterable[str], paths: Mapping[str, str]) -> set[str]:
+    return {paths[p] for p in points if p in paths}
+
+
+def names_for_uevent(ev: Uevent, devices: Mapping[str, str]) -> set[str]:
+    if ev.action not in UEVENT_ACTIONS or ev.subsystem != "block":
+        return set()
+    name = devices.get(ev.devname or "")
+    return {name} if name is not None else set()
+
+
+class EventHub:
+    """One thread polling the node's event sources; ``mark`` is called with
+    the volumes an event concerns (None: all of them, when events were lost)."""
+
+    def __init__(self, mark: Mark, read_sizes: SizeReader | None = None,
+                 image_poll_seconds: float = 0.0) -> None:
+        self.mark = mark
+        self.read_sizes = read_sizes
+        self.image_poll_seconds = image_poll_seconds
+        self._lock = threading.Lock()
+        self._interest = Interest()
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._pidfds: dict[int, tuple[int, str]] = {}  # fd -> (pid, volume)
+        self._mounts: frozenset[tuple[int, str]] = frozenset()
+        self._threads: list[threading.Thread] = []
+        self._mountinfo = None
+        self._netlink: socket.socket | None = None
+
+    # -- the daemon's side --------------------------------------------------------
+    def start(self) -> None:
+        self._mountinfo = open(MOUNTINFO, "rb", buffering=0)  # noqa: SIM115 (held open)
+        self._mounts = mount_keys(self._read_mountinfo())
+        self._netlink = _uevent_socket()
+        self._threads.append(threading.Thread(target=self._run, name="events", daemon=True))
+        if self.read_sizes is not None and self.image_poll_seconds > 0:
+            self._threads.append(threading.Thread(target=self._poll_images,
+                                                  name="image-poll", daemon=True))
+        for t in self._threads:
+            t.start()
+
+    def update(self, interest: Interest) -> None:
+        with self._lock:
+            self._interest = interest
+        self._nudge()
+
+    def stop(self, timeout: float) -> None:
+        self._stop.set()
+        self._nudge()
+        for t in self._threads:
+            t.join(timeout=timeout)
+        if any(t.is_alive() for t in self._threads):
+            return  # a stuck size read: its thread is a daemon thread, leave the fds
+        for fd in list(self._pidfds):
+            os.close(fd)
+        self._pidfds.clear()
+        if self._mountinfo is not None:
+            self._mountinfo.close()
+        if self._netlink is not None:
+            self._netlink.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # -- the events thread ---------------------------------------------------------
+    def _nudge(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"x")
+
+    def _run(self) -> None:
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        assert self._mountinfo is not None
+        poller.register(self._mountinfo.fileno(), select.POLLPRI | select.POLLERR)
+        if self._netlink is not None:
+            poller.register(self._netlink.fileno(), select.POLLIN)
+        self._sync_pidfds(poller)
+        while not self._stop.is_set():
+            try:
+                ready = poller.poll()
+            except InterruptedError:
+                continue
+            for fd, _ in ready:
+                try:
+                    self._handle(poller, fd)
+                except Exception:  # one bad event must not end the watching
+                    log.exception("events: handling fd %d failed", fd)
+
+    def _handle(self, poller: select.poll, fd: int) -> None:
+        if fd == self._wake_r:
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._wake_r, 4096)
+            self._sync_pidfds(poller)
+        elif self._mountinfo is not None and fd == self._mountinfo.fileno():
+            self._mounts_changed()
+        elif self._netlink is not None and fd == self._netlink.fileno():
+            self._uevents()
+        elif fd in self._pidfds:
+            pid, name = self._pidfds.pop(fd)
+            poller.unregister(fd)
+            os.close(fd)
+            self.mark([name], f"helper pid {pid} exited")
+
+    def _read_mountinfo(self) -> str:
+        assert self._mountinfo is not None
+        self._mountinfo.seek(0)
+        chunks = []
+        while chunk := self._mountinfo.read(1 << 16):
+            chunks.append(chunk)
+        return b"".join(chunks).decode(errors="surrogateescape")
+
+    def _mounts_changed(self) -> None:
+        now = mount_keys(self._read_mountinfo())
+        points = changed_points(self._mounts, now)
+        self._mounts = now
+        with self._lock:
+            paths = self._interest.paths
+        names = names_for_points(points, paths)
+        if names:
+            self.mark(names, f"mounts changed at {', '.join(sorted(points & set(paths)))}")
+
+    def _uevents(self) -> None:
+        assert self._netlink is not None
+        with self._lock:
+            devices = self._interest.devices
+        names: set[str] = set()
+        while True:
+            try:
+                data = self._netlink.recv(1 << 16, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                break
+            except OSError as exc:
+                if exc.errno == errno.ENOBUFS:  # the kernel dropped events: look at all
+                    self.mark(None, "uevents were lost (receive buffer overflow)")
+                    continue
+                raise
+            ev = parse_uevent(data)
+            if ev is not None:
+                names |= names_for_uevent(ev, devices)
+        if names:
+            self.mark(names, "block device uevent")
+
+    def _sync_pidfds(self, poller: select.poll) -> None:
+        with self._lock:
+            wanted = dict(self._interest.pids)
+        for fd, (pid, _) in list(self._pidfds.items()):
+            if wanted.get(pid) is None:
+                poller.unregister(fd)
+                os.close(fd)
+                del self._pidfds[fd]
+        held = {pid for pid, _ in self._pidfds.values()}
+        for pid, name in wanted.items():
+            if pid in held:
+                continue
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                self.mark([name], f"helper pid {pid} is gone")
+                continue
+            except OSError as exc:  # no pidfd on this kernel: the resync covers it
+                log.debug("events: pidfd_open(%d): %s", pid, exc)
+                continue
+            self._pidfds[fd] = (pid, name)
+            poller.register(fd, select.POLLIN)
+
+    # -- the image-size poll -------------------------------------------------------
+    def _poll_images(self) -> None:
+        assert self.read_sizes is not None
+        seen: dict[tuple[str, str], int] = {}
+        while not self._stop.wait(self.image_poll_seconds):
+            with self._lock:
+                images = dict(self._interest.images)
+            if not images:
+                continue
+            try:
+                sizes = self.read_sizes(sorted(images))
+            except Exception as exc:  # Ceph away: the resync still comes
+                log.debug("events: image size poll failed: %s", exc)
+                continue
+            changed = set()
+            for key, (name, known) in images.items():
+                size = sizes.get(key)
+                if size is None:
+                    continue
+                if size != known and seen.get(key) != size:
+                    changed.add(name)
+                seen[key] = size
+            for key in [k for k in seen if k not in images]:
+                del seen[key]
+            if changed:
+                self.mark(changed, "image resized elsewhere")
+
+
+def _uevent_socket() -> socket.socket | None:
+    try:
+        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC,
+                             NETLINK_KOBJECT_UEVENT)
+        with contextlib.suppress(OSError):  # a burst of 1,000 loop changes fits
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        sock.bind((0, UEVENT_KERNEL_GROUP))
+    except OSError as exc:  # a container without netlink: mounts and pidfds still work
+        log.info("events: no kernel uevents (%s); device changes are seen at the resync", exc)
+        return None
+    return sock

@@ -1,0 +1,147 @@
+"""The daemon's event sources: parsers and the hub on the real kernel
+(a tmpfs mount, a real child process, a real netlink socket)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+
+from reconciler.daemon.events import (
+    EventHub,
+    Interest,
+    changed_points,
+    mount_keys,
+    names_for_points,
+    names_for_uevent,
+)
+from reconciler.facts.uevent import parse_uevent
+
+DATA = Path(__file__).resolve().parents[2] / "data"
+DEADLINE = 10.0
+
+
+class Marks:
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.seen: list[tuple[frozenset[str] | None, str]] = []
+
+    def __call__(self, names: Iterable[str] | None, why: str) -> None:
+        with self.cond:
+            self.seen.append((None if names is None else frozenset(names), why))
+            self.cond.notify_all()
+
+    def wait_for(self, name: str) -> str:
+        end = time.monotonic() + DEADLINE
+        with self.cond:
+            while True:
+                for names, why in self.seen:
+                    if names is not None and name in names:
+                        return why
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"no event for {name} in {DEADLINE} s: {self.seen}")
+                self.cond.wait(left)
+
+
+def test_a_recorded_kernel_uevent() -> None:
+    ev = parse_uevent((DATA / "uevent_loop_change.bin").read_bytes())
+    assert ev is not None
+    assert (ev.action, ev.subsystem, ev.devname) == ("change", "block", "loop0")
+    assert names_for_uevent(ev, {"loop0": "v"}) == {"v"}
+    assert names_for_uevent(ev, {"loop1": "v"}) == set()
+
+
+def test_udev_rebroadcasts_and_garbage_are_ignored() -> None:
+    assert parse_uevent(b"libudev\0\xfe\xed") is None
+    assert parse_uevent(b"") is None
+    assert parse_uevent(b"no-at-sign\0A=B") is None
+
+
+def test_mount_diff_names_only_the_points_that_changed() -> None:
+    before = frozenset({(1, "/"), (20, "/srv/a"), (21, "/srv/b")})
+    after = frozenset({(1, "/"), (21, "/srv/b"), (30, "/srv/c"), (31, "/srv/b")})
+    points = changed_points(before, after)
+    assert points == {"/srv/a", "/srv/c", "/srv/b"}
+    assert names_for_points(points, {"/srv/a": "a", "/srv/x": "x"}) == {"a"}
+
+
+def test_mount_keys_of_this_node() -> None:
+    keys = mount_keys(Path("/proc/self/mountinfo").read_text())
+    assert any(point == "/" for _, point in keys)
+
+
+@pytest.fixture
+def hub_and_marks() -> Iterable[tuple[EventHub, Marks]]:
+    marks = Marks()
+    hub = EventHub(marks)
+    hub.start()
+    yield hub, marks
+    hub.stop(timeout=5)
+
+
+def test_a_mount_at_a_watched_path_marks_its_volume(tmp_path: Path,
+                                                    hub_and_marks: tuple[EventHub, Marks]) -> None:
+    hub, marks = hub_and_marks
+    target = tmp_path / "target"
+    target.mkdir()
+    hub.update(Interest(paths={str(target): "vol-a"}))
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "evtest", str(target)], check=True)
+    try:
+        assert "mounts changed" in marks.wait_for("vol-a")
+    finally:
+        subprocess.run(["umount", str(target)], check=True)
+
+
+def test_a_helper_that_exits_marks_its_volume(hub_and_marks: tuple[EventHub, Marks]) -> None:
+    hub, marks = hub_and_marks
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        hub.update(Interest(pids={proc.pid: "vol-h"}))
+        proc.kill()
+        assert f"helper pid {proc.pid}" in marks.wait_for("vol-h")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_loop_device_change_marks_its_volume(tmp_path: Path,
+                                               hub_and_marks: tuple[EventHub, Marks]) -> None:
+    hub, marks = hub_and_marks
+    backing = tmp_path / "img"
+    backing.write_bytes(b"\0" * (1 << 20))
+    dev = subprocess.run(["losetup", "--find", "--show", str(backing)], check=True,
+                         capture_output=True, text=True).stdout.strip()
+    try:
+        hub.update(Interest(devices={os.path.basename(dev): "vol-d"}))
+        backing.write_bytes(b"\0" * (2 << 20))
+        subprocess.run(["losetup", "-c", dev], check=True)  # a resize: "change"
+        assert marks.wait_for("vol-d") == "block device uevent"
+    finally:
+        subprocess.run(["losetup", "-d", dev], check=True)
+
+
+def test_the_image_poll_marks_a_resized_image() -> None:
+    marks = Marks()
+    sizes = {("rbd", "img"): 64}
+    hub = EventHub(marks, read_sizes=lambda keys: {k: sizes[k] for k in keys},
+                   image_poll_seconds=0.05)
+    hub.start()
+    try:
+        hub.update(Interest(images={("rbd", "img"): ("vol-r", 64)}))
+        sizes[("rbd", "img")] = 96
+        assert marks.wait_for("vol-r") == "image resized elsewhere"
+    finally:
+        hub.stop(timeout=5)
+
+
+def test_stop_is_prompt_and_closes_the_sources() -> None:
+    hub = EventHub(Marks())
+    hub.start()
+    hub.stop(timeout=5)
+    assert not any(t.is_alive() for t in hub._threads)
