@@ -67,6 +67,9 @@ STALL_MIN_S = 120.0
 # (the CSI server's own grace, the file watcher, the log lines).
 STOP_RESERVE_S = 3.0
 
+NOTHING_OBSERVED = Observed(images={}, pools_listed=frozenset(), pool_errors={}, mappings=(),
+                            devices={}, mounts=())
+
 # A status differing from the last written in none of these is not rewritten.
 STATUS_KEYS = ("phase", "observedGeneration", "lastResult", "reason", "message")
 
@@ -507,7 +510,8 @@ class Daemon:
         candidates = [v for v in [*current.values(), *release]
                       if v.name in look and self._due(v)]
         t_obs = time.monotonic()
-        observed = observe(self.node, candidates)
+        # Nothing to look at: nothing of the node is read (an idle pass).
+        observed = observe(self.node, candidates) if candidates else NOTHING_OBSERVED
         t_obs = time.monotonic() - t_obs
         plans = plan(candidates, observed, context(self.config, self.node),
                      release=[v.name for v in release])
