@@ -7,11 +7,14 @@ module, never each other."""
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
 import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -265,3 +268,115 @@ def cleanup(root: Path, cluster: DevCluster | None, problems: list[str] | None =
     for msg in problems:
         print(f"{Path(sys.argv[0]).stem}: cleanup: {msg}", file=sys.stderr)
     return 1 if problems else 0
+
+
+STOP_TIMEOUT = 30.0
+READY_TIMEOUT = 60.0
+
+
+class DaemonProc:
+    """The daemon under test: a subprocess logging JSON lines to a file."""
+
+    def __init__(self, root: Path, cli: Path, config: Path,
+                 args: tuple[str, ...] = ("--allow-mass-removal",)) -> None:
+        self.log = root / "daemon.log"
+        self.notify_path = root / "notify.sock"
+        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.notify.bind(str(self.notify_path))
+        self.notify.setblocking(False)
+        self.logf = open(self.log, "ab")  # noqa: SIM115 - closed in stop()
+        self.reader = open(self.log, "rb")  # noqa: SIM115 - closed in stop()
+        self.buf = b""
+        env = {**os.environ, "NOTIFY_SOCKET": str(self.notify_path)}
+        # setpriv --pdeathsig: a SIGKILLed benchmark takes its daemon along.
+        self.proc = subprocess.Popen(
+            ["setpriv", "--pdeathsig", "KILL", str(cli), "--config", str(config), "run",
+             "--log-format", "json", *args],
+            env=env, stdin=subprocess.DEVNULL, stdout=self.logf, stderr=self.logf)
+
+    def tail(self, n: int = 3000) -> str:
+        with contextlib.suppress(OSError):
+            return self.log.read_text(errors="replace")[-n:]
+        return ""
+
+    def drain_notify(self) -> list[bytes]:
+        """Read what the daemon sent to NOTIFY_SOCKET. It must be read: the datagram
+        queue holds net.unix.max_dgram_qlen (10) messages, then the daemon's sendto blocks."""
+        out = []
+        while self.notify.fileno() != -1:
+            try:
+                out.append(self.notify.recv(4096))
+            except BlockingIOError:
+                break
+        return out
+
+    def check_alive(self) -> None:
+        self.drain_notify()
+        if self.proc.poll() is not None:
+            raise BenchError(f"daemon exited {self.proc.returncode}; log:\n{self.tail()}")
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT
+        while True:
+            if any(m.startswith(b"READY=1") for m in self.drain_notify()):
+                return
+            if self.proc.poll() is not None:
+                raise BenchError(f"daemon exited {self.proc.returncode}; log:\n{self.tail()}")
+            if time.monotonic() > deadline:
+                raise BenchError(f"no READY=1 from the daemon; log:\n{self.tail()}")
+            time.sleep(0.01)
+
+    def new_lines(self) -> list[dict]:
+        """JSON log records appended since the last call (non-JSON lines skipped)."""
+        self.buf += self.reader.read()
+        *complete, self.buf = self.buf.split(b"\n")
+        out = []
+        for line in complete:
+            with contextlib.suppress(ValueError):
+                rec = json.loads(line)
+                if isinstance(rec, dict):
+                    out.append(rec)
+        return out
+
+    def stop(self) -> int | None:
+        """SIGTERM, wait for the chains in flight; after STOP_TIMEOUT dump every thread's
+        stack (SIGUSR1: the daemon's faulthandler), print it, SIGKILL."""
+        rc = None
+        self.notify.close()  # its STOPPING=1 then fails at once instead of blocking
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout=STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            size = self.log.stat().st_size
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(1)
+            with open(self.log, "rb") as f:
+                f.seek(size)
+                stacks = f.read().decode(errors="replace")
+            print(f"{Path(sys.argv[0]).stem}: daemon ignored SIGTERM for {STOP_TIMEOUT:.0f} s; "
+                  f"its threads:\n{stacks}\nkilling it", file=sys.stderr)
+            self.proc.kill()
+            rc = self.proc.wait()
+        finally:
+            self.logf.close()
+            self.reader.close()
+        return rc
+
+
+def status(state: Path, name: str) -> dict:
+    try:
+        return json.loads((state / "status" / f"{name}.json").read_text())
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
+def pct(xs: list[float], p: float) -> float:
+    """Nearest-rank percentile."""
+    s = sorted(xs)
+    return s[max(0, math.ceil(p / 100 * len(s)) - 1)]
+
+
+def line(label: str, xs: list[float]) -> str:
+    return (f"{label:<34} p50 {pct(xs, 50) * 1000:8.1f} ms   p99 {pct(xs, 99) * 1000:8.1f} ms"
+            f"   max {max(xs) * 1000:8.1f} ms   (n={len(xs)})")

@@ -35,12 +35,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import math
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -53,14 +49,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import (
     BenchError,
+    DaemonProc,
     assert_published,
     find_cli,
     fuse_pids_under,
+    line,
     loops_under,
     mounts_under,
+    pct,
     run,
     signals_ignored,
     signals_raise,
+    status,
     sweep,
     wait_exit,
 )
@@ -72,8 +72,6 @@ from reconciler.testing.devcluster import DevCluster, start_cluster
 TARGET_P99_FIRST_STEP = 0.100
 POLL_S = 0.001
 RUN_TIMEOUT = 60.0  # never wait unbounded for one volume
-READY_TIMEOUT = 60.0
-STOP_TIMEOUT = 30.0
 
 VOLUME_YAML = """\
 apiVersion: rbd-reconciler/v1
@@ -105,107 +103,11 @@ resyncSeconds: 3600
 """
 
 
-class DaemonProc:
-    """The daemon under test: a subprocess logging JSON lines to a file."""
-
-    def __init__(self, root: Path, cli: Path, config: Path) -> None:
-        self.log = root / "daemon.log"
-        self.notify_path = root / "notify.sock"
-        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.notify.bind(str(self.notify_path))
-        self.notify.setblocking(False)
-        self.logf = open(self.log, "ab")  # noqa: SIM115 - closed in stop()
-        self.reader = open(self.log, "rb")  # noqa: SIM115 - closed in stop()
-        self.buf = b""
-        env = {**os.environ, "NOTIFY_SOCKET": str(self.notify_path)}
-        # setpriv --pdeathsig: a SIGKILLed benchmark takes its daemon along.
-        self.proc = subprocess.Popen(
-            ["setpriv", "--pdeathsig", "KILL", str(cli), "--config", str(config), "run",
-             "--log-format", "json", "--allow-mass-removal"],
-            env=env, stdin=subprocess.DEVNULL, stdout=self.logf, stderr=self.logf)
-
-    def tail(self, n: int = 3000) -> str:
-        with contextlib.suppress(OSError):
-            return self.log.read_text(errors="replace")[-n:]
-        return ""
-
-    def drain_notify(self) -> list[bytes]:
-        """Read what the daemon sent to NOTIFY_SOCKET. It must be read: the datagram
-        queue holds net.unix.max_dgram_qlen (10) messages, then the daemon's sendto blocks."""
-        out = []
-        while self.notify.fileno() != -1:
-            try:
-                out.append(self.notify.recv(4096))
-            except BlockingIOError:
-                break
-        return out
-
-    def check_alive(self) -> None:
-        self.drain_notify()
-        if self.proc.poll() is not None:
-            raise BenchError(f"daemon exited {self.proc.returncode}; log:\n{self.tail()}")
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT
-        while True:
-            if any(m.startswith(b"READY=1") for m in self.drain_notify()):
-                return
-            if self.proc.poll() is not None:
-                raise BenchError(f"daemon exited {self.proc.returncode}; log:\n{self.tail()}")
-            if time.monotonic() > deadline:
-                raise BenchError(f"no READY=1 from the daemon; log:\n{self.tail()}")
-            time.sleep(0.01)
-
-    def new_lines(self) -> list[dict]:
-        """JSON log records appended since the last call (non-JSON lines skipped)."""
-        self.buf += self.reader.read()
-        *complete, self.buf = self.buf.split(b"\n")
-        out = []
-        for line in complete:
-            with contextlib.suppress(ValueError):
-                rec = json.loads(line)
-                if isinstance(rec, dict):
-                    out.append(rec)
-        return out
-
-    def stop(self) -> int | None:
-        """SIGTERM, wait for the chains in flight; after STOP_TIMEOUT dump every thread's
-        stack (SIGUSR1: the daemon's faulthandler), print it, SIGKILL."""
-        rc = None
-        self.notify.close()  # its STOPPING=1 then fails at once instead of blocking
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            rc = self.proc.wait(timeout=STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            size = self.log.stat().st_size
-            self.proc.send_signal(signal.SIGUSR1)
-            time.sleep(1)
-            with open(self.log, "rb") as f:
-                f.seek(size)
-                stacks = f.read().decode(errors="replace")
-            print(f"p3: daemon ignored SIGTERM for {STOP_TIMEOUT:.0f} s; its threads:\n"
-                  f"{stacks}\np3: killing it", file=sys.stderr)
-            self.proc.kill()
-            rc = self.proc.wait()
-        finally:
-            self.logf.close()
-            self.reader.close()
-        return rc
-
-
 def log_time(rec: dict) -> float | None:
     """The record's own "time" (logging's default local '%Y-%m-%d %H:%M:%S,mmm') as epoch."""
     with contextlib.suppress(KeyError, ValueError, TypeError):
         return datetime.strptime(rec["time"], "%Y-%m-%d %H:%M:%S,%f").timestamp()
     return None
-
-
-def status(state: Path, name: str) -> dict:
-    try:
-        return json.loads((state / "status" / f"{name}.json").read_text())
-    except (FileNotFoundError, ValueError):
-        return {}
 
 
 def one_run(d: DaemonProc, root: Path, pool: str, name: str, written: list[Path]
@@ -263,17 +165,6 @@ def one_run(d: DaemonProc, root: Path, pool: str, name: str, written: list[Path]
         raise BenchError(f"{name}: released but left {left + loops_under(root)}")
     first_by_log = None if first_logged is None else first_logged - t0
     return first - t0, published - t0, first_by_log
-
-
-def pct(xs: list[float], p: float) -> float:
-    """Nearest-rank percentile."""
-    s = sorted(xs)
-    return s[max(0, math.ceil(p / 100 * len(s)) - 1)]
-
-
-def line(label: str, xs: list[float]) -> str:
-    return (f"{label:<34} p50 {pct(xs, 50) * 1000:8.1f} ms   p99 {pct(xs, 99) * 1000:8.1f} ms"
-            f"   max {max(xs) * 1000:8.1f} ms   (n={len(xs)})")
 
 
 def main(argv: list[str] | None = None) -> int:

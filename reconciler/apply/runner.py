@@ -374,6 +374,8 @@ class _VolumeRun:
         if fresh:  # a claim this node held before (a takeover's) is kept on failure
             self.acquired.append(("release claim", lambda: claims.release(
                 cluster, step.pool, step.image, me)))
+        if not fresh and held.clients:
+            self.fence_former_clients(cluster, step, held)
         mapper = self.node.mapper(step.mapper)
         self.device = mapper.map(step.pool, step.image, step.options)
         mapping = Mapping(step.mapper, step.pool, step.image, self.device,
@@ -395,6 +397,24 @@ class _VolumeRun:
             raise StepRefused(f"{step.pool}/{step.image} is claimed by node {exc.holder.node} "
                               "(taken while mapping here); unmapped here") from None
         return "changed", self.device
+
+    def fence_former_clients(self, cluster: rados.Rados, step: MapImage, held: Claim) -> None:
+        """Mapping an image this node's claim already names: its recorded
+        clients served a mapping here that is gone (a helper that died; a
+        live one would have been observed, and nothing would be mapped).
+        One still watching holds the image's exclusive lock until Ceph times
+        its watch out (30 s), and the new helper's I/O waits for it: fence
+        exactly those client instances (ip:port/nonce), as a takeover does."""
+        with cluster.open_ioctx(step.pool) as ioctx:
+            stale = {a for a in claims.watchers(ioctx, step.image) if a in held.clients}
+        if not stale:
+            return
+        for addr in sorted(stale):
+            claims.blocklist_add(cluster, addr)
+        left = claims.wait_watchers_gone(cluster, step.pool, step.image, stale, timeout=10.0)
+        self.out.notes.append(f"fenced this node's former client(s) {', '.join(sorted(stale))} "
+                          "of a mapping that is gone"
+                          + (f"; still watching: {', '.join(left)}" if left else ""))
 
     def take_claim(self, cluster: rados.Rados, pool: str, image: str) -> tuple[Claim, bool]:
         try:

@@ -94,6 +94,9 @@ class EventHub:
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._pidfds: dict[int, tuple[int, str]] = {}  # fd -> (pid, volume)
+        # Helpers already reported gone: the interest names them until their
+        # volume is looked at again, which must not mark it again and again.
+        self._gone: set[int] = set()
         self._mounts: frozenset[tuple[int, str]] = frozenset()
         self._threads: list[threading.Thread] = []
         self._mountinfo = None
@@ -170,6 +173,7 @@ class EventHub:
             pid, name = self._pidfds.pop(fd)
             poller.unregister(fd)
             os.close(fd)
+            self._gone.add(pid)
             self.mark([name], f"helper pid {pid} exited")
 
     def _read_mountinfo(self) -> str:
@@ -219,13 +223,15 @@ class EventHub:
                 poller.unregister(fd)
                 os.close(fd)
                 del self._pidfds[fd]
-        held = {pid for pid, _ in self._pidfds.values()}
+        self._gone &= set(wanted)
+        held = {pid for pid, _ in self._pidfds.values()} | self._gone
         for pid, name in wanted.items():
             if pid in held:
                 continue
             try:
                 fd = os.pidfd_open(pid)
             except ProcessLookupError:
+                self._gone.add(pid)
                 self.mark([name], f"helper pid {pid} is gone")
                 continue
             except OSError as exc:  # no pidfd on this kernel: the resync covers it

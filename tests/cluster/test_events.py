@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from conftest import NodeUnderTest
 from test_daemon import Daemon, set_resync, spec, wait_for
 from test_daemon import start as start  # the fixture
 
+from reconciler.apply import claims
 from reconciler.facts.parsers import parse_mountinfo
 
 pytestmark = pytest.mark.ceph
@@ -23,6 +25,11 @@ EVENT_DEADLINE = 30.0  # far below the resync (3600 s); generous for a loaded ma
 
 def _image_only(node: NodeUnderTest, size: str = "64Mi") -> str:
     return f"  image: {{pool: {node.cluster.pool}, size: {size}}}\n  map: {{mapper: fuse}}\n"
+
+
+def _rbd(node: NodeUnderTest) -> list[str]:
+    return ["rbd", "-c", str(node.cluster.conf), "--id", node.cluster.user,
+            "--keyring", str(node.cluster.keyring)]
 
 
 def _settled(d: Daemon, name: str) -> None:
@@ -89,6 +96,10 @@ def test_dead_fuse_helper_is_seen_at_once(node: NodeUnderTest,
     before = wait_for(lambda: d.status(name).get("device") and d.status(name),
                       "the confirm pass's status")
     pid = _fuse_pid(node, name)
+    holder = subprocess.run([*_rbd(node), "image-meta", "get", f"{node.cluster.pool}/{name}",
+                             "rbd-reconciler.holder"], capture_output=True, text=True).stdout
+    clients = json.loads(holder)["clients"]
+    assert clients
     os.kill(pid, signal.SIGKILL)
     # A dead helper with nothing mounted is unmapped and mapped again (README).
     # The re-map itself waits for Ceph to drop the dead client's watch (30 s).
@@ -98,6 +109,13 @@ def test_dead_fuse_helper_is_seen_at_once(node: NodeUnderTest,
     wait_for(lambda: (s := d.status(name)).get("device") and s.get("phase") == "Mapped"
              and s["updated"] != before["updated"] and _alive_helper(node, name, pid),  # type: ignore[index]
              "the volume mapped again", 90)
+    # The dead helper's client, which our claim names, was fenced before the
+    # re-map (for 30 days, as a takeover fences): librbd would otherwise wait
+    # out its watch (30 s) and then fence it itself, for an hour.
+    with node.cluster.client() as cluster:
+        until = claims.blocklist(cluster)
+    soon = (datetime.now(UTC) + timedelta(days=2)).isoformat()
+    assert all(c in until and until[c] > soon for c in clients), (clients, until)
     assert d.stop() == 0
 
 

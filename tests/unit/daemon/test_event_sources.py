@@ -145,3 +145,18 @@ def test_stop_is_prompt_and_closes_the_sources() -> None:
     hub.start()
     hub.stop(timeout=5)
     assert not any(t.is_alive() for t in hub._threads)
+
+
+def test_a_dead_helper_is_reported_once(hub_and_marks: tuple[EventHub, Marks]) -> None:
+    """The interest keeps naming a dead helper until its volume is looked at
+    again: every update must not mark it again (that was a pass loop)."""
+    hub, marks = hub_and_marks
+    proc = subprocess.Popen(["sleep", "60"])
+    proc.kill()
+    proc.wait()
+    hub.update(Interest(pids={proc.pid: "vol-g"}))
+    marks.wait_for("vol-g")
+    # As the daemon does after the pass the mark caused: the same interest.
+    hub.update(Interest(pids={proc.pid: "vol-g", 12345678: "vol-z"}))  # beyond pid_max
+    marks.wait_for("vol-z")
+    assert sum(1 for names, _ in marks.seen if names and "vol-g" in names) == 1
