@@ -129,6 +129,7 @@ class Daemon:
         self.inflight: dict[str, Future[None]] = {}
         self.backoff: dict[str, Backoff] = {}
         self.records: dict[str, dict] = {}
+        self.recorded: dict[str, tuple[str, Path]] = {}  # name -> what its record holds
         # Files unchanged since the last pass (stat) are not read again.
         self.load_cache = LoadCache()
         self.pool = ThreadPoolExecutor(max_workers=config.parallel,
@@ -638,9 +639,16 @@ class Daemon:
                     self._write_status(name, VolumeStatus("Released", reason="FileRemovedKept"))
                 else:
                     release.append(vol)
+            changed = bool(removing)
             for v in current.values():
+                if self.recorded.get(v.name) == (v.spec_hash, v.source.file) \
+                        and v.name in self.records:
+                    continue  # recorded as it is: no conversion, no write
                 self.records[v.name] = {"file": str(v.source.file), "volume": volume_to_dict(v)}
-            self._save_records()
+                self.recorded[v.name] = (v.spec_hash, v.source.file)
+                changed = True
+            if changed:
+                self._save_records()
         return release, held
 
     def _mass_removal(self, removing: int, present: int) -> bool:

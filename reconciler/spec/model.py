@@ -6,6 +6,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from enum import IntEnum
+from functools import cached_property
 from pathlib import Path
 
 API_VERSION = "rbd-reconciler/v1"
@@ -138,7 +139,7 @@ class Volume:
             return Phase.MAPPED
         return Phase.CREATED
 
-    @property
+    @cached_property  # frozen: computed once per Volume (the daemon asks often)
     def spec_hash(self) -> str:
         """A stable digest of what is wanted (not where it was written)."""
         data = asdict(self)

@@ -75,6 +75,15 @@ def desired_dir_problems(desired: Path, files: list[Path]) -> list[str]:
     except OSError:
         return problems
     for f in files:
+        try:
+            st = os.lstat(f)
+        except OSError as exc:
+            problems.append(f"{f}: {exc.strerror or exc}")
+            continue
+        if stat.S_ISREG(st.st_mode):  # not a link: inside the directory checked above
+            if (p := unsafe(f, st, "file")) is not None:
+                problems.append(p)
+            continue
         if (p := escapes(f, real)) is not None:
             problems.append(p)
             continue

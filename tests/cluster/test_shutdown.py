@@ -241,6 +241,9 @@ def test_shutdown_releases_everything_and_boot_restores_it(node: NodeUnderTest) 
         assert f"[{pool}/{n}]" in proc.stdout, proc.stdout
     assert desired_files(node) == files  # desired files untouched
     assert all(node.image_exists(n) for n in (fs, blk, csi, kept, frozen))  # nothing deleted
+    # Nothing of ours is mapped: no image still names this node as its holder.
+    assert {n: holder(node, n) for n in (fs, blk, csi, kept, frozen)} == dict.fromkeys(
+        (fs, blk, csi, kept, frozen))
 
     # Boot: the daemon converges the files again, with the data as it was.
     doc = node.apply()
@@ -253,6 +256,14 @@ def test_shutdown_releases_everything_and_boot_restores_it(node: NodeUnderTest) 
     doc = node.apply()
     assert doc["rc"] == 0, doc
     assert all(checksum_tree(srv / d) == sums[d] for d in ("kept", "frozen"))
+
+
+def holder(node: NodeUnderTest, image: str) -> str | None:
+    import rbd  # Ceph's binding only where a test needs the cluster
+
+    with node.cluster.client() as c, c.open_ioctx(node.cluster.pool) as io, \
+            rbd.Image(io, image, read_only=True) as img:
+        return dict(img.metadata_list()).get("rbd-reconciler.holder")
 
 
 @pytest.mark.ceph
