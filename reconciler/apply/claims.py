@@ -17,7 +17,7 @@ import time
 import rados
 import rbd
 
-from reconciler.drivers.ceph import CephError
+from reconciler.drivers.ceph import CephError, header_oid, open_image
 from reconciler.facts import meta
 from reconciler.facts.claim import Claim, parse
 
@@ -34,8 +34,10 @@ class ClaimedElsewhere(CephError):
 
 
 def header_object(ioctx: rados.Ioctx, image: str) -> str:
+    if (oid := header_oid(ioctx, image)) is not None:
+        return oid  # read from the id object: no image open
     try:
-        with rbd.Image(ioctx, image, read_only=True) as img:
+        with open_image(ioctx, image, read_only=True) as img:
             image_id = img.id()
             old_format = img.old_format()
     except rbd.ImageNotFound:
@@ -76,7 +78,7 @@ def _cas(ioctx: rados.Ioctx, oid: str, old: str | None, new: str | None) -> bool
 
 
 def watchers(ioctx: rados.Ioctx, image: str) -> tuple[str, ...]:
-    with rbd.Image(ioctx, image, read_only=True) as img:
+    with open_image(ioctx, image, read_only=True) as img:
         return tuple(sorted(w["addr"] for w in img.watchers_list()))
 
 
