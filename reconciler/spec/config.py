@@ -75,7 +75,7 @@ class SnapshotsConfig:
 class EventsConfig:
     # Images mapped through rbd-fuse: their size is read from the header this
     # often (no open, no watch) to see a resize made elsewhere; 0: off.
-    image_poll_seconds: float = 2.0
+    image_poll_seconds: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -162,7 +162,7 @@ def _build(data: dict, source: Path | None) -> Config:
         ),
         snapshots=SnapshotsConfig(
             freeze_timeout_seconds=float(snapshots.get("freezeTimeoutSeconds", 5))),
-        events=EventsConfig(image_poll_seconds=float(events.get("imagePollSeconds", 2))),
+        events=EventsConfig(image_poll_seconds=float(events.get("imagePollSeconds", 0.5))),
     )
 
 
