@@ -127,8 +127,8 @@ class FuseMapper:
         logfile = mnt.with_suffix(".log")
         # attr_timeout=0: the kernel asks rbd-fuse for the file size each time,
         # so a resize is seen by the next `losetup -c`, not a second later.
-        argv = ["rbd-fuse", *_ceph_args(self.ceph), "-p", pool, "-r", image, str(mnt), "-f",
-                "-o", "attr_timeout=0"]
+        argv = ["rbd-fuse", *_ceph_args(self.ceph), "-p", pool, "-r", image,
+                "-o", "attr_timeout=0", str(mnt), "-f"]
         self.runner.history.append(argv)
         with open(logfile, "ab") as out:
             # Own session: a Ctrl-C at the CLI must not kill the volume's I/O path.

@@ -420,7 +420,8 @@ def test_fuse_map_command_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     try:
         assert m.map("rbd", "pgdata", ()) == "/dev/loop3"
         assert runner.history == [
-            ["rbd-fuse", *CEPH_ARGS, "-p", "rbd", "-r", "pgdata", str(mnt), "-f"],
+            ["rbd-fuse", *CEPH_ARGS, "-p", "rbd", "-r", "pgdata", "-o", "attr_timeout=0",
+             str(mnt), "-f"],
             ["losetup", "--find", "--show", "--direct-io=on", str(mnt / "pgdata")],
         ]
         assert [p.argv for p in started] == [runner.history[0]]
