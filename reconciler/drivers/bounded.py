@@ -1,4 +1,4 @@
-"""Calls with a deadline, off the caller's thread, at most one in flight per key.
+"""Calls with a deadline, off the caller's thread, at most one stuck per key.
 
 A command stuck in the kernel (``blkid`` in D state on a wedged OSD, a
 librados call on a pool whose PGs map to no OSD) cannot be killed; the
@@ -6,8 +6,10 @@ thread waiting for it cannot be either. So the caller never waits past its
 deadline: what has not answered is reported *unknown*, and the thread is
 written off. A key whose previous call is still stuck is not called again
 (the answer would be the same; threads must not pile up), so there is at
-most one stuck thread per key. A written-off call no longer counts against
-``max_running``: stuck probes never starve the healthy ones.
+most one stuck thread per key. Calls for a key that is merely busy (two
+CSI requests observing the same pool at once) both run: refusing the second
+would report a healthy pool unknown. A written-off call no longer counts
+against ``max_running``: stuck probes never starve the healthy ones.
 
 Calls run on a few reused worker threads (at most ``max_running`` that are
 not written off), not one thread per call: an observe pass submits a call
@@ -60,7 +62,8 @@ class Bounded:
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._queue: deque[tuple[Task, Callable[[], object]]] = deque()
-        self._inflight: dict[Hashable, Task] = {}
+        self._inflight = 0
+        self._stuck: dict[Hashable, Task] = {}  # written off and not returned yet
         self._max = max_running
         self._workers = 0  # alive and not written off
         self._idle = 0
@@ -68,16 +71,17 @@ class Bounded:
 
     def inflight(self) -> int:
         with self._lock:
-            return len(self._inflight)
+            return self._inflight
 
     def submit(self, key: Hashable, fn: Callable[[], T]) -> Task[T]:
-        """Queue ``fn`` for a worker; raise StillStuck if ``key`` is busy."""
+        """Queue ``fn`` for a worker; raise StillStuck if the last call for
+        ``key`` was written off and has not returned."""
         with self._lock:
-            if key in self._inflight:
+            if key in self._stuck:
                 raise StillStuck("no answer: the previous call is still waiting")
             task: Task[T] = Task(key)
             task.started_at = time.monotonic()
-            self._inflight[key] = task
+            self._inflight += 1
             self._queue.append((task, fn))
             self._work.notify()
             self._spawn_if_needed()
@@ -132,13 +136,16 @@ class Bounded:
         may call again at once."""
         self._release(task)
         with self._lock:
-            self._inflight.pop(task.key, None)
+            self._inflight -= 1
+            if self._stuck.get(task.key) is task:
+                del self._stuck[task.key]
 
     def _release(self, task: Task, write_off: bool = False) -> None:
         with self._lock:
             held, task._slot_held = task._slot_held, False
             if held and write_off:  # its worker is stuck with it: replace the worker
                 task._written_off = True
+                self._stuck[task.key] = task
                 self._workers -= 1
                 self._spawn_if_needed()
         if held:

@@ -65,3 +65,16 @@ def test_a_written_off_worker_is_replaced_and_others_still_run(started: list[str
     for g in gates:
         g.set()
     assert [calls.wait(t, 5, FOREVER) for t in stuck] == [True, True]
+
+
+def test_a_busy_key_that_is_not_stuck_still_runs_a_second_call() -> None:
+    """Two CSI requests observing one pool at once: both get an answer (the
+    second was once refused "still waiting", and its pool reported unknown)."""
+    calls = Bounded(max_running=2, name="t")
+    gate = threading.Event()
+    first = calls.submit("pool", gate.wait)
+    second = calls.submit("pool", lambda: "listed")
+    assert calls.wait(second, 5, FOREVER) == "listed"
+    gate.set()
+    assert calls.wait(first, 5, FOREVER) is True
+    assert calls.inflight() == 0
