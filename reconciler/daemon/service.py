@@ -52,6 +52,7 @@ from reconciler.spec.model import Volume, volume_from_dict, volume_to_dict
 from reconciler.spec.security import desired_dir_problems
 from reconciler.state import allowance
 from reconciler.state.files import read_json, write_json
+from reconciler.state.records import RecordsFile
 from reconciler.state.status import VolumeStatus
 
 log = logging.getLogger("rbd-reconciler")
@@ -130,6 +131,7 @@ class Daemon:
         self.backoff: dict[str, Backoff] = {}
         self.records: dict[str, dict] = {}
         self.recorded: dict[str, tuple[str, Path]] = {}  # name -> what its record holds
+        self.records_file = RecordsFile(self.records_path)
         # Files unchanged since the last pass (stat) are not read again.
         self.load_cache = LoadCache()
         self.pool = ThreadPoolExecutor(max_workers=config.parallel,
@@ -251,12 +253,16 @@ class Daemon:
         signal.signal(signal.SIGINT, stop)
         signal.signal(signal.SIGHUP, reload)
 
-    def preflight(self) -> list[str]:
-        files, _ = discover([self.config.desired_dir])
-        problems = desired_dir_problems(self.config.desired_dir, files)
-        csi_dir = self.config.csi_dir
-        if csi_dir.is_dir():  # the CSI adapter's files converge like the operator's
-            problems += desired_dir_problems(csi_dir, discover([csi_dir])[0])
+    def preflight(self, files: bool = True) -> list[str]:
+        """Why the desired directories may not be trusted. ``files=False`` (a
+        pass): the directories only, since the load that follows checks every
+        file as it stats it, and refuses an untrusted one the same way."""
+        dirs = [self.config.desired_dir]
+        if self.config.csi_dir.is_dir():  # the CSI adapter's files converge like the operator's
+            dirs.append(self.config.csi_dir)
+        problems = []
+        for d in dirs:
+            problems += desired_dir_problems(d, discover([d])[0] if files else [])
         return problems
 
     def run(self) -> int:
@@ -491,7 +497,7 @@ class Daemon:
         t0 = time.monotonic()
         self._watch()  # the link may point elsewhere now
         reap_zombies()
-        problems = self.preflight()
+        problems = self.preflight(files=False)
         self.conditions.update("preflight", [f"not reconciling: {p}" for p in problems])
         if problems:
             sdnotify.notify(f"STATUS=refusing: {problems[0]}")
@@ -792,4 +798,6 @@ class Daemon:
             self.progress.notify_all()
 
     def _save_records(self) -> None:
-        write_json(self.records_path, self.records)
+        if self.records_file.path != self.records_path:  # a reload moved stateDir
+            self.records_file = RecordsFile(self.records_path)
+        self.records_file.save(self.records)

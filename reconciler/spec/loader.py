@@ -11,6 +11,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import os
+import re
 import stat
 import time
 from collections.abc import Iterable
@@ -66,30 +67,66 @@ class LoadResult:
         return not self.diagnostics
 
 
+_IGNORED = re.compile("|".join(fnmatch.translate(pat) for pat in IGNORED_PATTERNS))
+
+
 def is_ignored(name: str) -> bool:
-    return any(fnmatch.fnmatchcase(name, pat) for pat in IGNORED_PATTERNS)
+    return _IGNORED.match(name) is not None
 
 
 def discover(paths: Iterable[Path]) -> tuple[list[Path], list[Diagnostic]]:
     """The spec files named by ``paths``: YAML files directly inside a
-    directory (not recursive; sorted), or files given by name."""
+    directory (not recursive; sorted by name), or files given by name.
+    A directory is read with one scandir: an entry's type comes with it, so a
+    regular file costs no stat (a daemon pass lists every file)."""
     files: list[Path] = []
     diags: list[Diagnostic] = []
     for p in paths:
         if p.is_dir():
             try:
-                files.extend(sorted(
-                    c for c in p.iterdir()
-                    if c.suffix in YAML_SUFFIXES and not is_ignored(c.name) and not c.is_dir()
-                ))
+                names = _listing(p)
             except OSError as exc:
                 diags.append(Diagnostic(p, 1, 1, "(directory)",
                                         f"cannot list it: {exc.strerror or exc}"))
+                continue
+            files.extend(names)
         elif p.exists():
             files.append(p)
         else:
             diags.append(Diagnostic(p, 1, 1, "(file)", "no such file or directory"))
     return files, diags
+
+
+# directory -> (its signature when listed, the spec file names in it)
+_LISTINGS: dict[Path, tuple[Signature, tuple[Path, ...]]] = {}
+
+
+def _listing(directory: Path) -> tuple[Path, ...]:
+    """The spec files in ``directory``, sorted by name. A listing is kept while
+    the directory's signature is unchanged: adding, removing or renaming an
+    entry moves its mtime and ctime (not racy: see RACY_NS)."""
+    st = os.stat(directory)
+    kept = _LISTINGS.get(directory)
+    if kept is not None and kept[0] == _signature(st):
+        return kept[1]
+    listed_at = time.time_ns()
+    with os.scandir(directory) as it:
+        names = tuple(directory / n for n in sorted(
+            e.name for e in it if e.name.endswith(YAML_SUFFIXES)
+            and not is_ignored(e.name) and not _is_dir(e)))
+    if max(st.st_mtime_ns, st.st_ctime_ns) < listed_at - LISTING_RACY_NS:
+        _LISTINGS[directory] = (_signature(st), names)
+    else:
+        _LISTINGS.pop(directory, None)
+    return names
+
+
+def _is_dir(entry: os.DirEntry[str]) -> bool:
+    """A directory, or a link to one (as Path.is_dir): such names are skipped."""
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
 
 
 @dataclass
@@ -341,6 +378,7 @@ def _copy(res: _FileResult) -> _FileResult:
 # again without either moving (timestamps are as coarse as the kernel's
 # clock tick, or a second on some filesystems): it is read again next time.
 RACY_NS = 2_000_000_000
+LISTING_RACY_NS = RACY_NS  # the same for a directory (tests settle files only)
 
 
 @dataclass
@@ -353,11 +391,41 @@ class LoadCache:
     config: Config | None = None
     entries: dict[Path, tuple[Signature, _FileResult]] = field(default_factory=dict)
     parsed: int = 0  # files opened and parsed by loads through this cache
+    # The last result per set of paths loaded, with the files it came from:
+    # when every one of them is unchanged, so is the result (the checks
+    # across files need not run again over a thousand unchanged files).
+    results: dict[tuple[Path, ...], tuple[tuple[Path, ...], LoadResult]] = field(
+        default_factory=dict)
 
     def bind(self, config: Config) -> None:
         if config != self.config:  # results depend on it (roots, defaults)
             self.entries.clear()
+            self.results.clear()
             self.config = config
+
+    def unchanged(self, paths: tuple[Path, ...], files: list[Path]) -> LoadResult | None:
+        """The last result for ``paths`` if the same files are there and every
+        one is unchanged and still trusted as it is now (one lstat each)."""
+        last = self.results.get(paths)
+        if last is None or last[0] != tuple(files):
+            return None
+        owners = security.trusted_owners()
+        for path in files:
+            entry = self.entries.get(path)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                return None
+            if entry is None or _signature(st) != entry[0] or not stat.S_ISREG(st.st_mode) \
+                    or security.unsafe(path, st, "file", owners) is not None:
+                return None
+        return last[1]
+
+    def remember(self, paths: tuple[Path, ...], files: list[Path], result: LoadResult) -> None:
+        if all(f in self.entries for f in files):  # every file cached: none racy or failed
+            self.results[paths] = (tuple(files), result)
+        else:
+            self.results.pop(paths, None)
 
     def lookup(self, path: Path) -> _FileResult | None:
         """The cached result of an unchanged file that passes the trust checks
@@ -640,6 +708,8 @@ def load(paths: Iterable[Path], config: Config, cache: LoadCache | None = None) 
                           frozen_names=frozenset(), refused=True)
     if cache is not None:
         cache.bind(config)
+        if (same := cache.unchanged(tuple(paths), files)) is not None:
+            return same
         cache.prune(paths, files)
     results = [_load_file_guarded(f, config, cache) for f in files]
     refused = any(res.untrusted for res in results)
@@ -655,7 +725,7 @@ def load(paths: Iterable[Path], config: Config, cache: LoadCache | None = None) 
             frozen |= res.names
         else:
             volumes.extend(v for _, v in res.docs)
-    return LoadResult(
+    result = LoadResult(
         volumes=tuple(sorted(volumes, key=lambda v: v.name)),
         diagnostics=tuple(sorted(set(diags))),
         files=tuple(files),
@@ -663,3 +733,6 @@ def load(paths: Iterable[Path], config: Config, cache: LoadCache | None = None) 
         frozen_names=frozenset(frozen),
         refused=refused,
     )
+    if cache is not None:
+        cache.remember(tuple(paths), files, result)
+    return result

@@ -150,3 +150,43 @@ def test_load_desired_keeps_operator_and_csi_files(tmp_path: Path, counts: Count
     first = load_desired(config, cache)
     assert [v.name for v in first.volumes] == ["a", "b"]
     assert load_desired(config, cache) == first and counts.parsed == 2
+
+
+def test_a_load_of_unchanged_files_is_the_last_result(tmp_path: Path, settled: None,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every file unchanged, the checks across files are not run again
+    (a pass beside 1,000 unchanged volumes); any change runs them."""
+    for i in range(20):
+        (tmp_path / f"v{i}.yaml").write_text(doc(f"v{i}"))
+    checks = []
+    real = loader._cross_file_checks
+    monkeypatch.setattr(loader, "_cross_file_checks", lambda r: (checks.append(1), real(r)))
+    cache = LoadCache()
+    first = load([tmp_path], CONFIG, cache)
+    assert load([tmp_path], CONFIG, cache) is first and len(checks) == 1
+    (tmp_path / "v3.yaml").write_text(doc("v3", size="2Gi"))
+    changed = load([tmp_path], CONFIG, cache)
+    assert changed is not first and len(checks) == 2
+    assert {v.name: v.image.size for v in changed.volumes}["v3"] == 2 << 30
+    (tmp_path / "v4.yaml").chmod(0o664)  # trust is checked on every load, memo or not
+    assert load([tmp_path], CONFIG, cache).refused
+
+
+def test_an_unchanged_directory_is_not_listed_again(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loader, "LISTING_RACY_NS", 0)
+    monkeypatch.setattr(loader, "_LISTINGS", {})
+    (tmp_path / "a.yaml").write_text(doc("a"))
+    scans = []
+    real = os.scandir
+    monkeypatch.setattr(os, "scandir", lambda p: (scans.append(p), real(p))[1])
+    assert loader.discover([tmp_path])[0] == [tmp_path / "a.yaml"]
+    assert loader.discover([tmp_path])[0] == [tmp_path / "a.yaml"]
+    assert len(scans) == 1
+    # A new entry moves the directory's timestamps (put a second ahead here,
+    # so that a coarse clock cannot hide the change from the test).
+    before = tmp_path.stat()
+    (tmp_path / "b.yaml").write_text(doc("b"))
+    os.utime(tmp_path, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
+    assert loader.discover([tmp_path])[0] == [tmp_path / "a.yaml", tmp_path / "b.yaml"]
+    assert len(scans) == 2
