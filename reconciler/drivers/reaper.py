@@ -25,12 +25,27 @@ def become_subreaper() -> bool:
         return False
 
 
+def _children_stats() -> list[Path]:
+    """The stat files of our children: from each thread's ``children`` list
+    (a daemon pass reads a few files, not all of /proc), or, on a kernel
+    without that list, of every process."""
+    me = os.getpid()
+    if not os.path.exists(f"/proc/{me}/task/{me}/children"):  # no CONFIG_PROC_CHILDREN
+        return list(Path("/proc").glob("[0-9]*/stat"))
+    pids: set[str] = set()
+    for task in os.listdir(f"/proc/{me}/task"):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError), \
+                open(f"/proc/{me}/task/{task}/children") as f:  # a thread may have ended
+            pids.update(f.read().split())
+    return [Path(f"/proc/{pid}/stat") for pid in pids]
+
+
 def reap_zombies(names: tuple[str, ...] = ("rbd-fuse",)) -> list[int]:
     """Reap our zombie children with the given command names, and only those:
     reaping a child that ``subprocess`` still waits for would steal its status."""
     me = os.getpid()
     reaped = []
-    for stat_path in Path("/proc").glob("[0-9]*/stat"):
+    for stat_path in _children_stats():
         with contextlib.suppress(OSError, ValueError, IndexError):
             text = stat_path.read_text()
             comm = text[text.index("(") + 1: text.rindex(")")]

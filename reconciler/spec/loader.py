@@ -98,7 +98,7 @@ def discover(paths: Iterable[Path]) -> tuple[list[Path], list[Diagnostic]]:
 
 
 # directory -> (its signature when listed, the spec file names in it)
-_LISTINGS: dict[Path, tuple[Signature, tuple[Path, ...]]] = {}
+_LISTINGS: dict[Path, tuple[Signature | None, tuple[Path, ...]]] = {}
 
 
 def _listing(directory: Path) -> tuple[Path, ...]:
@@ -111,13 +111,15 @@ def _listing(directory: Path) -> tuple[Path, ...]:
         return kept[1]
     listed_at = time.time_ns()
     with os.scandir(directory) as it:
-        names = tuple(directory / n for n in sorted(
-            e.name for e in it if e.name.endswith(YAML_SUFFIXES)
-            and not is_ignored(e.name) and not _is_dir(e)))
-    if max(st.st_mtime_ns, st.st_ctime_ns) < listed_at - LISTING_RACY_NS:
-        _LISTINGS[directory] = (_signature(st), names)
-    else:
-        _LISTINGS.pop(directory, None)
+        found = sorted(e.name for e in it if e.name.endswith(YAML_SUFFIXES)
+                       and not is_ignored(e.name) and not _is_dir(e))
+    # The same Path objects as last time where the names are the same: a
+    # listing with one new file compares (and hashes) as cheaply as before.
+    before = {f.name: f for f in kept[1]} if kept is not None else {}
+    names = tuple(before.get(n) or directory / n for n in found)
+    settled = max(st.st_mtime_ns, st.st_ctime_ns) < listed_at - LISTING_RACY_NS
+    # A racy listing is kept for its Path objects only: never trusted as it is.
+    _LISTINGS[directory] = (_signature(st) if settled else None, names)
     return names
 
 

@@ -1,0 +1,37 @@
+"""reap_zombies finds our zombie children from the children lists (not a scan
+of every process) and reaps those with the names given, and only those."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+from reconciler.drivers import reaper
+
+
+def _state(pid: int) -> str:
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return text[text.rindex(")") + 2]
+
+
+def _until_zombie(pid: int, deadline_s: float = 10.0) -> None:
+    deadline = time.monotonic() + deadline_s
+    while _state(pid) != "Z":
+        if time.monotonic() > deadline:
+            raise AssertionError(f"child {pid} did not exit within {deadline_s} s")
+        time.sleep(0.005)
+
+
+def test_reaps_only_named_zombie_children() -> None:
+    named = subprocess.Popen(["true"])
+    other_named = subprocess.Popen(["sleep", "0"])
+    for p in (named, other_named):
+        _until_zombie(p.pid)
+    stats = {int(p.parent.name) for p in reaper._children_stats()}
+    assert {named.pid, other_named.pid} <= stats
+    reaped = reaper.reap_zombies(("sleep",))
+    assert reaped == [other_named.pid]
+    assert _state(named.pid) == "Z"  # not named: left to its Popen
+    for p in (named, other_named):
+        p.wait(timeout=10)
