@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(ceph-mon ceph-osd ceph-common python3-rados python3-rbd python3-systemd rbd-fuse rbd-nbd
+              cryptsetup-bin python3-cryptography
               xfsprogs e2fsprogs kmod util-linux fuse3 python3-venv python3-pip)
 # man and groff: tests render the generated man page (tests/unit/cli/test_manpage.py).
 APT_PACKAGES+=(man-db groff-base)

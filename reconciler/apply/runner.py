@@ -23,7 +23,7 @@ import rbd
 
 from reconciler.apply import claims
 from reconciler.apply.logfmt import log_not_run, log_step
-from reconciler.drivers import ceph, freeze, safepath
+from reconciler.drivers import ceph, freeze, keys, safepath
 from reconciler.drivers.fs import OnlineGrowRefused, block_device_size, is_ours
 from reconciler.drivers.run import Aborted
 from reconciler.facts import meta
@@ -31,24 +31,28 @@ from reconciler.facts.claim import Claim
 from reconciler.facts.claim import parse as parse_claim
 from reconciler.facts.observed import Mapping, Observed
 from reconciler.facts.parsers import parse_mountinfo
-from reconciler.observe.node import Node
+from reconciler.observe.node import Node, open_crypts
 from reconciler.plan.planner import GROW_SLACK, VolumePlan
 from reconciler.plan.steps import (
     ClaimImage,
     CloneImage,
+    CloseCrypt,
     CreateImage,
     CreateSnapshot,
     DeleteImage,
     DeleteSnapshot,
     FlattenImage,
+    FormatCrypt,
     FormatDevice,
     GrowFilesystem,
     MapImage,
     MountStaging,
+    OpenCrypt,
     Publish,
     RefreshDevice,
     ReleaseClaim,
     Remount,
+    ResizeCrypt,
     ResizeImage,
     SetImageMeta,
     Step,
@@ -66,7 +70,8 @@ CEPH_STEPS = (CreateImage, ResizeImage, SetImageMeta, DeleteImage, FormatDevice,
               MountStaging, CreateSnapshot, CloneImage, FlattenImage, DeleteSnapshot,
               MapImage, ClaimImage, ReleaseClaim)
 # Failures here leave a stage half done: undo what this run acquired.
-STAGE_CHAIN = (MapImage, RefreshDevice, FormatDevice, MountStaging)
+STAGE_CHAIN = (MapImage, RefreshDevice, FormatCrypt, OpenCrypt, ResizeCrypt, FormatDevice,
+               MountStaging)
 LEFT = ": left for the next start (daemon stopping)"  # an undo not done at a stop
 
 
@@ -113,9 +118,12 @@ class _VolumeRun:
         self.plan = plan
         self.volume = volume
         self.device: str | None = None
+        self.crypt_device: str | None = None  # the open LUKS2 device over ``device``
         if volume is not None:
             maps = observed.mappings_by_image.get((volume.image.pool, volume.image.name), [])
             self.device = maps[0].device if maps else None
+            crypt = observed.crypts.get(self.device) if self.device else None
+            self.crypt_device = crypt.path if crypt else None
         self.acquired: list[tuple[str, Callable[[], None]]] = []
         self.out = VolumeOutcome(plan.name, notes=list(plan.notes))
 
@@ -129,6 +137,17 @@ class _VolumeRun:
         if not dev:
             raise StepRefused("no mapped device for this volume")
         return dev
+
+    def data_dev(self, step_device: str | None) -> str:
+        """The device that holds the filesystem: an encrypted volume's open
+        LUKS2 device (opened by this run or before it), else the mapped one."""
+        if step_device:
+            return step_device
+        if self.volume is not None and self.volume.encryption is not None:
+            if not self.crypt_device:
+                raise StepRefused("the volume's LUKS2 device is not open")
+            return self.crypt_device
+        return self.dev(None)
 
     def run(self) -> VolumeOutcome:
         if self.plan.refusal:
@@ -226,6 +245,15 @@ class _VolumeRun:
                     return "ok", "not claimed by this node"
             case RefreshDevice():
                 node.mapper(step.mapper).refresh(self.dev(step.device), step.new_size)
+            case FormatCrypt():
+                return self.format_crypt(step)
+            case OpenCrypt():
+                return self.open_crypt(step)
+            case ResizeCrypt():
+                node.crypt.resize(step.name, self.key(step.key_kind, step.key_path,
+                                                      step.pool, step.image))
+            case CloseCrypt():
+                return self.close_crypt(step)
             case FormatDevice():
                 return self.format(step)
             case MountStaging():
@@ -238,7 +266,7 @@ class _VolumeRun:
                 else:
                     fs.remount(step.path, step.options)
             case GrowFilesystem():
-                dev = self.dev(step.device)
+                dev = self.data_dev(step.device)
                 try:
                     fs.grow_online(dev, step.path, step.fs_type)
                 except OnlineGrowRefused as exc:
@@ -447,7 +475,7 @@ class _VolumeRun:
         our own interrupted mkfs: FORMATTING set (only ever set on a device so
         proven), FORMATTED not.
         """
-        dev = self.dev(step.device)
+        dev = self.data_dev(step.device)
         # blkid says "nothing found" for a path that is no device at all too.
         if not stat.S_ISBLK(os.stat(dev).st_mode):
             raise StepRefused(f"{dev} is not a block device")
@@ -456,6 +484,9 @@ class _VolumeRun:
         image_meta = ceph.get_meta(cluster, step.pool, step.image)
         formatted = image_meta.get(meta.FORMATTED)
         interrupted = bool(image_meta.get(meta.FORMATTING)) and not formatted
+        if step.encrypted and not image_meta.get(meta.CRYPT_FORMATTED):
+            raise StepRefused(f"{dev} is a LUKS2 container this reconciler did not format "
+                              "(no luks-formatted record): refusing to mkfs inside it")
         if not interrupted:
             if probe.fs_type == step.fs_type:
                 return "ok", f"{dev} already carries {step.fs_type}; not formatted"
@@ -465,7 +496,10 @@ class _VolumeRun:
             if formatted:
                 raise StepRefused(f"image-meta says it was formatted {formatted} but {dev} "
                                   "is blank; refusing to mkfs over possible data")
-            if ceph.has_data(cluster, step.pool, step.image):
+            # Encrypted: the container was formatted by us over an image proven
+            # blank (format_crypt), and nothing but our mkfs writes inside it
+            # before FORMATTED; its header is the only data on the image.
+            if not step.encrypted and ceph.has_data(cluster, step.pool, step.image):
                 raise StepRefused(
                     f"{step.pool}/{step.image} has data written to it but no signature blkid "
                     f"knows; refusing to format it (to reuse it, zero it by hand first)")
@@ -476,7 +510,9 @@ class _VolumeRun:
             # Nothing reached the image (mkfs failed before writing, or the device
             # died under it): the marker would claim a mkfs that never happened.
             with contextlib.suppress(Exception):
-                if not interrupted and not ceph.has_data(cluster, step.pool, step.image):
+                if not interrupted and (step.encrypted or not ceph.has_data(
+                        cluster, step.pool, step.image)) and not self.node.fs.probe(
+                        dev).signature:
                     ceph.remove_meta(cluster, step.pool, step.image, meta.FORMATTING)
             raise
         ceph.set_meta(cluster, step.pool, step.image, meta.FORMATTED, step.fs_type)
@@ -484,8 +520,102 @@ class _VolumeRun:
         redo = " (redoing an interrupted mkfs)" if interrupted else ""
         return "changed", f"mkfs.{step.fs_type} {dev}{redo}"
 
-    def stage(self, step: MountStaging) -> tuple[str, str]:
+    # -- LUKS2 ------------------------------------------------------------------
+    def key(self, kind: str, path: str, pool: str, image: str, seal: bool = False) -> bytes:
+        """The volume's LUKS2 passphrase. ``wrappedBy``: unsealed from image-meta
+        with the node key; ``seal``: made and sealed first when there is none
+        (only ever before our own luksFormat)."""
+        try:
+            key = keys.read_key_file(path, self.node.config.encryption.key_root)
+            if kind == "file":
+                return key
+            cluster = self.need_cluster()
+            sealed = ceph.get_meta(cluster, pool, image).get(meta.LUKS_KEY)
+            if sealed is None:
+                if not seal:
+                    raise StepRefused(
+                        f"{pool}/{image} has no sealed passphrase (image-meta {meta.LUKS_KEY}): "
+                        "it was not formatted with key wrappedBy; see README, Encryption "
+                        "at rest, recovery")
+                sealed = ceph.set_meta_once(cluster, pool, image, meta.LUKS_KEY,
+                                            keys.wrap(keys.new_passphrase(), key))
+            return keys.unwrap(sealed, key, f"{pool}/{image} (node key {path})")
+        except keys.KeyProblem as exc:
+            raise StepRefused(str(exc)) from None
+
+    def format_crypt(self, step: FormatCrypt) -> tuple[str, str]:
+        """luksFormat under the same proofs as mkfs (safety rule 1): the device
+        reads, carries no signature, and Ceph has no block of it allocated;
+        or it is the remains of our own interrupted luksFormat."""
         dev = self.dev(step.device)
+        if not stat.S_ISBLK(os.stat(dev).st_mode):
+            raise StepRefused(f"{dev} is not a block device")
+        probe = self.node.fs.probe(dev)
+        cluster = self.need_cluster()
+        image_meta = ceph.get_meta(cluster, step.pool, step.image)
+        done = image_meta.get(meta.CRYPT_FORMATTED)
+        interrupted = bool(image_meta.get(meta.CRYPT_FORMATTING)) and not done
+        if not interrupted:
+            if probe.fs_type == "crypto_LUKS":
+                return "ok", f"{dev} already carries LUKS; not formatted"
+            if probe.signature:
+                raise StepRefused(f"{dev} carries {probe.signature}, not LUKS2; refusing to "
+                                  "format over it")
+            if done or image_meta.get(meta.FORMATTED):
+                raise StepRefused(f"image-meta says it was formatted "
+                                  f"{done or image_meta.get(meta.FORMATTED)} but {dev} is "
+                                  "blank; refusing to luksFormat over possible data")
+            if ceph.has_data(cluster, step.pool, step.image):
+                raise StepRefused(
+                    f"{step.pool}/{step.image} has data written to it but no signature blkid "
+                    "knows; refusing to luksFormat it (to reuse it, zero it by hand first)")
+        key = self.key(step.key_kind, step.key_path, step.pool, step.image, seal=True)
+        ceph.set_meta(cluster, step.pool, step.image, meta.CRYPT_FORMATTING, "luks2")
+        try:
+            self.node.crypt.format(dev, key)
+        except Exception:
+            with contextlib.suppress(Exception):
+                if not interrupted and not ceph.has_data(cluster, step.pool, step.image):
+                    ceph.remove_meta(cluster, step.pool, step.image, meta.CRYPT_FORMATTING)
+            raise
+        ceph.set_meta(cluster, step.pool, step.image, meta.CRYPT_FORMATTED, "luks2")
+        ceph.remove_meta(cluster, step.pool, step.image, meta.CRYPT_FORMATTING)
+        redo = " (redoing an interrupted luksFormat)" if interrupted else ""
+        return "changed", f"luksFormat {dev}{redo}"
+
+    def open_crypt(self, step: OpenCrypt) -> tuple[str, str]:
+        dev = self.dev(step.device)
+        path = f"/dev/mapper/{step.name}"
+        found = open_crypts([dev]).get(dev)
+        if found is not None:
+            if found.name != step.name:
+                raise StepRefused(f"{found.path} (LUKS2, not ours) is open over {dev}")
+            self.crypt_device = found.path
+            return "ok", f"{path} already open"
+        if os.path.lexists(path):
+            raise StepRefused(f"{path} exists but is not open over {dev}: another device "
+                              "holds this volume's name; refusing to open it twice")
+        self.node.crypt.open(dev, step.name,
+                             self.key(step.key_kind, step.key_path, step.pool, step.image))
+        self.crypt_device = path
+        self.acquired.append((f"close {path}", lambda: self.node.crypt.close(step.name)))
+        return "changed", f"opened {dev} as {path}"
+
+    def close_crypt(self, step: CloseCrypt) -> tuple[str, str]:
+        path = f"/dev/mapper/{step.name}"
+        try:
+            rdev = os.stat(path).st_rdev
+        except FileNotFoundError:
+            return "ok", "already closed"
+        if (os.major(rdev), os.minor(rdev)) != step.rdev:
+            raise StepRefused(f"{path} is {os.major(rdev)}:{os.minor(rdev)}, not the device "
+                              f"{step.rdev[0]}:{step.rdev[1]} planned; refusing to close it")
+        self.node.crypt.close(step.name)
+        self.crypt_device = None
+        return "changed", ""
+
+    def stage(self, step: MountStaging) -> tuple[str, str]:
+        dev = self.data_dev(step.device)
         fs = self.node.fs
         if step.mode == "block":
             fs.expose_device(dev, step.path)
@@ -512,7 +642,7 @@ class _VolumeRun:
         """Safety rule 2: publish only from a staging path whose top mount is
         our device (or, in block mode, a bind of its node). An empty staging
         directory bound into an app writes to the root disk. Returns the rdev."""
-        dev = self.dev(None)
+        dev = self.data_dev(None)
         rdev = os.stat(dev).st_rdev
         want = (os.major(rdev), os.minor(rdev))
         with safepath.opened(staging) as fd:

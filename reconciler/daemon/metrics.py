@@ -66,6 +66,9 @@ REFUSAL_REASONS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
                                r"has data written to it"),
         ("foreign_mount", r"already has a mount of something else|someone else's mount"),
         ("staging_not_mounted", r"staging path .* is not"),
+        ("encryption", r"LUKS2|luksFormat|encryption is never added|the node key does not "
+                       r"open|key file |sealed passphrase|refusing to open it twice|"
+                       r"refusing to close it"),
     ))
 REFUSAL_OTHER = "other"
 

@@ -330,6 +330,32 @@ def set_meta(cluster: rados.Rados, pool: str, name: str, key: str, value: str) -
             img.metadata_set(key, value)
 
 
+def set_meta_once(cluster: rados.Rados, pool: str, name: str, key: str, value: str) -> str:
+    """Set ``key`` only if it is absent; returns the value that stands (ours,
+    or one another process set first). Two nodes racing to seal a volume's
+    passphrase end with one passphrase, never two."""
+    with cluster.open_ioctx(pool) as ioctx:
+        oid = header_oid(ioctx, name)
+        if oid is None:
+            raise CephError(f"{pool}/{name} has no header object (RBD format 1?): image-meta "
+                            "cannot be set once")
+        omap_key = META_PREFIX + key
+        with rados.WriteOpCtx() as op:
+            op.omap_cmp(omap_key, "", rados.LIBRADOS_CMPXATTR_OP_EQ)
+            ioctx.set_omap(op, (omap_key,), (value.encode(),))
+            try:
+                ioctx.operate_write_op(op, oid)
+                return value
+            except rados.ObjectNotFound:
+                raise rbd.ImageNotFound(f"{oid} is gone") from None
+            except rados.Error:
+                pass  # set already: read what stands
+    stands = get_meta(cluster, pool, name).get(key)
+    if stands is None:
+        raise CephError(f"image-meta {key} of {pool}/{name} could not be set; try again")
+    return stands
+
+
 def remove_meta(cluster: rados.Rados, pool: str, name: str, key: str) -> None:
     with cluster.open_ioctx(pool) as ioctx:
         oid = None if key.startswith("conf_") else header_oid(ioctx, name)

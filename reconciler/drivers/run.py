@@ -127,9 +127,10 @@ class Runner:
 
     def run(self, argv: Sequence[str], *, ok_codes: Sequence[int] = (0,),
             timeout: float | None = None, env: dict[str, str] | None = None,
-            pass_fds: Sequence[int] = ()) -> Result:
+            pass_fds: Sequence[int] = (), stdin: bytes | None = None) -> Result:
         """``pass_fds``: descriptors the command reaches as ``/proc/self/fd/N``
-        (paths resolved without symlinks, see ``safepath``)."""
+        (paths resolved without symlinks, see ``safepath``). ``stdin``: bytes
+        the command reads on its standard input (a key: never on argv)."""
         argv = [str(a) for a in argv]
         self.history.append(argv)
         log.debug("run: %s", " ".join(argv))
@@ -137,16 +138,18 @@ class Runner:
         if shutil.which(argv[0]) is None:
             raise CommandError(argv, 127, f"{argv[0]}: command not found")
         limit = timeout or self.timeout
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL if stdin is None else
+                                subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, env=env, pass_fds=pass_fds,
                                 start_new_session=True)
         with self.halt.tracking(proc.pid, argv):
-            out = self._wait(proc, argv, limit)
+            out = self._wait(proc, argv, limit, stdin)
         if out.returncode not in ok_codes:
             raise CommandError(argv, out.returncode, out.stderr)
         return out
 
-    def _wait(self, proc: subprocess.Popen[bytes], argv: list[str], limit: float) -> Result:
+    def _wait(self, proc: subprocess.Popen[bytes], argv: list[str], limit: float,
+              stdin: bytes | None = None) -> Result:
         t0 = time.monotonic()
         deadline = t0 + limit
         while True:
@@ -155,8 +158,9 @@ class Runner:
             if left <= 0:
                 break
             try:
-                stdout, stderr = proc.communicate(timeout=min(left, STOP_CHECK_S))
+                stdout, stderr = proc.communicate(stdin, timeout=min(left, STOP_CHECK_S))
             except subprocess.TimeoutExpired:
+                stdin = None  # handed over: a retry may not pass it again (ValueError)
                 continue
             return Result(proc.returncode, _text(stdout), _text(stderr))
         stopping = time.monotonic() < deadline  # killed for the stop, not its deadline

@@ -20,3 +20,12 @@ def snap_owner(snap: str) -> str:
     """librbd has no per-snapshot metadata: a snapshot's owner lives in its
     image's meta, written before the snapshot is taken."""
     return f"{SNAP_PREFIX}{snap}.owner"
+
+# LUKS2 encryption at rest. Set just before our luksFormat and cleared after
+# CRYPT_FORMATTED (as FORMATTING/FORMATTED for mkfs): an interrupted luksFormat
+# of ours may be redone; a finished one is never formatted over again.
+CRYPT_FORMATTING = PREFIX + "luks-formatting"
+CRYPT_FORMATTED = PREFIX + "luks-formatted"
+# A random per-volume passphrase sealed under a node key (key: wrappedBy).
+# Copied into a clone with the rest of the image-meta: the clone opens with it.
+LUKS_KEY = PREFIX + "luks-key"

@@ -61,6 +61,19 @@ class Device:
     # Set when the probe did not answer in time: the content is unknown,
     # which stops anything destructive (safety rule 7); the reason.
     unknown: str | None = None
+    luks_offset: int | None = None  # a LUKS2 header: where its data starts
+
+
+@dataclass(frozen=True)
+class CryptDevice:
+    """An open LUKS2 (dm-crypt) device over one of our mapped devices."""
+
+    name: str  # device-mapper name
+    path: str  # /dev/mapper/NAME
+    major: int
+    minor: int
+    size: int  # bytes of plaintext it exposes
+    raw: str  # the mapped device under it
 
 
 @dataclass(frozen=True)
@@ -103,6 +116,8 @@ class Observed:
     # mount points we froze (stateDir/freezes.json): a crash between fsfreeze
     # and the thaw left them frozen; the next pass thaws them
     freezes: frozenset[str] = frozenset()
+    # Open LUKS2 devices over our mapped devices, by the mapped device's path.
+    crypts: dict[str, CryptDevice] = field(default_factory=dict)
 
     @cached_property
     def top_mounts(self) -> dict[str, Mount]:

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from reconciler.drivers.fs import Filesystems, fs_size_from, read_head, read_superblock
+from reconciler.facts import luks
 from reconciler.facts.parsers import parse_superblock
 
 
@@ -22,6 +23,7 @@ class Probed:
     uuid: str | None
     signature: str | None
     fs_size: int | None
+    luks_offset: int | None = None  # a LUKS2 header: where its data starts
 
 
 # (major, minor, size, digest of the first 64 KiB): mkfs, wipefs or a
@@ -87,7 +89,8 @@ def probe_full(fs: Filesystems, cache: ProbeCache | None, path: str, major: int,
     if probe.fs_type in ("ext4", "xfs"):
         sb = parse_superblock(head, probe.fs_type)
         fs_size = fs_size_from(sb, mount_point) if sb is not None else None
-    out = Probed(probe.fs_type, probe.uuid, probe.signature, fs_size)
+    luks_offset = luks.data_offset(head) if probe.fs_type == "crypto_LUKS" else None
+    out = Probed(probe.fs_type, probe.uuid, probe.signature, fs_size, luks_offset)
     if cacheable:
         cache.put(path, key, out)  # type: ignore[union-attr]
     return out

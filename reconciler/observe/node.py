@@ -14,12 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from reconciler.drivers.bounded import Bounded, NoAnswer, StillStuck
+from reconciler.drivers.crypt import Cryptsetup, Pbkdf
 from reconciler.drivers.freeze import left_frozen
 from reconciler.drivers.fs import DeviceUnreadable, Filesystems, block_device_size
 from reconciler.drivers.mappers import FuseMapper, KernelMapper, available_mappers
 from reconciler.drivers.run import CommandError, Halt, Runner
 from reconciler.drivers.safepath import first_symlink
-from reconciler.facts.observed import Device, Mapping, Mount, Observed
+from reconciler.facts.luks import CRYPT_UUID_PREFIX
+from reconciler.facts.observed import CryptDevice, Device, Mapping, Mount, Observed
 from reconciler.facts.parsers import parse_mountinfo
 from reconciler.observe.ceph import CephView, Session, observe_images
 from reconciler.observe.devprobe import ProbeCache, Probed, probe_full, probe_mounted
@@ -40,6 +42,7 @@ class Node:
     fuse: FuseMapper
     krbd: KernelMapper
     nbd: KernelMapper
+    crypt: Cryptsetup
     mappers_available: frozenset[str]
     # Kept across the daemon's passes: probes of unchanged, unmounted devices,
     # and the librados connection (replaced when it stops answering).
@@ -60,6 +63,10 @@ class Node:
             fuse=FuseMapper(config.ceph, config.state_dir / "fuse", runner),
             krbd=KernelMapper("krbd", config.ceph, runner),
             nbd=KernelMapper("nbd", config.ceph, runner),
+            crypt=Cryptsetup(runner, Pbkdf(config.encryption.pbkdf,
+                                           config.encryption.iter_time_ms,
+                                           config.encryption.iterations,
+                                           config.encryption.memory_kib)),
             mappers_available=available_mappers(),
         )
 
@@ -128,7 +135,7 @@ def _devices(node: Node, paths: Iterable[str],
                                problem=str(exc))
         else:
             out[path] = Device(path, major, minor, size, p.fs_type, p.uuid, p.signature,
-                               p.fs_size)
+                               p.fs_size, luks_offset=p.luks_offset)
     return out
 
 
@@ -169,8 +176,10 @@ def observe(node: Node, volumes: Iterable[Volume], all_watchers: bool = False) -
         mounted.setdefault((m.major, m.minor), []).append((m.mount_point, m.fs_type, m.root))
     # Only the devices of wanted images: a stuck probe of another costs nothing.
     ours = [m for m in mappings if m.device and (m.pool, m.image) in wanted]
-    devices = _devices(node, [m.device for m in ours if m.device], mounted,
-                       _expected_mounts(volumes, ours), timeout)
+    crypts = open_crypts([m.device for m in ours if m.device])
+    devices = _devices(node, [m.device for m in ours if m.device]
+                       + [c.path for c in crypts.values()], mounted,
+                       _expected_mounts(volumes, ours, crypts), timeout)
     node.probes.retain(devices)
 
     path_rdev = _device_node_binds(mounts, devices.values())
@@ -196,7 +205,7 @@ def observe(node: Node, volumes: Iterable[Volume], all_watchers: bool = False) -
                     pool_errors=imgs.errors, image_errors=imgs.image_errors,
                     mappings=tuple(mappings), devices=devices, mounts=mounts,
                     path_rdev=path_rdev, symlinks=symlinks, intents=intents,
-                    freezes=freezes)
+                    freezes=freezes, crypts=crypts)
 
 
 def _watchers_needed(volumes: Iterable[Volume], mappings: Iterable[Mapping],
@@ -231,15 +240,43 @@ def _settled(v: Volume, here: list[Mapping], available: frozenset[str]) -> bool:
             and here[0].kind == resolve_mapper(v.map.mapper, available))
 
 
-def _expected_mounts(volumes: Iterable[Volume], mappings: Iterable[Mapping]
-                     ) -> dict[str, tuple[str, str]]:
-    """device -> (staging path, fs type) its volume wants there."""
+def _expected_mounts(volumes: Iterable[Volume], mappings: Iterable[Mapping],
+                     crypts: dict[str, CryptDevice]) -> dict[str, tuple[str, str]]:
+    """device -> (staging path, fs type) its volume wants there (an open LUKS2
+    device over the mapped one, where there is one)."""
     stage = {(v.image.pool, v.image.name): v.stage for v in volumes}
     out = {}
     for m in mappings:
         st = stage.get((m.pool, m.image))
         if m.device and st is not None and st.mode == "filesystem" and st.fs_type:
-            out[m.device] = (st.path, st.fs_type)
+            crypt = crypts.get(m.device)
+            out[crypt.path if crypt else m.device] = (st.path, st.fs_type)
+    return out
+
+
+def open_crypts(devices: Iterable[str], sys_root: str = "/sys") -> dict[str, CryptDevice]:
+    """The open LUKS2 devices over ``devices`` (by the device under each), from
+    sysfs: a holder whose dm uuid says cryptsetup LUKS2 made it."""
+    out: dict[str, CryptDevice] = {}
+    for raw in devices:
+        try:
+            rdev = os.stat(raw).st_rdev
+            holders = os.listdir(f"{sys_root}/dev/block/{os.major(rdev)}:{os.minor(rdev)}"
+                                 "/holders")
+        except OSError:
+            continue
+        for h in holders:
+            base = f"{sys_root}/block/{h}"
+            try:
+                uuid = Path(f"{base}/dm/uuid").read_text().strip()
+                if not uuid.startswith(CRYPT_UUID_PREFIX):
+                    continue
+                name = Path(f"{base}/dm/name").read_text().strip()
+                major, minor = (int(x) for x in Path(f"{base}/dev").read_text().split(":"))
+                size = int(Path(f"{base}/size").read_text()) * 512
+            except (OSError, ValueError):
+                continue
+            out[raw] = CryptDevice(name, f"/dev/mapper/{name}", major, minor, size, raw)
     return out
 
 

@@ -13,20 +13,25 @@ from collections.abc import Iterable
 
 from reconciler.facts import meta
 from reconciler.facts.claim import Claim, parse
-from reconciler.facts.observed import Device, ImageState, Mapping, Mount, Observed
+from reconciler.facts.luks import crypt_name
+from reconciler.facts.observed import CryptDevice, Device, ImageState, Mapping, Mount, Observed
 from reconciler.plan.snapshots import SnapshotRules
 from reconciler.plan.steps import (
     ClaimImage,
+    CloseCrypt,
     CreateImage,
     DeleteImage,
+    FormatCrypt,
     FormatDevice,
     GrowFilesystem,
     MapImage,
     MountStaging,
+    OpenCrypt,
     Publish,
     RefreshDevice,
     ReleaseClaim,
     Remount,
+    ResizeCrypt,
     ResizeImage,
     SetImageMeta,
     Step,
@@ -78,9 +83,18 @@ class _VolumePlanner(SnapshotRules):
         self.mapping: Mapping | None = maps[0] if maps else None
         self.extra_mappings = maps[1:]
         self.staging_path = vol.stage.path if vol.stage else f"{ctx.staging_root}/{vol.name}"
-        self.dev: Device | None = (
+        # The mapped device; and an open LUKS2 device over it, if any.
+        self.raw: Device | None = (
             obs.devices.get(self.mapping.device) if self.mapping and self.mapping.device
             else None)
+        self.crypt: CryptDevice | None = (
+            obs.crypts.get(self.mapping.device) if self.mapping and self.mapping.device
+            else None)
+        # The device that holds the filesystem (or is staged in block mode):
+        # the open LUKS2 device of an encrypted volume, else the mapped one.
+        self.dev: Device | None = self.raw
+        if vol.encryption is not None:
+            self.dev = obs.devices.get(self.crypt.path) if self.crypt else None
 
     @property
     def rdev(self) -> tuple[int, int]:
@@ -135,8 +149,9 @@ class _VolumePlanner(SnapshotRules):
         why = self.obs.image_errors.get((pool, self.v.image.name))
         if why is not None:
             return f"cannot see image {self.v.image.spec} ({why}); unknown, not absent"
-        if self.dev is not None and self.dev.unknown:
-            return f"cannot read {self.dev.path}: {self.dev.unknown}"
+        for dev in (self.raw, self.dev):
+            if dev is not None and dev.unknown:
+                return f"cannot read {dev.path}: {dev.unknown}"
         return None
 
     def claimed_elsewhere(self) -> Claim | None:
@@ -255,9 +270,29 @@ class _VolumePlanner(SnapshotRules):
                 "and apply again")
         if v.state == "absent" or v.wanted_phase < Phase.MAPPED:
             return  # the teardown unmaps it
+        self.close_crypt()
         self.add(Unmap(v.name, v.image.pool, v.image.name, mp.kind, mp.device, mp.fuse_mount,
                        release_claim=False))
-        self.mapping, self.dev = None, None
+        self.forget_mapping()
+
+    def forget_mapping(self) -> None:
+        """Unmapped by a step planned above: what follows maps it afresh."""
+        self.mapping, self.raw, self.crypt, self.dev = None, None, None, None
+
+    def close_crypt(self) -> None:
+        """Close the open LUKS2 device over the mapping, if there is one (it
+        holds the mapped device: nothing unmaps under it). Only ours."""
+        c = self.crypt
+        if c is None:
+            return
+        if c.name != crypt_name(self.v.name):
+            raise Refused(f"{c.path} (LUKS2, not opened by this reconciler: its name is not "
+                          f"{crypt_name(self.v.name)}) is open over {c.raw}; refusing to "
+                          "close it. Close it by hand (cryptsetup close) if it is not in use")
+        self.add(CloseCrypt(self.v.name, c.name, (c.major, c.minor)))
+        self.crypt = None
+        if self.v.encryption is not None:
+            self.dev = None
 
     def forward(self) -> None:
         v, img = self.v, self.v.image
@@ -314,9 +349,10 @@ class _VolumePlanner(SnapshotRules):
                     "(`rbd-reconciler release FILE`) and apply again, or set mapper back to "
                     f"{self.mapping.kind}")
             mp = self.mapping
+            self.close_crypt()
             self.add(Unmap(v.name, v.image.pool, v.image.name, mp.kind, mp.device,
                            mp.fuse_mount, release_claim=False))
-            self.mapping, self.dev = None, None
+            self.forget_mapping()
         if self.mapping is not None and self.mapping.device is None:
             # A fuse mount without its loop device: half mapped. Redo it.
             self.add(Unmap(v.name, v.image.pool, v.image.name, "fuse", None,
@@ -344,15 +380,74 @@ class _VolumePlanner(SnapshotRules):
             self.add(ClaimImage(v.name, v.image.pool, v.image.name, self.ctx.node_name))
         # krbd and nbd pick up a resize by themselves; a loop device over the
         # rbd-fuse file keeps its old size until told (losetup -c).
-        if (self.mapping.kind == "fuse" and self.dev is not None and new_size is not None
-                and self.dev.size < new_size):
+        if (self.mapping.kind == "fuse" and self.raw is not None and new_size is not None
+                and self.raw.size < new_size):
             self.add(RefreshDevice(v.name, self.mapping.device, "fuse", new_size))
+
+    def forward_crypt(self, new_size: int | None) -> None:
+        """Open the volume's LUKS2 container before staging; luksFormat it first
+        when the mapped device is proven blank (again at apply time)."""
+        v, enc = self.v, self.v.encryption
+        assert enc is not None
+        name = crypt_name(v.name)
+        raw = self.raw
+        if self.crypt is not None:
+            c = self.crypt
+            if c.name != name:
+                raise Refused(f"{c.path} (LUKS2, not opened by this reconciler) is open over "
+                              f"{c.raw}; refusing to stage through it")
+            size = new_size if new_size is not None else raw.size if raw else None
+            off = raw.luks_offset if raw else None
+            if size is not None and off is not None and size - off > c.size:
+                self.add(ResizeCrypt(v.name, name, c.size, size - off, enc.key_kind,
+                                     enc.key_path, v.image.pool, v.image.name))
+            return
+        img_meta = self.img.meta if self.img else {}
+        luks_done = img_meta.get(meta.CRYPT_FORMATTED)
+        interrupted = bool(img_meta.get(meta.CRYPT_FORMATTING)) and not luks_done
+        fmt = FormatCrypt(v.name, raw.path if raw else None, v.image.pool, v.image.name,
+                          enc.key_kind, enc.key_path)
+        if raw is not None:
+            if raw.fs_type == "crypto_LUKS":
+                pass
+            elif interrupted:
+                self.add(fmt)  # our own luksFormat was cut off
+            elif raw.signature:
+                raise Refused(f"{raw.path} ({v.image.spec}) carries {raw.signature}, not "
+                              "LUKS2: encryption is never added to an image that holds "
+                              "data; refusing to format it (fix by hand)")
+            elif luks_done or img_meta.get(meta.FORMATTED):
+                raise Refused(f"{v.image.spec} was formatted "
+                              f"{luks_done or img_meta.get(meta.FORMATTED)} by this reconciler "
+                              f"but {raw.path} shows no signature now; refusing to format "
+                              "over possible data")
+            else:
+                self.add(fmt)
+        elif img_meta.get(meta.FORMATTED) and not luks_done:
+            raise Refused(f"{v.image.spec} holds a plain {img_meta[meta.FORMATTED]} "
+                          "(image-meta): encryption is never added to an image that holds "
+                          "data")
+        elif not luks_done:
+            self.add(fmt)
+        self.add(OpenCrypt(v.name, raw.path if raw else None, name, v.image.pool,
+                           v.image.name, enc.key_kind, enc.key_path))
 
     def forward_stage(self, new_size: int | None) -> None:
         v, st = self.v, self.v.stage
         assert st is not None
+        if v.encryption is not None:
+            self.forward_crypt(new_size)
+            if new_size is not None and self.raw is not None and self.raw.luks_offset:
+                new_size -= self.raw.luks_offset  # the plaintext the filesystem can span
+            elif new_size is not None and self.dev is None:
+                new_size = None  # opened in this run: its size is known once open
+        elif self.crypt is not None:
+            raise Refused(f"{self.crypt.path} (LUKS2) is open over {self.crypt.raw}, but the "
+                          "spec has no encryption: refusing to stage the container itself. "
+                          "Put the encryption section back, or release the volume")
         device = self.dev.path if self.dev else None
         img_meta = self.img.meta if self.img else {}
+        encrypted = v.encryption is not None
         if st.mode == "block":
             if not self.is_staged():
                 self._check_path_free(st.path, "staging")
@@ -367,7 +462,7 @@ class _VolumePlanner(SnapshotRules):
             if interrupted:
                 # Our own mkfs was cut off; the image was never staged since.
                 self.add(FormatDevice(v.name, device, st.fs_type, st.mkfs_options,
-                                      v.image.pool, v.image.name))
+                                      v.image.pool, v.image.name, encrypted))
             elif found == st.fs_type:
                 fs_size = self.dev.fs_size
             elif self.dev.signature:
@@ -379,12 +474,12 @@ class _VolumePlanner(SnapshotRules):
                               "over possible data")
             else:
                 self.add(FormatDevice(v.name, device, st.fs_type, st.mkfs_options,
-                                      v.image.pool, v.image.name))
+                                      v.image.pool, v.image.name, encrypted))
         elif formatted and formatted != st.fs_type:
             raise Refused(f"{v.image.spec} holds {formatted} (image-meta), not {st.fs_type}")
         elif not formatted:
             self.add(FormatDevice(v.name, None, st.fs_type, st.mkfs_options,
-                                  v.image.pool, v.image.name))
+                                  v.image.pool, v.image.name, encrypted))
         size_after = new_size if new_size is not None else (self.dev.size if self.dev else None)
         smaller = fs_size is not None and size_after is not None and (
             size_after - fs_size > GROW_SLACK)
@@ -450,6 +545,8 @@ class _VolumePlanner(SnapshotRules):
             if _same_device(m, self.dev) or _device_node_at(self.obs, self.staging_path,
                                                               self.dev):
                 self.add(Unstage(v.name, self.staging_path, self.rdev))
+        if wanted < Phase.STAGED:
+            self.close_crypt()  # after the unmounts above: nothing uses it now
         mappings = ([self.mapping] if self.mapping else []) + self.extra_mappings
         if wanted < Phase.MAPPED:
             for i, mp in enumerate(mappings):
@@ -540,6 +637,7 @@ def actual_state(vol: Volume, observed: Observed, ctx: Context) -> dict[str, obj
         "mapper": p.mapping.kind if p.mapping else None,
         "device": p.mapping.device if p.mapping else None,
         "filesystem": p.dev.fs_type if p.dev else None,
+        "encryption": _encryption_state(vol, p),
         "staging": (vol.stage.path if p.is_staged() and vol.stage else None),
         "stagingOptions": sorted(staged.options) if staged else None,
         "published": sorted((m.mount_point, "ro" if m.read_only else "rw")
@@ -552,6 +650,18 @@ def actual_state(vol: Volume, observed: Observed, ctx: Context) -> dict[str, obj
         "cloneDepth": p.img.depth if p.img else 0,
         "snapshots": [sn.name for sn in p.img.snaps] if p.img else [],
     }
+
+
+def _encryption_state(vol: Volume, p: _VolumePlanner) -> dict[str, object] | None:
+    """What status and explain say of the LUKS2 layer (never a key)."""
+    if vol.encryption is None and p.crypt is None:
+        return None
+    enc = vol.encryption
+    return {"type": enc.type if enc else "luks2",
+            "key": f"{enc.key_kind} {enc.key_path}" if enc else None,
+            "open": p.crypt.path if p.crypt else None,
+            "container": ("LUKS2" if p.raw and p.raw.fs_type == "crypto_LUKS" else
+                          None if p.raw is None else "none")}
 
 
 def snapshot_state(p: _VolumePlanner) -> dict[str, object]:

@@ -115,12 +115,78 @@ class FormatDevice(Step):
     mkfs_options: tuple[str, ...]
     pool: str
     image: str
+    # Over our own LUKS2 container: its header is data on the image, so the
+    # proof is the container's (we formatted it over a blank image), not
+    # "no block allocated".
+    encrypted: bool = False
     destructive: ClassVar[bool] = True
     action: ClassVar[str] = "format"
 
     target = property(lambda self: self.device or f"{self.pool}/{self.image} (once mapped)")
     before = property(lambda self: "blank" if self.device else "blank (probed before mkfs)")
     after = property(lambda self: self.fs_type)
+
+
+# -- LUKS2 encryption at rest -----------------------------------------------------
+@dataclass(frozen=True)
+class FormatCrypt(Step):
+    """luksFormat the mapped device, only after proving it blank at apply time
+    (the same proofs as mkfs: safety rule 1)."""
+
+    device: str | None  # None: the device this run maps
+    pool: str
+    image: str
+    key_kind: str  # file | wrappedBy
+    key_path: str
+    destructive: ClassVar[bool] = True
+    action: ClassVar[str] = "format LUKS2"
+
+    target = property(lambda self: self.device or f"{self.pool}/{self.image} (once mapped)")
+    before = property(lambda self: "blank" if self.device else "blank (probed before luksFormat)")
+    after = property(lambda self: f"LUKS2 (key: {self.key_kind} {self.key_path})")
+
+
+@dataclass(frozen=True)
+class OpenCrypt(Step):
+    device: str | None  # the mapped device; None: the one this run maps
+    name: str  # device-mapper name: /dev/mapper/NAME
+    pool: str
+    image: str
+    key_kind: str
+    key_path: str
+    action: ClassVar[str] = "open LUKS2"
+
+    target = property(lambda self: f"/dev/mapper/{self.name}")
+    before = property(lambda self: f"closed ({self.device or 'mapped device'})")
+    after = property(lambda self: "open")
+
+
+@dataclass(frozen=True)
+class ResizeCrypt(Step):
+    name: str
+    old_size: int
+    new_size: int
+    key_kind: str
+    key_path: str
+    pool: str
+    image: str
+    action: ClassVar[str] = "resize LUKS2"
+
+    target = property(lambda self: f"/dev/mapper/{self.name}")
+    before = property(lambda self: format_size(self.old_size))
+    after = property(lambda self: format_size(self.new_size))
+
+
+@dataclass(frozen=True)
+class CloseCrypt(Step):
+    name: str
+    rdev: tuple[int, int]  # the open device: only that one is closed
+    disruptive: ClassVar[bool] = True
+    action: ClassVar[str] = "close LUKS2"
+
+    target = property(lambda self: f"/dev/mapper/{self.name}")
+    before = property(lambda self: "open")
+    after = property(lambda self: "closed")
 
 
 @dataclass(frozen=True)

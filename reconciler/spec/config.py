@@ -79,6 +79,17 @@ class EventsConfig:
 
 
 @dataclass(frozen=True)
+class EncryptionConfig:
+    """LUKS2 (README: Encryption at rest). Key files must lie under key_root."""
+
+    key_root: str = "/etc/rbd-reconciler/keys"
+    pbkdf: str = "argon2id"  # argon2id | pbkdf2
+    iter_time_ms: int = 2000  # cryptsetup benchmarks the node for this long a keyslot
+    iterations: int | None = None  # fixed instead of benchmarked (no ~3 s benchmark)
+    memory_kib: int | None = None  # argon2id's memory, with fixed iterations
+
+
+@dataclass(frozen=True)
 class Config:
     desired_dir: Path
     state_dir: Path
@@ -99,6 +110,7 @@ class Config:
     timeouts: TimeoutsConfig = TimeoutsConfig()
     snapshots: SnapshotsConfig = SnapshotsConfig()
     events: EventsConfig = EventsConfig()
+    encryption: EncryptionConfig = EncryptionConfig()
 
     @property
     def staging_root(self) -> Path:
@@ -124,6 +136,7 @@ def _build(data: dict, source: Path | None) -> Config:
     timeouts = data.get("timeouts", {})
     snapshots = data.get("snapshots", {})
     events = data.get("events", {})
+    enc = data.get("encryption", {})
     return Config(
         desired_dir=Path(data.get("desiredDir", "/etc/rbd-reconciler/volumes.d")),
         state_dir=Path(data.get("stateDir", "/var/lib/rbd-reconciler")),
@@ -163,6 +176,12 @@ def _build(data: dict, source: Path | None) -> Config:
         snapshots=SnapshotsConfig(
             freeze_timeout_seconds=float(snapshots.get("freezeTimeoutSeconds", 5))),
         events=EventsConfig(image_poll_seconds=float(events.get("imagePollSeconds", 0.5))),
+        encryption=EncryptionConfig(
+            key_root=enc.get("keyRoot", "/etc/rbd-reconciler/keys"),
+            pbkdf=enc.get("pbkdf", "argon2id"),
+            iter_time_ms=int(enc.get("iterTimeMs", 2000)),
+            iterations=int(enc["iterations"]) if enc.get("iterations") is not None else None,
+            memory_kib=int(enc["memoryKiB"]) if enc.get("memoryKiB") is not None else None),
     )
 
 

@@ -27,6 +27,7 @@ from reconciler.spec.model import (
     DEFAULT_FEATURES,
     XFS_MIN_BYTES,
     CloneSource,
+    EncryptionSpec,
     ImageSpec,
     MapSpec,
     PublishSpec,
@@ -302,13 +303,35 @@ class _VolumeBuilder:
                            f"{excerpt(p.path)} is listed twice (also publish[{seen[p.path]}])")
             seen.setdefault(p.path, i)
 
+        encryption = self.encryption(spec, mapping)
         if self.diags:
             return None
         return Volume(
             name=name, state=spec.get("state", "present"), image=image, map=mapping,
             stage=stage, publish=tuple(publish), on_remove=spec.get("onRemove"),
-            source=Source(self.file, self.doc.line),
+            source=Source(self.file, self.doc.line), encryption=encryption,
         )
+
+    def encryption(self, spec: dict[str, Any], mapping: MapSpec | None
+                   ) -> EncryptionSpec | None:
+        """A key file is named by a clean absolute path under the key root; it
+        is opened (and its owner and mode checked) only when it is used."""
+        if "encryption" not in spec:
+            return None
+        enc = spec["encryption"]
+        if mapping is None:
+            self.error(("spec", "encryption"), "encryption needs a map section (a device "
+                       "to open LUKS2 on)")
+        (kind, path), = enc["key"].items()
+        field = ("spec", "encryption", "key", kind)
+        root = self.config.encryption.key_root.rstrip("/") or "/"
+        if os.path.normpath(path) != path:
+            self.error(field, f"{excerpt(path)} is not a clean absolute path "
+                       f"(expected {excerpt(os.path.normpath(path))})")
+        elif not _under(path, root):
+            self.error(field, f"{excerpt(path)} is not under the key root {root} "
+                       "(encryption.keyRoot in the node config)")
+        return EncryptionSpec(type=enc["type"], key_kind=kind, key_path=path)
 
 
 def _declared_name(data: Any) -> str | None:

@@ -90,6 +90,17 @@ class PublishSpec:
 
 
 @dataclass(frozen=True)
+class EncryptionSpec:
+    """LUKS2 between the mapped image and what is staged. ``key_kind``:
+    file (the passphrase is that file) or wrappedBy (that file wraps a random
+    per-volume passphrase kept in the image's metadata)."""
+
+    type: str  # luks2
+    key_kind: str  # file | wrappedBy
+    key_path: str
+
+
+@dataclass(frozen=True)
 class Source:
     """Where a volume was declared, for messages and for freezing on errors."""
 
@@ -122,6 +133,7 @@ class Volume:
     # Set for a ``kind: Snapshot`` document. Snapshots travel through the same
     # files, records, daemon and status as volumes; only the planner tells them apart.
     snapshot: SnapshotSpec | None = None
+    encryption: EncryptionSpec | None = None
 
     @property
     def kind(self) -> str:
@@ -147,6 +159,8 @@ class Volume:
         # Left out when unset, so a plain volume's digest is what it always was.
         if data["snapshot"] is None:
             del data["snapshot"]
+        if data["encryption"] is None:
+            del data["encryption"]
         if data["image"]["source"] is None:
             del data["image"]["source"]
         blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
@@ -162,7 +176,7 @@ def volume_to_dict(v: Volume) -> dict[str, object]:
 def volume_from_dict(d: dict) -> Volume:
     """Inverse of ``volume_to_dict`` (the daemon's record of managed volumes)."""
     img, mp, st = d["image"], d.get("map"), d.get("stage")
-    src, snap = img.get("source"), d.get("snapshot")
+    src, snap, enc = img.get("source"), d.get("snapshot"), d.get("encryption")
     return Volume(
         name=d["name"], state=d["state"],
         image=ImageSpec(img["pool"], img["name"], img["size"], tuple(img["features"]),
@@ -175,4 +189,5 @@ def volume_from_dict(d: dict) -> Volume:
         on_remove=d.get("on_remove"),
         source=Source(Path(d["source"]["file"]), d["source"]["line"]),
         snapshot=SnapshotSpec(**snap) if snap else None,
+        encryption=EncryptionSpec(**enc) if enc else None,
     )

@@ -1,0 +1,112 @@
+"""LUKS2 keys and cryptsetup, for real on an image file (luksFormat, keyslots
+and the header need no device-mapper; opening does: see tests/kernel).
+
+Key files are trusted only as root's, closed to group and others, under the
+key root, reached without a symlink; a sealed passphrase opens only with the
+node key that sealed it, and its record cannot choose the scrypt cost."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from reconciler.drivers import keys
+from reconciler.drivers.crypt import Cryptsetup, Pbkdf, describe, keyslots
+from reconciler.drivers.run import Runner
+from reconciler.facts import luks
+
+needs_cryptsetup = pytest.mark.skipif(shutil.which("cryptsetup") is None,
+                                      reason="cryptsetup not installed (scripts/setup.sh)")
+FAST = Pbkdf("pbkdf2", iterations=1000)
+
+
+@pytest.fixture
+def keyroot(tmp_path: Path) -> Path:
+    root = tmp_path / "keys"
+    root.mkdir(mode=0o700)
+    return root
+
+
+def key_file(root: Path, name: str = "node.key", mode: int = 0o600,
+             data: bytes = b"k" * 64) -> Path:
+    p = root / name
+    p.write_bytes(data)
+    p.chmod(mode)
+    return p
+
+
+def test_key_file_rules(keyroot: Path, tmp_path: Path) -> None:
+    good = key_file(keyroot)
+    assert keys.read_key_file(str(good), str(keyroot)) == b"k" * 64
+    loose = key_file(keyroot, "loose.key", 0o640)
+    with pytest.raises(keys.KeyProblem, match="open to group or others"):
+        keys.read_key_file(str(loose), str(keyroot))
+    outside = key_file(tmp_path, "outside.key")
+    with pytest.raises(keys.KeyProblem, match="not under the key root"):
+        keys.read_key_file(str(outside), str(keyroot))
+    link = keyroot / "link.key"
+    link.symlink_to(good)
+    with pytest.raises(keys.KeyProblem, match="symlink"):
+        keys.read_key_file(str(link), str(keyroot))
+    theirs = key_file(keyroot, "theirs.key")
+    os.chown(theirs, 1000, 1000)
+    with pytest.raises(keys.KeyProblem, match="owned by uid 1000"):
+        keys.read_key_file(str(theirs), str(keyroot))
+    empty = key_file(keyroot, "empty.key", data=b"")
+    with pytest.raises(keys.KeyProblem, match="empty"):
+        keys.read_key_file(str(empty), str(keyroot))
+    with pytest.raises(keys.KeyProblem, match="No such file"):
+        keys.read_key_file(str(keyroot / "missing.key"), str(keyroot))
+
+
+def test_sealed_passphrase_opens_only_with_its_node_key() -> None:
+    node_key, other = os.urandom(64), os.urandom(64)
+    phrase = keys.new_passphrase()
+    sealed = keys.wrap(phrase, node_key)
+    assert phrase not in sealed.encode() and len(phrase) == 64
+    assert keys.unwrap(sealed, node_key, "rbd/v") == phrase
+    with pytest.raises(keys.KeyProblem, match="does not open"):
+        keys.unwrap(sealed, other, "rbd/v")
+    rec = json.loads(sealed)
+    tampered = json.dumps({**rec, "sealed": rec["nonce"] + rec["sealed"][16:]})
+    with pytest.raises(keys.KeyProblem):
+        keys.unwrap(tampered, node_key, "rbd/v")
+    costly = json.dumps({**rec, "n": 1 << 22})  # image-meta may not choose the cost
+    with pytest.raises(keys.KeyProblem, match="not ours"):
+        keys.unwrap(costly, node_key, "rbd/v")
+    with pytest.raises(keys.KeyProblem, match="unreadable"):
+        keys.unwrap("{not json", node_key, "rbd/v")
+
+
+@needs_cryptsetup
+def test_luks2_format_keyslots_and_header_on_a_file(tmp_path: Path) -> None:
+    img = tmp_path / "img"
+    with open(img, "wb") as f:
+        f.truncate(32 << 20)
+    runner = Runner(timeout=60)
+    c = Cryptsetup(runner, FAST)
+    old, new = keys.new_passphrase(), keys.new_passphrase()
+    assert not c.is_luks(str(img))
+    c.format(str(img), old)
+    assert c.is_luks(str(img)) and c.opens(str(img), old) and not c.opens(str(img), new)
+    c.add_key(str(img), old, new)
+    assert c.opens(str(img), new) and keyslots(c.dump(str(img))) == ["0", "1"]
+    c.remove_key(str(img), old)
+    assert not c.opens(str(img), old) and keyslots(c.dump(str(img))) == ["1"]
+    assert describe(c.dump(str(img))).startswith("LUKS2 aes-xts-plain64")
+    head = img.read_bytes()[:65536]
+    assert luks.data_offset(head) == 16 << 20
+    # No key on any command line, ever.
+    assert not any(old.decode() in " ".join(a) or new.decode() in " ".join(a)
+                   for a in runner.history)
+
+
+def test_crypt_names_are_safe_and_stable() -> None:
+    assert luks.crypt_name("pgdata") == "rbdr-pgdata"
+    assert luks.crypt_name("csi-4f/../x") == "rbdr-csi-4f_.._x"
+    assert len(luks.crypt_name("v" * 300)) == 127
+    assert luks.data_offset(b"\0" * 8192) is None
