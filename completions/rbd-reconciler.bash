@@ -7,6 +7,7 @@ _rbd_reconciler() {
         --config) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         --csi-endpoint) COMPREPLY=(); return ;;
         --log-format) COMPREPLY=($(compgen -W "auto journal json plain" -- "$cur")); return ;;
+        --new-key-file) COMPREPLY=(); return ;;
         --output) COMPREPLY=($(compgen -W "human json" -- "$cur")); return ;;
         --step-timeout) COMPREPLY=(); return ;;
         -c) COMPREPLY=($(compgen -f -- "$cur")); return ;;
@@ -17,13 +18,13 @@ _rbd_reconciler() {
     for ((i = 1; i < COMP_CWORD; i++)); do
         word=${COMP_WORDS[i]}
         if ((skip)); then skip=0; continue; fi
-        case " --config --csi-endpoint --log-format --output --step-timeout -c -o " in *" $word "*) skip=1; continue ;; esac
+        case " --config --csi-endpoint --log-format --new-key-file --output --step-timeout -c -o " in *" $word "*) skip=1; continue ;; esac
         [[ $word == -* ]] && continue
         cmd=$word; break
     done
     local opts paths
     case $cmd in
-        "") COMPREPLY=($(compgen -W "-h --help --version -c --config -v --verbose validate plan apply release run allow-removal explain takeover status" -- "$cur"))
+        "") COMPREPLY=($(compgen -W "-h --help --version -c --config -v --verbose validate plan apply release run allow-removal explain takeover rotate-key status" -- "$cur"))
             return ;;
         validate) opts="-h --help -o --output -c --config -v --verbose"; paths=1 ;;
         plan) opts="-h --help -o --output -c --config -v --verbose"; paths=1 ;;
@@ -33,6 +34,7 @@ _rbd_reconciler() {
         allow-removal) opts="-h --help --all -c --config -v --verbose"; paths=0 ;;
         explain) opts="-h --help -o --output -c --config -v --verbose"; paths=0 ;;
         takeover) opts="-h --help --yes-i-am-sure -c --config -v --verbose"; paths=0 ;;
+        rotate-key) opts="-h --help --new-key-file -c --config -v --verbose"; paths=0 ;;
         status) opts="-h --help -o --output -c --config -v --verbose"; paths=1 ;;
         *) return ;;
     esac

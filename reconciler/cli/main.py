@@ -172,6 +172,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="really blocklist the holder's clients and take the claim")
     p.set_defaults(func=_Command("takeover", "cmd_takeover"))
 
+    p = sub.add_parser("rotate-key", help="give an encrypted volume a new LUKS2 passphrase",
+                       description="For a volume with spec.encryption, mapped on this node: "
+                                   "add a keyslot for the new passphrase, prove it opens, then "
+                                   "remove the old one; safe to interrupt and run again. "
+                                   "key wrappedBy: a new random passphrase, sealed in "
+                                   "image-meta. key file: the new key file is named with "
+                                   "--new-key-file; point the spec at it afterwards.")
+    p.add_argument("name", help="volume name (metadata.name)")
+    p.add_argument("--new-key-file", metavar="PATH",
+                   help="key: file only: the new key file (under encryption.keyRoot)")
+    p.set_defaults(func=_Command("rotate", "cmd_rotate_key"))
+
     p = sub.add_parser("status", help="show the observed state of every desired volume",
                        description="Phase (ABSENT, CREATED, MAPPED, STAGED, PUBLISHED; "
                                    "DEGRADED, or UNKNOWN with the reason when its pool, image "
