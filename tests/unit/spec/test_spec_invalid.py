@@ -97,6 +97,24 @@ CASES: list[tuple[str, str, str, int, str]] = [
                                                      "/srv/vol": "/srv/vol2",
                                                      "size: 1Gi": "size: lots"}),
      "spec.image.size", 22, "lots"),
+    ("encryption-no-map", with_lines({"  map: {}\n  stage:\n    fsType: ext4\n  publish:\n"
+                                      "    - path: /srv/vol\n": "  encryption: {type: luks2, "
+                                      "key: {file: /etc/rbd-reconciler/keys/k}}\n"}),
+     "spec.encryption", 9, "needs a map"),
+    ("encryption-key-outside-root", with_lines({"  map: {}\n": "  map: {}\n  encryption: "
+                                                "{type: luks2, key: {file: /root/k}}\n"}),
+     "spec.encryption.key.file", 10, "not under the key root"),
+    ("encryption-key-dotdot", with_lines({"  map: {}\n": "  map: {}\n  encryption: {type: "
+                                          "luks2, key: {wrappedBy: /etc/rbd-reconciler/keys/"
+                                          "../k}}\n"}),
+     "spec.encryption.key.wrappedBy", 10, "not a clean absolute path"),
+    ("encryption-two-keys", with_lines({"  map: {}\n": "  map: {}\n  encryption: {type: luks2, "
+                                        "key: {file: /etc/rbd-reconciler/keys/a, wrappedBy: "
+                                        "/etc/rbd-reconciler/keys/b}}\n"}),
+     "spec.encryption.key", 10, "more than 1"),
+    ("encryption-luks1", with_lines({"  map: {}\n": "  map: {}\n  encryption: {type: luks1, "
+                                     "key: {file: /etc/rbd-reconciler/keys/a}}\n"}),
+     "spec.encryption.type", 10, "luks2"),
 ]
 
 

@@ -154,3 +154,12 @@ def test_schemas_are_valid_draft_2020_12(name: str) -> None:
     from reconciler.spec.schemas import validator
 
     jsonschema.Draft202012Validator.check_schema(validator(name).schema)
+
+
+def test_encryption_example_loads() -> None:
+    result = load([EXAMPLES / "encryption"], default_config())
+    assert result.ok, "\n".join(map(str, result.diagnostics))
+    by = {v.name: v for v in result.volumes}
+    assert by["vault"].encryption is not None
+    assert (by["vault"].encryption.key_kind, by["ledger"].encryption.key_kind) == (
+        "wrappedBy", "file")
