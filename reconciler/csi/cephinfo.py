@@ -13,7 +13,8 @@ import time
 import rados
 import rbd
 
-from reconciler.drivers.ceph import CephError, connect, set_meta, snapshot_children
+from reconciler.drivers.ceph import CephError, connect, get_meta, set_meta, snapshot_children
+from reconciler.facts import meta
 from reconciler.spec.config import CephConfig
 
 CSI_NAME_META = "rbd-reconciler.csi-name"
@@ -104,3 +105,11 @@ class CephInfo:
                 if p.get("name") == pool:
                     return int(p["stats"]["max_avail"])
             return int(df.get("stats", {}).get("total_avail_bytes", 0))
+
+    def encrypted(self, pool: str, image: str) -> bool:
+        """Whether the image holds a LUKS2 container we formatted (image-meta)."""
+        with self._client() as c:
+            try:
+                return bool(get_meta(c, pool, image).get(meta.CRYPT_FORMATTED))
+            except (CephError, rados.Error, rbd.ImageNotFound):
+                return False

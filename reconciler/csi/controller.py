@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import re
 from typing import Any
 
@@ -14,7 +15,15 @@ from reconciler.csi import capability, csi_pb2_grpc, ids
 from reconciler.csi import csi_pb2 as pb
 from reconciler.csi.cephinfo import CephInfo
 from reconciler.csi.errors import CsiError, invalid, not_found, rpc
-from reconciler.csi.files import L_ACCESS, L_FSTYPE, L_MAPPER, L_ORIGIN, L_REQUEST, new_document
+from reconciler.csi.files import (
+    L_ACCESS,
+    L_ENCRYPTION,
+    L_FSTYPE,
+    L_MAPPER,
+    L_ORIGIN,
+    L_REQUEST,
+    new_document,
+)
 from reconciler.csi.snapshots import SnapshotRpcs, content_source_of
 from reconciler.csi.volumes import Volumes
 from reconciler.drivers.ceph import CephError
@@ -25,7 +34,8 @@ log = logging.getLogger("rbd-reconciler.csi")
 
 MiB = 1 << 20
 DEFAULT_SIZE = 1 << 30  # a CreateVolume without a capacity range
-PARAMETERS = ("pool", "imageFeatures", "mapper", "fsType")
+PARAMETERS = ("pool", "imageFeatures", "mapper", "fsType", "encrypted", "encryptionKey")
+KEY_KINDS = ("file", "wrappedBy")
 # external-provisioner's own keys (PVC/PV names with --extra-create-metadata).
 CO_PREFIX = "csi.storage.k8s.io/"
 _TOKEN = re.compile(r"csi-(x|snap-)?[0-9a-f]{32}")
@@ -78,7 +88,31 @@ def _parameters(params: dict[str, str]) -> dict[str, str]:
         raise invalid("parameter 'pool' is required (the StorageClass names the RBD pool)")
     if out.get("fsType", "ext4") not in capability.FS_TYPES:
         raise invalid(f"parameter fsType {out['fsType']!r}: ext4 or xfs")
+    if out.get("encrypted", "false") not in ("true", "false"):
+        raise invalid(f"parameter encrypted {out['encrypted']!r}: \"true\" or \"false\"")
+    if "encryptionKey" in out:
+        kind, _, path = out["encryptionKey"].partition(":")
+        if out.get("encrypted") != "true":
+            raise invalid("parameter encryptionKey needs encrypted: \"true\"")
+        if kind not in KEY_KINDS or not path.startswith("/"):
+            raise invalid(f"parameter encryptionKey {out['encryptionKey']!r}: file:/PATH or "
+                          "wrappedBy:/PATH (a key file under the node config's "
+                          "encryption.keyRoot)")
     return out
+
+
+def _encryption(params: dict[str, str], key_root: str) -> str | None:
+    """The key source ("KIND:PATH") of an encrypted StorageClass; the default
+    is the node key ``<keyRoot>/node.key`` wrapping a per-volume passphrase."""
+    if params.get("encrypted") != "true":
+        return None
+    root = key_root.rstrip("/")
+    source = params.get("encryptionKey") or f"wrappedBy:{root}/node.key"
+    path = source.partition(":")[2]
+    if os.path.normpath(path) != path or not path.startswith(root + "/"):
+        raise invalid(f"parameter encryptionKey {source!r}: the key file must lie under "
+                      f"{root} (encryption.keyRoot of the node config)")
+    return source
 
 
 def _features(params: dict[str, str]) -> list[str] | None:
@@ -147,6 +181,14 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
                   L_ACCESS: "block" if all(a.block for a in access) else "mount"}
         if "mapper" in params:
             labels[L_MAPPER] = params["mapper"]
+        key = _encryption(params, self.volumes.config.encryption.key_root)
+        if key is not None:
+            labels[L_ENCRYPTION] = key
+        elif source is not None and self.ceph.encrypted(source["image"]["pool"],
+                                                        source["image"]["name"]):
+            raise invalid("the content source is encrypted (LUKS2): the StorageClass of the "
+                          "new volume must set encrypted: \"true\" (with the source's key, "
+                          "which a clone opens with)")
         deadline = self.volumes.deadline(context)
         with self.volumes.operation(name):
             doc = self.files.read(name)
@@ -180,7 +222,8 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
             ("content source", have.get("source"), img.get("source")),
             ("fsType", old.get(L_FSTYPE), labels[L_FSTYPE]),
             ("access type", old.get(L_ACCESS), labels[L_ACCESS]),
-            ("mapper", old.get(L_MAPPER), labels.get(L_MAPPER))) if a != b]
+            ("mapper", old.get(L_MAPPER), labels.get(L_MAPPER)),
+            ("encryption", old.get(L_ENCRYPTION), labels.get(L_ENCRYPTION))) if a != b]
         if differ:
             raise CsiError(grpc.StatusCode.ALREADY_EXISTS,
                            f"a volume named {request.name!r} already exists with another "

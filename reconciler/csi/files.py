@@ -23,6 +23,9 @@ L_ORIGIN = LABEL + "origin"  # controller: CreateVolume made it; node: staged by
 L_ACCESS = LABEL + "access-type"  # mount | block, as created
 L_FSTYPE = LABEL + "fs-type"
 L_MAPPER = LABEL + "mapper"  # the StorageClass mapper parameter
+# LUKS2 key source "KIND:PATH" (file or wrappedBy) of an encrypted volume; the
+# node puts it into spec.encryption when it stages (encryption needs a map).
+L_ENCRYPTION = LABEL + "encryption"
 L_SOURCE = LABEL + "source-volume-id"  # a snapshot's CSI source volume
 
 
@@ -89,3 +92,9 @@ def new_snapshot_document(name: str, labels: dict[str, str], pool: str,
     return {"apiVersion": API_VERSION, "kind": "Snapshot",
             "metadata": {"name": name, "labels": labels},
             "spec": {"state": "present", "source": {"image": {"pool": pool, "name": image}}}}
+
+
+def encryption_spec(source: str) -> dict[str, Any]:
+    """spec.encryption from an L_ENCRYPTION label ("KIND:PATH")."""
+    kind, _, path = source.partition(":")
+    return {"type": "luks2", "key": {kind: path}}

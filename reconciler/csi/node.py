@@ -19,7 +19,14 @@ from reconciler.csi import capability, csi_pb2_grpc, ids
 from reconciler.csi import csi_pb2 as pb
 from reconciler.csi.cephinfo import CephInfo
 from reconciler.csi.errors import CsiError, invalid, not_found, precondition, rpc
-from reconciler.csi.files import L_FSTYPE, L_MAPPER, L_ORIGIN, new_document
+from reconciler.csi.files import (
+    L_ENCRYPTION,
+    L_FSTYPE,
+    L_MAPPER,
+    L_ORIGIN,
+    encryption_spec,
+    new_document,
+)
 from reconciler.csi.volumes import Volumes
 from reconciler.facts.parsers import parse_mountinfo
 
@@ -97,6 +104,8 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                                f"volume {name} is already staged at {spec['stage']['path']} "
                                f"({spec['stage'].get('mode', 'filesystem')}); unstage it first")
             spec["map"] = {"mapper": labels[L_MAPPER]} if L_MAPPER in labels else {}
+            if L_ENCRYPTION in labels:
+                spec["encryption"] = encryption_spec(labels[L_ENCRYPTION])
             spec["stage"] = want
             self.volumes.converge(name, doc, deadline)
         return pb.NodeStageVolumeResponse()
@@ -127,6 +136,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                                    "unpublish it first")
             spec.pop("stage", None)
             spec.pop("map", None)
+            spec.pop("encryption", None)  # closed with the unstage; needs a map to be said
             spec.pop("publish", None)
             self.volumes.converge(name, doc, deadline)
             if doc["metadata"].get("labels", {}).get(L_ORIGIN) == "node":
