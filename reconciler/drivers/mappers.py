@@ -50,6 +50,14 @@ def available_mappers() -> frozenset[str]:
     return frozenset(found)
 
 
+def udev_running() -> bool:
+    """Without a udev daemon, ``rbd device map``/``unmap`` of krbd wait forever
+    for an event that never comes (the kernel made or removed the device
+    already): pass ``noudev`` then, and only then. udevd's control socket is
+    the sign it runs."""
+    return Path("/run/udev/control").exists()
+
+
 def _ceph_args(ceph: CephConfig) -> list[str]:
     args = ["-c", ceph.conf, "--id", ceph.user]
     if ceph.keyring:
@@ -64,13 +72,19 @@ class KernelMapper:
     kind: str  # krbd | nbd
     ceph: CephConfig
     runner: Runner
+    udev: Callable[[], bool] = udev_running
 
     def _type(self) -> list[str]:
         return ["-t", "nbd"] if self.kind == "nbd" else []
 
+    def _noudev(self) -> bool:
+        return self.kind == "krbd" and not self.udev()
+
     def map_command(self, pool: str, image: str, options: tuple[str, ...]) -> list[str]:
         argv = ["rbd", "device", "map", *self._type(), "--pool", pool, "--image", image,
                 *_ceph_args(self.ceph)]
+        if self._noudev() and "noudev" not in options:
+            options = (*options, "noudev")
         if options:
             argv += ["--options", ",".join(options)]
         return argv
@@ -86,14 +100,17 @@ class KernelMapper:
         return device
 
     def unmap(self, mapping: Mapping) -> None:
-        self.runner.run(["rbd", "device", "unmap", *self._type(), mapping.device or
-                         f"{mapping.pool}/{mapping.image}"])
+        self.runner.run(["rbd", "device", "unmap", *self._type(),
+                         *(["--options", "noudev"] if self._noudev() else []),
+                         mapping.device or f"{mapping.pool}/{mapping.image}",
+                         *_ceph_args(self.ceph)])
 
     def refresh(self, device: str, size: int) -> None:
         """The kernel client follows image resizes by itself."""
 
     def list(self) -> list[Mapping]:
-        out = self.runner.run(["rbd", "device", "list", *self._type(), "--format", "json"])
+        out = self.runner.run(["rbd", "device", "list", *self._type(), "--format", "json",
+                               *_ceph_args(self.ceph)])
         return [Mapping(self.kind, d.pool, d.image, d.device)
                 for d in parse_rbd_device_list(out.stdout) if d.snap is None and not d.namespace]
 

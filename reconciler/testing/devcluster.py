@@ -1,9 +1,13 @@
 """A disposable, real, single-node Ceph cluster for tests and demos.
 
 One ceph-mon and one memstore ceph-osd on 127.0.0.1 with cephx auth, all state
-under one temporary directory. No ceph-mgr: the RBD data path does not need it
-(but `ceph pg ...`, `ceph osd df` and `rbd perf` hang without one — never call
-them). Data lives in the OSD's RAM, so the cluster is throw-away by design.
+under one temporary directory. Another address (``--addr``, for a VM to reach:
+scripts/kernel-tests.sh) is refused unless this process runs in the private
+network namespace that script made (RBD_RECONCILER_TEST_NETNS names its
+inode): a test cluster never listens on a real interface. No ceph-mgr: the
+RBD data path does not need it (but `ceph pg ...`, `ceph osd df` and `rbd
+perf` hang without one — never call them). Data lives in the OSD's RAM, so
+the cluster is throw-away by design.
 
     with start_cluster() as cluster:
         subprocess.run(["rbd", "ls"], env={**os.environ, **cluster.client_env()})
@@ -65,6 +69,15 @@ class DevCluster:
     # empty it on stop instead of deleting it.
     _owns_root: bool = field(default=True, repr=False)
     _stopped: bool = field(default=False, repr=False)
+    _external: bool = field(default=False, repr=False)  # attach(): not ours to stop
+
+    @classmethod
+    def attach(cls, conf: Path, keyring: Path, user: str = "admin",
+               pool: str = "rbd") -> DevCluster:
+        """A cluster someone else started (the kernel tests' VM uses the one
+        scripts/kernel-tests.sh runs on the host): stop() leaves it alone."""
+        return cls(root=conf.parent, conf=conf, keyring=keyring, user=user, pool=pool,
+                   mon_addr="", _owns_root=False, _external=True)
 
     @property
     def pids(self) -> dict[str, int]:
@@ -118,7 +131,7 @@ class DevCluster:
         to delete): they are left in place and reported with DevClusterError;
         call stop() again after unmounting them.
         """
-        if self._stopped:
+        if self._stopped or self._external:
             return
         # OSD first: a mon-less OSD would otherwise wait for its mon until killed.
         for name in sorted(self._procs, key=lambda n: not n.startswith("osd")):
@@ -143,19 +156,38 @@ class DevCluster:
         self.stop()
 
 
+def in_test_netns() -> bool:
+    """Whether this process runs in the private namespace of the kernel tests."""
+    want = os.environ.get("RBD_RECONCILER_TEST_NETNS")
+    try:
+        return bool(want) and str(os.stat("/proc/self/ns/net").st_ino) == want
+    except OSError:
+        return False
+
+
 def start_cluster(
     root: Path | None = None,
     pool: str = "rbd",
     memstore_bytes: int = 3 << 30,
     timeout: float = 60,
+    addr: str = "127.0.0.1",
 ) -> DevCluster:
     """Bootstrap and start a 1-mon + 1-OSD cluster with an rbd-initialised `pool`.
+
+    `addr`: where every daemon listens. Not loopback only inside the kernel
+    tests' private network namespace (else DevClusterError). The mon then
+    also speaks msgr v1: the kernel client's default (ms_mode=legacy).
 
     `root` must be absent or empty (it is emptied again on stop); by default a
     fresh temporary directory is used and deleted on stop. On any failure the
     started daemons are killed, the state removed, and DevClusterError raised
     with the tails of the mon and OSD logs.
     """
+    if not addr.startswith("127.") and not in_test_netns():
+        raise DevClusterError(
+            f"refusing to listen on {addr} outside the kernel tests' private network "
+            "namespace (it could be a real interface); use 127.0.0.1, or "
+            "scripts/kernel-tests.sh")
     missing = [t for t in ("ceph-mon", "ceph-osd", "ceph-authtool", "monmaptool")
                if shutil.which(t) is None]
     if missing:
@@ -170,14 +202,14 @@ def start_cluster(
             raise DevClusterError(f"{root} is not empty; refusing to put a cluster there")
         root.mkdir(parents=True, exist_ok=True)
 
-    port = _free_port()
+    port = _free_port(addr)
     cluster = DevCluster(
         root=root,
         conf=root / "ceph.conf",
         keyring=root / "ceph.client.admin.keyring",
         user="admin",
         pool=pool,
-        mon_addr=f"127.0.0.1:{port}",
+        mon_addr=f"{addr}:{port}",
         _owns_root=owns_root,
     )
     try:
@@ -200,7 +232,13 @@ def _bootstrap(c: DevCluster, memstore_bytes: int, deadline: float) -> None:
     mon_data, osd_data = root / "mon" / f"ceph-{MON_ID}", root / "osd" / f"ceph-{OSD_ID}"
     for d in (mon_data, osd_data, root / "run", root / "log", root / "crash"):
         d.mkdir(parents=True)
-    c.conf.write_text(_render_conf(root, fsid, c.mon_addr, c.keyring, memstore_bytes))
+    addr = c.mon_addr.rsplit(":", 1)[0]
+    # The kernel client speaks msgr v1 unless told otherwise (ms_mode): a mon
+    # for a VM advertises both.
+    v2 = int(c.mon_addr.rsplit(":", 1)[1])
+    v1 = None if addr.startswith("127.") else _free_port(addr, avoid=v2)
+    addrv = f"[v2:{c.mon_addr}" + (f",v1:{addr}:{v1}]" if v1 else "]")
+    c.conf.write_text(_render_conf(root, fsid, addrv, addr, c.keyring, memstore_bytes))
     conf = ["-c", str(c.conf)]
 
     mon_keyring, osd_keyring = root / "mon.keyring", osd_data / "keyring"
@@ -218,8 +256,8 @@ def _bootstrap(c: DevCluster, memstore_bytes: int, deadline: float) -> None:
     osd_mkfs = _spawn(["ceph-osd", *conf, "--no-mon-config", "-i", str(OSD_ID), "--mkfs",
                        "--osd-uuid", osd_uuid], root / "log" / "osd-mkfs.out", daemon=False)
     try:
-        _tool(["monmaptool", "--create", "--fsid", fsid, "--addv", MON_ID,
-               f"[v2:{c.mon_addr}]", root / "monmap"], deadline)
+        _tool(["monmaptool", "--create", "--fsid", fsid, "--addv", MON_ID, addrv,
+               root / "monmap"], deadline)
         _tool(["ceph-mon", *conf, "--mkfs", "-i", MON_ID, "--monmap", root / "monmap",
                "--keyring", mon_keyring], deadline)
         c._procs[f"mon.{MON_ID}"] = _spawn(["ceph-mon", *conf, "-f", "-i", MON_ID],
@@ -231,7 +269,7 @@ def _bootstrap(c: DevCluster, memstore_bytes: int, deadline: float) -> None:
         _terminate(osd_mkfs)
 
     port = int(c.mon_addr.rsplit(":", 1)[1])
-    _wait_for(lambda: _port_open(port), c, deadline, "mon to listen")
+    _wait_for(lambda: _port_open(port, addr), c, deadline, "mon to listen")
     left = deadline - time.monotonic()
     handle = c.connect(timeout=left, osd_op_timeout=left)
     try:
@@ -252,19 +290,22 @@ def _bootstrap(c: DevCluster, memstore_bytes: int, deadline: float) -> None:
         handle.shutdown()
 
 
-def _render_conf(root: Path, fsid: str, mon_addr: str, keyring: Path, memstore_bytes: int) -> str:
+def _render_conf(root: Path, fsid: str, mon_addrv: str, addr: str, keyring: Path,
+                 memstore_bytes: int) -> str:
     # Daemon logs and data go to sections only daemons read, so clients that
     # share this conf (rbd, rbd-fuse, librados in tests) log nowhere by default.
+    net = "127.0.0.0/8" if addr.startswith("127.") else f"{addr}/32"
     return f"""\
 [global]
 fsid = {fsid}
-mon host = [v2:{mon_addr}]
-# Every daemon address on loopback: `public addr` alone leaves the OSD's
-# cluster-side (back and heartbeat) ports on 0.0.0.0.
-public addr = 127.0.0.1
-cluster addr = 127.0.0.1
-public network = 127.0.0.0/8
-cluster network = 127.0.0.0/8
+mon host = {mon_addrv}
+# Every daemon address on loopback (or the test namespace's one address):
+# `public addr` alone leaves the OSD's cluster-side (back and heartbeat)
+# ports on 0.0.0.0.
+public addr = {addr}
+cluster addr = {addr}
+public network = {net}
+cluster network = {net}
 auth cluster required = cephx
 auth service required = cephx
 auth client required = cephx
@@ -366,24 +407,26 @@ def _read_key(keyring: Path) -> str:
     raise DevClusterError(f"no key in {keyring}")
 
 
-def _free_port() -> int:
+def _free_port(addr: str = "127.0.0.1", avoid: int = 0) -> int:
     # Below 32768 (the kernel's ephemeral range starts there) and outside the
     # OSD's default 6800-7300 range; bind-tested, so only a race can lose it.
     for _ in range(200):
         port = random.randrange(10000, 32768)
+        if port == avoid:
+            continue
         with socket.socket() as s:
             try:
-                s.bind(("127.0.0.1", port))
+                s.bind((addr, port))
             except OSError:
                 continue
             return port
     raise DevClusterError("no free port found for the mon")
 
 
-def _port_open(port: int) -> bool:
+def _port_open(port: int, addr: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
+        return s.connect_ex((addr, port)) == 0
 
 
 def _log_tails(root: Path) -> str:
@@ -465,7 +508,8 @@ def _run(args: argparse.Namespace) -> int:
     rc = 1
     try:
         t0 = time.monotonic()
-        cluster = start_cluster(root=args.dir, pool=args.pool, timeout=args.timeout)
+        cluster = start_cluster(root=args.dir, pool=args.pool, timeout=args.timeout,
+                                addr=args.addr)
         print(f"devcluster: up in {time.monotonic() - t0:.1f}s at {cluster.root} "
               f"(mon {cluster.mon_addr}, pool {cluster.pool})", file=sys.stderr)
         env = {
@@ -519,6 +563,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--dir", type=Path, help="state directory (absent or empty; emptied after)")
     run.add_argument("--pool", default="rbd")
     run.add_argument("--timeout", type=float, default=60, help="startup deadline in seconds")
+    run.add_argument("--addr", default="127.0.0.1",
+                     help="listen here (not loopback: only in scripts/kernel-tests.sh's "
+                          "private network namespace)")
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     args = p.parse_args(argv)
     return _run(args)

@@ -59,9 +59,10 @@ def ok(stdout: str = "") -> Result:
     return Result(0, stdout, "")
 
 
-def kernel(kind: str, *replies: Result | Fail) -> tuple[KernelMapper, RecordingRunner]:
+def kernel(kind: str, *replies: Result | Fail, udev: bool = True
+           ) -> tuple[KernelMapper, RecordingRunner]:
     runner = RecordingRunner(replies=list(replies))
-    return KernelMapper(kind, CEPH, runner), runner
+    return KernelMapper(kind, CEPH, runner, udev=lambda: udev), runner
 
 
 # --- krbd / nbd: map ---------------------------------------------------------------
@@ -99,7 +100,7 @@ def test_nbd_map_with_options() -> None:
 
 def test_map_command_without_keyring_leaves_it_to_ceph_conf() -> None:
     m = KernelMapper("krbd", CephConfig("/etc/ceph/ceph.conf", "client-a", None),
-                     RecordingRunner())
+                     RecordingRunner(), udev=lambda: True)
     assert m.map_command("rbd", "x", ()) == ["rbd", "device", "map", "--pool", "rbd",
                                              "--image", "x", "-c", "/etc/ceph/ceph.conf",
                                              "--id", "client-a"]
@@ -172,18 +173,32 @@ def test_map_error_is_not_a_command_error() -> None:
 
 @pytest.mark.parametrize(("kind", "mapping", "argv"), [
     ("krbd", Mapping("krbd", "rbd", "pgdata", "/dev/rbd0"),
-     ["rbd", "device", "unmap", "/dev/rbd0"]),
+     ["rbd", "device", "unmap", "/dev/rbd0", *CEPH_ARGS]),
     ("krbd", Mapping("krbd", "rbd", "pgdata", None),
-     ["rbd", "device", "unmap", "rbd/pgdata"]),
+     ["rbd", "device", "unmap", "rbd/pgdata", *CEPH_ARGS]),
     ("nbd", Mapping("nbd", "rbd", "pgdata", "/dev/nbd0"),
-     ["rbd", "device", "unmap", "-t", "nbd", "/dev/nbd0"]),
+     ["rbd", "device", "unmap", "-t", "nbd", "/dev/nbd0", *CEPH_ARGS]),
     ("nbd", Mapping("nbd", "fast", "metrics-xfs", None),
-     ["rbd", "device", "unmap", "-t", "nbd", "fast/metrics-xfs"]),
+     ["rbd", "device", "unmap", "-t", "nbd", "fast/metrics-xfs", *CEPH_ARGS]),
 ])
 def test_unmap_command_line(kind: str, mapping: Mapping, argv: list[str]) -> None:
     m, runner = kernel(kind)
     m.unmap(mapping)
     assert runner.history == [argv]
+
+
+def test_krbd_without_udev_maps_and_unmaps_with_noudev() -> None:
+    """No udevd: rbd would wait forever for its event. nbd never waits for it."""
+    m, runner = kernel("krbd", ok("/dev/rbd0\n"), ok(""), udev=False)
+    m.map("rbd", "pgdata", ("exclusive",))
+    m.unmap(Mapping("krbd", "rbd", "pgdata", "/dev/rbd0"))
+    assert runner.history == [
+        ["rbd", "device", "map", "--pool", "rbd", "--image", "pgdata", *CEPH_ARGS,
+         "--options", "exclusive,noudev"],
+        ["rbd", "device", "unmap", "--options", "noudev", "/dev/rbd0", *CEPH_ARGS]]
+    n, runner = kernel("nbd", ok("/dev/nbd0\n"), udev=False)
+    n.map("rbd", "pgdata", ())
+    assert "noudev" not in " ".join(runner.history[0])
 
 
 def test_unmap_failure_propagates() -> None:
@@ -206,14 +221,15 @@ def test_krbd_list() -> None:
     # Snapshot and namespace mappings are not volumes this reconciler manages.
     assert m.list() == [Mapping("krbd", "rbd", "pgdata", "/dev/rbd0"),
                         Mapping("krbd", "fast", "metrics-xfs", "/dev/rbd3")]
-    assert runner.history == [["rbd", "device", "list", "--format", "json"]]
+    assert runner.history == [["rbd", "device", "list", "--format", "json", *CEPH_ARGS]]
 
 
 def test_nbd_list() -> None:
     m, runner = kernel("nbd", ok(data("rbd_device_list_nbd.json")))
     assert m.list() == [Mapping("nbd", "rbd", "pgdata", "/dev/nbd0"),
                         Mapping("nbd", "fast", "metrics-xfs", "/dev/nbd2")]
-    assert runner.history == [["rbd", "device", "list", "-t", "nbd", "--format", "json"]]
+    assert runner.history == [["rbd", "device", "list", "-t", "nbd", "--format", "json",
+                               *CEPH_ARGS]]
 
 
 @pytest.mark.parametrize(("kind", "name"), [("krbd", "rbd_device_list_krbd_empty.json"),
