@@ -22,6 +22,7 @@ from typing import Any
 from reconciler.spec import security
 from reconciler.spec.config import Config
 from reconciler.spec.diagnostics import Diagnostic, excerpt, format_field
+from reconciler.spec.mapopts import check_map_options
 from reconciler.spec.mkfsopts import check_mkfs_options
 from reconciler.spec.model import (
     DEFAULT_FEATURES,
@@ -255,6 +256,8 @@ class _VolumeBuilder:
             m = spec["map"]
             mapping = MapSpec(mapper=m.get("mapper", self.config.mapper),
                               options=tuple(m.get("options", ())))
+            for i, msg in check_map_options(mapping.mapper, mapping.options):
+                self.error(("spec", "map", "options", i), msg)
 
         stage = None
         if "stage" in spec:

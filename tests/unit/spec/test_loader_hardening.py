@@ -153,8 +153,8 @@ def test_alias_bomb_fails_fast(tmp_path: Path, bomb: str) -> None:
 
 def test_aliases_within_the_limit_still_work(tmp_path: Path) -> None:
     (tmp_path / "v.yaml").write_text(edit(GOOD, {
-        "  map: {}": "  map: {options: &opts [noatime]}",
-        "fsType: ext4": "fsType: ext4\n    mountOptions: *opts"}))
+        "fsType: ext4": "fsType: ext4\n    mountOptions: &opts [noatime]",
+        "    - path: /srv/vol": "    - path: /srv/vol\n      mountOptions: *opts"}))
     result = load([tmp_path], default_config())
     assert result.ok, [str(d) for d in result.diagnostics]
     assert result.volumes[0].stage.mount_options == ("noatime",)
