@@ -283,6 +283,8 @@ class Filesystems:
 
 
 def block_device_size(path: str) -> int:
-    """Bytes, from sysfs (the loop/rbd/nbd driver's current idea of the size)."""
-    name = os.path.basename(os.path.realpath(path))
-    return int(Path(f"/sys/class/block/{name}/size").read_text()) * 512
+    """Bytes, from sysfs (the loop/rbd/nbd/dm driver's current idea of the
+    size), found by the node's device number: /dev/mapper/NAME is a node of
+    its own without udev, and its name is not the kernel's (dm-N)."""
+    rdev = os.stat(path).st_rdev
+    return int(Path(f"/sys/dev/block/{os.major(rdev)}:{os.minor(rdev)}/size").read_text()) * 512

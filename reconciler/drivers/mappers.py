@@ -30,11 +30,13 @@ from reconciler.facts.parsers import (
     parse_rbd_device_list,
 )
 from reconciler.spec.config import CephConfig
+from reconciler.state.registry import NbdMappings
 
 log = logging.getLogger(__name__)
 
 FUSE_FSTYPE = "fuse.rbd-fuse"
 FUSE_START_TIMEOUT = 30.0
+RESIZE_WAIT_S = 30.0  # krbd / rbd-nbd: a resize reaches the device this soon
 # rbd-fuse children we started, by mount point, so we can reap them.
 _fuse_children: dict[str, subprocess.Popen[bytes]] = {}
 
@@ -58,6 +60,21 @@ def udev_running() -> bool:
     return Path("/run/udev/control").exists()
 
 
+def nbd_connected(device: str | None) -> bool:
+    """Whether an nbd device still has a connection (its pid file is there)."""
+    return device is not None and Path(f"/sys/block/{os.path.basename(device)}/pid").exists()
+
+
+def _device_mounted(device: str) -> bool:
+    try:
+        rdev = os.stat(device).st_rdev
+    except OSError:
+        return False
+    want = (os.major(rdev), os.minor(rdev))
+    return any((m.major, m.minor) == want
+               for m in parse_mountinfo(Path("/proc/self/mountinfo").read_text()))
+
+
 def _ceph_args(ceph: CephConfig) -> list[str]:
     args = ["-c", ceph.conf, "--id", ceph.user]
     if ceph.keyring:
@@ -73,6 +90,8 @@ class KernelMapper:
     ceph: CephConfig
     runner: Runner
     udev: Callable[[], bool] = udev_running
+    records: NbdMappings | None = None  # nbd: what we mapped (a dead rbd-nbd is seen)
+    connected: Callable[[str], bool] = field(default=lambda d: nbd_connected(d))
 
     def _type(self) -> list[str]:
         return ["-t", "nbd"] if self.kind == "nbd" else []
@@ -97,22 +116,49 @@ class KernelMapper:
         device = out.strip().splitlines()[-1] if out.strip() else ""
         if not device.startswith("/dev/"):
             raise explain_map_failure(self.kind, 0, f"unexpected output {out!r}")
+        if self.kind == "nbd" and self.records is not None:
+            self.records.record(device, {"pool": pool, "image": image})
         return device
 
     def unmap(self, mapping: Mapping) -> None:
-        self.runner.run(["rbd", "device", "unmap", *self._type(),
-                         *(["--options", "noudev"] if self._noudev() else []),
-                         mapping.device or f"{mapping.pool}/{mapping.image}",
-                         *_ceph_args(self.ceph)])
+        if self.kind != "nbd" or mapping.device is None or self.connected(mapping.device):
+            self.runner.run(["rbd", "device", "unmap", *self._type(),
+                             *(["--options", "noudev"] if self._noudev() else []),
+                             mapping.device or f"{mapping.pool}/{mapping.image}",
+                             *_ceph_args(self.ceph)])
+        # else: its rbd-nbd is gone and the kernel dropped the connection: nothing to undo
+        if self.kind == "nbd" and self.records is not None and mapping.device:
+            self.records.forget(mapping.device)
 
-    def refresh(self, device: str, size: int) -> None:
-        """The kernel client follows image resizes by itself."""
+    def refresh(self, device: str, size: int, wait: float = RESIZE_WAIT_S) -> None:
+        """krbd and rbd-nbd follow an image resize by themselves (a header
+        watch): wait, bounded, until the device shows at least ``size``."""
+        deadline = time.monotonic() + wait
+        while (now := block_device_size(device)) < size:
+            if time.monotonic() > deadline:
+                raise CommandError(["refresh", device], 1,
+                                   f"{device} still shows {now} bytes {wait:g} s after the image "
+                                   f"grew to {size}: the {self.kind} client did not follow")
+            time.sleep(0.05)
 
     def list(self) -> list[Mapping]:
         out = self.runner.run(["rbd", "device", "list", *self._type(), "--format", "json",
                                *_ceph_args(self.ceph)])
-        return [Mapping(self.kind, d.pool, d.image, d.device)
+        live = [Mapping(self.kind, d.pool, d.image, d.device)
                 for d in parse_rbd_device_list(out.stdout) if d.snap is None and not d.namespace]
+        if self.kind != "nbd" or self.records is None:
+            return live
+        seen = {m.device for m in live}
+        dead = []
+        for device, (pool, image) in sorted(self.records.images().items()):
+            if device in seen:
+                continue
+            if not self.connected(device) and not _device_mounted(device):
+                self.records.forget(device)  # unmapped behind our back, nothing left of it
+                continue
+            dead.append(Mapping("nbd", pool, image, device,
+                                problem=f"rbd-nbd serving {device} is gone"))
+        return live + dead
 
 
 @dataclass

@@ -27,7 +27,7 @@ from reconciler.observe.ceph import CephView, Session, observe_images
 from reconciler.observe.devprobe import ProbeCache, Probed, probe_full, probe_mounted
 from reconciler.spec.config import Config
 from reconciler.spec.model import Volume, resolve_mapper
-from reconciler.state.registry import CreatedPaths, Intents
+from reconciler.state.registry import CreatedPaths, Intents, NbdMappings
 
 log = logging.getLogger("reconciler.observe")  # the name log lines have always carried
 
@@ -62,7 +62,8 @@ class Node:
             fs=Filesystems(runner, CreatedPaths(config.state_dir / "created.json")),
             fuse=FuseMapper(config.ceph, config.state_dir / "fuse", runner),
             krbd=KernelMapper("krbd", config.ceph, runner),
-            nbd=KernelMapper("nbd", config.ceph, runner),
+            nbd=KernelMapper("nbd", config.ceph, runner,
+                             records=NbdMappings(config.state_dir)),
             crypt=Cryptsetup(runner, Pbkdf(config.encryption.pbkdf,
                                            config.encryption.iter_time_ms,
                                            config.encryption.iterations,

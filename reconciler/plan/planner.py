@@ -378,11 +378,11 @@ class _VolumePlanner(SnapshotRules):
             return
         if self.claim is None and self.img is not None:
             self.add(ClaimImage(v.name, v.image.pool, v.image.name, self.ctx.node_name))
-        # krbd and nbd pick up a resize by themselves; a loop device over the
-        # rbd-fuse file keeps its old size until told (losetup -c).
-        if (self.mapping.kind == "fuse" and self.raw is not None and new_size is not None
-                and self.raw.size < new_size):
-            self.add(RefreshDevice(v.name, self.mapping.device, "fuse", new_size))
+        # A loop device over the rbd-fuse file keeps its old size until told
+        # (losetup -c); krbd and rbd-nbd follow a resize by themselves, a moment
+        # later: the step waits for it, so what grows next sees the new size.
+        if self.raw is not None and new_size is not None and self.raw.size < new_size:
+            self.add(RefreshDevice(v.name, self.mapping.device, self.mapping.kind, new_size))
 
     def forward_crypt(self, new_size: int | None) -> None:
         """Open the volume's LUKS2 container before staging; luksFormat it first

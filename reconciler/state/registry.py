@@ -78,3 +78,23 @@ class Intents(Registry):
 
     def images(self) -> frozenset[tuple[str, str]]:
         return frozenset((k.partition("/")[0], k.partition("/")[2]) for k in self.all())
+
+
+class NbdMappings(Registry):
+    """``stateDir/nbd.json``: the nbd devices we mapped, device -> pool/image.
+
+    When rbd-nbd dies, ``rbd device list -t nbd`` no longer shows its device
+    (it finds mappings through their live process), but a filesystem may
+    still be mounted from it: without this record the mapping would look
+    gone, and the volume unmapped. With it, the mapping is dead (DEGRADED).
+    """
+
+    def __init__(self, state_dir: Path) -> None:
+        super().__init__(state_dir / "nbd.json")
+
+    def images(self) -> dict[str, tuple[str, str]]:
+        out = {}
+        for dev, rec in self.all().items():
+            if isinstance(rec, dict) and "pool" in rec and "image" in rec:
+                out[dev] = (str(rec["pool"]), str(rec["image"]))
+        return out

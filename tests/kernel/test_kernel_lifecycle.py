@@ -141,3 +141,42 @@ def test_encrypted_lifecycle(node: NodeUnderTest, mapper: str) -> None:
         f.write(f"encryption:\n  keyRoot: {keys}\n  pbkdf: pbkdf2\n  iterations: 1000\n")
     lifecycle(node, mapper, "ext4",
               f"  encryption: {{type: luks2, key: {{wrappedBy: {keys / 'node.key'}}}}}\n")
+
+
+def _kill_rbd_nbd(device: str) -> None:
+    """SIGKILL the rbd-nbd serving ``device``; wait (bounded) until it is gone."""
+    import time
+
+    pid = int(Path(f"/sys/block/{os.path.basename(device)}/pid").read_text())
+    os.kill(pid, 9)
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}").exists():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"rbd-nbd {pid} still there 30 s after SIGKILL")
+        time.sleep(0.05)
+
+
+def test_dead_rbd_nbd_with_nothing_mounted_is_mapped_again(node: NodeUnderTest) -> None:
+    name = node.name("nbd-dead")
+    node.write(name, spec(node, "64Mi", "nbd", "ext4", staged=False))
+    assert node.apply()["rc"] == 0
+    _kill_rbd_nbd(status_of(node, name)["device"])
+    st = status_of(node, name)
+    assert st["phase"] == "DEGRADED" and "rbd-nbd" in st["problem"]
+    doc = node.apply()
+    assert doc["rc"] == 0, json.dumps(doc, indent=1)
+    assert [s["action"] for s in doc["volumes"][0]["steps"]] == ["unmap", "map"]
+    st = status_of(node, name)
+    assert st["phase"] == "MAPPED" and st["problem"] is None
+
+
+def test_dead_rbd_nbd_under_a_mount_is_degraded_never_reformatted(node: NodeUnderTest) -> None:
+    name = node.name("nbd-dead-fs")
+    node.write(name, spec(node, "64Mi", "nbd", "ext4"))
+    assert node.apply()["rc"] == 0
+    _kill_rbd_nbd(status_of(node, name)["device"])
+    st = status_of(node, name)
+    assert st["phase"] == "DEGRADED" and "rbd-nbd" in st["problem"]
+    doc = node.apply()
+    [vol] = doc["volumes"]
+    assert doc["rc"] != 0 and "is dead" in vol["error"] and not vol["steps"]

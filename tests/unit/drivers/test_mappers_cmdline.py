@@ -8,7 +8,8 @@ stands in for the node and answers with output recorded on a real machine
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import subprocess
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,7 +63,7 @@ def ok(stdout: str = "") -> Result:
 def kernel(kind: str, *replies: Result | Fail, udev: bool = True
            ) -> tuple[KernelMapper, RecordingRunner]:
     runner = RecordingRunner(replies=list(replies))
-    return KernelMapper(kind, CEPH, runner, udev=lambda: udev), runner
+    return KernelMapper(kind, CEPH, runner, udev=lambda: udev, connected=lambda _d: True), runner
 
 
 # --- krbd / nbd: map ---------------------------------------------------------------
@@ -209,10 +210,25 @@ def test_unmap_failure_propagates() -> None:
     assert info.value.returncode == 16
 
 
+@pytest.fixture
+def loop8m(tmp_path: Path) -> Iterator[str]:
+    """A real 8 MiB loop device (stands for a krbd/nbd device: same sysfs size)."""
+    back = tmp_path / "back"
+    back.write_bytes(b"\0" * (8 << 20))
+    dev = subprocess.run(["losetup", "--find", "--show", str(back)], capture_output=True,
+                         text=True, check=True, timeout=30).stdout.strip()
+    try:
+        yield dev
+    finally:
+        subprocess.run(["losetup", "-d", dev], check=False, timeout=30)
+
+
 @pytest.mark.parametrize("kind", ["krbd", "nbd"])
-def test_kernel_refresh_runs_nothing(kind: str) -> None:
+def test_kernel_refresh_waits_for_the_device_and_runs_nothing(kind: str, loop8m: str) -> None:
     m, runner = kernel(kind)
-    m.refresh("/dev/rbd0", 2**30)
+    m.refresh(loop8m, 8 << 20)  # already that size: returns at once
+    with pytest.raises(CommandError, match=f"still shows {8 << 20} bytes 0.2 s after"):
+        m.refresh(loop8m, 16 << 20, wait=0.2)
     assert runner.history == []
 
 

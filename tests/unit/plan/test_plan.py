@@ -505,10 +505,13 @@ def test_grow_xfs_on_fuse_resizes_refreshes_and_grows() -> None:
 
 
 @pytest.mark.parametrize(("kind", "device"), [("krbd", "/dev/rbd0"), ("nbd", "/dev/nbd0")])
-def test_grow_xfs_on_kernel_mapper_needs_no_refresh(kind: str, device: str) -> None:
+def test_grow_xfs_on_kernel_mapper_waits_for_the_device(kind: str, device: str) -> None:
+    """krbd and rbd-nbd follow a resize by themselves, a moment later: the
+    refresh step waits for the device to show it before the grow."""
     old_vol, vol = volume(fs="xfs", size=512 * MiB), volume(fs="xfs", size=1024 * MiB)
     p = plan_one(vol, converged(old_vol, kind=kind, device=device))
-    assert actions(p) == ["resize image", "set image-meta", "grow filesystem"]
+    assert actions(p) == ["resize image", "set image-meta", "refresh device", "grow filesystem"]
+    assert p.steps[2] == RefreshDevice("pgdata", device, kind, 1024 * MiB)
     assert p.steps[-1] == GrowFilesystem("pgdata", device, STG, "xfs", 512 * MiB, 1024 * MiB)
 
 
