@@ -14,9 +14,12 @@
 #    that address only (devcluster refuses it anywhere else); QEMU runs in
 #    the same namespace, so the guest reaches it through user networking and
 #    reaches nothing else.
-# 3. One VM boot (TCG: KVM is not usable here) runs pytest -m kernel with
-#    the repository's venv over the host's read-only root; its output comes
-#    back through files in a shared directory; its exit status is ours.
+# 3. A VM boot (TCG: KVM is not usable here) runs pytest -m kernel with the
+#    repository's venv over the host's read-only root; its output comes back
+#    through files in a shared directory. When the first boot left a reboot
+#    test's state (tests/kernel/test_reboot.py), a second boot runs the
+#    tests marked reboot: the same cluster, a kernel that mapped nothing.
+#    The exit status is the first failing boot's.
 # Everything it started is stopped by pid, the namespace's processes swept,
 # temp dirs removed: on success, failure, the deadline (exit 124) and SIGTERM.
 set -euo pipefail
@@ -34,13 +37,14 @@ log() { echo "kernel-tests: $*" >&2; }
 # ---------------------------------------------------------------- in the namespace: run one VM
 if [[ ${1:-} == --vm ]]; then
   shift
-  RUN=$1 KIMG=$2 VM_TIMEOUT=$3; shift 3
+  RUN=$1 KIMG=$2 VM_TIMEOUT=$3 BOOT=$4 MARKERS=$5; shift 5
   GUEST_PATH="$PATH:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
   {
     echo '#!/bin/bash'
     printf 'exec </dev/null >>%q 2>>%q\n' "$RUN/stdout" "$RUN/stderr"
     printf 'export PATH=%q RUN_IN_VM=1 HOME=/root LANG=C.UTF-8 PYTHONDONTWRITEBYTECODE=1\n' \
       "$GUEST_PATH"
+    printf 'export KERNEL_TESTS_BOOT=%q RBD_RECONCILER_KT_STATE=%q\n' "$BOOT" "$RUN/state"
     # No udevd in the guest: libdevmapper makes /dev/mapper nodes itself.
     echo 'export DM_DISABLE_UDEV=1'
     for v in CEPH_CONF RBD_RECONCILER_CEPH_CONF RBD_RECONCILER_CEPH_KEYRING \
@@ -59,11 +63,11 @@ for m in rbd nbd dm-crypt; do modprobe "$m" || echo "kernel-tests: modprobe $m f
 EOF
     printf 'cd %q || exit 125\n' "$REPO"
     printf 'set --'; printf ' %q' "$@"; printf '\n'
-    echo '.venv/bin/python -m pytest -p no:cacheprovider -m kernel "$@"; rc=$?'
+    printf '.venv/bin/python -m pytest -p no:cacheprovider -m %q "$@"; rc=$?\n' "$MARKERS"
     echo '((rc)) && { echo "--- kernel-tests: guest dmesg (tail) after exit $rc"; dmesg | tail -n 60; } >&2'
     printf 'sync; echo "$rc" >%q; sync\n' "$RUN/rc"
   } >"$RUN/guest.sh"
-  : >"$RUN/stdout"; : >"$RUN/stderr"; : >"$RUN/console.log"
+  : >"$RUN/stdout"; : >"$RUN/stderr"; : >"$RUN/console.log"; rm -f "$RUN/rc"
   VMPID='' TAILS=()
   stop_vm() {
     if [[ -n $VMPID ]] && kill -0 "$VMPID" 2>/dev/null; then
@@ -97,6 +101,28 @@ EOF
   exit 125
 fi
 
+# ---------------------------------------------------------------- in the namespace: the boots
+if [[ ${1:-} == --boots ]]; then
+  shift
+  RUN=$1 KIMG=$2 VM_TIMEOUT=$3; shift 3
+  mkdir -p "$RUN/state"; chmod 700 "$RUN/state"
+  end=$((SECONDS + VM_TIMEOUT))
+  set +e
+  log "boot 1: pytest -m kernel $*"
+  bash "$SELF" --vm "$RUN" "$KIMG" "$VM_TIMEOUT" 1 kernel "$@"; rc=$?
+  if [[ -e $RUN/state/checksums.json ]]; then
+    left=$((end - SECONDS))
+    if ((left < 120)); then
+      log "no time left for the second boot (${left}s)"; ((rc)) || rc=124
+    else
+      log "boot 2 (after an unclean power-off): pytest -m 'kernel and reboot'"
+      bash "$SELF" --vm "$RUN" "$KIMG" "$left" 2 "kernel and reboot" "$@"; rc2=$?
+      ((rc)) || rc=$rc2
+    fi
+  fi
+  exit "$rc"
+fi
+
 # ---------------------------------------------------------------- the namespace's first process
 if [[ ${1:-} == --inner ]]; then
   shift
@@ -116,7 +142,7 @@ if [[ ${1:-} == --inner ]]; then
   cd "$REPO"
   # devcluster stops the cluster (by pid) when the VM run returns, or on TERM.
   exec .venv/bin/python -m reconciler.testing.devcluster run --addr "$ADDR" \
-    --dir "$RUN/cluster" -- bash "$SELF" --vm "$RUN" "$KIMG" "$VM_TIMEOUT" "$@"
+    --dir "$RUN/cluster" -- bash "$SELF" --boots "$RUN" "$KIMG" "$VM_TIMEOUT" "$@"
 fi
 
 # ---------------------------------------------------------------- the caller's side
@@ -124,7 +150,7 @@ TIMEOUT=900
 while (($#)); do
   case $1 in
     --timeout) TIMEOUT=$2; shift 2 ;;
-    -h|--help) sed -n '2,21p' "$SELF" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$SELF" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) break ;;
   esac
 done
@@ -214,7 +240,7 @@ trap cleanup EXIT
 trap 'exit 143' TERM
 trap 'exit 130' INT
 
-log "one VM boot runs pytest -m kernel (deadline ${TIMEOUT}s; TCG emulation: minutes)"
+log "VM boots run pytest -m kernel (deadline ${TIMEOUT}s; TCG emulation: minutes)"
 START=$SECONDS
 set +e
 # The VM's own deadline leaves 60 s for the cluster to stop and the sweep.

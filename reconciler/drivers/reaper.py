@@ -40,7 +40,7 @@ def _children_stats() -> list[Path]:
     return [Path(f"/proc/{pid}/stat") for pid in pids]
 
 
-def reap_zombies(names: tuple[str, ...] = ("rbd-fuse",)) -> list[int]:
+def reap_zombies(names: tuple[str, ...] = ("rbd-fuse", "rbd-nbd")) -> list[int]:
     """Reap our zombie children with the given command names, and only those:
     reaping a child that ``subprocess`` still waits for would steal its status."""
     me = os.getpid()

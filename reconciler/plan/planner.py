@@ -91,10 +91,12 @@ class _VolumePlanner(SnapshotRules):
             obs.crypts.get(self.mapping.device) if self.mapping and self.mapping.device
             else None)
         # The device that holds the filesystem (or is staged in block mode):
-        # the open LUKS2 device of an encrypted volume, else the mapped one.
-        self.dev: Device | None = self.raw
-        if vol.encryption is not None:
-            self.dev = obs.devices.get(self.crypt.path) if self.crypt else None
+        # an open LUKS2 device over the mapping (whatever the spec says now:
+        # what is mounted is where it is), else the mapped one, unless the
+        # volume is encrypted (then there is none until the container opens).
+        self.dev: Device | None = (
+            obs.devices.get(self.crypt.path) if self.crypt is not None
+            else self.raw if vol.encryption is None else None)
 
     @property
     def rdev(self) -> tuple[int, int]:
@@ -291,8 +293,7 @@ class _VolumePlanner(SnapshotRules):
                           "close it. Close it by hand (cryptsetup close) if it is not in use")
         self.add(CloseCrypt(self.v.name, c.name, (c.major, c.minor)))
         self.crypt = None
-        if self.v.encryption is not None:
-            self.dev = None
+        self.dev = self.raw if self.v.encryption is None else None
 
     def forward(self) -> None:
         v, img = self.v, self.v.image

@@ -6,6 +6,7 @@ every turn. Each test marks `kernel`: skipped outside the VM."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -144,15 +145,24 @@ def test_encrypted_lifecycle(node: NodeUnderTest, mapper: str) -> None:
 
 
 def _kill_rbd_nbd(device: str) -> None:
-    """SIGKILL the rbd-nbd serving ``device``; wait (bounded) until it is gone."""
+    """SIGKILL the rbd-nbd serving ``device``; wait (bounded) until it is gone
+    (or a zombie: the test session is a subreaper, so it may be ours to reap)."""
     import time
 
     pid = int(Path(f"/sys/block/{os.path.basename(device)}/pid").read_text())
     os.kill(pid, 9)
     deadline = time.monotonic() + 30
-    while Path(f"/proc/{pid}").exists():
+    while True:
+        try:
+            text = Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:
+            return
+        if text[text.rindex(")") + 2] == "Z":
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+            return
         if time.monotonic() > deadline:
-            raise AssertionError(f"rbd-nbd {pid} still there 30 s after SIGKILL")
+            raise AssertionError(f"rbd-nbd {pid} still running 30 s after SIGKILL")
         time.sleep(0.05)
 
 
@@ -180,3 +190,23 @@ def test_dead_rbd_nbd_under_a_mount_is_degraded_never_reformatted(node: NodeUnde
     doc = node.apply()
     [vol] = doc["volumes"]
     assert doc["rc"] != 0 and "is dead" in vol["error"] and not vol["steps"]
+
+
+@pytest.mark.parametrize("mapper", ["krbd", "nbd"])
+def test_the_real_device_list_parses(node: NodeUnderTest, mapper: str,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """What `rbd device list` really prints (recorded under tests/data for the
+    host tests: rbd_device_list_*_vm.json) is what the mapper lists."""
+    from reconciler.facts.parsers import parse_rbd_device_list
+
+    name = node.name(f"list-{mapper}")
+    node.write(name, spec(node, "16Mi", mapper, "ext4", staged=False))
+    assert node.apply()["rc"] == 0
+    out = subprocess.run(["rbd", "device", "list", *(["-t", "nbd"] if mapper == "nbd" else []),
+                          "--format", "json"], capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+    with capsys.disabled():
+        print(f"\nRECORDED rbd_device_list_{mapper}_vm.json {out.strip()}")
+    found = [d for d in parse_rbd_device_list(out) if d.image == name]
+    assert [(d.pool, d.snap, d.device) for d in found] == [
+        (node.cluster.pool, None, status_of(node, name)["device"])]

@@ -143,3 +143,13 @@ def test_grown_image_resizes_the_container_then_the_filesystem() -> None:
                           "grow filesystem"]
     rs = next(s for s in p.steps if isinstance(s, ResizeCrypt))
     assert (rs.old_size, rs.new_size) == (256 * MiB - OFFSET, 512 * MiB - OFFSET)
+
+
+def test_a_spec_that_drops_everything_still_unmounts_before_closing() -> None:
+    """The operator cuts the volume down to its image (no map, no encryption):
+    what is mounted is still found on the open container, and goes first."""
+    vol = enc()
+    obs = with_crypt(converged(vol, image_meta=luks_meta(vol)))
+    image_only = replace(volume(stage=False), map=None)
+    p = plan_one(image_only, obs)
+    assert actions(p) == ["unpublish", "unpublish", "unstage", "close LUKS2", "unmap"]
