@@ -152,4 +152,5 @@ def test_a_spec_that_drops_everything_still_unmounts_before_closing() -> None:
     obs = with_crypt(converged(vol, image_meta=luks_meta(vol)))
     image_only = replace(volume(stage=False), map=None)
     p = plan_one(image_only, obs)
-    assert actions(p) == ["unpublish", "unpublish", "unstage", "close LUKS2", "unmap"]
+    assert actions(p) == ["unpublish", "unpublish", "unstage", "close LUKS2", "unmap",
+                          "set image-meta"]  # (its spec hash changed)
