@@ -4,6 +4,7 @@
 # Ceph cluster on the host. This machine's kernel has none of those modules.
 #
 #   scripts/kernel-tests.sh [--timeout S] [PYTEST ARGS...]
+#   scripts/kernel-tests.sh [--timeout S] --bench [--trials N]   (benchmarks/p14)
 #
 # 1. Outside any namespace: install what it needs (QEMU, the kernel package,
 #    virtme-ng in its own venv, the project's venv), idempotently, under a
@@ -63,7 +64,11 @@ for m in rbd nbd dm-crypt; do modprobe "$m" || echo "kernel-tests: modprobe $m f
 EOF
     printf 'cd %q || exit 125\n' "$REPO"
     printf 'set --'; printf ' %q' "$@"; printf '\n'
-    printf '.venv/bin/python -m pytest -p no:cacheprovider -m %q "$@"; rc=$?\n' "$MARKERS"
+    if [[ $MARKERS == @bench ]]; then
+      echo '.venv/bin/python benchmarks/p14_kernel_paths.py "$@"; rc=$?'
+    else
+      printf '.venv/bin/python -m pytest -p no:cacheprovider -m %q "$@"; rc=$?\n' "$MARKERS"
+    fi
     echo '((rc)) && { echo "--- kernel-tests: guest dmesg (tail) after exit $rc"; dmesg | tail -n 60; } >&2'
     printf 'sync; echo "$rc" >%q; sync\n' "$RUN/rc"
   } >"$RUN/guest.sh"
@@ -107,6 +112,11 @@ if [[ ${1:-} == --boots ]]; then
   RUN=$1 KIMG=$2 VM_TIMEOUT=$3; shift 3
   mkdir -p "$RUN/state"; chmod 700 "$RUN/state"
   end=$((SECONDS + VM_TIMEOUT))
+  if [[ ${1:-} == --bench ]]; then
+    shift
+    log "one boot: benchmarks/p14_kernel_paths.py $*"
+    exec bash "$SELF" --vm "$RUN" "$KIMG" "$VM_TIMEOUT" 1 @bench "$@"
+  fi
   set +e
   log "boot 1: pytest -m kernel $*"
   bash "$SELF" --vm "$RUN" "$KIMG" "$VM_TIMEOUT" 1 kernel "$@"; rc=$?
@@ -150,7 +160,7 @@ TIMEOUT=900
 while (($#)); do
   case $1 in
     --timeout) TIMEOUT=$2; shift 2 ;;
-    -h|--help) sed -n '2,24p' "$SELF" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$SELF" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) break ;;
   esac
 done
