@@ -65,16 +65,6 @@ def nbd_connected(device: str | None) -> bool:
     return device is not None and Path(f"/sys/block/{os.path.basename(device)}/pid").exists()
 
 
-def _device_mounted(device: str) -> bool:
-    try:
-        rdev = os.stat(device).st_rdev
-    except OSError:
-        return False
-    want = (os.major(rdev), os.minor(rdev))
-    return any((m.major, m.minor) == want
-               for m in parse_mountinfo(Path("/proc/self/mountinfo").read_text()))
-
-
 def _ceph_args(ceph: CephConfig) -> list[str]:
     args = ["-c", ceph.conf, "--id", ceph.user]
     if ceph.keyring:
@@ -148,14 +138,16 @@ class KernelMapper:
                 for d in parse_rbd_device_list(out.stdout) if d.snap is None and not d.namespace]
         if self.kind != "nbd" or self.records is None:
             return live
-        seen = {m.device for m in live}
+        here = {m.device: m for m in live}
         dead = []
         for device, (pool, image) in sorted(self.records.images().items()):
-            if device in seen:
+            now = here.get(device)
+            if now is not None:
+                if (now.pool, now.image) != (pool, image):
+                    self.records.forget(device)  # mapped again since, for another image
                 continue
-            if not self.connected(device) and not _device_mounted(device):
-                self.records.forget(device)  # unmapped behind our back, nothing left of it
-                continue
+            # Ours, and no rbd-nbd serves it: dead until we unmap it (mounted
+            # or not), as a dead rbd-fuse helper is.
             dead.append(Mapping("nbd", pool, image, device,
                                 problem=f"rbd-nbd serving {device} is gone"))
         return live + dead

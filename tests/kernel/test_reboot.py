@@ -70,7 +70,9 @@ def start_daemon() -> subprocess.Popen[bytes]:
 
 
 def wait_published(daemon: subprocess.Popen[bytes], seconds: float) -> None:
-    """Until every volume's status file says Published (bounded; says which not)."""
+    """Until every volume's status file says Published and its target is a
+    mount of this boot (a status file may be the last boot's): bounded, and
+    says which were not."""
     deadline = time.monotonic() + seconds
     left: list[str] = list(VOLUMES)
     while left:
@@ -80,7 +82,9 @@ def wait_published(daemon: subprocess.Popen[bytes], seconds: float) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"not Published within {seconds:g} s: {', '.join(left)}; "
                                  f"see {STATE}/daemon-boot{BOOT}.log")
-        left = [n for n in VOLUMES if _phase(n) != "Published"]
+        points = {line.split()[4] for line in
+                  Path("/proc/self/mountinfo").read_text().splitlines()}
+        left = [n for n in VOLUMES if _phase(n) != "Published" or str(SRV / n) not in points]
         time.sleep(0.5)
 
 
@@ -134,9 +138,10 @@ def test_boot2_restores_every_volume_then_shuts_down_cleanly() -> None:
             assert got == want, f"{name}: the data changed across the reboot"
         assert Path("/dev/mapper/rbdr-boot-luks").exists()
     finally:
-        # The shutdown path: the daemon stops first, then release --all.
+        # The shutdown path: the daemon stops first (SIGTERM), then release --all.
         daemon.send_signal(signal.SIGTERM)
-        assert daemon.wait(timeout=60) == 0
+        stopped = daemon.wait(timeout=60)
+    assert stopped == 0, f"the daemon exited {stopped} on SIGTERM"
     t0 = time.monotonic()
     done = subprocess.run([*CLI, "--config", str(config()), "release", "--all",
                            "--step-timeout", "30"], capture_output=True, text=True,

@@ -248,6 +248,15 @@ def test_nbd_list() -> None:
                                *CEPH_ARGS]]
 
 
+@pytest.mark.parametrize(("kind", "name", "image", "device"), [
+    ("krbd", "rbd_device_list_krbd_vm.json", "list-krbd-e3bdd1", "/dev/rbd0"),
+    ("nbd", "rbd_device_list_nbd_vm.json", "list-nbd-18ef7a", "/dev/nbd0"),
+])
+def test_lists_recorded_in_the_vm(kind: str, name: str, image: str, device: str) -> None:
+    m, _ = kernel(kind, ok(data(name)))
+    assert m.list() == [Mapping(kind, "rbd", image, device)]
+
+
 @pytest.mark.parametrize(("kind", "name"), [("krbd", "rbd_device_list_krbd_empty.json"),
                                             ("nbd", "rbd_device_list_nbd_empty.json")])
 def test_list_recorded_empty(kind: str, name: str) -> None:
@@ -513,3 +522,25 @@ def test_fuse_unmount_retries_while_busy(tmp_path: Path,
     m.unmap(Mapping("fuse", "rbd", "pgdata", "/dev/loop0", fuse_mount=str(mnt)))
     assert runner.history == [["losetup", "-d", "/dev/loop0"],
                               ["umount", str(mnt)], ["umount", str(mnt)]]
+
+
+def test_nbd_mapping_whose_rbd_nbd_died_is_listed_dead(tmp_path: Path) -> None:
+    """rbd-nbd's own list shows only devices with a live process: the one we
+    mapped and recorded, no longer shown, is dead (never merely gone); a
+    recorded device mapped since for another image is that image's."""
+    from reconciler.state.registry import NbdMappings
+
+    records = NbdMappings(tmp_path)
+    runner = RecordingRunner(replies=[ok("/dev/nbd5\n"), ok(data("rbd_device_list_nbd.json")),
+                                      ok("")])
+    m = KernelMapper("nbd", CEPH, runner, udev=lambda: True, records=records,
+                     connected=lambda _d: False)
+    assert m.map("rbd", "web", ()) == "/dev/nbd5"
+    records.record("/dev/nbd0", {"pool": "rbd", "image": "old-tenant"})  # nbd0 is pgdata's now
+    listed = m.list()
+    assert Mapping("nbd", "rbd", "web", "/dev/nbd5",
+                   problem="rbd-nbd serving /dev/nbd5 is gone") in listed
+    assert Mapping("nbd", "rbd", "pgdata", "/dev/nbd0") in listed
+    assert "/dev/nbd0" not in records.images()
+    m.unmap(Mapping("nbd", "rbd", "web", "/dev/nbd5"))  # no connection: nothing to run
+    assert len(runner.history) == 2 and "/dev/nbd5" not in records.images()
