@@ -118,3 +118,38 @@ def test_rotate_key_survives_a_kill_between_steps(enc_node: NodeUnderTest,
     crypt = Node.from_config(cfg).crypt
     device = next(iter(n.cli_json("status")[1]["volumes"]))["device"]
     assert crypt.opens(device, after) and not crypt.opens(device, before)
+
+
+def test_a_clone_opens_with_its_parents_sealed_passphrase(enc_node: NodeUnderTest) -> None:
+    """A clone's image-meta is copied from its parent: the LUKS2 container
+    and the sealed passphrase come with it, so the clone is opened (never
+    formatted) with the passphrase the parent's node key unseals."""
+    n = enc_node
+    parent, clone = n.name("luks-parent"), n.name("luks-clone")
+    key = n.root / "keys" / "node.key"
+    enc = f"  encryption: {{type: luks2, key: {{wrappedBy: {key}}}}}\n"
+    n.write(parent, f"  image: {{pool: {n.cluster.pool}, size: 64Mi}}\n  map: {{}}\n{enc}"
+                    f"  stage: {{fsType: ext4, path: {n.srv / 'p'}}}\n")
+    n.apply()  # luksFormat (the open needs dm-crypt: not required here)
+    n.write(parent, f"  image: {{pool: {n.cluster.pool}, size: 64Mi}}\n")  # back to the image
+    assert n.apply()["rc"] == 0
+    n.write(clone, f"  image:\n    pool: {n.cluster.pool}\n    source: {{volume: {parent}}}\n"
+                   f"  map: {{}}\n{enc}")
+    doc = n.apply()
+    assert doc["rc"] == 0, doc
+    m_parent, m_clone = image_meta(n, parent), image_meta(n, clone)
+    assert m_clone[meta.CRYPT_FORMATTED] == "luks2"
+    assert m_clone[meta.LUKS_KEY] == m_parent[meta.LUKS_KEY]
+    phrase = keys.unwrap(m_clone[meta.LUKS_KEY], key.read_bytes(), clone)
+    device = next(v for v in n.cli_json("status")[1]["volumes"] if v["name"] == clone)["device"]
+    from reconciler.observe.node import Node
+    crypt = Node.from_config(load_config(n.config)).crypt
+    assert crypt.opens(device, phrase)  # the clone's own LUKS2 header, the parent's key
+    # Staging it plans an open, never a luksFormat.
+    n.write(clone, f"  image:\n    pool: {n.cluster.pool}\n    source: {{volume: {parent}}}\n"
+                   f"  map: {{}}\n{enc}  stage: {{fsType: ext4, path: {n.srv / 'c'}}}\n")
+    _, plan = n.plan()
+    steps = [s["action"] for v in plan["volumes"] if v["name"] == clone for s in v["steps"]]
+    assert "open LUKS2" in steps and "format LUKS2" not in steps
+    # mkfs inside only when the parent never got a filesystem (no dm-crypt here).
+    assert ("format" in steps) == (meta.FORMATTED not in m_clone)
