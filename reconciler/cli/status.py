@@ -50,6 +50,9 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
             mounts = [f"snapshot {r['image']} of {r['source']}; clones: {children}"]
         elif r.get("clonedFrom"):
             mounts.append(f"clone of {r['clonedFrom']}")
+        if r.get("encryption"):
+            enc = r["encryption"]
+            mounts.append(f"LUKS2 {'open' if enc['open'] else 'closed'}")  # type: ignore[index]
         print(f"{r['name']:<16} {r['phase']:<10} {r['wanted']:<10} {size:>7}  "
               f"{r['device'] or '-':<11} {', '.join(mounts) or '-'}")
         if r["unknown"]:
@@ -170,6 +173,10 @@ def _print_actual(actual: dict[str, Any], holders: list[str], claim: dict | None
           + (f" (mapped by {actual['holder']})" if actual.get("holder") else ""))
     _print_claim(claim)
     print(f"  mapping:  {actual['mapper'] or '-'} {actual['device'] or ''}")
+    if enc := actual.get("encryption"):
+        print(f"  encryption: {enc['type']}, key {enc['key'] or '(none in the spec)'}; "
+              f"container {enc['container'] or 'not mapped'}; "
+              + (f"open at {enc['open']}" if enc["open"] else "closed"))
     print(f"  holders:  {', '.join(holders) or 'none'}")
     print(f"  staging:  {actual['staging'] or '-'}")
     for path, mode in actual["published"]:

@@ -62,6 +62,9 @@ def test_luks_format_seals_once_and_never_formats_again(enc_node: NodeUnderTest)
     node_key = (n.root / "keys" / "node.key").read_bytes()
     phrase = keys.unwrap(m[meta.LUKS_KEY], node_key, name)
     assert phrase.decode() not in out  # never in output, logs or status
+    _, explained = n.cli("explain", name)
+    assert f"encryption: luks2, key wrappedBy {n.root / 'keys' / 'node.key'}" in explained
+    assert phrase.decode() not in explained
     assert not any(phrase in p.read_bytes() for p in n.state.rglob("*") if p.is_file())
     if have_dm_crypt():
         assert doc["rc"] == 0 and vol["status"] == "changed"
