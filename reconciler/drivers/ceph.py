@@ -251,11 +251,21 @@ def create_image(cluster: rados.Rados, pool: str, name: str, size: int,
 
 def remove_unlisted(cluster: rados.Rados, pool: str, name: str) -> bool:
     """Remove the remains of a create that died half-way: the name is taken
-    (its id object exists) but the image is not in the pool's directory.
-    False, touching nothing, when the image is listed (a real image)."""
+    (its id object exists) but the image is not in the pool's directory, or
+    it is listed but has no header object yet (librbd adds the directory
+    entry before it writes the header: such an image cannot be opened, so
+    no data was ever written to it). False, touching nothing, for a real
+    image (listed, with its header)."""
     with cluster.open_ioctx(pool) as ioctx:
         if name in rbd.RBD().list(ioctx):
-            return False
+            oid = header_oid(ioctx, name)
+            if oid is None:
+                return False
+            try:
+                ioctx.stat(oid)
+                return False  # a real image
+            except rados.ObjectNotFound:
+                pass  # listed, but its create died before the header
         # librbd's remove clears the id object (and any header) of such an
         # image, then reports ImageNotFound for the part that never existed.
         with contextlib.suppress(rbd.ImageNotFound):

@@ -421,3 +421,33 @@ def run_cli(cli, config: Path, *args: str) -> tuple[int, str]:  # type: ignore[n
     with contextlib.redirect_stdout(out):
         rc = cli.main(["--config", str(config), *args])
     return rc, out.getvalue()
+
+
+def test_crash_after_the_directory_entry_before_the_header_is_recovered(
+        node: NodeUnderTest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """librbd lists a new image before it writes its header: killed between
+    the two, the name is listed but the image cannot be opened (it holds no
+    data). Our recorded attempt is cleared away and made again; the same
+    remains without our intent are refused, never removed."""
+    name = node.name("headless")
+    node.write(name, f"  image: {{pool: {node.cluster.pool}, size: 16Mi, "
+                     f"reclaimPolicy: Delete}}\n")
+
+    from reconciler.drivers import ceph
+
+    def create_then_die(cluster, pool, image, size, *_: object) -> None:  # type: ignore[no-untyped-def]
+        with cluster.open_ioctx(pool) as io:
+            rbd.RBD().create(io, image, size, old_format=False)
+            io.remove_object(ceph.header_oid(io, image))  # as if killed before the header
+        raise ProcessDies
+
+    monkeypatch.setattr(ceph, "create_image", create_then_die)
+    with pytest.raises(ProcessDies):
+        node.apply()
+    monkeypatch.undo()
+    _, plan = node.plan()
+    assert [s["action"] for s in plan["volumes"][0]["steps"]] == ["create image"]
+    doc = node.apply()
+    assert doc["rc"] == 0, doc
+    assert image_meta(node, name)[meta.OWNER] == "test-node"
+    assert json.loads((node.state / "intents.json").read_text()) == {}
