@@ -13,6 +13,7 @@ from typing import Any, Literal, Protocol
 
 from reconciler.apply.runner import VolumeOutcome, apply
 from reconciler.facts.observed import Observed
+from reconciler.observe.ceph import Connecting
 from reconciler.observe.node import Node, observe
 from reconciler.plan.planner import Context, VolumePlan, plan
 from reconciler.spec.config import Config
@@ -103,3 +104,25 @@ def plan_pass(paths: Iterable[Path], config: Config, node: Node, release: bool =
 
 def apply_pass(p: Pass, node: Node) -> list[VolumeOutcome]:
     return apply(p.plans, {v.name: v for v in p.loaded.volumes}, p.observed, node)
+
+
+def release_pass(paths: Iterable[Path], config: Config, node: Node
+                 ) -> tuple[Pass, list[VolumeOutcome]]:
+    """``release``: the node's side first, Ceph's after. The teardown
+    (unpublish, unstage, unmap) is planned from the node alone and never
+    waits for Ceph; one connection, started in the background meanwhile,
+    then drops this node's claims of the images no longer mapped here."""
+    loaded = load(paths, config)
+    connecting = Connecting(config.ceph, config.observe_timeout_seconds) \
+        if loaded.volumes else None
+    try:
+        observed = observe(node, loaded.volumes, ceph=False)
+        plans = plan(loaded.volumes, observed, context(config, node), loaded.frozen_names,
+                     release=[v.name for v in loaded.volumes])
+    except BaseException:
+        if connecting is not None:
+            connecting.close()
+        raise
+    p = Pass(loaded, observed, plans)
+    return p, apply(plans, {v.name: v for v in loaded.volumes}, observed, node,
+                    claims_after=connecting)

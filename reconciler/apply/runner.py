@@ -24,6 +24,7 @@ import rbd
 from reconciler.apply import claims
 from reconciler.apply.logfmt import log_not_run, log_step
 from reconciler.drivers import ceph, freeze, keys, safepath
+from reconciler.drivers.bounded import NoAnswer
 from reconciler.drivers.fs import OnlineGrowRefused, block_device_size, is_ours
 from reconciler.drivers.run import Aborted
 from reconciler.facts import meta
@@ -31,6 +32,7 @@ from reconciler.facts.claim import Claim
 from reconciler.facts.claim import parse as parse_claim
 from reconciler.facts.observed import Mapping, Observed
 from reconciler.facts.parsers import parse_mountinfo
+from reconciler.observe.ceph import Connecting
 from reconciler.observe.node import Node, open_crypts
 from reconciler.plan.planner import GROW_SLACK, VolumePlan
 from reconciler.plan.steps import (
@@ -126,6 +128,10 @@ class _VolumeRun:
             self.crypt_device = crypt.path if crypt else None
         self.acquired: list[tuple[str, Callable[[], None]]] = []
         self.out = VolumeOutcome(plan.name, notes=list(plan.notes))
+        # A release drops its claims after every chain's node-side teardown
+        # (``apply(claims_after=...)``): the Unmap that would drop it.
+        self.claims_after = False
+        self.claim_unmap: StepOutcome | None = None
 
     def need_cluster(self) -> rados.Rados:
         if self.cluster is None:
@@ -190,6 +196,8 @@ class _VolumeRun:
             took = time.monotonic() - t0
             log_step(log, step, status, took, message)
             self.out.steps.append(StepOutcome(step, status, message, took))
+            if isinstance(step, Unmap) and step.release_claim:
+                self.claim_unmap = self.out.steps[-1]
             if status == "changed":
                 self.out.status = "changed"
         return self.out
@@ -285,7 +293,7 @@ class _VolumeRun:
                 node.mapper(step.mapper).unmap(
                     Mapping(step.mapper, step.pool, step.image, step.device, step.fuse_mount))
                 self.device = None
-                if step.release_claim:
+                if step.release_claim and not self.claims_after:
                     return "changed", self.release_claim(step.pool, step.image)
             case DeleteImage():
                 self.delete(step)
@@ -681,13 +689,19 @@ class _VolumeRun:
 
 
 def apply(plans: list[VolumePlan], volumes: dict[str, Volume], observed: Observed,
-          node: Node, parallel: int | None = None) -> list[VolumeOutcome]:
+          node: Node, parallel: int | None = None,
+          claims_after: Connecting | None = None) -> list[VolumeOutcome]:
     """Run each volume's chain; up to ``parallel`` (default: the config's)
-    volumes at a time, each chain in order. Outcomes come back in plan order."""
+    volumes at a time, each chain in order. Outcomes come back in plan order.
+
+    ``claims_after``: a release planned from the node alone (``observe(...,
+    ceph=False)``): every chain runs without Ceph, then this one connection
+    drops this node's claim of each image no longer mapped here."""
     needed = any(isinstance(s, CEPH_STEPS) for p in plans for s in p.steps)
     # An unmap releases its claim through the connection observe kept; it
     # never waits to connect: the unmap matters, a later pass drops the claim.
-    unmaps = any(isinstance(s, Unmap) and s.release_claim for p in plans for s in p.steps)
+    unmaps = claims_after is None and any(
+        isinstance(s, Unmap) and s.release_claim for p in plans for s in p.steps)
     with contextlib.ExitStack() as stack:
         cluster = None
         if needed or unmaps:
@@ -706,10 +720,59 @@ def apply(plans: list[VolumePlan], volumes: dict[str, Volume], observed: Observe
                 # Each volume that needs Ceph fails at its first Ceph step, saying why.
                 log.error("%s", exc)
         runs = [_VolumeRun(node, cluster, p, volumes.get(p.name), observed) for p in plans]
+        for r in runs:
+            r.claims_after = claims_after is not None
         workers = min(parallel or node.config.parallel, sum(bool(p.steps) for p in plans))
         if workers <= 1:
-            return [r.run() for r in runs]
-        # librados handles are thread-safe; chains share nothing else but
-        # the registries, which lock.
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="apply") as pool:
-            return list(pool.map(_VolumeRun.run, runs))
+            out = [r.run() for r in runs]
+        else:
+            # librados handles are thread-safe; chains share nothing else but
+            # the registries, which lock.
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="apply") as pool:
+                out = list(pool.map(_VolumeRun.run, runs))
+    if claims_after is not None:
+        _drop_claims(runs, node, claims_after)
+    return out
+
+
+def _drop_claims(runs: list[_VolumeRun], node: Node, connecting: Connecting) -> None:
+    """A release's Ceph side, after every chain's node side: this node's claim
+    of each image that is no longer mapped here (its chain unmapped it, or
+    nothing was mapped) is dropped (never another node's: compared in the
+    OSD). A chain that failed keeps its claim: something may still be mapped."""
+    me = node.config.node_name
+    todo = [r for r in runs if r.volume is not None and r.volume.snapshot is None
+            and r.out.status not in ("failed", "aborted") and not r.plan.refusal
+            and not r.plan.waiting and (r.claim_unmap is not None or not any(
+                isinstance(s, Unmap) for s in r.plan.steps))]
+    if not todo:
+        connecting.close()
+        return
+    try:
+        cluster = connecting.cluster()
+    except (NoAnswer, ceph.CephError) as exc:
+        for r in todo:
+            if r.claim_unmap is not None:
+                r.claim_unmap.message = f"claim kept ({exc}); a later pass releases it"
+        connecting.close()
+        return
+    try:
+        for r in todo:
+            assert r.volume is not None
+            pool, image = r.volume.image.pool, r.volume.image.name
+            t0 = time.monotonic()
+            try:
+                dropped = claims.release(cluster, pool, image, me)
+            except (rados.Error, rbd.Error, ceph.CephError) as exc:
+                log.warning("%s/%s: claim not released: %s", pool, image, exc)
+                if r.claim_unmap is not None:
+                    r.claim_unmap.message = f"claim kept ({exc}); a later pass releases it"
+                continue
+            if dropped and r.claim_unmap is None:  # nothing was mapped, the claim stayed
+                step = ReleaseClaim(r.volume.name, pool, image, me)
+                took = time.monotonic() - t0
+                log_step(log, step, "changed", took, "")
+                r.out.steps.append(StepOutcome(step, "changed", "", took))
+                r.out.status = "changed"
+    finally:
+        connecting.close()

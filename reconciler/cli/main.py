@@ -17,7 +17,7 @@ from reconciler.cli.pipe import reader_gone  # and exit 141 (EXIT_PIPE) when the
 
 TYPE_CHECKING = False  # typing itself costs ~5 ms at start-up
 if TYPE_CHECKING:
-    from typing import NoReturn
+    from typing import Any, NoReturn
 
     from reconciler.spec.config import Config
 
@@ -29,9 +29,38 @@ EXIT_INTERRUPTED = 130
 
 # Only these run as any user: they read files and change nothing on the node.
 UNPRIVILEGED = ("validate",)
+# Commands whose path logs only through spec.lazylog (an internal error).
+LAZY_LOGGING = ("validate",)
+
+
+def _columns() -> int:
+    """The terminal's width as ``shutil.get_terminal_size`` finds it
+    ($COLUMNS, then stdout's terminal, else 80), without importing shutil
+    (and bz2, lzma, fnmatch with it) for every parser built."""
+    try:
+        columns = int(os.environ["COLUMNS"])
+    except (KeyError, ValueError):
+        columns = 0
+    if columns <= 0:
+        try:
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns  # type: ignore[union-attr]
+        except (AttributeError, ValueError, OSError):
+            columns = 0
+    return columns or 80
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 24,
+                 width: int | None = None) -> None:
+        super().__init__(prog, indent_increment, max_help_position,
+                         _columns() - 2 if width is None else width)
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
@@ -75,7 +104,9 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; ``only``: with that command's subparser alone (a
+    command runs with its own; help and errors about COMMAND need them all)."""
     parser = _Parser(
         prog="rbd-reconciler",
         description="Declarative reconciler for Ceph RBD volumes on bare nodes.",
@@ -88,110 +119,122 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                 parser_class=_Parser)
 
-    p = sub.add_parser("validate", help="check desired-volume files; change nothing",
-                       description="Load and validate desired-volume files. Exit 0 when all "
-                                   "are valid, 1 otherwise; every error is reported as "
-                                   "file:line:column: field: message.")
-    _add_paths_and_output(p)
-    p.set_defaults(func=_Command("reconcile", "cmd_validate"))
+    if only in (None, "validate"):
+        p = sub.add_parser("validate", help="check desired-volume files; change nothing",
+                           description="Load and validate desired-volume files. Exit 0 when all "
+                                       "are valid, 1 otherwise; every error is reported as "
+                                       "file:line:column: field: message.")
+        _add_paths_and_output(p)
+        p.set_defaults(func=_Command("reconcile", "cmd_validate"))
 
-    p = sub.add_parser("plan", help="show what apply would change (check + diff); change nothing",
-                       description="Observe the node and Ceph, and print the steps that would "
-                                   "converge them to the desired files. Exit 0: nothing to do; "
-                                   "2: changes pending; 1: an error or a refusal.")
-    _add_paths_and_output(p)
-    p.set_defaults(func=_Command("reconcile", "cmd_plan"))
+    if only in (None, "plan"):
+        p = sub.add_parser("plan",
+                           help="show what apply would change (check + diff); change nothing",
+                           description="Observe the node and Ceph, and print the steps that would "
+                                       "converge them to the desired files. Exit 0: nothing to do; "
+                                       "2: changes pending; 1: an error or a refusal.")
+        _add_paths_and_output(p)
+        p.set_defaults(func=_Command("reconcile", "cmd_plan"))
 
-    p = sub.add_parser("apply", help="converge the node to the desired files",
-                       description="Plan and execute. Prints each volume's result (ok, "
-                                   "changed, failed) and a recap; exit 1 if any failed.")
-    _add_paths_and_output(p)
-    p.set_defaults(func=_Command("reconcile", "cmd_apply"))
+    if only in (None, "apply"):
+        p = sub.add_parser("apply", help="converge the node to the desired files",
+                           description="Plan and execute. Prints each volume's result (ok, "
+                                       "changed, failed) and a recap; exit 1 if any failed.")
+        _add_paths_and_output(p)
+        p.set_defaults(func=_Command("reconcile", "cmd_apply"))
 
-    p = sub.add_parser("release", help="unpublish, unstage and unmap; keep every image",
-                       description="Take the volumes of the given files down to CREATED "
-                                   "(unpublish, unstage, unmap) whatever the files want. "
-                                   "Images are never deleted. For maintenance, and for "
-                                   "giving a node back. With --all: every volume of ours on "
-                                   "this node (files, the daemon's records, and mappings ours "
-                                   "by identity), after a sync; for shutdown and reboot. Exit "
-                                   "1 if anything is still mounted or mapped afterwards.")
-    _add_paths_and_output(p)
-    p.add_argument("--all", action="store_true",
-                   help="release everything of ours on this node (what "
-                        "rbd-reconciler-shutdown.service runs at shutdown)")
-    p.add_argument("--step-timeout", type=_positive_seconds, default=30.0, metavar="SECONDS",
-                   help="with --all: deadline of the sync and of each unmount/unmap "
-                        "command (default: 30)")
-    p.set_defaults(func=_Command("reconcile", "cmd_release"), release=True)
+    if only in (None, "release"):
+        p = sub.add_parser("release", help="unpublish, unstage and unmap; keep every image",
+                           description="Take the volumes of the given files down to CREATED "
+                                       "(unpublish, unstage, unmap) whatever the files want. "
+                                       "Images are never deleted. For maintenance, and for "
+                                       "giving a node back. With --all: every volume of ours on "
+                                       "this node (files, the daemon's records, and mappings ours "
+                                       "by identity), after a sync; for shutdown and reboot. Exit "
+                                       "1 if anything is still mounted or mapped afterwards.")
+        _add_paths_and_output(p)
+        p.add_argument("--all", action="store_true",
+                       help="release everything of ours on this node (what "
+                            "rbd-reconciler-shutdown.service runs at shutdown)")
+        p.add_argument("--step-timeout", type=_positive_seconds, default=30.0, metavar="SECONDS",
+                       help="with --all: deadline of the sync and of each unmount/unmap "
+                            "command (default: 30)")
+        p.set_defaults(func=_Command("reconcile", "cmd_release"), release=True)
 
-    p = sub.add_parser("run", help="the daemon: watch desiredDir and converge continuously",
-                       description="Watch the desired directory, converge on every change and "
-                                   "every resyncSeconds, write status under stateDir/status. "
-                                   "SIGTERM finishes the chains in flight and exits; SIGHUP "
-                                   "reloads the config. Speaks sd_notify under systemd.")
-    p.add_argument("--allow-mass-removal", action="store_true",
-                   help="let volumes go even when most or all files vanish at once")
-    p.add_argument("--log-format", choices=("auto", "journal", "json", "plain"), default="auto",
-                   help="auto (default): journal under journald, plain otherwise; journal: "
-                        "native journal fields (python3-systemd) or <N> priority prefixes; "
-                        "JSON lines; plain lines with ISO 8601 timestamps")
-    p.add_argument("--csi-endpoint", metavar="unix:///PATH",
-                   help="also serve CSI v1 (Identity, Controller, Node) on this unix socket "
-                        "(default: the config's csi.endpoint; with neither, no CSI)")
-    p.set_defaults(func=_Command("run", "cmd_run"))
+    if only in (None, "run"):
+        p = sub.add_parser("run", help="the daemon: watch desiredDir and converge continuously",
+                           description="Watch the desired directory, converge on every change and "
+                                       "every resyncSeconds, write status under stateDir/status. "
+                                       "SIGTERM finishes the chains in flight and exits; SIGHUP "
+                                       "reloads the config. Speaks sd_notify under systemd.")
+        p.add_argument("--allow-mass-removal", action="store_true",
+                       help="let volumes go even when most or all files vanish at once")
+        p.add_argument("--log-format", choices=("auto", "journal", "json", "plain"), default="auto",
+                       help="auto (default): journal under journald, plain otherwise; journal: "
+                            "native journal fields (python3-systemd) or <N> priority prefixes; "
+                            "JSON lines; plain lines with ISO 8601 timestamps")
+        p.add_argument("--csi-endpoint", metavar="unix:///PATH",
+                       help="also serve CSI v1 (Identity, Controller, Node) on this unix socket "
+                            "(default: the config's csi.endpoint; with neither, no CSI)")
+        p.set_defaults(func=_Command("run", "cmd_run"))
 
-    p = sub.add_parser("allow-removal", help="let the daemon's held-back removals go",
-                       description="Let the daemon release managed volumes whose files "
-                                   "vanished but that it holds back (the mass-removal guard; "
-                                   "a name given here also passes the hold while another file "
-                                   "fails to load). Writes stateDir/allow-removal.json; the "
-                                   "daemon consumes it at its next pass, used or not.")
-    p.add_argument("names", nargs="*", metavar="NAME", help="volume names (metadata.name)")
-    p.add_argument("--all", action="store_true",
-                   help="every removal pending at the next pass (past the mass-removal guard "
-                        "only: never one held because a file fails to load)")
-    p.set_defaults(func=_Command("run", "cmd_allow_removal"))
+    if only in (None, "allow-removal"):
+        p = sub.add_parser("allow-removal", help="let the daemon's held-back removals go",
+                           description="Let the daemon release managed volumes whose files "
+                                       "vanished but that it holds back (the mass-removal guard; "
+                                       "a name given here also passes the hold while another file "
+                                       "fails to load). Writes stateDir/allow-removal.json; the "
+                                       "daemon consumes it at its next pass, used or not.")
+        p.add_argument("names", nargs="*", metavar="NAME", help="volume names (metadata.name)")
+        p.add_argument("--all", action="store_true",
+                       help="every removal pending at the next pass (past the mass-removal guard "
+                            "only: never one held because a file fails to load)")
+        p.set_defaults(func=_Command("run", "cmd_allow_removal"))
 
-    p = sub.add_parser("explain", help="why a volume is where it is",
-                       description="Image watchers, mapping, device holders, mounts, the "
-                                   "daemon's last result and the next steps the planner would "
-                                   "take. Exit 1 when its state is UNKNOWN (not seen in time).")
-    p.add_argument("name", help="volume name (metadata.name)")
-    _add_output(p)
-    p.set_defaults(func=_Command("status", "cmd_explain"))
+    if only in (None, "explain"):
+        p = sub.add_parser("explain", help="why a volume is where it is",
+                           description="Image watchers, mapping, device holders, mounts, the "
+                                       "daemon's last result and the next steps the planner would "
+                                       "take. Exit 1 when its state is UNKNOWN (not seen in time).")
+        p.add_argument("name", help="volume name (metadata.name)")
+        _add_output(p)
+        p.set_defaults(func=_Command("status", "cmd_explain"))
 
-    p = sub.add_parser("takeover", help="fence the node holding a volume's claim; claim it here",
-                       description="For a node that is gone for good: blocklist the Ceph "
-                                   "clients of the node holding the image's claim (so it "
-                                   "cannot write if it comes back), then take the claim for "
-                                   "this node; the next apply maps it here. Without "
-                                   "--yes-i-am-sure it only prints what it would do (exit 1).")
-    p.add_argument("name", help="volume name (metadata.name)")
-    p.add_argument("--yes-i-am-sure", dest="sure", action="store_true",
-                   help="really blocklist the holder's clients and take the claim")
-    p.set_defaults(func=_Command("takeover", "cmd_takeover"))
+    if only in (None, "takeover"):
+        p = sub.add_parser("takeover",
+                           help="fence the node holding a volume's claim; claim it here",
+                           description="For a node that is gone for good: blocklist the Ceph "
+                                       "clients of the node holding the image's claim (so it "
+                                       "cannot write if it comes back), then take the claim for "
+                                       "this node; the next apply maps it here. Without "
+                                       "--yes-i-am-sure it only prints what it would do (exit 1).")
+        p.add_argument("name", help="volume name (metadata.name)")
+        p.add_argument("--yes-i-am-sure", dest="sure", action="store_true",
+                       help="really blocklist the holder's clients and take the claim")
+        p.set_defaults(func=_Command("takeover", "cmd_takeover"))
 
-    p = sub.add_parser("rotate-key", help="give an encrypted volume a new LUKS2 passphrase",
-                       description="For a volume with spec.encryption, mapped on this node: "
-                                   "add a keyslot for the new passphrase, prove it opens, then "
-                                   "remove the old one; safe to interrupt and run again. "
-                                   "key wrappedBy: a new random passphrase, sealed in "
-                                   "image-meta. key file: the new key file is named with "
-                                   "--new-key-file; point the spec at it afterwards.")
-    p.add_argument("name", help="volume name (metadata.name)")
-    p.add_argument("--new-key-file", metavar="PATH",
-                   help="key: file only: the new key file (under encryption.keyRoot)")
-    p.set_defaults(func=_Command("rotate", "cmd_rotate_key"))
+    if only in (None, "rotate-key"):
+        p = sub.add_parser("rotate-key", help="give an encrypted volume a new LUKS2 passphrase",
+                           description="For a volume with spec.encryption, mapped on this node: "
+                                       "add a keyslot for the new passphrase, prove it opens, then "
+                                       "remove the old one; safe to interrupt and run again. "
+                                       "key wrappedBy: a new random passphrase, sealed in "
+                                       "image-meta. key file: the new key file is named with "
+                                       "--new-key-file; point the spec at it afterwards.")
+        p.add_argument("name", help="volume name (metadata.name)")
+        p.add_argument("--new-key-file", metavar="PATH",
+                       help="key: file only: the new key file (under encryption.keyRoot)")
+        p.set_defaults(func=_Command("rotate", "cmd_rotate_key"))
 
-    p = sub.add_parser("status", help="show the observed state of every desired volume",
-                       description="Phase (ABSENT, CREATED, MAPPED, STAGED, PUBLISHED; "
-                                   "DEGRADED, or UNKNOWN with the reason when its pool, image "
-                                   "or device did not answer within observeTimeoutSeconds), "
-                                   "device, mounts and size of each desired volume. Exit 1 on "
-                                   "load errors or any DEGRADED or UNKNOWN volume.")
-    _add_paths_and_output(p)
-    p.set_defaults(func=_Command("status", "cmd_status"))
+    if only in (None, "status"):
+        p = sub.add_parser("status", help="show the observed state of every desired volume",
+                           description="Phase (ABSENT, CREATED, MAPPED, STAGED, PUBLISHED; "
+                                       "DEGRADED, or UNKNOWN with the reason when its pool, image "
+                                       "or device did not answer within observeTimeoutSeconds), "
+                                       "device, mounts and size of each desired volume. Exit 1 on "
+                                       "load errors or any DEGRADED or UNKNOWN volume.")
+        _add_paths_and_output(p)
+        p.set_defaults(func=_Command("status", "cmd_status"))
     for p in sub.choices.values():
         # `rbd-reconciler plan -c FILE` works like `rbd-reconciler -c FILE plan`;
         # SUPPRESS: not given here, the top-level value stands.
@@ -200,6 +243,27 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                        help="log every command run")
     return parser
+
+
+COMMANDS = ("validate", "plan", "apply", "release", "run", "allow-removal", "explain",
+            "takeover", "rotate-key", "status")
+
+
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The command named on ``argv`` when it is plain to see (after -c FILE,
+    --config FILE or =FILE, -v, --verbose); else None: anything else before
+    it (--help, an abbreviation, a typo) is parsed with every command."""
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a in ("-c", "--config"):
+            i += 2
+            continue
+        if a.startswith("--config=") or a in ("-v", "--verbose"):
+            i += 1
+            continue
+        return a if a in COMMANDS else None
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -218,7 +282,8 @@ def _main(argv: Sequence[str] | None) -> int:
     if list(sys.argv[1:] if argv is None else argv) == ["--version"]:
         print(f"rbd-reconciler {_version()}")  # argparse's help formatter costs ~5 ms
         return EXIT_OK
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(only=_command_of(argv))
     args = parser.parse_args(argv)
     try:
         return _run(args)
@@ -240,9 +305,14 @@ def _main(argv: Sequence[str] | None) -> int:
         return EXIT_FAILED
 
 
-def _run(args: argparse.Namespace) -> int:
+def _setup_logging(verbose: bool) -> None:
     import logging
 
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+
+
+def _run(args: argparse.Namespace) -> int:
     from reconciler.spec.config import ConfigError, load_config
 
     if args.command not in UNPRIVILEGED and os.geteuid() != 0:
@@ -250,8 +320,14 @@ def _run(args: argparse.Namespace) -> int:
               "Ceph keyring, and maps and mounts volumes); only `validate` runs as any user",
               file=sys.stderr)
         return EXIT_FAILED
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    if args.command in LAZY_LOGGING and not args.verbose:
+        # Nothing on its path logs but an internal error: logging is loaded
+        # (and set up, the same way) only then.
+        from reconciler.spec.lazylog import defer_setup
+
+        defer_setup(lambda: _setup_logging(False))
+    else:
+        _setup_logging(args.verbose)
     try:
         config = load_config(args.config)
     except ConfigError as exc:

@@ -150,16 +150,18 @@ def _thaw_first(config: Config) -> list[str]:
 
 
 def cmd_apply(args: argparse.Namespace, config: Config) -> int:
-    from reconciler.engine import Busy, apply_pass, plan_pass, state_lock
+    from reconciler.engine import Busy, apply_pass, plan_pass, release_pass, state_lock
     from reconciler.observe.node import Node
 
     thawed = _thaw_first(config)
     node = Node.from_config(config)
     try:
         with state_lock(config):
-            p = plan_pass(paths_of(args, config), config, node,
-                          release=getattr(args, "release", False))
-            outcomes = apply_pass(p, node)
+            if getattr(args, "release", False):
+                p, outcomes = release_pass(paths_of(args, config), config, node)
+            else:
+                p = plan_pass(paths_of(args, config), config, node)
+                outcomes = apply_pass(p, node)
             # A clone or snapshot waiting for one this pass created: go again.
             for _ in range(MAX_FOLLOW_UP_PASSES):
                 if not (any(vp.waiting for vp in p.plans)

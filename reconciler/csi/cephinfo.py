@@ -9,6 +9,7 @@ import contextlib
 import json
 import threading
 import time
+from collections.abc import Iterator
 
 import rados
 import rbd
@@ -22,14 +23,86 @@ PROBE_CACHE_S = 5.0
 TIMEOUT_S = 10
 
 
+# Answers that say nothing about the connection: it is kept.
+_NOT_FOUND = (rados.ObjectNotFound, rbd.ImageNotFound)
+
+
+class _Conn:
+    """One librados connection shared by concurrent requests; shut down by
+    its last user once it is retired (a call on it failed)."""
+
+    def __init__(self, stack: contextlib.ExitStack, cluster: rados.Rados) -> None:
+        self.stack, self.cluster = stack, cluster
+        self.users = 1  # the CephInfo that keeps it
+        self.lock = threading.Lock()
+
+    def hold(self) -> None:
+        with self.lock:
+            self.users += 1
+
+    def drop(self) -> None:
+        with self.lock:
+            self.users -= 1
+            last = self.users == 0
+        if last:
+            self.stack.close()
+
+
 class CephInfo:
+    """Keeps one librados connection across requests (a connect costs ~15 ms,
+    more than the call it serves): replaced after a call on it fails for any
+    reason but "not found", and after MAX_AGE. ``problem()`` (Probe) still
+    connects afresh, at most every PROBE_CACHE_S: it is the check that Ceph
+    answers now, which a kept connection does not prove."""
+
+    MAX_AGE = 600.0
+
     def __init__(self, cfg: CephConfig) -> None:
         self.cfg = cfg
         self._lock = threading.Lock()
         self._probe: tuple[float, str | None] | None = None  # (when, error)
+        self._conn_lock = threading.Lock()
+        self._conn: _Conn | None = None
+        self._since = 0.0
+        self.connects = 0  # connections made for requests (tests count them)
 
-    def _client(self) -> contextlib.AbstractContextManager[rados.Rados]:
-        return connect(self.cfg, timeout=TIMEOUT_S)
+    @contextlib.contextmanager
+    def _client(self) -> Iterator[rados.Rados]:
+        with self._conn_lock:
+            conn = self._conn
+            if conn is not None and time.monotonic() - self._since > self.MAX_AGE:
+                self._conn = None
+                conn.drop()
+                conn = None
+            if conn is None:
+                stack = contextlib.ExitStack()
+                cluster = stack.enter_context(connect(self.cfg, timeout=TIMEOUT_S))
+                conn = self._conn = _Conn(stack, cluster)
+                self._since = time.monotonic()
+                self.connects += 1
+            conn.hold()
+        try:
+            yield conn.cluster
+        except _NOT_FOUND:
+            raise
+        except BaseException:
+            self._retire(conn)  # timed out, shut down, refused...: never reused
+            raise
+        finally:
+            conn.drop()
+
+    def _retire(self, conn: _Conn) -> None:
+        with self._conn_lock:
+            if self._conn is not conn:
+                return
+            self._conn = None
+        conn.drop()
+
+    def close(self) -> None:
+        with self._conn_lock:
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.drop()
 
     def problem(self) -> str | None:
         """None when Ceph answers; else why not. Cached for a few seconds."""
@@ -37,7 +110,7 @@ class CephInfo:
             if self._probe and time.monotonic() - self._probe[0] < PROBE_CACHE_S:
                 return self._probe[1]
             try:
-                with self._client() as c:
+                with connect(self.cfg, timeout=TIMEOUT_S) as c:
                     c.get_fsid()
                     error = None
             except (CephError, rados.Error) as exc:

@@ -50,12 +50,13 @@ class CsiServer:
         self.engine = engine
         self.path = socket_path(endpoint)
         self.server: grpc.Server | None = None
+        self.ceph: CephInfo | None = None
 
     def start(self) -> None:
         config = self.engine.config
         volumes = Volumes(self.engine)
         volumes.files.ensure_dir()
-        ceph = CephInfo(config.ceph)
+        ceph = self.ceph = CephInfo(config.ceph)  # one librados connection for every request
         server = grpc.server(ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="csi"),
                              interceptors=[MetricsInterceptor(self.engine.metrics)])
         servicers = (IdentityServicer(self.engine, ceph), ControllerServicer(volumes, ceph),
@@ -92,6 +93,9 @@ class CsiServer:
         if self.server is not None:
             self.server.stop(STOP_GRACE_S).wait()
             self.server = None
+        if self.ceph is not None:
+            self.ceph.close()
+            self.ceph = None
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
         log.info("CSI server stopped")

@@ -300,18 +300,60 @@ def _image_state(cluster: rados.Rados, pool: str, name: str,
 
 
 def _connect(cfg: CephConfig, handle: _Handle, timeout: float, deadline: float) -> None:
+    _wait_connected(cfg, _start_connect(cfg, handle), timeout, deadline)
+
+
+def _start_connect(cfg: CephConfig, handle: _Handle) -> Task[None]:
     def connect() -> None:
         stack = contextlib.ExitStack()
         cluster = stack.enter_context(ceph.connect(cfg))
         handle.connected(stack, cluster)
 
-    task = _CALLS.submit(("connect", cfg.conf, cfg.user), connect)
+    return _CALLS.submit(("connect", cfg.conf, cfg.user), connect)
+
+
+def _wait_connected(cfg: CephConfig, task: Task[None], timeout: float, deadline: float) -> None:
     try:
         _CALLS.wait(task, timeout, deadline)
     except NoAnswer as exc:
         # Say where it was trying to go: that is what an operator checks first.
         raise type(exc)(f"{exc} (connecting to mon host {_mon_host(cfg.conf)} from "
                         f"{cfg.conf}, as client.{cfg.user})") from None
+
+
+class Connecting:
+    """A connection started now and waited for later, within ``timeout`` of
+    the wait: a release connects while it unmounts, and needs Ceph only
+    afterwards (to drop its claims). ``close()`` drops it, used or not."""
+
+    def __init__(self, cfg: CephConfig, timeout: float) -> None:
+        self._cfg, self._timeout = cfg, timeout
+        self._handle: _Handle | None = _Handle()
+        self._error: Exception | None = None
+        try:
+            self._task: Task[None] | None = _start_connect(cfg, self._handle)
+        except NoAnswer as exc:  # an earlier connect is still stuck
+            self._task, self._error = None, exc
+
+    def cluster(self) -> rados.Rados:
+        """The connected handle; NoAnswer or CephError when there is none."""
+        if self._error is None and self._task is not None:
+            try:
+                _wait_connected(self._cfg, self._task, self._timeout,
+                                time.monotonic() + self._timeout)
+            except (NoAnswer, ceph.CephError) as exc:
+                self._error = exc
+            self._task = None
+        if self._error is not None:
+            raise self._error
+        assert self._handle is not None and self._handle.cluster is not None
+        return self._handle.cluster
+
+    def close(self) -> None:
+        """Shut the connection down (once a connect still running returns)."""
+        if self._handle is not None:
+            self._handle.drop()
+            self._handle = None
 
 
 def _mon_host(conffile: str) -> str:

@@ -146,9 +146,12 @@ def _unknown(path: str, major: int, minor: int, size: int, what: str, why: str) 
                   unknown=f"{what}: {why}")
 
 
-def observe(node: Node, volumes: Iterable[Volume], all_watchers: bool = False) -> Observed:
+def observe(node: Node, volumes: Iterable[Volume], all_watchers: bool = False,
+            ceph: bool = True) -> Observed:
     """``all_watchers``: every image's watchers (status, explain); else only
-    those the planner may need (images not mapped here as wanted)."""
+    those the planner may need (images not mapped here as wanted).
+    ``ceph=False``: the node alone (a release: its teardown needs nothing of
+    Ceph); every pool is then unlisted, so nothing of an image is known."""
     volumes = list(volumes)
     wanted = {(v.image.pool, v.image.name) for v in volumes}
     # A clone's source is looked at too (does its snapshot exist, how deep is it).
@@ -170,7 +173,7 @@ def observe(node: Node, volumes: Iterable[Volume], all_watchers: bool = False) -
     # Ceph answers in the background while the devices are looked at.
     ceph_pass = _Background(
         lambda: observe_images(node.config.ceph, wanted, timeout, watchers_for,
-                               node.ceph_session))
+                               node.ceph_session)) if ceph else None
 
     mounted: dict[tuple[int, int], list[tuple[str, str, str]]] = {}
     for m in mounts:
@@ -201,7 +204,7 @@ def observe(node: Node, volumes: Iterable[Volume], all_watchers: bool = False) -
                         path_rdev[p] = (os.major(st.st_rdev), os.minor(st.st_rdev))
     intents = Intents(node.config.state_dir).images()
     freezes = frozenset(r.path for r in left_frozen(node.config.state_dir))
-    imgs = ceph_pass.result()
+    imgs = ceph_pass.result() if ceph_pass is not None else CephView()
     return Observed(images=imgs.images, pools_listed=frozenset(imgs.listed),
                     pool_errors=imgs.errors, image_errors=imgs.image_errors,
                     mappings=tuple(mappings), devices=devices, mounts=mounts,

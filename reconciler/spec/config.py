@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import logging
 import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 from reconciler.spec.diagnostics import Diagnostic, excerpt, format_field
+from reconciler.spec.lazylog import LazyLogger
 from reconciler.spec.schemas import schema_errors
 from reconciler.spec.yamldoc import Document, YamlError, load_documents
 
-log = logging.getLogger("reconciler.config")  # the name log lines have always carried
+log = LazyLogger("reconciler.config")  # the name log lines have always carried
 
 DEFAULT_CONFIG_PATH = Path("/etc/rbd-reconciler/config.yaml")
 MAX_CONFIG_BYTES = 1 << 20
@@ -140,7 +139,7 @@ def _build(data: dict, source: Path | None) -> Config:
     return Config(
         desired_dir=Path(data.get("desiredDir", "/etc/rbd-reconciler/volumes.d")),
         state_dir=Path(data.get("stateDir", "/var/lib/rbd-reconciler")),
-        node_name=data.get("nodeName") or socket.gethostname(),
+        node_name=data.get("nodeName") or os.uname().nodename,
         ceph=CephConfig(
             conf=ceph.get("conf", "/etc/ceph/ceph.conf"),
             user=ceph.get("user", "admin"),

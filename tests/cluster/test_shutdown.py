@@ -377,3 +377,54 @@ def test_the_units_work_inside_their_sandbox(node: NodeUnderTest) -> None:
         assert read_block(node.srv / "disk", 4096) == payload
     finally:
         stop(proc)
+
+
+@pytest.mark.ceph
+def test_release_unmounts_and_unmaps_before_it_touches_ceph(
+        node: NodeUnderTest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`release FILE`: the node's side first (nothing of Ceph observed or
+    waited for), then one connection drops the holder record."""
+    from reconciler.apply import runner
+    from reconciler.drivers.run import Runner
+    from reconciler.observe import ceph as observe_ceph
+    from reconciler.observe import node as observe_node
+
+    name = node.name("rel-order")
+    node.write(name, fs_spec(node.cluster.pool, "64Mi", "ext4",
+                             [(node.srv / "rel-order", False)]))
+    assert node.apply()["rc"] == 0
+    assert holder(node, name) is not None
+
+    events: list[str] = []
+    real_run, real_cluster, real_release = (Runner.run, observe_ceph.Connecting.cluster,
+                                            runner.claims.release)
+
+    def run(self: Runner, argv: list[str], **kw: object) -> object:
+        events.append(argv[0] if argv[0] != "losetup" else " ".join(argv[:2]))
+        return real_run(self, argv, **kw)  # type: ignore[arg-type]
+
+    def cluster(self: observe_ceph.Connecting) -> object:
+        events.append("wait for Ceph")
+        return real_cluster(self)
+
+    def release(*args: object) -> bool:
+        events.append("drop claim")
+        return real_release(*args)  # type: ignore[arg-type]
+
+    def observe_images(*_: object, **__: object) -> None:
+        raise AssertionError("a release observed Ceph before its teardown")
+
+    monkeypatch.setattr(Runner, "run", run)
+    monkeypatch.setattr(observe_ceph.Connecting, "cluster", cluster)
+    monkeypatch.setattr(runner.claims, "release", release)
+    monkeypatch.setattr(observe_node, "observe_images", observe_images)
+    rc, doc = node.cli_json("release")
+    assert rc == 0, doc
+    assert [s["action"] for s in doc["volumes"][0]["steps"]] == [
+        "unpublish", "unstage", "unmap"]
+    assert all(s["message"] == "" for s in doc["volumes"][0]["steps"][2:]), doc
+    assert events == ["umount", "umount", "losetup -d", "umount", "wait for Ceph",
+                      "drop claim"], events
+    assert holder(node, name) is None
+    assert not node.mounts()
+    assert not _loops_under(node.root)
