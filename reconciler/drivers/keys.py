@@ -26,7 +26,6 @@ import json
 import os
 import secrets
 import stat
-from dataclasses import dataclass
 
 from reconciler.drivers import safepath
 
@@ -39,12 +38,6 @@ MAX_KEY_FILE = 8192  # cryptsetup's own key file limit is 8 MiB; ours are small
 
 class KeyProblem(Exception):
     """A key that cannot be used: the message says which and why (never the key)."""
-
-
-@dataclass(frozen=True)
-class KeySource:
-    kind: str  # file | wrappedBy
-    path: str  # the key file (file) or the node's wrapping key file (wrappedBy)
 
 
 def read_key_file(path: str, root: str) -> bytes:
