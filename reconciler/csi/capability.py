@@ -10,9 +10,12 @@ from reconciler.csi.errors import invalid
 
 Mode = pb.VolumeCapability.AccessMode
 # One node at a time, or many nodes reading: an RBD image with a local
-# filesystem cannot be written from two nodes.
+# filesystem cannot be written from two nodes. Many writers on one node (pods
+# sharing the node's one mount) is fine; SINGLE_NODE_SINGLE_WRITER allows one
+# publish at a time.
 SUPPORTED_MODES = frozenset({Mode.SINGLE_NODE_WRITER, Mode.SINGLE_NODE_READER_ONLY,
-                             Mode.SINGLE_NODE_SINGLE_WRITER, Mode.MULTI_NODE_READER_ONLY})
+                             Mode.SINGLE_NODE_SINGLE_WRITER, Mode.SINGLE_NODE_MULTI_WRITER,
+                             Mode.MULTI_NODE_READER_ONLY})
 READ_ONLY_MODES = frozenset({Mode.SINGLE_NODE_READER_ONLY, Mode.MULTI_NODE_READER_ONLY})
 FS_TYPES = ("ext4", "xfs")
 _OPTION = re.compile(r"[^\s,]+")
@@ -24,6 +27,7 @@ class Access:
     fs_type: str | None  # None: not said (mount) or block
     mount_options: tuple[str, ...]
     read_only: bool  # the access mode allows reading only
+    single_writer: bool = False  # SINGLE_NODE_SINGLE_WRITER: one publish at a time
 
 
 def parse(cap: pb.VolumeCapability, what: str = "volume_capability") -> Access:
@@ -36,8 +40,9 @@ def parse(cap: pb.VolumeCapability, what: str = "volume_capability") -> Access:
     if mode not in SUPPORTED_MODES:
         raise invalid(f"{what}: access mode {Mode.Mode.Name(mode)} is not supported: an RBD image "
                       "is written from one node at a time (multi-node is read-only)")
+    single = mode == Mode.SINGLE_NODE_SINGLE_WRITER
     if kind == "block":
-        return Access(True, None, (), mode in READ_ONLY_MODES)
+        return Access(True, None, (), mode in READ_ONLY_MODES, single)
     fs_type = cap.mount.fs_type or None
     if fs_type is not None and fs_type not in FS_TYPES:
         raise invalid(f"{what}: fs_type {fs_type!r} is not supported (ext4 or xfs)")
@@ -48,7 +53,7 @@ def parse(cap: pb.VolumeCapability, what: str = "volume_capability") -> Access:
                 raise invalid(f"{what}: mount flag {opt!r} is not a mount option")
             if opt:
                 options.append(opt)
-    return Access(False, fs_type, tuple(options), mode in READ_ONLY_MODES)
+    return Access(False, fs_type, tuple(options), mode in READ_ONLY_MODES, single)
 
 
 def parse_all(caps: list[pb.VolumeCapability], what: str = "volume_capabilities") -> list[Access]:

@@ -366,7 +366,7 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
         rpc_ = pb.ControllerServiceCapability.RPC
         kinds = (rpc_.CREATE_DELETE_VOLUME, rpc_.EXPAND_VOLUME, rpc_.LIST_VOLUMES,
                  rpc_.GET_CAPACITY, rpc_.CREATE_DELETE_SNAPSHOT, rpc_.LIST_SNAPSHOTS,
-                 rpc_.CLONE_VOLUME)
+                 rpc_.GET_SNAPSHOT, rpc_.CLONE_VOLUME, rpc_.SINGLE_NODE_MULTI_WRITER)
         return pb.ControllerGetCapabilitiesResponse(capabilities=[
             pb.ControllerServiceCapability(rpc=rpc_(type=k)) for k in kinds])
 

@@ -237,10 +237,20 @@ class ControllerStub:
                 request_serializer=csi__pb2.ListSnapshotsRequest.SerializeToString,
                 response_deserializer=csi__pb2.ListSnapshotsResponse.FromString,
                 _registered_method=True)
+        self.GetSnapshot = channel.unary_unary(
+                '/csi.v1.Controller/GetSnapshot',
+                request_serializer=csi__pb2.GetSnapshotRequest.SerializeToString,
+                response_deserializer=csi__pb2.GetSnapshotResponse.FromString,
+                _registered_method=True)
         self.ControllerExpandVolume = channel.unary_unary(
                 '/csi.v1.Controller/ControllerExpandVolume',
                 request_serializer=csi__pb2.ControllerExpandVolumeRequest.SerializeToString,
                 response_deserializer=csi__pb2.ControllerExpandVolumeResponse.FromString,
+                _registered_method=True)
+        self.ControllerModifyVolume = channel.unary_unary(
+                '/csi.v1.Controller/ControllerModifyVolume',
+                request_serializer=csi__pb2.ControllerModifyVolumeRequest.SerializeToString,
+                response_deserializer=csi__pb2.ControllerModifyVolumeResponse.FromString,
                 _registered_method=True)
 
 
@@ -301,7 +311,19 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetSnapshot(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ControllerExpandVolume(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ControllerModifyVolume(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -355,10 +377,20 @@ def add_ControllerServicer_to_server(servicer, server):
                     request_deserializer=csi__pb2.ListSnapshotsRequest.FromString,
                     response_serializer=csi__pb2.ListSnapshotsResponse.SerializeToString,
             ),
+            'GetSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSnapshot,
+                    request_deserializer=csi__pb2.GetSnapshotRequest.FromString,
+                    response_serializer=csi__pb2.GetSnapshotResponse.SerializeToString,
+            ),
             'ControllerExpandVolume': grpc.unary_unary_rpc_method_handler(
                     servicer.ControllerExpandVolume,
                     request_deserializer=csi__pb2.ControllerExpandVolumeRequest.FromString,
                     response_serializer=csi__pb2.ControllerExpandVolumeResponse.SerializeToString,
+            ),
+            'ControllerModifyVolume': grpc.unary_unary_rpc_method_handler(
+                    servicer.ControllerModifyVolume,
+                    request_deserializer=csi__pb2.ControllerModifyVolumeRequest.FromString,
+                    response_serializer=csi__pb2.ControllerModifyVolumeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -615,6 +647,33 @@ class Controller:
             _registered_method=True)
 
     @staticmethod
+    def GetSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/csi.v1.Controller/GetSnapshot',
+            csi__pb2.GetSnapshotRequest.SerializeToString,
+            csi__pb2.GetSnapshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def ControllerExpandVolume(request,
             target,
             options=(),
@@ -631,6 +690,234 @@ class Controller:
             '/csi.v1.Controller/ControllerExpandVolume',
             csi__pb2.ControllerExpandVolumeRequest.SerializeToString,
             csi__pb2.ControllerExpandVolumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ControllerModifyVolume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/csi.v1.Controller/ControllerModifyVolume',
+            csi__pb2.ControllerModifyVolumeRequest.SerializeToString,
+            csi__pb2.ControllerModifyVolumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class GroupControllerStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.GroupControllerGetCapabilities = channel.unary_unary(
+                '/csi.v1.GroupController/GroupControllerGetCapabilities',
+                request_serializer=csi__pb2.GroupControllerGetCapabilitiesRequest.SerializeToString,
+                response_deserializer=csi__pb2.GroupControllerGetCapabilitiesResponse.FromString,
+                _registered_method=True)
+        self.CreateVolumeGroupSnapshot = channel.unary_unary(
+                '/csi.v1.GroupController/CreateVolumeGroupSnapshot',
+                request_serializer=csi__pb2.CreateVolumeGroupSnapshotRequest.SerializeToString,
+                response_deserializer=csi__pb2.CreateVolumeGroupSnapshotResponse.FromString,
+                _registered_method=True)
+        self.DeleteVolumeGroupSnapshot = channel.unary_unary(
+                '/csi.v1.GroupController/DeleteVolumeGroupSnapshot',
+                request_serializer=csi__pb2.DeleteVolumeGroupSnapshotRequest.SerializeToString,
+                response_deserializer=csi__pb2.DeleteVolumeGroupSnapshotResponse.FromString,
+                _registered_method=True)
+        self.GetVolumeGroupSnapshot = channel.unary_unary(
+                '/csi.v1.GroupController/GetVolumeGroupSnapshot',
+                request_serializer=csi__pb2.GetVolumeGroupSnapshotRequest.SerializeToString,
+                response_deserializer=csi__pb2.GetVolumeGroupSnapshotResponse.FromString,
+                _registered_method=True)
+
+
+class GroupControllerServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def GroupControllerGetCapabilities(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateVolumeGroupSnapshot(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteVolumeGroupSnapshot(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetVolumeGroupSnapshot(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_GroupControllerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'GroupControllerGetCapabilities': grpc.unary_unary_rpc_method_handler(
+                    servicer.GroupControllerGetCapabilities,
+                    request_deserializer=csi__pb2.GroupControllerGetCapabilitiesRequest.FromString,
+                    response_serializer=csi__pb2.GroupControllerGetCapabilitiesResponse.SerializeToString,
+            ),
+            'CreateVolumeGroupSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateVolumeGroupSnapshot,
+                    request_deserializer=csi__pb2.CreateVolumeGroupSnapshotRequest.FromString,
+                    response_serializer=csi__pb2.CreateVolumeGroupSnapshotResponse.SerializeToString,
+            ),
+            'DeleteVolumeGroupSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteVolumeGroupSnapshot,
+                    request_deserializer=csi__pb2.DeleteVolumeGroupSnapshotRequest.FromString,
+                    response_serializer=csi__pb2.DeleteVolumeGroupSnapshotResponse.SerializeToString,
+            ),
+            'GetVolumeGroupSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetVolumeGroupSnapshot,
+                    request_deserializer=csi__pb2.GetVolumeGroupSnapshotRequest.FromString,
+                    response_serializer=csi__pb2.GetVolumeGroupSnapshotResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'csi.v1.GroupController', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('csi.v1.GroupController', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class GroupController:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def GroupControllerGetCapabilities(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/csi.v1.GroupController/GroupControllerGetCapabilities',
+            csi__pb2.GroupControllerGetCapabilitiesRequest.SerializeToString,
+            csi__pb2.GroupControllerGetCapabilitiesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateVolumeGroupSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/csi.v1.GroupController/CreateVolumeGroupSnapshot',
+            csi__pb2.CreateVolumeGroupSnapshotRequest.SerializeToString,
+            csi__pb2.CreateVolumeGroupSnapshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteVolumeGroupSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/csi.v1.GroupController/DeleteVolumeGroupSnapshot',
+            csi__pb2.DeleteVolumeGroupSnapshotRequest.SerializeToString,
+            csi__pb2.DeleteVolumeGroupSnapshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetVolumeGroupSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/csi.v1.GroupController/GetVolumeGroupSnapshot',
+            csi__pb2.GetVolumeGroupSnapshotRequest.SerializeToString,
+            csi__pb2.GetVolumeGroupSnapshotResponse.FromString,
             options,
             channel_credentials,
             insecure,

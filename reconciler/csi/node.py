@@ -179,6 +179,10 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                                        f"{'read-only' if entry.get('readOnly') else 'read-write'}")
                     self.volumes.settle(name, deadline)
                     return pb.NodePublishVolumeResponse()
+            if access.single_writer and publish:
+                raise precondition(f"volume {name} is SINGLE_NODE_SINGLE_WRITER and already "
+                                   f"published at {', '.join(p['path'] for p in publish)}; "
+                                   "unpublish it there first")
             publish.append({"path": target, "readOnly": read_only})
             self.volumes.converge(name, doc, deadline)
         return pb.NodePublishVolumeResponse()
@@ -302,7 +306,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                             context: grpc.ServicerContext) -> pb.NodeGetCapabilitiesResponse:
         rpc_ = pb.NodeServiceCapability.RPC
         kinds = (rpc_.STAGE_UNSTAGE_VOLUME, rpc_.GET_VOLUME_STATS, rpc_.EXPAND_VOLUME,
-                 rpc_.VOLUME_CONDITION)
+                 rpc_.VOLUME_CONDITION, rpc_.SINGLE_NODE_MULTI_WRITER)
         return pb.NodeGetCapabilitiesResponse(capabilities=[
             pb.NodeServiceCapability(rpc=rpc_(type=k)) for k in kinds])
 

@@ -181,6 +181,24 @@ class SnapshotRpcs:
             entries.append(pb.ListSnapshotsResponse.Entry(snapshot=_snapshot(sid, src, *found)))
         return pb.ListSnapshotsResponse(entries=entries, next_token=next_token)
 
+    @rpc
+    def GetSnapshot(self, request: pb.GetSnapshotRequest,
+                    context: grpc.ServicerContext) -> pb.GetSnapshotResponse:
+        if not request.snapshot_id:
+            raise invalid("snapshot_id is required")
+        parsed = ids.parse_snapshot_id(request.snapshot_id)
+        found = self.ceph.snapshot(*parsed) if parsed else None
+        if parsed is None or found is None:
+            raise not_found(f"snapshot {request.snapshot_id!r} does not exist")
+        pool, image, name = parsed
+        try:
+            doc = self.files.read(name)
+        except CsiError:
+            doc = None  # a file broken by hand: the id alone says where it came from
+        src = (doc or {}).get("metadata", {}).get("labels", {}).get(L_SOURCE) or \
+            ids.volume_id(pool, image)
+        return pb.GetSnapshotResponse(snapshot=_snapshot(request.snapshot_id, src, *found))
+
     # -- CreateVolume from a snapshot or a volume ----------------------------------
     def content_source(self, request: pb.CreateVolumeRequest) -> tuple[dict[str, Any], int]:
         """The file's ``image.source`` and the least size the new volume may have."""

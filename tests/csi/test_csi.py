@@ -107,12 +107,13 @@ def test_identity_capabilities_and_socket(start_csi: Callable[..., CsiNode]) -> 
     rpc = pb.ControllerServiceCapability.RPC
     assert {x.rpc.type for x in ctrl.capabilities} == {
         rpc.CREATE_DELETE_VOLUME, rpc.EXPAND_VOLUME, rpc.LIST_VOLUMES, rpc.GET_CAPACITY,
-        rpc.CREATE_DELETE_SNAPSHOT, rpc.LIST_SNAPSHOTS, rpc.CLONE_VOLUME}
+        rpc.CREATE_DELETE_SNAPSHOT, rpc.LIST_SNAPSHOTS, rpc.CLONE_VOLUME, rpc.GET_SNAPSHOT,
+        rpc.SINGLE_NODE_MULTI_WRITER}
     node = c.nodes.NodeGetCapabilities(pb.NodeGetCapabilitiesRequest(), timeout=T)
     nrpc = pb.NodeServiceCapability.RPC
     assert {x.rpc.type for x in node.capabilities} == {
         nrpc.STAGE_UNSTAGE_VOLUME, nrpc.GET_VOLUME_STATS, nrpc.EXPAND_VOLUME,
-        nrpc.VOLUME_CONDITION}
+        nrpc.VOLUME_CONDITION, nrpc.SINGLE_NODE_MULTI_WRITER}
     assert c.nodes.NodeGetInfo(pb.NodeGetInfoRequest(), timeout=T).node_id == "test-node"
     # A newer CO's fields we do not know (here field 111) are carried, not rejected.
     raw = c.channel.unary_unary("/csi.v1.Identity/GetPluginInfo",
@@ -774,4 +775,39 @@ def test_create_answers_already_exists_and_out_of_range(
     for v in (vol, small):
         delete(c, v)
     assert not c.files()
+    assert c.stop() == 0
+
+
+def test_single_node_writer_modes(start_csi: Callable[..., CsiNode]) -> None:
+    """SINGLE_NODE_MULTI_WRITER: several publishes on this node, all writable;
+    SINGLE_NODE_SINGLE_WRITER: a second target path is refused (csi-sanity's
+    "already mounted at a different target path")."""
+    c = start_csi()
+    node_caps = {k.rpc.type for k in c.nodes.NodeGetCapabilities(
+        pb.NodeGetCapabilitiesRequest(), timeout=T).capabilities}
+    ctl_caps = {k.rpc.type for k in c.controller.ControllerGetCapabilities(
+        pb.ControllerGetCapabilitiesRequest(), timeout=T).capabilities}
+    assert pb.NodeServiceCapability.RPC.SINGLE_NODE_MULTI_WRITER in node_caps
+    assert pb.ControllerServiceCapability.RPC.SINGLE_NODE_MULTI_WRITER in ctl_caps
+    single, multi = mount_cap(Mode.SINGLE_NODE_SINGLE_WRITER), mount_cap(
+        Mode.SINGLE_NODE_MULTI_WRITER)
+    vol = c.create("pvc-snmw", size=16 * MiB, cap=multi)
+    staging, first = c.kubelet_paths("pv-snmw")
+    second, third = first.parent / "second", first.parent / "third"
+    c.nodes.NodeStageVolume(stage_req(vol, staging, multi), timeout=T)
+    c.nodes.NodePublishVolume(publish_req(vol, staging, first, cap=single), timeout=T)
+    code_, why = error(lambda: c.nodes.NodePublishVolume(
+        publish_req(vol, staging, second, cap=single), timeout=T))
+    assert code_ == Code.FAILED_PRECONDITION and "SINGLE_NODE_SINGLE_WRITER" in why, why
+    assert not second.exists()
+    # The same target again is the idempotent retry, not a second writer.
+    c.nodes.NodePublishVolume(publish_req(vol, staging, first, cap=single), timeout=T)
+    for t in (second, third):
+        c.nodes.NodePublishVolume(publish_req(vol, staging, t, cap=multi), timeout=T)
+    (second / "a").write_text("from second")
+    assert (third / "a").read_text() == "from second"  # one filesystem, three writers
+    for t in (first, second, third):
+        unpublish(c, vol, t)
+    unstage(c, vol, staging)
+    delete(c, vol)
     assert c.stop() == 0

@@ -55,7 +55,8 @@ def test_snapshot_rpcs_and_error_codes(start_csi: Callable[..., CsiNode]) -> Non
     c = start_csi()
     caps = {cap.rpc.type for cap in c.controller.ControllerGetCapabilities(
         pb.ControllerGetCapabilitiesRequest(), timeout=T).capabilities}
-    assert {Rpc.CREATE_DELETE_SNAPSHOT, Rpc.LIST_SNAPSHOTS, Rpc.CLONE_VOLUME} <= caps
+    assert {Rpc.CREATE_DELETE_SNAPSHOT, Rpc.LIST_SNAPSHOTS, Rpc.CLONE_VOLUME,
+            Rpc.GET_SNAPSHOT} <= caps
 
     vol = c.create("pvc-snap-src", size=16 * MiB)
     other = c.create("pvc-snap-other", size=16 * MiB)
@@ -85,6 +86,18 @@ def test_snapshot_rpcs_and_error_codes(start_csi: Callable[..., CsiNode]) -> Non
     code_, why = error(lambda: snap(c, "snap-0", other))
     assert code_ == Code.ALREADY_EXISTS, why
     mine = snap(c, "snap-other", other)
+
+    # GetSnapshot: by id, what CreateSnapshot answered; no id, or one that
+    # never was (ours in form or not), is an error.
+    got = ctl.GetSnapshot(pb.GetSnapshotRequest(snapshot_id=first[1].snapshot_id),
+                          timeout=T).snapshot
+    assert got == first[1], (got, first[1])
+    assert code(lambda: ctl.GetSnapshot(pb.GetSnapshotRequest(), timeout=T)) == \
+        Code.INVALID_ARGUMENT
+    for sid in ("none-exist-id", ids.snapshot_id(c.node.cluster.pool, "x",
+                                                 ids.snapshot_for_request("no"))):
+        assert code(lambda s=sid: ctl.GetSnapshot(pb.GetSnapshotRequest(snapshot_id=s),
+                                                  timeout=T)) == Code.NOT_FOUND, sid
 
     # Listing: all, by id, by source, paged.
     every = {e.snapshot.snapshot_id for e in listed(c).entries}
