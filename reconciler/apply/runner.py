@@ -57,6 +57,7 @@ from reconciler.plan.steps import (
     ResizeCrypt,
     ResizeImage,
     SetImageMeta,
+    SetQos,
     Step,
     Thaw,
     Unmap,
@@ -64,13 +65,14 @@ from reconciler.plan.steps import (
     Unstage,
 )
 from reconciler.spec.model import Volume
+from reconciler.spec.qos import QOS_KEYS
 from reconciler.state.registry import Intents, intent_key
 
 log = logging.getLogger("reconciler.apply")  # the name log lines have always carried
 
-CEPH_STEPS = (CreateImage, ResizeImage, SetImageMeta, DeleteImage, FormatDevice, GrowFilesystem,
-              MountStaging, CreateSnapshot, CloneImage, FlattenImage, DeleteSnapshot,
-              MapImage, ClaimImage, ReleaseClaim)
+CEPH_STEPS = (CreateImage, ResizeImage, SetImageMeta, SetQos, DeleteImage, FormatDevice,
+              GrowFilesystem, MountStaging, CreateSnapshot, CloneImage, FlattenImage,
+              DeleteSnapshot, MapImage, ClaimImage, ReleaseClaim)
 # Failures here leave a stage half done: undo what this run acquired.
 STAGE_CHAIN = (MapImage, RefreshDevice, FormatCrypt, OpenCrypt, ResizeCrypt, FormatDevice,
                MountStaging)
@@ -240,6 +242,9 @@ class _VolumeRun:
                 ceph.set_meta(self.need_cluster(), step.pool, step.image, step.key, step.new)
                 if step.key == meta.OWNER:  # an interrupted create, now finished
                     Intents(node.config.state_dir).forget(intent_key(step.pool, step.image))
+            case SetQos():
+                ceph.set_qos(self.need_cluster(), step.pool, step.image, QOS_KEYS,
+                             dict(step.new))
             case MapImage():
                 return self.map(step)
             case ClaimImage():

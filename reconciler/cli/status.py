@@ -53,6 +53,8 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
         if r.get("encryption"):
             enc = r["encryption"]
             mounts.append(f"LUKS2 {'open' if enc['open'] else 'closed'}")  # type: ignore[index]
+        if r.get("qos"):
+            mounts.append("QoS " + " ".join(f"{k}={v}" for k, v in r["qos"].items()))  # type: ignore[union-attr]
         print(f"{r['name']:<16} {r['phase']:<10} {r['wanted']:<10} {size:>7}  "
               f"{r['device'] or '-':<11} {', '.join(mounts) or '-'}")
         if r["unknown"]:
@@ -177,6 +179,9 @@ def _print_actual(actual: dict[str, Any], holders: list[str], claim: dict | None
         print(f"  encryption: {enc['type']}, key {enc['key'] or '(none in the spec)'}; "
               f"container {enc['container'] or 'not mapped'}; "
               + (f"open at {enc['open']}" if enc["open"] else "closed"))
+    if actual.get("qos"):
+        print("  QoS:      " + ", ".join(f"{k} {v}" for k, v in actual["qos"].items())
+              + " (librbd's limits in the image's metadata)")
     print(f"  holders:  {', '.join(holders) or 'none'}")
     print(f"  staging:  {actual['staging'] or '-'}")
     for path, mode in actual["published"]:

@@ -34,12 +34,14 @@ from reconciler.plan.steps import (
     ResizeCrypt,
     ResizeImage,
     SetImageMeta,
+    SetQos,
     Step,
     Unmap,
     Unpublish,
     Unstage,
 )
 from reconciler.plan.types import Context, Refused, VolumePlan, Waiting
+from reconciler.spec import qos
 from reconciler.spec.model import (
     Phase,
     Volume,
@@ -321,12 +323,26 @@ class _VolumePlanner(SnapshotRules):
                                       self.img.meta.get(meta.SPEC_HASH), v.spec_hash))
             if owned:
                 self.finish_volume_clone()
+        self.forward_qos(new_size)
         if v.wanted_phase >= Phase.MAPPED:
             self.forward_map(new_size)
         if v.wanted_phase >= Phase.STAGED:
             self.forward_stage(new_size)
         if v.wanted_phase >= Phase.PUBLISHED:
             self.forward_publish()
+
+    def forward_qos(self, size: int | None) -> None:
+        """librbd's limits in the image's metadata, changed in place: every
+        librbd client applies them live, nothing is remapped."""
+        v = self.v
+        if v.qos is None:
+            return
+        want = qos.librbd_meta(v.qos, size)
+        have = {k: val for k, val in (self.img.meta if self.img else {}).items()
+                if k in qos.QOS_KEYS}
+        if want != have:
+            self.add(SetQos(v.name, v.image.pool, v.image.name, tuple(sorted(have.items())),
+                            tuple(sorted(want.items()))))
 
     def claim_interrupted_create(self) -> bool:
         """Our create was cut off before the owner record: the intent says it is ours."""
@@ -639,6 +655,8 @@ def actual_state(vol: Volume, observed: Observed, ctx: Context) -> dict[str, obj
         "device": p.mapping.device if p.mapping else None,
         "filesystem": p.dev.fs_type if p.dev else None,
         "encryption": _encryption_state(vol, p),
+        # The limits in force: librbd's keys on the image, whoever set them.
+        "qos": qos.describe(p.img.meta) if p.img else {},
         "staging": (vol.stage.path if p.is_staged() and vol.stage else None),
         "stagingOptions": sorted(staged.options) if staged else None,
         "published": sorted((m.mount_point, "ro" if m.read_only else "rw")

@@ -79,6 +79,44 @@ class SetImageMeta(Step):
     after = property(lambda self: self.new)
 
 
+def _limits(pairs: tuple[tuple[str, int], ...]) -> str:
+    return " ".join(f"{k}={v}" for k, v in pairs) or "no limits"
+
+
+@dataclass(frozen=True)
+class SetQos(Step):
+    """librbd's QoS keys in the image's metadata: librbd clients apply them
+    live, so a change is never a remap (not disruptive)."""
+
+    pool: str
+    image: str
+    old: tuple[tuple[str, str], ...]  # the QoS keys there now
+    new: tuple[tuple[str, str], ...]  # the QoS keys wanted (absent: removed)
+    action: ClassVar[str] = "set qos"
+
+    target = property(lambda self: f"{self.pool}/{self.image}")
+    before = property(lambda self: _limits(tuple((k.removeprefix("conf_rbd_qos_"), v)
+                                                 for k, v in self.old)))
+    after = property(lambda self: _limits(tuple((k.removeprefix("conf_rbd_qos_"), v)
+                                                for k, v in self.new)))
+
+
+@dataclass(frozen=True)
+class LimitDeviceIo(Step):
+    """io.max for the mapped device on a systemd unit's cgroup (krbd: the
+    kernel does the I/O, which librbd's limits never see)."""
+
+    unit: str
+    device: str | None  # None: the device this run maps
+    old: tuple[tuple[str, int], ...]  # riops/wiops/rbps/wbps in force now
+    new: tuple[tuple[str, int], ...]
+    action: ClassVar[str] = "limit device io"
+
+    target = property(lambda self: f"{self.unit} {self.device or '(mapped device)'}")
+    before = property(lambda self: _limits(self.old))
+    after = property(lambda self: _limits(self.new))
+
+
 @dataclass(frozen=True)
 class MapImage(Step):
     pool: str

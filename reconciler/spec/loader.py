@@ -36,6 +36,7 @@ from reconciler.spec.model import (
     StageSpec,
     Volume,
 )
+from reconciler.spec.qos import QosSpec
 from reconciler.spec.schemas import schema_errors
 from reconciler.spec.units import MAX_OBJECT_MAP_SIZE, MAX_SIZE, MiB, format_size, parse_size
 from reconciler.spec.yamldoc import Document, YamlError, load_documents
@@ -310,13 +311,34 @@ class _VolumeBuilder:
             seen.setdefault(p.path, i)
 
         encryption = self.encryption(spec, mapping)
+        qos = self.qos(spec, mapping)
         if self.diags:
             return None
         return Volume(
             name=name, state=spec.get("state", "present"), image=image, map=mapping,
             stage=stage, publish=tuple(publish), on_remove=spec.get("onRemove"),
-            source=Source(self.file, self.doc.line), encryption=encryption,
+            source=Source(self.file, self.doc.line), encryption=encryption, qos=qos,
         )
+
+    def qos(self, spec: dict[str, Any], mapping: MapSpec | None) -> QosSpec | None:
+        if "qos" not in spec:
+            return None
+        q = spec["qos"]
+        for most, per in (("maxIops", "iopsPerGiB"), ("maxBps", "bpsPerGiB")):
+            if most in q and per not in q:
+                self.error(("spec", "qos", most), f"{most} caps {per}, which is not given")
+        if "unit" in q and mapping is None:
+            self.error(("spec", "qos", "unit"), "unit limits the mapped device: it needs a "
+                       "map section")
+
+        def size(key: str) -> int | None:
+            return parse_size(q[key]) if key in q else None
+
+        return QosSpec(iops=q.get("iops"), read_iops=q.get("readIops"),
+                       write_iops=q.get("writeIops"), bps=size("bps"), read_bps=size("readBps"),
+                       write_bps=size("writeBps"), iops_per_gib=q.get("iopsPerGiB"),
+                       bps_per_gib=size("bpsPerGiB"), max_iops=q.get("maxIops"),
+                       max_bps=size("maxBps"), unit=q.get("unit"))
 
     def encryption(self, spec: dict[str, Any], mapping: MapSpec | None
                    ) -> EncryptionSpec | None:

@@ -8,6 +8,8 @@ from enum import IntEnum
 from functools import cached_property
 from pathlib import Path
 
+from reconciler.spec.qos import QosSpec
+
 API_VERSION = "rbd-reconciler/v1"
 DEFAULT_FEATURES = ("layering", "exclusive-lock", "object-map", "fast-diff", "deep-flatten")
 XFS_MIN_BYTES = 300 * 2**20
@@ -133,6 +135,7 @@ class Volume:
     # files, records, daemon and status as volumes; only the planner tells them apart.
     snapshot: SnapshotSpec | None = None
     encryption: EncryptionSpec | None = None
+    qos: QosSpec | None = None  # None: the image's QoS settings are not ours to change
 
     @property
     def kind(self) -> str:
@@ -160,6 +163,8 @@ class Volume:
             del data["snapshot"]
         if data["encryption"] is None:
             del data["encryption"]
+        if data["qos"] is None:
+            del data["qos"]
         if data["image"]["source"] is None:
             del data["image"]["source"]
         blob = json.dumps(data, sort_keys=True, separators=(",", ":"))

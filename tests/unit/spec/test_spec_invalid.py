@@ -115,6 +115,16 @@ CASES: list[tuple[str, str, str, int, str]] = [
     ("encryption-luks1", with_lines({"  map: {}\n": "  map: {}\n  encryption: {type: luks1, "
                                      "key: {file: /etc/rbd-reconciler/keys/a}}\n"}),
      "spec.encryption.type", 10, "luks2"),
+    ("qos-unknown", with_lines({"  map: {}\n": "  map: {}\n  qos: {iopz: 5}\n"}),
+     "spec.qos.iopz", 10, "unknown field"),
+    ("qos-zero", with_lines({"  map: {}\n": "  map: {}\n  qos: {readIops: 0}\n"}),
+     "spec.qos.readIops", 10, "0"),
+    ("qos-bps-GB", with_lines({"  map: {}\n": "  map: {}\n  qos: {bps: 10GB}\n"}),
+     "spec.qos.bps", 10, "10GB"),
+    ("qos-max-alone", with_lines({"  map: {}\n": "  map: {}\n  qos: {maxIops: 50}\n"}),
+     "spec.qos.maxIops", 10, "iopsPerGiB"),
+    ("qos-unit-not-a-unit", with_lines({"  map: {}\n": "  map: {}\n  qos: {unit: ../x}\n"}),
+     "spec.qos.unit", 10, "../x"),
 ]
 
 

@@ -1,0 +1,97 @@
+"""QoS on the real cluster: librbd's limits in the image's metadata, set and
+changed in place (no remap), and in force on the rbd-fuse path (measured)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import rbd
+from conftest import NodeUnderTest
+
+pytestmark = pytest.mark.ceph
+MiB = 1 << 20
+
+
+def qos_keys(node: NodeUnderTest, image: str) -> dict[str, str]:
+    with node.cluster.client() as cl, cl.open_ioctx(node.cluster.pool) as io, \
+            rbd.Image(io, image, read_only=True) as img:
+        return {k: v for k, v in img.metadata_list() if k.startswith("conf_rbd_qos_")}
+
+
+def direct_write_seconds(device: str, total: int) -> float:
+    """Seconds to write ``total`` bytes with O_DIRECT (1 MiB at a time): the
+    page cache would hide the limit."""
+    import mmap
+    buf = mmap.mmap(-1, MiB)  # page-aligned, as O_DIRECT wants
+    buf.write(os.urandom(MiB))
+    fd = os.open(device, os.O_WRONLY | os.O_DIRECT)
+    try:
+        t0 = time.monotonic()
+        for i in range(total // MiB):
+            os.pwrite(fd, buf, i * MiB)
+        os.fsync(fd)
+        return time.monotonic() - t0
+    finally:
+        os.close(fd)
+        buf.close()
+
+
+def spec(node: NodeUnderTest, stage: Path, qos: str) -> str:
+    return (f"  image: {{pool: {node.cluster.pool}, size: 64Mi, reclaimPolicy: Delete}}\n"
+            f"  map: {{mapper: fuse}}\n  stage: {{mode: block, path: {stage}}}\n{qos}")
+
+
+def test_qos_set_changed_in_place_and_in_force(node: NodeUnderTest) -> None:
+    name = node.name("qos")
+    stage = node.srv / "qos-dev"
+    node.write(name, spec(node, stage, "  qos: {writeBps: 2Mi, iopsPerGiB: 4000, maxIops: 200}\n"))
+    doc = node.apply()
+    assert doc["rc"] == 0, doc
+    image = node.cli_json("status")[1]["volumes"][0]["image"].split("/")[1]
+    node.images.add(image)
+    # 64 MiB at 4000 IOPS per GiB: 250, at most 200; read back from Ceph.
+    assert qos_keys(node, image) == {"conf_rbd_qos_write_bps_limit": str(2 * MiB),
+                                     "conf_rbd_qos_iops_limit": "200"}
+    rc, st = node.cli_json("status")
+    assert st["volumes"][0]["qos"] == {"iops": 200, "writeBps": 2 * MiB}, st
+
+    # A change is a change in place: one step, not disruptive, no remap.
+    device = st["volumes"][0]["device"]
+    node.write(name, spec(node, stage, "  qos: {writeBps: 2Mi}\n"))
+    rc, plan = node.plan()
+    steps = plan["volumes"][0]["steps"]
+    # (and the new spec's digest on the image)
+    assert [(s["action"], s["disruptive"]) for s in steps] == [
+        ("set image-meta", False), ("set qos", False)], steps
+    assert "iops_limit=200" in steps[1]["from"] and "iops" not in steps[1]["to"], steps
+    assert node.apply()["rc"] == 0
+    assert qos_keys(node, image) == {"conf_rbd_qos_write_bps_limit": str(2 * MiB)}
+    assert node.cli_json("status")[1]["volumes"][0]["device"] == device
+
+    # In force on the open image (rbd-fuse is a librbd client): 12 MiB at
+    # 2 MiB/s is at least 5 s after the first second's burst.
+    took = direct_write_seconds(device, 12 * MiB)
+    assert took >= 4.0, f"12 MiB written in {took:.1f} s: the 2 MiB/s limit is not in force"
+
+    # Lifted live (qos: {} lifts every limit), same mapping: far faster now.
+    node.write(name, spec(node, stage, "  qos: {}\n"))
+    assert node.apply()["rc"] == 0
+    assert qos_keys(node, image) == {}
+    fast = direct_write_seconds(device, 12 * MiB)
+    assert fast < took / 2, f"unlimited {fast:.1f} s vs limited {took:.1f} s"
+    assert node.cli_json("status")[1]["volumes"][0]["device"] == device
+
+    # No qos section: the image's QoS keys are left alone (not ours to drop).
+    with node.cluster.client() as cl, cl.open_ioctx(node.cluster.pool) as io, \
+            rbd.Image(io, image) as img:
+        img.metadata_set("conf_rbd_qos_read_iops_limit", "77")
+    node.write(name, spec(node, stage, ""))
+    assert node.apply()["rc"] == 0
+    rc, plan = node.plan()
+    assert rc == 0, plan
+    assert qos_keys(node, image) == {"conf_rbd_qos_read_iops_limit": "77"}
+    node.write(name, spec(node, stage, "").replace("  image: {", "  state: absent\n  image: {"))
+    assert node.apply()["rc"] == 0
