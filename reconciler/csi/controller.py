@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 
-from reconciler.csi import capability, csi_pb2_grpc, ids
+from reconciler.csi import capability, csi_pb2_grpc, ids, mutable
 from reconciler.csi import csi_pb2 as pb
 from reconciler.csi.cephinfo import CephInfo
 from reconciler.csi.errors import CsiError, invalid, not_found, rpc
@@ -144,6 +144,7 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
             raise invalid("name is required")
         access = capability.parse_all(list(request.volume_capabilities))
         params = _parameters(dict(request.parameters))
+        limits = mutable.parse(dict(request.mutable_parameters))
         features = _features(params)
         most = max_size(features)
         source, least = None, 0
@@ -197,6 +198,7 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
                 self.volumes.settle(name, deadline)
                 return pb.CreateVolumeResponse(volume=_volume(doc))
             doc = new_document(name, labels, img)
+            mutable.apply(doc["spec"], limits)
             self.volumes.converge(name, doc, deadline)
         try:
             self.ceph.record_name(pool, image, request.name)
@@ -310,10 +312,14 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
             capability.parse_all(list(request.volume_capabilities))
         except CsiError as exc:
             return pb.ValidateVolumeCapabilitiesResponse(message=exc.message)
+        try:
+            mutable.parse(dict(request.mutable_parameters))
+        except CsiError as exc:
+            return pb.ValidateVolumeCapabilitiesResponse(message=exc.message)
         confirmed = pb.ValidateVolumeCapabilitiesResponse.Confirmed(
             volume_context=request.volume_context,
             volume_capabilities=request.volume_capabilities,
-            parameters=request.parameters)
+            parameters=request.parameters, mutable_parameters=request.mutable_parameters)
         return pb.ValidateVolumeCapabilitiesResponse(confirmed=confirmed)
 
     @rpc
@@ -366,7 +372,8 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
         rpc_ = pb.ControllerServiceCapability.RPC
         kinds = (rpc_.CREATE_DELETE_VOLUME, rpc_.EXPAND_VOLUME, rpc_.LIST_VOLUMES,
                  rpc_.GET_CAPACITY, rpc_.CREATE_DELETE_SNAPSHOT, rpc_.LIST_SNAPSHOTS,
-                 rpc_.GET_SNAPSHOT, rpc_.CLONE_VOLUME, rpc_.SINGLE_NODE_MULTI_WRITER)
+                 rpc_.GET_SNAPSHOT, rpc_.CLONE_VOLUME, rpc_.SINGLE_NODE_MULTI_WRITER,
+                 rpc_.MODIFY_VOLUME)
         return pb.ControllerGetCapabilitiesResponse(capabilities=[
             pb.ControllerServiceCapability(rpc=rpc_(type=k)) for k in kinds])
 
@@ -410,3 +417,30 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
             not stage and doc["metadata"].get("labels", {}).get(L_ACCESS) == "block")
         return pb.ControllerExpandVolumeResponse(capacity_bytes=size,
                                                  node_expansion_required=not block)
+
+    # -- modify (VolumeAttributesClass) --------------------------------------------
+    @rpc
+    def ControllerModifyVolume(
+            self, request: pb.ControllerModifyVolumeRequest,
+            context: grpc.ServicerContext) -> pb.ControllerModifyVolumeResponse:
+        """QoS limits changed in place: the engine sets librbd's keys on the
+        image (live for librbd clients) and io.max where a unit is named;
+        nothing is remapped, so a staged or published volume stays in use."""
+        if not request.volume_id:
+            raise invalid("volume_id is required")
+        changes = mutable.parse(dict(request.mutable_parameters))
+        parsed = ids.parse_volume_id(request.volume_id)
+        if parsed is None:
+            raise not_found(f"volume {request.volume_id!r} does not exist")
+        name = ids.volume_name(*parsed)
+        deadline = self.volumes.deadline(context)
+        with self.volumes.operation(name):
+            doc = self.files.read(name)
+            if doc is None or doc.get("kind", "Volume") != "Volume" or \
+                    doc["spec"].get("state", "present") != "present":
+                raise not_found(f"volume {request.volume_id!r} does not exist")
+            if mutable.apply(doc["spec"], changes):
+                self.volumes.converge(name, doc, deadline)
+            else:
+                self.volumes.settle(name, deadline)
+        return pb.ControllerModifyVolumeResponse()

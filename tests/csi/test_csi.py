@@ -108,7 +108,7 @@ def test_identity_capabilities_and_socket(start_csi: Callable[..., CsiNode]) -> 
     assert {x.rpc.type for x in ctrl.capabilities} == {
         rpc.CREATE_DELETE_VOLUME, rpc.EXPAND_VOLUME, rpc.LIST_VOLUMES, rpc.GET_CAPACITY,
         rpc.CREATE_DELETE_SNAPSHOT, rpc.LIST_SNAPSHOTS, rpc.CLONE_VOLUME, rpc.GET_SNAPSHOT,
-        rpc.SINGLE_NODE_MULTI_WRITER}
+        rpc.SINGLE_NODE_MULTI_WRITER, rpc.MODIFY_VOLUME}
     node = c.nodes.NodeGetCapabilities(pb.NodeGetCapabilitiesRequest(), timeout=T)
     nrpc = pb.NodeServiceCapability.RPC
     assert {x.rpc.type for x in node.capabilities} == {
