@@ -91,6 +91,10 @@ class CephInfo:
         finally:
             conn.drop()
 
+    def client(self) -> contextlib.AbstractContextManager[rados.Rados]:
+        """The shared connection, for the controller's records (csi/records.py)."""
+        return self._client()
+
     def _retire(self, conn: _Conn) -> None:
         with self._conn_lock:
             if self._conn is not conn:

@@ -192,14 +192,16 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
                           "which a clone opens with)")
         deadline = self.volumes.deadline(context)
         with self.volumes.operation(name):
-            doc = self.files.read(name)
+            doc = self.volumes.read(name)
             if doc is not None and doc["spec"].get("state", "present") == "present":
                 self._same_request(doc, request, img, labels)
                 self.volumes.settle(name, deadline)
                 return pb.CreateVolumeResponse(volume=_volume(doc))
             doc = new_document(name, labels, img)
             mutable.apply(doc["spec"], limits)
+            self.volumes.claim(name, doc)
             self.volumes.converge(name, doc, deadline)
+            self.volumes.record(name, doc)
         try:
             self.ceph.record_name(pool, image, request.name)
         except Exception as exc:  # a missing note for humans never fails the call
@@ -242,7 +244,7 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
         name = ids.volume_name(*parsed)
         deadline = self.volumes.deadline(context)
         with self.volumes.operation(name):
-            doc = self.files.read(name)
+            doc = self.volumes.read(name)
             if doc is None:
                 return pb.DeleteVolumeResponse()
             if doc["metadata"].get("labels", {}).get(L_ORIGIN) != "controller":
@@ -265,6 +267,7 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
             doc["spec"]["image"]["reclaimPolicy"] = "Delete"
             # Refused (still open elsewhere, not ours): the volume stays as it was.
             self.volumes.retire(name, present, doc, deadline)
+            self.volumes.forget(name)
         return pb.DeleteVolumeResponse()
 
     def _in_use(self, name: str, doc: dict[str, Any], pool: str, image: str) -> str | None:
@@ -305,7 +308,7 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
         parsed = ids.parse_volume_id(request.volume_id)
         if parsed is None:
             raise not_found(f"volume {request.volume_id!r} does not exist")
-        doc = self.files.read(ids.volume_name(*parsed))
+        doc = self.volumes.read(ids.volume_name(*parsed))
         if doc is None and self.ceph.image_size(*parsed) is None:
             raise not_found(f"volume {request.volume_id!r} does not exist")
         try:
@@ -332,11 +335,11 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
             raise CsiError(grpc.StatusCode.ABORTED,
                            f"starting_token {start!r} was not handed out by ListVolumes")
         entries, next_token = [], ""
-        for name in self.files.names():
+        for name in self.volumes.names():
             if start and name < start:
                 continue
             try:
-                doc = self.files.read(name)
+                doc = self.volumes.read(name)
             except CsiError:
                 continue  # a file broken by hand: `rbd-reconciler validate` names it
             if (doc is None or doc.get("kind", "Volume") != "Volume"
@@ -396,7 +399,7 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
         # Staged or published is no reason to refuse: we advertise ONLINE
         # expansion, and growing never tears anything down on the node.
         with self.volumes.operation(name):
-            doc = self.files.read(name)
+            doc = self.volumes.read(name)
             if doc is None or doc["spec"].get("state", "present") != "present":
                 raise not_found(f"volume {request.volume_id!r} does not exist")
             img = doc["spec"]["image"]
@@ -409,6 +412,7 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
             if size > current:
                 img["size"] = size
                 self.volumes.converge(name, doc, deadline)
+                self.volumes.record(name, doc)
             else:
                 size = current
                 self.volumes.settle(name, deadline)
@@ -435,12 +439,13 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
         name = ids.volume_name(*parsed)
         deadline = self.volumes.deadline(context)
         with self.volumes.operation(name):
-            doc = self.files.read(name)
+            doc = self.volumes.read(name)
             if doc is None or doc.get("kind", "Volume") != "Volume" or \
                     doc["spec"].get("state", "present") != "present":
                 raise not_found(f"volume {request.volume_id!r} does not exist")
             if mutable.apply(doc["spec"], changes):
                 self.volumes.converge(name, doc, deadline)
+                self.volumes.record(name, doc)
             else:
                 self.volumes.settle(name, deadline)
         return pb.ControllerModifyVolumeResponse()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import stat
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from reconciler.csi.cephinfo import CephInfo
 from reconciler.csi.controller import ControllerServicer
 from reconciler.csi.identity import IdentityServicer
 from reconciler.csi.node import NodeServicer
+from reconciler.csi.records import Records
 from reconciler.csi.volumes import Volumes
 
 if TYPE_CHECKING:
@@ -57,6 +59,12 @@ class CsiServer:
         volumes = Volumes(self.engine)
         volumes.files.ensure_dir()
         ceph = self.ceph = CephInfo(config.ceph)  # one librados connection for every request
+        if config.csi.state_pool:
+            # One holder per replica, the same across its restarts: a claim it
+            # made before a crash is still its own to finish.
+            holder = f"{config.node_name}@{socket.gethostname()}:{config.state_dir}"
+            volumes.records = Records(ceph, config.csi.state_pool, holder,
+                                      stale_s=2 * config.csi.timeout_seconds + 60)
         server = grpc.server(ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="csi"),
                              interceptors=[MetricsInterceptor(self.engine.metrics)])
         servicers = (IdentityServicer(self.engine, ceph), ControllerServicer(volumes, ceph),

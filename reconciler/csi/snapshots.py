@@ -42,7 +42,7 @@ class SnapshotRpcs:
         parsed = ids.parse_volume_id(volume_id)
         if parsed is None:
             raise not_found(f"volume {volume_id!r} does not exist")
-        doc = self.files.read(ids.volume_name(*parsed))
+        doc = self.volumes.read(ids.volume_name(*parsed))
         present = doc is not None and doc["spec"].get("state", "present") == "present"
         if not present and self.ceph.image_size(*parsed) is None:
             raise not_found(f"volume {volume_id!r} does not exist")
@@ -51,11 +51,11 @@ class SnapshotRpcs:
     def snapshots_of(self, pool: str, image: str) -> list[str]:
         """The adapter's snapshot files (present) taken of ``pool/image``."""
         out = []
-        for name in self.files.names():
+        for name in self.volumes.names():
             if not ids.is_snapshot_name(name):
                 continue
             try:
-                doc = self.files.read(name)
+                doc = self.volumes.read(name)
             except CsiError:
                 continue
             if _is_present_snapshot(doc) and doc is not None and \
@@ -78,7 +78,7 @@ class SnapshotRpcs:
             raise invalid(str(exc)) from None
         deadline = self.volumes.deadline(context)
         with self.volumes.operation(name):
-            doc = self.files.read(name)
+            doc = self.volumes.read(name)
             if _is_present_snapshot(doc):
                 assert doc is not None
                 if doc["spec"]["source"].get("image") != {"pool": pool, "name": image}:
@@ -89,8 +89,10 @@ class SnapshotRpcs:
             else:
                 labels = {L_REQUEST: request.name, L_ORIGIN: "controller",
                           L_SOURCE: request.source_volume_id}
-                self.volumes.converge(name, new_snapshot_document(name, labels, pool, image),
-                                      deadline)
+                doc = new_snapshot_document(name, labels, pool, image)
+                self.volumes.claim(name, doc)
+                self.volumes.converge(name, doc, deadline)
+                self.volumes.record(name, doc)
         found = self.ceph.snapshot(pool, image, name)
         if found is None:
             raise CsiError(grpc.StatusCode.INTERNAL, f"snapshot {sid} was not found after it "
@@ -109,7 +111,7 @@ class SnapshotRpcs:
         name = parsed[2]
         deadline = self.volumes.deadline(context)
         with self.volumes.operation(name):
-            doc = self.files.read(name)
+            doc = self.volumes.read(name)
             if doc is None or doc.get("kind") != "Snapshot":
                 return pb.DeleteSnapshotResponse()
             self._refuse_if_cloned(name, doc)
@@ -118,6 +120,7 @@ class SnapshotRpcs:
             # Refused by the engine all the same (a clone appeared since): it
             # stays as it was.
             self.volumes.retire(name, present, doc, deadline)
+            self.volumes.forget(name)
         return pb.DeleteSnapshotResponse()
 
     def _refuse_if_cloned(self, name: str, doc: dict[str, Any]) -> None:
@@ -156,12 +159,12 @@ class SnapshotRpcs:
             if parsed is None:
                 return pb.ListSnapshotsResponse()
             only = parsed[2]
-        names = [n for n in self.files.names() if ids.is_snapshot_name(n)
+        names = [n for n in self.volumes.names() if ids.is_snapshot_name(n)
                  and (only is None or n == only) and (not start or n >= start)]
         entries, next_token = [], ""
         for name in names:
             try:
-                doc = self.files.read(name)
+                doc = self.volumes.read(name)
             except CsiError:
                 continue  # a file broken by hand: `rbd-reconciler validate` names it
             if not _is_present_snapshot(doc):
@@ -192,7 +195,7 @@ class SnapshotRpcs:
             raise not_found(f"snapshot {request.snapshot_id!r} does not exist")
         pool, image, name = parsed
         try:
-            doc = self.files.read(name)
+            doc = self.volumes.read(name)
         except CsiError:
             doc = None  # a file broken by hand: the id alone says where it came from
         src = (doc or {}).get("metadata", {}).get("labels", {}).get(L_SOURCE) or \

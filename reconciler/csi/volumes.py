@@ -9,6 +9,7 @@ hash). One call per volume at a time: a second one is ABORTED.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import threading
 import time
@@ -19,6 +20,7 @@ import grpc
 
 from reconciler.csi.errors import CsiError, invalid, precondition
 from reconciler.csi.files import VolumeFiles
+from reconciler.csi.records import NODE_ONLY, Records, controller_view
 from reconciler.spec.config import Config
 from reconciler.spec.desired import claims, operator_conflicts
 from reconciler.spec.loader import load
@@ -37,6 +39,59 @@ class Volumes:
         self.files = VolumeFiles(engine.config.csi_dir)
         self._guard = threading.Lock()
         self._busy: set[str] = set()
+        self.records: Records | None = None  # csi.statePool: the server sets it
+
+    # -- the controller's records in Ceph (csi.statePool) ------------------------
+    def read(self, name: str) -> dict[str, Any] | None:
+        """The controller's view of ``name``. With records in Ceph the record
+        is the truth for the controller's part (another replica may have
+        grown or modified it since): the file here is rebuilt from it, keeping
+        what this node added (stage, publish)."""
+        doc = self.files.read(name)
+        if self.records is None:
+            return doc
+        rec = self.records.get(name)
+        if rec is None or (rec.state == "creating" and rec.by == self.records.holder):
+            return doc  # not recorded, or ours, cut off before it was recorded
+        if rec.state != "created":
+            raise CsiError(grpc.StatusCode.ABORTED,
+                           f"{name} is being created by controller {rec.by}; retry")
+        if doc is not None and controller_view(doc) == rec.doc:
+            return doc
+        merged = copy.deepcopy(rec.doc)
+        for key in NODE_ONLY:
+            if doc is not None and key in doc["spec"]:
+                merged["spec"][key] = doc["spec"][key]
+        self.files.commit(name, self.files.write_temp(name, merged))
+        log.info("%s: volume file %s from its record in Ceph", name,
+                 "rebuilt" if doc is None else "brought up to date")
+        return merged
+
+    def names(self) -> list[str]:
+        """Every name the controller answers for: its files, and with records
+        in Ceph every created one (rebuilt here when it is read)."""
+        names = set(self.files.names())
+        if self.records is not None:
+            names.update(n for n, r in self.records.all().items() if r.state == "created")
+        return sorted(names)
+
+    def claim(self, name: str, doc: dict[str, Any]) -> None:
+        """Before a create: this replica holds the name, or the CO retries."""
+        if self.records is None:
+            return
+        have = self.records.claim(name, doc)
+        if have is not None:
+            what = "is being created" if have.state == "creating" else "was just created"
+            raise CsiError(grpc.StatusCode.ABORTED,
+                           f"{name} {what} by controller {have.by}; retry")
+
+    def record(self, name: str, doc: dict[str, Any]) -> None:
+        if self.records is not None:
+            self.records.put(name, doc)
+
+    def forget(self, name: str) -> None:
+        if self.records is not None:
+            self.records.forget(name)
 
     @property
     def config(self) -> Config:  # the daemon may reload it (SIGHUP)

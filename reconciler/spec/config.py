@@ -30,6 +30,9 @@ class CsiConfig:
     dir: Path | None  # where the adapter writes its volume files; None: <stateDir>/csi.d
     driver_name: str
     timeout_seconds: float  # longest a call waits for the engine (never past its gRPC deadline)
+    # The controller's name -> volume records in the omap of a RADOS object
+    # in this pool (any replica can serve); None: csi.dir alone holds them.
+    state_pool: str | None = None
 
 
 DEFAULT_DRIVER_NAME = "rbd.reconciler.local"
@@ -158,6 +161,7 @@ def _build(data: dict, source: Path | None) -> Config:
             dir=Path(csi["dir"]) if csi.get("dir") else None,
             driver_name=csi.get("driverName", DEFAULT_DRIVER_NAME),
             timeout_seconds=float(csi.get("timeoutSeconds", 120)),
+            state_pool=csi.get("statePool"),
         ),
         metrics=MetricsConfig(
             listen=metrics.get("listen"),

@@ -1,0 +1,154 @@
+"""Controller state in Ceph (csi.statePool): two controller processes on one
+cluster, sharing one owner name as replicas do, race the same CreateVolume
+names; each image is created once, and either replica serves what the other
+made (its file rebuilt from the record)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import rados
+from conftest import NodeUnderTest
+from csi_fixture import CsiNode, mount_cap, start_csi_fixture
+from test_csi import T
+
+from reconciler.csi import csi_pb2 as pb
+from reconciler.csi import ids
+from reconciler.csi.records import OBJECT, PREFIX
+
+pytestmark = pytest.mark.ceph
+Code = grpc.StatusCode
+MiB = 1 << 20
+RETRY_FOR_S = 150.0
+
+
+def records(node: NodeUnderTest) -> dict[str, dict]:
+    with node.cluster.client() as cl, cl.open_ioctx(node.cluster.pool) as io, \
+            rados.ReadOpCtx() as op:
+        it, _ = io.get_omap_vals(op, "", PREFIX, 10000)
+        try:
+            io.operate_read_op(op, OBJECT)
+        except rados.ObjectNotFound:
+            return {}
+        return {k[len(PREFIX):]: json.loads(v) for k, v in it}
+
+
+def drop_records(node: NodeUnderTest) -> None:
+    with node.cluster.client() as cl, cl.open_ioctx(node.cluster.pool) as io, \
+            contextlib.suppress(rados.ObjectNotFound):
+        io.remove_object(OBJECT)
+
+
+@pytest.fixture
+def replica_b(node: NodeUnderTest, tmp_path: Path) -> Iterator[Callable[..., CsiNode]]:
+    """A second node under test on the same cluster: its own state, desired
+    dir and socket, the same nodeName (one owner for every replica)."""
+    root = tmp_path / "replica-b"
+    dirs = [root / d for d in ("desired", "state", "srv")]
+    for d in dirs:
+        d.mkdir(parents=True)
+    config = root / "config.yaml"
+    text = node.config.read_text()
+    for old, new in zip((node.desired, node.state, node.srv), dirs, strict=True):
+        text = text.replace(str(old), str(new))
+    config.write_text(text)
+    b = NodeUnderTest(root, node.cluster, config, *dirs, node.tag)
+    yield from start_csi_fixture(b)
+
+
+def create_until_done(c: CsiNode, name: str) -> pb.Volume:
+    """A CO's CreateVolume: retried while the answer is ABORTED (the other
+    replica holds the name), up to a deadline."""
+    end = time.monotonic() + RETRY_FOR_S
+    req = pb.CreateVolumeRequest(name=name, capacity_range=pb.CapacityRange(
+        required_bytes=16 * MiB), volume_capabilities=[mount_cap()],
+        parameters={"pool": c.node.cluster.pool})
+    while True:
+        try:
+            return c.controller.CreateVolume(req, timeout=T).volume
+        except grpc.RpcError as exc:
+            if exc.code() != Code.ABORTED or time.monotonic() > end:
+                raise
+        time.sleep(0.05)  # a CO's backoff between retries, not a synchronisation
+
+
+def created_by(c: CsiNode, image: str) -> bool:
+    return any("create image" in line and image in line
+               for line in c.daemon.log.read_text().splitlines())
+
+
+def test_two_controllers_race_the_same_names(start_csi: Callable[..., CsiNode],
+                                             replica_b: Callable[..., CsiNode],
+                                             node: NodeUnderTest) -> None:
+    drop_records(node)
+    state = f"  statePool: {node.cluster.pool}\n"
+    a, b = start_csi(state), replica_b(state)
+    names = [f"pvc-race-{i}" for i in range(6)]
+    for n in names:
+        node.images.add(ids.image_for_request(n))
+    answers: dict[tuple[str, str], pb.Volume | BaseException] = {}
+    gate = threading.Barrier(2 * len(names))
+
+    def race(c: CsiNode, who: str, n: str) -> None:
+        gate.wait()
+        try:
+            answers[(who, n)] = create_until_done(c, n)
+        except BaseException as exc:  # reported below, with every other answer
+            answers[(who, n)] = exc
+
+    threads = [threading.Thread(target=race, args=(c, who, n))
+               for n in names for c, who in ((a, "a"), (b, "b"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(RETRY_FOR_S + 30)
+    assert all(isinstance(v, pb.Volume) for v in answers.values()), answers
+    for n in names:
+        assert answers[("a", n)] == answers[("b", n)], n  # one volume, one answer
+
+    # Each image made by exactly one engine; one record per name, created.
+    made = {}
+    for n in names:
+        image = ids.image_for_request(n)
+        by = [who for c, who in ((a, "a"), (b, "b")) if created_by(c, image)]
+        assert len(by) == 1, (n, by)
+        made[n] = by[0]
+    recs = records(node)
+    assert {r["doc"]["metadata"]["labels"]["csi.rbd-reconciler/request-name"]
+            for r in recs.values()} == set(names)
+    assert {r["state"] for r in recs.values()} == {"created"}
+    assert all("stage" not in r["doc"]["spec"] for r in recs.values())
+
+    # Either replica serves what the other made: expand, list, delete.
+    for n in names:
+        other = b if made[n] == "a" else a
+        vol = answers[("a", n)]
+        assert isinstance(vol, pb.Volume)
+        other.controller.ControllerExpandVolume(pb.ControllerExpandVolumeRequest(
+            volume_id=vol.volume_id, capacity_range=pb.CapacityRange(
+                required_bytes=32 * MiB)), timeout=T)
+    for c in (a, b):
+        listed = c.controller.ListVolumes(pb.ListVolumesRequest(), timeout=T).entries
+        sizes = {e.volume.volume_id: e.volume.capacity_bytes for e in listed}
+        # Grown through the other replica: the record, not a stale file, answers.
+        assert {sizes.get(v.volume_id) for v in answers.values()  # type: ignore[union-attr]
+                } == {32 * MiB}, sizes
+    for n in names:
+        vol = answers[("b", n)]
+        assert isinstance(vol, pb.Volume)
+        assert node.image_exists(ids.image_for_request(n))
+        creator = a if made[n] == "a" else b
+        # Delete through the creator, after the other one grew it.
+        creator.controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id=vol.volume_id),
+                                        timeout=T)
+        assert not node.image_exists(ids.image_for_request(n))
+    assert records(node) == {}
+    assert a.stop() == 0 and b.stop() == 0
+    drop_records(node)
