@@ -23,7 +23,7 @@ import rbd
 
 from reconciler.apply import claims
 from reconciler.apply.logfmt import log_not_run, log_step
-from reconciler.drivers import ceph, freeze, keys, safepath
+from reconciler.drivers import ceph, freeze, iolimits, keys, safepath
 from reconciler.drivers.bounded import NoAnswer
 from reconciler.drivers.fs import OnlineGrowRefused, block_device_size, is_ours
 from reconciler.drivers.run import Aborted
@@ -47,6 +47,7 @@ from reconciler.plan.steps import (
     FormatCrypt,
     FormatDevice,
     GrowFilesystem,
+    LimitDeviceIo,
     MapImage,
     MountStaging,
     OpenCrypt,
@@ -245,6 +246,9 @@ class _VolumeRun:
             case SetQos():
                 ceph.set_qos(self.need_cluster(), step.pool, step.image, QOS_KEYS,
                              dict(step.new))
+            case LimitDeviceIo():
+                device = self.dev(step.device)
+                iolimits.write(node.runner, step.target_name, device, dict(step.new))
             case MapImage():
                 return self.map(step)
             case ClaimImage():

@@ -69,6 +69,7 @@ REFUSAL_REASONS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("encryption", r"LUKS2|luksFormat|encryption is never added|the node key does not "
                        r"open|key file |sealed passphrase|refusing to open it twice|"
                        r"refusing to close it"),
+        ("qos", r"^QoS: "),
     ))
 REFUSAL_OTHER = "other"
 

@@ -118,6 +118,10 @@ class Observed:
     freezes: frozenset[str] = frozenset()
     # Open LUKS2 devices over our mapped devices, by the mapped device's path.
     crypts: dict[str, CryptDevice] = field(default_factory=dict)
+    # io.max in force, by target (a systemd unit or a cgroup directory) and
+    # "MAJ:MIN"; a target that could not be read is in io_errors instead.
+    io_limits: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+    io_errors: dict[str, str] = field(default_factory=dict)
 
     @cached_property
     def top_mounts(self) -> dict[str, Mount]:

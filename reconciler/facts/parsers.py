@@ -268,3 +268,41 @@ def xfs_live_size(f_blocks: int, f_frsize: int, log_blocks: int) -> int:
     """A mounted xfs's size from statvfs: the kernel reports f_blocks =
     sb_dblocks minus an internal log, from the live (in-memory) superblock."""
     return (f_blocks + log_blocks) * f_frsize
+
+
+IO_MAX_KEYS = ("riops", "wiops", "rbps", "wbps")
+# systemd's property for each io.max key (systemctl show / set-property).
+SYSTEMD_IO = {"riops": "IOReadIOPSMax", "wiops": "IOWriteIOPSMax",
+              "rbps": "IOReadBandwidthMax", "wbps": "IOWriteBandwidthMax"}
+
+
+def parse_io_max(text: str) -> dict[str, dict[str, int]]:
+    """cgroup v2 io.max ("MAJ:MIN rbps=max wbps=1048576 riops=max wiops=100"
+    per line) -> {"MAJ:MIN": {key: limit}}; "max" (no limit) is left out."""
+    out: dict[str, dict[str, int]] = {}
+    for line in text.splitlines():
+        dev, _, rest = line.strip().partition(" ")
+        if not dev:
+            continue
+        limits = {}
+        for item in rest.split():
+            key, _, value = item.partition("=")
+            if key in IO_MAX_KEYS and value.isdigit():
+                limits[key] = int(value)
+        out[dev] = limits
+    return out
+
+
+def parse_systemd_io(text: str) -> dict[str, dict[str, int]]:
+    """``systemctl show -p IOReadIOPSMax ...`` ("IOReadIOPSMax=/dev/rbd0 1000",
+    one line per device) -> {device path: {io.max key: limit}}."""
+    by_prop = {prop: key for key, prop in SYSTEMD_IO.items()}
+    out: dict[str, dict[str, int]] = {}
+    for line in text.splitlines():
+        prop, _, value = line.partition("=")
+        key = by_prop.get(prop.strip())
+        parts = value.split()
+        if key is None or len(parts) != 2 or not parts[1].isdigit():
+            continue  # no entry ("IOReadIOPSMax="), or "infinity"
+        out.setdefault(parts[0], {})[key] = int(parts[1])
+    return out

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from reconciler.drivers import iolimits
 from reconciler.drivers.bounded import Bounded, NoAnswer, StillStuck
 from reconciler.drivers.crypt import Cryptsetup, Pbkdf
 from reconciler.drivers.freeze import left_frozen
@@ -202,6 +203,7 @@ def observe(node: Node, volumes: Iterable[Volume], all_watchers: bool = False,
                     st = os.lstat(p)
                     if stat.S_ISBLK(st.st_mode):
                         path_rdev[p] = (os.major(st.st_rdev), os.minor(st.st_rdev))
+    io_limits, io_errors = _io_limits(node, volumes, ours)
     intents = Intents(node.config.state_dir).images()
     freezes = frozenset(r.path for r in left_frozen(node.config.state_dir))
     imgs = ceph_pass.result() if ceph_pass is not None else CephView()
@@ -209,7 +211,25 @@ def observe(node: Node, volumes: Iterable[Volume], all_watchers: bool = False,
                     pool_errors=imgs.errors, image_errors=imgs.image_errors,
                     mappings=tuple(mappings), devices=devices, mounts=mounts,
                     path_rdev=path_rdev, symlinks=symlinks, intents=intents,
-                    freezes=freezes, crypts=crypts)
+                    freezes=freezes, crypts=crypts, io_limits=io_limits, io_errors=io_errors)
+
+
+def _io_limits(node: Node, volumes: list[Volume], ours: list[Mapping]
+               ) -> tuple[dict[str, dict[str, dict[str, int]]], dict[str, str]]:
+    """io.max on the targets (units, cgroups) that mapped volumes name."""
+    device = {(m.pool, m.image): m.device for m in ours if m.device}
+    wanted: dict[str, list[str]] = {}
+    for v in volumes:
+        dev = device.get((v.image.pool, v.image.name))
+        if v.qos is not None and v.qos.io_target and dev:
+            wanted.setdefault(v.qos.io_target, []).append(dev)
+    limits, errors = {}, {}
+    for target, devs in wanted.items():
+        try:
+            limits[target] = iolimits.read(node.runner, target, devs)
+        except (iolimits.IoLimitError, OSError) as exc:
+            errors[target] = str(exc)
+    return limits, errors
 
 
 def _watchers_needed(volumes: Iterable[Volume], mappings: Iterable[Mapping],

@@ -24,6 +24,7 @@ from reconciler.plan.steps import (
     FormatCrypt,
     FormatDevice,
     GrowFilesystem,
+    LimitDeviceIo,
     MapImage,
     MountStaging,
     OpenCrypt,
@@ -326,6 +327,7 @@ class _VolumePlanner(SnapshotRules):
         self.forward_qos(new_size)
         if v.wanted_phase >= Phase.MAPPED:
             self.forward_map(new_size)
+            self.forward_io_limits(new_size)
         if v.wanted_phase >= Phase.STAGED:
             self.forward_stage(new_size)
         if v.wanted_phase >= Phase.PUBLISHED:
@@ -343,6 +345,26 @@ class _VolumePlanner(SnapshotRules):
         if want != have:
             self.add(SetQos(v.name, v.image.pool, v.image.name, tuple(sorted(have.items())),
                             tuple(sorted(want.items()))))
+
+    def forward_io_limits(self, size: int | None) -> None:
+        """io.max for the mapped device on the unit or cgroup the spec names:
+        a kernel-mapped device's I/O never passes through librbd's limits.
+        Set in place, never a remap."""
+        v = self.v
+        target = v.qos.io_target if v.qos is not None else None
+        if v.qos is None or target is None:
+            return
+        want = tuple(sorted(qos.io_max(v.qos, size if size is not None else
+                                       (self.img.size if self.img else None)).items()))
+        if self.mapping is None or self.raw is None:  # mapped by this run
+            self.add(LimitDeviceIo(v.name, target, None, (), want))
+            return
+        if target in self.obs.io_errors:
+            raise Refused(f"QoS: {self.obs.io_errors[target]}")
+        rdev = f"{self.raw.major}:{self.raw.minor}"
+        have = tuple(sorted(self.obs.io_limits.get(target, {}).get(rdev, {}).items()))
+        if have != want:
+            self.add(LimitDeviceIo(v.name, target, self.mapping.device, have, want))
 
     def claim_interrupted_create(self) -> bool:
         """Our create was cut off before the owner record: the intent says it is ours."""

@@ -103,16 +103,16 @@ class SetQos(Step):
 
 @dataclass(frozen=True)
 class LimitDeviceIo(Step):
-    """io.max for the mapped device on a systemd unit's cgroup (krbd: the
-    kernel does the I/O, which librbd's limits never see)."""
+    """io.max for the mapped device on a systemd unit's cgroup or a cgroup
+    directory (krbd: the kernel does the I/O, which librbd's limits never see)."""
 
-    unit: str
+    target_name: str  # a systemd unit, or a cgroup v2 directory
     device: str | None  # None: the device this run maps
     old: tuple[tuple[str, int], ...]  # riops/wiops/rbps/wbps in force now
     new: tuple[tuple[str, int], ...]
     action: ClassVar[str] = "limit device io"
 
-    target = property(lambda self: f"{self.unit} {self.device or '(mapped device)'}")
+    target = property(lambda self: f"{self.target_name} {self.device or '(mapped device)'}")
     before = property(lambda self: _limits(self.old))
     after = property(lambda self: _limits(self.new))
 

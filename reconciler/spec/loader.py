@@ -327,9 +327,14 @@ class _VolumeBuilder:
         for most, per in (("maxIops", "iopsPerGiB"), ("maxBps", "bpsPerGiB")):
             if most in q and per not in q:
                 self.error(("spec", "qos", most), f"{most} caps {per}, which is not given")
-        if "unit" in q and mapping is None:
-            self.error(("spec", "qos", "unit"), "unit limits the mapped device: it needs a "
-                       "map section")
+        for key in ("unit", "cgroup"):
+            if key in q and mapping is None:
+                self.error(("spec", "qos", key), f"{key} limits the mapped device: it needs a "
+                           "map section")
+        if "unit" in q and "cgroup" in q:
+            self.error(("spec", "qos", "cgroup"), "give unit (systemd) or cgroup, not both")
+        if "cgroup" in q and ("/../" in q["cgroup"] + "/" or "/./" in q["cgroup"] + "/"):
+            self.error(("spec", "qos", "cgroup"), f"{excerpt(q['cgroup'])} is not a clean path")
 
         def size(key: str) -> int | None:
             return parse_size(q[key]) if key in q else None
@@ -338,7 +343,7 @@ class _VolumeBuilder:
                        write_iops=q.get("writeIops"), bps=size("bps"), read_bps=size("readBps"),
                        write_bps=size("writeBps"), iops_per_gib=q.get("iopsPerGiB"),
                        bps_per_gib=size("bpsPerGiB"), max_iops=q.get("maxIops"),
-                       max_bps=size("maxBps"), unit=q.get("unit"))
+                       max_bps=size("maxBps"), unit=q.get("unit"), cgroup=q.get("cgroup"))
 
     def encryption(self, spec: dict[str, Any], mapping: MapSpec | None
                    ) -> EncryptionSpec | None:

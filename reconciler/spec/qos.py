@@ -30,7 +30,8 @@ class QosSpec:
     reads and writes together. ``*_per_gib`` scale the combined limit with the
     image's size (at most ``max_*``) where no fixed one is given. ``unit``:
     the systemd unit or slice whose cgroup gets the limits as io.max on the
-    mapped device (krbd: the kernel does the I/O, librbd's limits do not apply)."""
+    mapped device (krbd: the kernel does the I/O, librbd's limits do not apply);
+    ``cgroup``: the same, written to a cgroup v2 directory directly."""
 
     iops: int | None = None
     read_iops: int | None = None
@@ -43,6 +44,12 @@ class QosSpec:
     max_iops: int | None = None
     max_bps: int | None = None
     unit: str | None = None
+    cgroup: str | None = None  # a cgroup v2 directory to write io.max in (no systemd)
+
+    @property
+    def io_target(self) -> str | None:
+        """Where io.max goes: a unit name or a cgroup directory (absolute)."""
+        return self.unit or self.cgroup
 
 
 def _scaled(fixed: int | None, per_gib: int | None, most: int | None,

@@ -3,6 +3,7 @@ changed in place (no remap), and in force on the rbd-fuse path (measured)."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -95,3 +96,35 @@ def test_qos_set_changed_in_place_and_in_force(node: NodeUnderTest) -> None:
     assert qos_keys(node, image) == {"conf_rbd_qos_read_iops_limit": "77"}
     node.write(name, spec(node, stage, "").replace("  image: {", "  state: absent\n  image: {"))
     assert node.apply()["rc"] == 0
+
+
+def test_io_max_on_a_cgroup_without_the_io_controller_is_a_clear_failure(
+        node: NodeUnderTest) -> None:
+    """This host's cgroup v2 hierarchy has no io controller (blkio is a v1
+    hierarchy here): the step fails saying why, and so does the next pass (a
+    failed step stops the volume's later ones); the kernel tests set io.max
+    for real on krbd."""
+    unified = Path("/sys/fs/cgroup/unified")
+    if not (unified / "cgroup.controllers").exists():
+        pytest.skip("no cgroup v2 hierarchy at /sys/fs/cgroup/unified")
+    assert "io" not in (unified / "cgroup.controllers").read_text().split()
+    cg = unified / f"rbdr-test-{node.tag}"
+    cg.mkdir()
+    try:
+        name = node.name("qos-cg")
+        stage = node.srv / "qos-cg-dev"
+        node.write(name, spec(node, stage, f"  qos: {{writeBps: 1Mi, cgroup: {cg}}}\n"))
+        doc = node.apply()
+        assert doc["rc"] != 0
+        text = json.dumps(doc)
+        assert "limit device io" in text and "no io.max" in text, text
+        _, st = node.cli_json("status")
+        assert st["volumes"][0]["phase"] == "MAPPED", st
+        assert st["volumes"][0]["qos"] == {"writeBps": 1 << 20}  # librbd's part holds
+        again = node.apply()
+        assert again["rc"] != 0 and "no io.max" in json.dumps(again)
+        node.write(name, spec(node, stage, "").replace("  image: {",
+                                                       "  state: absent\n  image: {"))
+        assert node.apply()["rc"] == 0
+    finally:
+        cg.rmdir()
