@@ -228,3 +228,30 @@ def copy_member(cluster: rados.Rados, source: tuple[str, str, str, str], pool: s
             with contextlib.suppress(rbd.Error):
                 rbd.RBD().remove(ioctx, tmp)  # never leave a copy nobody owns
             raise
+
+
+def snapshot_members(cluster: rados.Rados, pool: str, group: str, snap: str
+                     ) -> dict[str, tuple[int, float]] | None:
+    """Each member image of a complete group snapshot: (size, creation time)
+    of its part of it. None: no such group, or no complete snapshot."""
+    try:
+        with cluster.open_ioctx(pool) as ioctx:
+            if group not in rbd.RBD().group_list(ioctx):
+                return None
+            with rbd.Group(ioctx, group) as g:
+                if not any(s["name"] == snap and s["state"] == rbd.RBD_GROUP_SNAP_STATE_COMPLETE
+                           for s in g.list_snaps()):
+                    return None
+                images = [i["name"] for i in g.list_images()]
+            out = {}
+            for name in images:
+                with contextlib.suppress(rbd.ImageNotFound), \
+                        open_image(ioctx, name, read_only=True) as img:
+                    sid = _group_snap_id(img, ioctx.get_pool_id(), group, snap)
+                    if sid is None:
+                        continue  # added after the snapshot was taken
+                    size = next(int(s["size"]) for s in img.list_snaps() if s["id"] == sid)
+                    out[name] = (size, img.get_snap_timestamp(sid).timestamp())
+            return out
+    except rados.ObjectNotFound:
+        return None

@@ -215,7 +215,7 @@ class _VolumeBuilder:
         src = img.get("source")
         if src is None:
             return None
-        if "layering" not in features:
+        if "layering" not in features and "groupSnapshot" not in src:  # a copy needs none
             self.error(("spec", "image", "features"),
                        "a clone (image.source) needs the 'layering' feature")
         if "groupSnapshot" in src:
