@@ -168,7 +168,8 @@ class GroupRules:
                           + (" (incomplete)" if snap is not None else ""))
         key = (src.pool, src.image)
         if key in self.obs.image_errors:
-            raise Refused(f"cannot see {src.pool}/{src.image} ({self.obs.image_errors[key]})")
+            raise Refused(f"cannot see the restore source {src.pool}/{src.image} "
+                          f"({self.obs.image_errors[key]})")
         if key not in self.obs.images:
             raise Refused(f"member image {src.pool}/{src.image} does not exist (a group "
                           "snapshot lives in its members' images)")
