@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -163,3 +166,65 @@ def test_foreign_group_is_left_alone(node: NodeUnderTest, groups: list[str]) -> 
     doc = node.apply()
     assert doc["rc"] == 1 and "not created by this node" in str(doc)
     assert g in groups_in_pool(node)
+
+
+KILLER = """
+import os, signal, sys
+from reconciler.cli import main as cli
+from reconciler.drivers import groups
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+if sys.argv[2] == "snapshot":  # after the group snapshot, inside the freezes
+    real = groups.create_group_snapshot
+    def create_group_snapshot(*a, **k):
+        real(*a, **k)
+        die()
+    groups.create_group_snapshot = create_group_snapshot
+else:  # after the copy's data, before its records and rename
+    real_open = groups.open_image
+    def open_image(ioctx, name, *a, **k):
+        if name.endswith(groups.PARTIAL_SUFFIX):
+            die()
+        return real_open(ioctx, name, *a, **k)
+    groups.open_image = open_image
+sys.exit(cli.main(["--config", sys.argv[1], "apply"]))
+"""
+
+
+def killed_apply(node: NodeUnderTest, where: str) -> None:
+    proc = subprocess.run([sys.executable, "-c", KILLER, str(node.config), where], timeout=120,
+                          capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+
+
+def test_sigkill_inside_the_freeze_and_the_copy_converges(node: NodeUnderTest,
+                                                          groups: list[str]) -> None:
+    a, b = two_volumes(node)
+    g = node.name("gkill")
+    groups.append(g)
+    group_doc(node, g, [a, b])
+    at_snapshot = digest(node.srv / a)
+    try:
+        killed_apply(node, "snapshot")  # both filesystems left frozen, recorded
+        _, plan = node.plan()
+        assert steps(plan, g).count("thaw") == 2, plan
+        assert node.apply()["rc"] == 0
+        for v in (a, b):
+            assert writes_within(node.srv / v / "later", "x")
+        assert group_snaps(node, g) == [g]  # taken once, not again
+    finally:
+        for v in (a, b):
+            subprocess.run(["fsfreeze", "-u", str(node.srv / v)], capture_output=True)
+
+    r = node.name("rkill")
+    published(node, r, node.srv / r, source=f"groupSnapshot: {{pool: {node.cluster.pool}, "
+                                            f"group: {g}, image: {a}}}")
+    killed_apply(node, "copy")  # a partial copy is left, never under the volume's name
+    assert node.image_exists(r + ".rbdr-partial") and not node.image_exists(r)
+    node.images.add(r + ".rbdr-partial")
+    assert node.apply()["rc"] == 0  # removed, copied again
+    assert not node.image_exists(r + ".rbdr-partial")
+    assert digest(node.srv / r) == at_snapshot
+    assert node.plan()[0] == 0
