@@ -92,6 +92,10 @@ def test_group_snapshot_restore_and_remove(node: NodeUnderTest, groups: list[str
     st = rows(node)[g]
     assert st["kind"] == "SnapshotGroup" and st["phase"] == "CREATED", st
     assert sorted(st["members"]) == sorted(f"{node.cluster.pool}/{v}" for v in (a, b))
+    rc, text = node.cli("status")
+    assert f"group snapshot {node.cluster.pool}/{g}@{g}" in text, text
+    rc, text = node.cli("explain", g)
+    assert rc == 0 and "owner test-node" in text and f"{node.cluster.pool}/{a}" in text, text
 
     # Restore each member to a new volume: the data as it was at the snapshot.
     restored = {}
