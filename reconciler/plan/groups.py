@@ -164,6 +164,9 @@ class GroupRules:
         state = self.obs.groups.get((src.pool, src.group))
         snap = state.snap(src.group) if state else None
         if snap is None or not snap.complete:
+            if "/" not in src.ref:  # a desired SnapshotGroup (loader): it may be on its way
+                raise Waiting(f"waits for its source group snapshot {src.pool}/{src.group}"
+                              f"@{src.group} to be taken")
             raise Refused(f"group snapshot {src.pool}/{src.group}@{src.group} does not exist"
                           + (" (incomplete)" if snap is not None else ""))
         key = (src.pool, src.image)

@@ -728,6 +728,11 @@ def resolve_sources(results: list[_FileResult]) -> None:
                     new = replace(vol, image=replace(vol.image, pool=target.image.pool,
                                                      name=target.image.name))
                 elif pass_ == "volume" and vol.image.source and \
+                        vol.image.source.kind == "group":
+                    if (new := _resolve_group_source(vol, by_name, lambda f, m, r=res, d=doc:
+                                                     report(r, d, f, m))) is None:
+                        continue
+                elif pass_ == "volume" and vol.image.source and \
                         vol.image.source.kind not in ("image", "group"):
                     src = vol.image.source
                     field = ("spec", "image", "source", src.kind)
@@ -789,6 +794,30 @@ def _resolve_group(vol: Volume, by_name: dict[str, Volume],
     if not ok:
         return None
     return replace(vol, group=replace(vol.group, members=tuple(members)))
+
+
+def _resolve_group_source(vol: Volume, by_name: dict[str, Volume],
+                          report: Callable[[FieldPath, str], None]) -> Volume | None:
+    """A restore from a group snapshot that a desired SnapshotGroup takes: its
+    ``ref`` becomes that document's name (so it waits for it, as a clone
+    waits for a desired Snapshot). One not among the desired files is taken
+    as it is. None: an error was reported."""
+    src = vol.image.source
+    assert src is not None and src.group is not None
+    target = by_name.get(src.group)
+    if target is None or target.group is None:
+        return vol
+    field: FieldPath = ("spec", "image", "source", "groupSnapshot")
+    members = target.group.members
+    if target.image.pool != src.pool or (src.pool, src.image) not in members:
+        report(field, f"SnapshotGroup {src.group} has no member {src.pool}/{src.image} "
+                      f"(its members: {', '.join(f'{p}/{i}' for p, i in members) or 'none'})")
+        return None
+    if (vol.image.pool, vol.image.name) in members:
+        report(field, f"{vol.image.spec} is itself a member of SnapshotGroup {src.group}: "
+                      "a restore cannot start from its own group snapshot")
+        return None
+    return replace(vol, image=replace(vol.image, source=replace(src, ref=src.group)))
 
 
 def _untrusted_dirs(paths: Iterable[Path]) -> list[Diagnostic]:

@@ -232,3 +232,20 @@ def test_sigkill_inside_the_freeze_and_the_copy_converges(node: NodeUnderTest,
     assert not node.image_exists(r + ".rbdr-partial")
     assert digest(node.srv / r) == at_snapshot
     assert node.plan()[0] == 0
+
+
+def test_group_and_restore_in_one_apply(node: NodeUnderTest, groups: list[str]) -> None:
+    """The restore waits for the group snapshot of the same files; apply follows up."""
+    a, b = two_volumes(node)
+    g, r = node.name("gone"), node.name("rone")
+    groups.append(g)
+    group_doc(node, g, [a, b])
+    published(node, r, node.srv / r, source=f"groupSnapshot: {{pool: {node.cluster.pool}, "
+                                            f"group: {g}, image: {b}}}")
+    at_snapshot = digest(node.srv / b)
+    rc, plan = node.plan()
+    assert rc == 2 and "waits for its source group snapshot" in str(
+        [v["waiting"] for v in plan["volumes"] if v["name"] == r])
+    assert node.apply()["rc"] == 0
+    assert digest(node.srv / r) == at_snapshot
+    assert node.plan()[0] == 0

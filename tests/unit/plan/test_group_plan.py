@@ -157,3 +157,19 @@ def test_restore_is_a_copy_of_the_member(tmp_path: Path) -> None:
     p = plans(tmp_path, gone, RESTORE)["r"]
     assert p.refusal and "member image rbd/a does not exist" in p.refusal
     assert CTX.node_name == "n1"
+
+
+def test_restore_from_a_desired_group_waits_for_it(tmp_path: Path) -> None:
+    restore = doc("Volume", "r", "  image: {pool: rbd, size: 64Mi, source: {groupSnapshot: "
+                                 "{pool: rbd, group: g, image: a}}}\n")
+    p = plans(tmp_path, observed(image("a"), image("b")), A, B, GRP, restore)["r"]
+    assert p.refusal is None and not p.steps and "waits for its source group" in str(p.waiting)
+    _, errors = load_text(tmp_path, A, B, GRP, doc(
+        "Volume", "r", "  image: {pool: rbd, size: 64Mi, source: {groupSnapshot: "
+                       "{pool: rbd, group: g, image: c}}}\n"))
+    assert any("spec.image.source.groupSnapshot: SnapshotGroup g has no member rbd/c" in e
+               for e in errors), errors
+    _, errors = load_text(tmp_path, A, doc("SnapshotGroup", "g", "  pool: rbd\n  images: "
+                                              "[{pool: rbd, name: a}, {pool: rbd, name: r}]\n"),
+                          restore.replace("name: r}", "name: r}"))
+    assert any("a restore cannot start from its own group snapshot" in e for e in errors), errors

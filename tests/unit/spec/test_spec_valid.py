@@ -171,3 +171,6 @@ def test_group_snapshot_example_resolves_its_members() -> None:
     group = {v.name: v for v in result.volumes}["db-nightly"]
     assert group.kind == "SnapshotGroup" and group.group is not None
     assert group.group.members == (("rbd", "db-data"), ("rbd", "db-wal"))
+    src = {v.name: v for v in result.volumes}["db-data-restored"].image.source
+    assert src is not None and (src.kind, src.ref, src.group) == ("group", "db-nightly",
+                                                                  "db-nightly")
