@@ -22,6 +22,7 @@ import rados
 import rbd
 
 from reconciler.apply import claims
+from reconciler.apply.groups import run_group_step
 from reconciler.apply.logfmt import log_not_run, log_step
 from reconciler.drivers import ceph, freeze, iolimits, keys, safepath
 from reconciler.drivers.bounded import NoAnswer
@@ -34,6 +35,7 @@ from reconciler.facts.observed import Mapping, Observed
 from reconciler.facts.parsers import parse_mountinfo
 from reconciler.observe.ceph import Connecting
 from reconciler.observe.node import Node, open_crypts
+from reconciler.plan.groupsteps import GroupStep
 from reconciler.plan.planner import GROW_SLACK, VolumePlan
 from reconciler.plan.steps import (
     ClaimImage,
@@ -73,7 +75,7 @@ log = logging.getLogger("reconciler.apply")  # the name log lines have always ca
 
 CEPH_STEPS = (CreateImage, ResizeImage, SetImageMeta, SetQos, DeleteImage, FormatDevice,
               GrowFilesystem, MountStaging, CreateSnapshot, CloneImage, FlattenImage,
-              DeleteSnapshot, MapImage, ClaimImage, ReleaseClaim)
+              DeleteSnapshot, MapImage, ClaimImage, ReleaseClaim, GroupStep)
 # Failures here leave a stage half done: undo what this run acquired.
 STAGE_CHAIN = (MapImage, RefreshDevice, FormatCrypt, OpenCrypt, ResizeCrypt, FormatDevice,
                MountStaging)
@@ -321,6 +323,11 @@ class _VolumeRun:
                     return "ok", "frozen by a snapshot in progress: left to it"
                 if not thawed:
                     return "ok", "was not frozen"
+            case GroupStep():
+                return run_group_step(step, self.need_cluster, node.config.node_name,
+                                      node.config.state_dir,
+                                      node.config.snapshots.freeze_timeout_seconds,
+                                      self.owner_meta)
             case _:
                 raise NotImplementedError(type(step).__name__)
         return "changed", ""
@@ -750,7 +757,7 @@ def _drop_claims(runs: list[_VolumeRun], node: Node, connecting: Connecting) -> 
     nothing was mapped) is dropped (never another node's: compared in the
     OSD). A chain that failed keeps its claim: something may still be mapped."""
     me = node.config.node_name
-    todo = [r for r in runs if r.volume is not None and r.volume.snapshot is None
+    todo = [r for r in runs if r.volume is not None and r.volume.kind == "Volume"
             and r.out.status not in ("failed", "aborted") and not r.plan.refusal
             and not r.plan.waiting and (r.claim_unmap is not None or not any(
                 isinstance(s, Unmap) for s in r.plan.steps))]

@@ -48,6 +48,8 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
         if r.get("kind") == "Snapshot":
             children = ", ".join(r["children"]) or "none"  # type: ignore[arg-type]
             mounts = [f"snapshot {r['image']} of {r['source']}; clones: {children}"]
+        elif r.get("kind") == "SnapshotGroup":
+            mounts = [f"group snapshot {r['image']} of {r['source']}"]
         elif r.get("clonedFrom"):
             mounts.append(f"clone of {r['clonedFrom']}")
         if r.get("encryption"):
@@ -166,6 +168,9 @@ def _print_actual(actual: dict[str, Any], holders: list[str], claim: dict | None
         print(f"  snapshot: of {actual['source']}, owner {actual['owner'] or 'none recorded'}"
               f", protected {actual['protected']}")
         print(f"  clones:   {', '.join(actual['children']) or 'none'}")
+    elif actual.get("kind") == "SnapshotGroup":
+        print(f"  group:    of {actual['source']}, owner {actual['owner'] or 'none recorded'}")
+        print(f"  members:  {', '.join(actual['members']) or 'none'}")  # type: ignore[arg-type]
     else:
         if actual.get("clonedFrom"):
             print(f"  clone of: {actual['clonedFrom']} (depth {actual['cloneDepth']})")

@@ -24,7 +24,7 @@ def cmd_takeover(args: argparse.Namespace, config: Config) -> int:
 
     vol = next((v for v in load(default_paths(config), config).volumes
                 if v.name == args.name), None)
-    if vol is None or vol.snapshot is not None:
+    if vol is None or vol.kind != "Volume":
         print(f"rbd-reconciler: no volume {args.name!r} in {config.desired_dir}", file=sys.stderr)
         return EXIT_FAILED
     pool, image, me = vol.image.pool, vol.image.name, config.node_name

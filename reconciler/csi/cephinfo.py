@@ -15,6 +15,7 @@ import rados
 import rbd
 
 from reconciler.drivers.ceph import CephError, connect, get_meta, set_meta, snapshot_children
+from reconciler.drivers.groups import snapshot_members
 from reconciler.facts import meta
 from reconciler.spec.config import CephConfig
 
@@ -142,6 +143,12 @@ class CephInfo:
         except (rados.ObjectNotFound, rbd.ImageNotFound):
             return None
         return None
+
+    def group_snapshot(self, pool: str, group: str) -> dict[str, tuple[int, float]] | None:
+        """Member image -> (size, creation time) of the group snapshot named
+        like its group; None when it does not exist (or is not complete)."""
+        with self._client() as c:
+            return snapshot_members(c, pool, group, group)
 
     def watchers(self, pool: str, image: str) -> list[str]:
         """Addresses of the clients that have the image open (none when it,

@@ -24,7 +24,7 @@ from reconciler.csi.files import (
     L_REQUEST,
     new_document,
 )
-from reconciler.csi.snapshots import SnapshotRpcs, content_source_of
+from reconciler.csi.snapshots import SnapshotRpcs, content_source_of, source_image
 from reconciler.csi.volumes import Volumes
 from reconciler.drivers.ceph import CephError
 from reconciler.spec.model import DEFAULT_FEATURES
@@ -185,8 +185,7 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
         key = _encryption(params, self.volumes.config.encryption.key_root)
         if key is not None:
             labels[L_ENCRYPTION] = key
-        elif source is not None and self.ceph.encrypted(source["image"]["pool"],
-                                                        source["image"]["name"]):
+        elif source is not None and self.ceph.encrypted(*source_image(source)):
             raise invalid("the content source is encrypted (LUKS2): the StorageClass of the "
                           "new volume must set encrypted: \"true\" (with the source's key, "
                           "which a clone opens with)")

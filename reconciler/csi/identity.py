@@ -34,6 +34,7 @@ class IdentityServicer(csi_pb2_grpc.IdentityServicer):
         cap = pb.PluginCapability
         return pb.GetPluginCapabilitiesResponse(capabilities=[
             cap(service=cap.Service(type=cap.Service.CONTROLLER_SERVICE)),
+            cap(service=cap.Service(type=cap.Service.GROUP_CONTROLLER_SERVICE)),
             cap(volume_expansion=cap.VolumeExpansion(type=cap.VolumeExpansion.ONLINE)),
         ])
 

@@ -74,3 +74,55 @@ def parse_snapshot_id(sid: str) -> tuple[str, str, str] | None:
     if not (_RBD_NAME.fullmatch(pool) and _RBD_NAME.fullmatch(image) and _SNAP.fullmatch(snap)):
         return None
     return pool, image, snap
+
+
+# -- group snapshots -----------------------------------------------------------
+GROUP_ID_PREFIX = "rbdr1g"
+MEMBER_ID_PREFIX = "rbdr1gm"
+_GROUP = re.compile(r"csi-grp-[0-9a-f]{32}")
+
+
+def group_for_request(request_name: str) -> str:
+    """The RBD group and group snapshot name, and the SnapshotGroup's metadata.name."""
+    return "csi-grp-" + hashlib.sha256(request_name.encode()).hexdigest()[:32]
+
+
+def is_group_name(name: str) -> bool:
+    return bool(_GROUP.fullmatch(name))
+
+
+def group_id(pool: str, group: str) -> str:
+    gid = f"{GROUP_ID_PREFIX}:{pool}:{group}"
+    if len(gid.encode()) > MAX_ID_BYTES:
+        raise ValueError(f"pool name {pool!r} is too long for a CSI group snapshot id")
+    return gid
+
+
+def parse_group_id(gid: str) -> tuple[str, str] | None:
+    """(pool, group), or None for an id we never hand out."""
+    parts = gid.split(":")
+    if len(parts) != 3 or parts[0] != GROUP_ID_PREFIX:
+        return None
+    if not (_RBD_NAME.fullmatch(parts[1]) and _GROUP.fullmatch(parts[2])):
+        return None
+    return parts[1], parts[2]
+
+
+def member_id(pool: str, group: str, image: str) -> str:
+    """A snapshot id for one member of a group snapshot: restorable from the id alone."""
+    mid = f"{MEMBER_ID_PREFIX}:{pool}:{group}:{image}"
+    if len(mid.encode()) > MAX_ID_BYTES:
+        raise ValueError(f"pool name {pool!r} is too long for a CSI snapshot id")
+    return mid
+
+
+def parse_member_id(mid: str) -> tuple[str, str, str] | None:
+    """(pool, group, image), or None for an id we never hand out."""
+    parts = mid.split(":")
+    if len(parts) != 4 or parts[0] != MEMBER_ID_PREFIX:
+        return None
+    pool, group, image = parts[1:]
+    if not (_RBD_NAME.fullmatch(pool) and _GROUP.fullmatch(group)
+            and _RBD_NAME.fullmatch(image)):
+        return None
+    return pool, group, image

@@ -18,6 +18,7 @@ import grpc
 from reconciler.csi import csi_pb2_grpc
 from reconciler.csi.cephinfo import CephInfo
 from reconciler.csi.controller import ControllerServicer
+from reconciler.csi.groups import GroupControllerServicer
 from reconciler.csi.identity import IdentityServicer
 from reconciler.csi.node import NodeServicer
 from reconciler.csi.records import Records
@@ -68,10 +69,11 @@ class CsiServer:
         server = grpc.server(ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="csi"),
                              interceptors=[MetricsInterceptor(self.engine.metrics)])
         servicers = (IdentityServicer(self.engine, ceph), ControllerServicer(volumes, ceph),
-                     NodeServicer(volumes, ceph))
+                     NodeServicer(volumes, ceph), GroupControllerServicer(volumes, ceph))
         csi_pb2_grpc.add_IdentityServicer_to_server(servicers[0], server)
         csi_pb2_grpc.add_ControllerServicer_to_server(servicers[1], server)
         csi_pb2_grpc.add_NodeServicer_to_server(servicers[2], server)
+        csi_pb2_grpc.add_GroupControllerServicer_to_server(servicers[3], server)
         self.engine.metrics.csi_served(m for s in servicers for m in implemented(s))
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
         self._remove_stale()

@@ -15,6 +15,7 @@ from reconciler.csi import ids
 from reconciler.csi.cephinfo import CephInfo
 from reconciler.csi.errors import CsiError, invalid, not_found, rpc
 from reconciler.csi.files import L_ORIGIN, L_REQUEST, L_SOURCE, VolumeFiles, new_snapshot_document
+from reconciler.csi.groups import member_snapshot
 from reconciler.csi.volumes import Volumes
 
 MiB = 1 << 20
@@ -49,9 +50,19 @@ class SnapshotRpcs:
         return parsed
 
     def snapshots_of(self, pool: str, image: str) -> list[str]:
-        """The adapter's snapshot files (present) taken of ``pool/image``."""
+        """The adapter's snapshot files (present) taken of ``pool/image``, and
+        its group snapshot files that hold it (its RBD group holds it)."""
         out = []
         for name in self.volumes.names():
+            if ids.is_group_name(name):
+                try:
+                    doc = self.volumes.read(name)
+                except CsiError:
+                    continue
+                if doc is not None and doc.get("kind") == "SnapshotGroup" and \
+                        {"pool": pool, "name": image} in doc["spec"].get("images", []):
+                    out.append(name)
+                continue
             if not ids.is_snapshot_name(name):
                 continue
             try:
@@ -105,6 +116,10 @@ class SnapshotRpcs:
                        context: grpc.ServicerContext) -> pb.DeleteSnapshotResponse:
         if not request.snapshot_id:
             raise invalid("snapshot_id is required")
+        if ids.parse_member_id(request.snapshot_id) is not None:
+            # The spec: a member of a group snapshot is never deleted alone.
+            raise invalid(f"snapshot {request.snapshot_id!r} is part of a group snapshot: "
+                          "delete the group snapshot (DeleteVolumeGroupSnapshot)")
         parsed = ids.parse_snapshot_id(request.snapshot_id)
         if parsed is None:
             return pb.DeleteSnapshotResponse()  # never ours: nothing to delete
@@ -189,6 +204,8 @@ class SnapshotRpcs:
                     context: grpc.ServicerContext) -> pb.GetSnapshotResponse:
         if not request.snapshot_id:
             raise invalid("snapshot_id is required")
+        if (member := ids.parse_member_id(request.snapshot_id)) is not None:
+            return pb.GetSnapshotResponse(snapshot=self._member(request.snapshot_id, *member))
         parsed = ids.parse_snapshot_id(request.snapshot_id)
         found = self.ceph.snapshot(*parsed) if parsed else None
         if parsed is None or found is None:
@@ -202,10 +219,23 @@ class SnapshotRpcs:
             ids.volume_id(pool, image)
         return pb.GetSnapshotResponse(snapshot=_snapshot(request.snapshot_id, src, *found))
 
+    def _member(self, sid: str, pool: str, group: str, image: str) -> pb.Snapshot:
+        """A member of a group snapshot, or NOT_FOUND."""
+        members = self.ceph.group_snapshot(pool, group)
+        if members is None or image not in members:
+            raise not_found(f"snapshot {sid!r} does not exist")
+        return member_snapshot(pool, group, image, *members[image])
+
     # -- CreateVolume from a snapshot or a volume ----------------------------------
     def content_source(self, request: pb.CreateVolumeRequest) -> tuple[dict[str, Any], int]:
         """The file's ``image.source`` and the least size the new volume may have."""
         src = request.volume_content_source
+        if src.HasField("snapshot") and \
+                (member := ids.parse_member_id(src.snapshot.snapshot_id)) is not None:
+            found = self._member(src.snapshot.snapshot_id, *member)
+            pool, group, image = member
+            return {"groupSnapshot": {"pool": pool, "group": group, "image": image}}, \
+                found.size_bytes
         if src.HasField("snapshot"):
             sid = src.snapshot.snapshot_id
             parsed = ids.parse_snapshot_id(sid)
@@ -221,8 +251,19 @@ class SnapshotRpcs:
         raise invalid("volume_content_source: a snapshot or a volume")
 
 
+def source_image(source: dict[str, Any]) -> tuple[str, str]:
+    """(pool, image) a file's ``image.source`` reads from."""
+    if "groupSnapshot" in source:
+        g = source["groupSnapshot"]
+        return g["pool"], g["image"]
+    return source["image"]["pool"], source["image"]["name"]
+
+
 def content_source_of(doc: dict[str, Any]) -> pb.VolumeContentSource | None:
     """What a CSI volume file was created from, for CreateVolume's answer."""
+    if g := doc["spec"]["image"].get("source", {}).get("groupSnapshot"):
+        return pb.VolumeContentSource(snapshot=pb.VolumeContentSource.SnapshotSource(
+            snapshot_id=ids.member_id(g["pool"], g["group"], g["image"])))
     src = doc["spec"]["image"].get("source", {}).get("image")
     if not src:
         return None

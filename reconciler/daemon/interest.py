@@ -27,8 +27,8 @@ class VolumeInterest:
 def volume_interest(v: Volume, observed: Observed,
                     helpers: Mapping[str, int]) -> VolumeInterest:
     """``helpers``: rbd-fuse mount point -> helper pid, as the mapper knows them."""
-    if v.snapshot is not None:
-        return VolumeInterest()  # its volume's entry covers the image
+    if v.kind != "Volume":
+        return VolumeInterest()  # its volumes' entries cover the images
     paths = {t.path for t in v.publish}
     if v.stage is not None:
         paths.add(v.stage.path)

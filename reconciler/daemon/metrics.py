@@ -55,11 +55,14 @@ REFUSAL_REASONS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("no_size", r"does not exist and no size is given"),
         ("shrink", r"^shrinking |larger than its source, never smaller"),
         ("mapper_change", r"remapping would pull it"),
-        ("not_owned", r"not created by this node|not made by this node|is owned by"),
+        ("not_owned", r"not created by this node|not made by this node|is owned by|"
+                      r"not taken by this node|did not take"),
+        ("group_members", r"refusing to change the members"),
         ("has_clones", r"clones depend on it|still has clones"),
         ("has_snapshots", r"has snapshots this node did not make|still has snapshots"),
         ("no_source", r"clone source .*does not exist|cannot see the clone source|"
-                      r"its source image .* does not exist"),
+                      r"its source image .* does not exist|cannot see the restore source|"
+                      r"group snapshot .* does not exist|member image .* does not exist"),
         ("claimed", r"is claimed by node"),
         ("in_use", r"is open by|still open by"),
         ("foreign_filesystem", r"refusing to format|refusing to mkfs|\(image-meta\), not|"
@@ -70,6 +73,7 @@ REFUSAL_REASONS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
                        r"open|key file |sealed passphrase|refusing to open it twice|"
                        r"refusing to close it"),
         ("qos", r"^QoS: "),
+        ("unknown", r"unknown, not absent"),
     ))
 REFUSAL_OTHER = "other"
 

@@ -36,6 +36,29 @@ class ImageState:
 
 
 @dataclass(frozen=True)
+class GroupSnapState:
+    name: str
+    complete: bool  # False: a create cut short (librbd leaves it incomplete)
+
+
+@dataclass(frozen=True)
+class GroupState:
+    """An RBD group and what this reconciler recorded of it (``owner``: the
+    node that created the group; ``snap_owner``: the node that took the group
+    snapshot named like the group; None: not recorded, not ours)."""
+
+    pool: str
+    name: str
+    images: tuple[tuple[str, str], ...]  # (pool, image) of its members
+    snaps: tuple[GroupSnapState, ...] = ()
+    owner: str | None = None
+    snap_owner: str | None = None
+
+    def snap(self, name: str) -> GroupSnapState | None:
+        return next((s for s in self.snaps if s.name == name), None)
+
+
+@dataclass(frozen=True)
 class Mapping:
     """An image exposed as a local block device."""
 
@@ -122,6 +145,10 @@ class Observed:
     # "MAJ:MIN"; a target that could not be read is in io_errors instead.
     io_limits: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
     io_errors: dict[str, str] = field(default_factory=dict)
+    # RBD groups looked for (SnapshotGroups, restores from a group snapshot):
+    # those that exist, and those that did not answer in time (unknown).
+    groups: dict[tuple[str, str], GroupState] = field(default_factory=dict)
+    group_errors: dict[tuple[str, str], str] = field(default_factory=dict)
 
     @cached_property
     def top_mounts(self) -> dict[str, Mount]:

@@ -28,8 +28,9 @@ from typing import TypeVar
 import rados
 
 from reconciler.drivers import ceph, rbdheader
+from reconciler.drivers import groups as rbdgroups
 from reconciler.drivers.bounded import Bounded, NoAnswer, Task
-from reconciler.facts.observed import ImageState
+from reconciler.facts.observed import GroupState, ImageState
 from reconciler.spec.config import CephConfig
 
 T = TypeVar("T")
@@ -43,6 +44,8 @@ class CephView:
     listed: set[str] = field(default_factory=set)
     errors: dict[str, str] = field(default_factory=dict)  # pool -> why it is unknown
     image_errors: dict[tuple[str, str], str] = field(default_factory=dict)
+    groups: dict[tuple[str, str], GroupState] = field(default_factory=dict)
+    group_errors: dict[tuple[str, str], str] = field(default_factory=dict)
 
 
 class _Handle:
@@ -143,12 +146,17 @@ def _drop_all(kept: list[_Handle], lock: threading.Lock) -> None:
 
 def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
                    timeout: float, watchers_for: set[tuple[str, str]] | None = None,
-                   session: Session | None = None) -> CephView:
+                   session: Session | None = None,
+                   groups: Iterable[tuple[str, str]] = ()) -> CephView:
     """``watchers_for``: the images whose watchers are needed (None: all). The
-    others are read from their header in one rados read, without librbd."""
+    others are read from their header in one rados read, without librbd.
+    ``groups``: RBD groups (pool, name) read too, each in its own bounded call."""
     by_pool: dict[str, set[str]] = {}
     for pool, name in wanted:
         by_pool.setdefault(pool, set()).add(name)
+    groups = sorted(set(groups))
+    for pool, _ in groups:  # its pool is listed: a group there is then known or unknown
+        by_pool.setdefault(pool, set())
     out = CephView()
     if not by_pool:
         return out
@@ -172,6 +180,14 @@ def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
                 lambda c, pool=pool: _list_pool(c, pool, by_pool[pool], watchers_for))
         except NoAnswer as exc:
             out.errors[pool] = str(exc)
+    group_tasks: dict[tuple[str, str], Task[GroupState | None]] = {}
+    for pool, name in groups:
+        try:
+            group_tasks[(pool, name)] = handle.submit(
+                ("group", cfg.conf, pool, name),
+                lambda c, pool=pool, name=name: rbdgroups.group_state(c, pool, name))
+        except NoAnswer as exc:
+            out.group_errors[(pool, name)] = str(exc)
     # Open the images of each pool as soon as its listing is in.
     images: dict[tuple[str, str], Task[ImageState | None]] = {}
     batches: list[_Headers] = []  # the header reads of a pool's images, together
@@ -220,7 +236,15 @@ def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
             continue
         if state is not None:
             out.images[key] = state
-    if session is not None and (out.errors or out.image_errors):
+    for key, gt in group_tasks.items():
+        try:
+            group = handle.wait(gt, timeout, image_deadline)
+        except (NoAnswer, ceph.CephError) as exc:
+            out.group_errors[key] = str(exc)
+            continue
+        if group is not None:
+            out.groups[key] = group
+    if session is not None and (out.errors or out.image_errors or out.group_errors):
         session.discard()  # something did not answer: never reuse this connection
     handle.drop()
     return out

@@ -154,7 +154,13 @@ def observe(node: Node, volumes: Iterable[Volume], all_watchers: bool = False,
     ``ceph=False``: the node alone (a release: its teardown needs nothing of
     Ceph); every pool is then unlisted, so nothing of an image is known."""
     volumes = list(volumes)
-    wanted = {(v.image.pool, v.image.name) for v in volumes}
+    wanted = {(v.image.pool, v.image.name) for v in volumes if v.group is None}
+    # A SnapshotGroup: its group and its members (their mounts are frozen around
+    # the group snapshot); a restore from a group snapshot: that group.
+    groups = {(v.image.pool, v.group.group) for v in volumes if v.group is not None}
+    groups |= {(v.image.source.pool, v.image.source.group) for v in volumes
+               if v.image.source is not None and v.image.source.group}
+    wanted |= {m for v in volumes if v.group is not None for m in v.group.members}
     # A clone's source is looked at too (does its snapshot exist, how deep is it).
     wanted |= {(v.image.source.pool, v.image.source.image) for v in volumes
                if v.image.source is not None and v.image.source.pool}
@@ -174,7 +180,7 @@ def observe(node: Node, volumes: Iterable[Volume], all_watchers: bool = False,
     # Ceph answers in the background while the devices are looked at.
     ceph_pass = _Background(
         lambda: observe_images(node.config.ceph, wanted, timeout, watchers_for,
-                               node.ceph_session)) if ceph else None
+                               node.ceph_session, groups)) if ceph else None
 
     mounted: dict[tuple[int, int], list[tuple[str, str, str]]] = {}
     for m in mounts:
@@ -211,7 +217,8 @@ def observe(node: Node, volumes: Iterable[Volume], all_watchers: bool = False,
                     pool_errors=imgs.errors, image_errors=imgs.image_errors,
                     mappings=tuple(mappings), devices=devices, mounts=mounts,
                     path_rdev=path_rdev, symlinks=symlinks, intents=intents,
-                    freezes=freezes, crypts=crypts, io_limits=io_limits, io_errors=io_errors)
+                    freezes=freezes, crypts=crypts, io_limits=io_limits, io_errors=io_errors,
+                    groups=imgs.groups, group_errors=imgs.group_errors)
 
 
 def _io_limits(node: Node, volumes: list[Volume], ours: list[Mapping]
@@ -245,6 +252,8 @@ def _watchers_needed(volumes: Iterable[Volume], mappings: Iterable[Mapping],
         here.setdefault((m.pool, m.image), []).append(m)
     out = set()
     for v in volumes:
+        if v.group is not None:
+            continue  # its members' watchers are never needed
         key = (v.image.pool, v.image.name)
         src = v.image.source
         if src is not None and src.pool:

@@ -15,6 +15,7 @@ from reconciler.facts import meta
 from reconciler.facts.claim import Claim, parse
 from reconciler.facts.luks import crypt_name
 from reconciler.facts.observed import CryptDevice, Device, ImageState, Mapping, Mount, Observed
+from reconciler.plan.groups import GroupRules, group_row
 from reconciler.plan.snapshots import SnapshotRules
 from reconciler.plan.steps import (
     ClaimImage,
@@ -73,7 +74,7 @@ def _missing_options(mount: Mount, wanted: Iterable[str]) -> tuple[str, ...]:
     return tuple(o for o in wanted if o not in have and o not in _IMPLIED_OPTIONS)
 
 
-class _VolumePlanner(SnapshotRules):
+class _VolumePlanner(SnapshotRules, GroupRules):
     def __init__(self, vol: Volume, obs: Observed, ctx: Context) -> None:
         self.v = vol
         self.obs = obs
@@ -188,7 +189,7 @@ class _VolumePlanner(SnapshotRules):
         self.plan.steps.append(step)
 
     def run(self, release: bool = False) -> VolumePlan:
-        if self.v.snapshot is not None:
+        if self.v.snapshot is not None or self.v.group is not None:
             return self.run_snapshot_plan(release)
         self.plan.phase = self.observed_phase()
         try:
@@ -225,7 +226,10 @@ class _VolumePlanner(SnapshotRules):
             self.plan.wanted = self.plan.phase
             return self.plan
         try:
-            self.run_snapshot()
+            if self.v.group is not None:
+                self.run_group()
+            else:
+                self.run_snapshot()
         except Refused as exc:
             self.plan.refusal = str(exc)
             self.plan.steps = []
@@ -656,6 +660,8 @@ def plan(desired: Iterable[Volume], observed: Observed, ctx: Context,
 def actual_state(vol: Volume, observed: Observed, ctx: Context) -> dict[str, object]:
     """What is there for one desired volume, in the planner's own terms."""
     p = _VolumePlanner(vol, observed, ctx)
+    if vol.group is not None:
+        return group_row(vol, observed)
     if vol.snapshot is not None:
         return snapshot_state(p)
     staged = p.staged_mount()

@@ -7,6 +7,8 @@ clone; a delete of an image or snapshot respects what depends on it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from reconciler.facts import meta
 from reconciler.facts.observed import ImageState, Observed, SnapState
 from reconciler.plan.steps import (
@@ -33,6 +35,7 @@ class SnapshotRules:
     ctx: Context
     plan: VolumePlan
     img: ImageState | None
+    plan_group_restore: Callable[[], None]  # plan/groups.py (mixed in after this)
 
     def add(self, step: Step) -> None:
         raise NotImplementedError
@@ -143,6 +146,9 @@ class SnapshotRules:
     def plan_clone(self) -> None:
         v, src = self.v, self.v.image.source
         assert src is not None
+        if src.group is not None:
+            self.plan_group_restore()
+            return
         key = (src.pool, src.image)
         if src.pool not in self.obs.pools_listed or key in self.obs.image_errors:
             why = self.obs.image_errors.get(key) or self.obs.pool_errors.get(src.pool,

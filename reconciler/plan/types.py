@@ -33,7 +33,7 @@ class VolumePlan:
     # Set when part of the volume could not be seen (pool, image, device):
     # the phase is then unknown, not ``phase``; never ordered with phases.
     unknown: str | None = None
-    kind: str = "volume"  # volume | snapshot
+    kind: str = "volume"  # volume | snapshot | group
     # Set: it starts from another desired object not there yet; no steps, no
     # failure (a later pass, once that one converged, plans it).
     waiting: str | None = None

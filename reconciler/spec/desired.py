@@ -19,8 +19,8 @@ from reconciler.spec.model import Volume
 def claims(v: Volume) -> list[tuple[str, str, str]]:
     """(kind, value, field) a volume holds on the node; each may be held once."""
     out = [("volume name", v.name, "metadata.name")]
-    if v.snapshot is not None:
-        return out  # it shares its volume's image
+    if v.kind != "Volume":
+        return out  # it shares its volumes' images
     out.append(("image", v.image.spec, "spec.image"))
     if v.stage is not None:
         out.append(("staging path", v.stage.path, "spec.stage.path"))

@@ -13,7 +13,7 @@ import os
 import re
 import stat
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -28,6 +28,7 @@ from reconciler.spec.model import (
     XFS_MIN_BYTES,
     CloneSource,
     EncryptionSpec,
+    GroupSpec,
     ImageSpec,
     MapSpec,
     PublishSpec,
@@ -215,9 +216,13 @@ class _VolumeBuilder:
         src = img.get("source")
         if src is None:
             return None
-        if "layering" not in features:
+        if "layering" not in features and "groupSnapshot" not in src:  # a copy needs none
             self.error(("spec", "image", "features"),
                        "a clone (image.source) needs the 'layering' feature")
+        if "groupSnapshot" in src:
+            g = src["groupSnapshot"]
+            return CloneSource("group", f"{g['pool']}/{g['group']}@{g['image']}", g["pool"],
+                               g["image"], None, group=g["group"])
         if "image" in src:
             i = src["image"]
             ref = f"{i['pool']}/{i['name']}" + (f"@{i['snapshot']}" if "snapshot" in i else "")
@@ -236,6 +241,37 @@ class _VolumeBuilder:
             map=None, stage=None, publish=(), on_remove=spec.get("onRemove"),
             source=Source(self.file, self.doc.line),
             snapshot=SnapshotSpec(snap=name, source_volume=src.get("volume")),
+        )
+
+    def build_group(self) -> Volume:
+        """A SnapshotGroup: members named by image are checked here; by volume,
+        across files (``resolve_sources``)."""
+        d: dict[str, Any] = self.doc.data
+        name: str = d["metadata"]["name"]
+        spec = d["spec"]
+        pool: str = spec["pool"]
+        members: list[tuple[str, str]] = []
+        if ("volumes" in spec) == ("images" in spec):
+            self.error(("spec",), "name the members with exactly one of volumes or images")
+        for i, img in enumerate(spec.get("images", ())):
+            member = (img["pool"], img["name"])
+            if member[0] != pool:
+                self.error(("spec", "images", i, "pool"),
+                           f"member {member[0]}/{member[1]} is not in the group's pool "
+                           f"{excerpt(pool)} (an RBD group holds images of its own pool only)")
+            elif member in members:
+                self.error(("spec", "images", i), f"{member[0]}/{member[1]} is named twice")
+            members.append(member)
+        vols = tuple(spec.get("volumes", ()))
+        for i, v in enumerate(vols):
+            if v in vols[:i]:
+                self.error(("spec", "volumes", i), f"volume {excerpt(v)} is named twice")
+        return Volume(
+            name=name, state=spec.get("state", "present"),
+            image=ImageSpec(pool, "", None, DEFAULT_FEATURES, "Retain"),
+            map=None, stage=None, publish=(), on_remove=spec.get("onRemove"),
+            source=Source(self.file, self.doc.line),
+            group=GroupSpec(group=name, members=tuple(members), volumes=vols),
         )
 
     def build(self) -> Volume | None:
@@ -551,21 +587,25 @@ def _load_file(path: Path, config: Config, cache: LoadCache | None = None) -> _F
                 continue
             if (declared := _declared_name(item.data)) is not None:
                 res.names.add(declared)
-            snapshot = isinstance(item.data, dict) and item.data.get("kind") == "Snapshot"
+            kind = item.data.get("kind") if isinstance(item.data, dict) else None
+            schema = {"Snapshot": "snapshot", "SnapshotGroup": "snapshotgroup"}.get(
+                kind if isinstance(kind, str) else "", "volume")
             found = [Diagnostic(path, *where, f, m) for where, f, m in
-                     schema_errors("snapshot" if snapshot else "volume", item)]
+                     schema_errors(schema, item)]
             if found:
                 res.diags.extend(found)
                 continue
             builder = _VolumeBuilder(path, item, config)
-            volume = builder.build_snapshot() if snapshot else builder.build()
+            volume = (builder.build_snapshot() if schema == "snapshot" else
+                      builder.build_group() if schema == "snapshotgroup" else builder.build())
             res.diags.extend(builder.diags)
             if volume is not None:
                 res.docs.append((item, volume))
     except RecursionError:
         res.diags.append(Diagnostic(path, 1, 1, "(file)", "structure nested too deeply"))
     if not res.docs and not res.diags:
-        fail(1, 1, "(file)", "no Volume documents in this file (nor Snapshot ones)")
+        fail(1, 1, "(file)", "no Volume documents in this file (nor Snapshot or SnapshotGroup "
+                             "ones)")
     if cache is not None:
         cache.parsed += 1
         cache.store(res, st, read_at)
@@ -608,8 +648,8 @@ class _Claim:
 
 def _claims(res: _FileResult, doc: Document, vol: Volume) -> list[_Claim]:
     out = [_Claim("volume name", vol.name, res, doc, ("metadata", "name"))]
-    if vol.snapshot is not None:
-        return out  # a snapshot shares its volume's image; it claims only its name
+    if vol.snapshot is not None or vol.group is not None:
+        return out  # a snapshot shares its volumes' images; it claims only its name
     out.append(_Claim("image", vol.image.spec, res, doc, ("spec", "image")))
     if vol.stage is not None:
         written = bool(doc.data["spec"]["stage"].get("path"))
@@ -682,8 +722,8 @@ def resolve_sources(results: list[_FileResult]) -> None:
             seen.append(name)
             v = by_name[name]
             nxt = (v.snapshot.source_volume if v.snapshot else
-                   v.image.source.ref if v.image.source and v.image.source.kind != "image"
-                   else None)
+                   v.image.source.ref if v.image.source and
+                   v.image.source.kind not in ("image", "group") else None)
             if nxt is None:
                 return seen
             name = nxt
@@ -693,7 +733,11 @@ def resolve_sources(results: list[_FileResult]) -> None:
     for pass_ in ("snapshot", "volume"):
         for res in results:
             for i, (doc, vol) in enumerate(res.docs):
-                if pass_ == "snapshot" and vol.snapshot and vol.snapshot.source_volume:
+                if pass_ == "snapshot" and vol.group and vol.group.volumes:
+                    if (new := _resolve_group(vol, by_name, lambda f, m, r=res, d=doc:
+                                              report(r, d, f, m))) is None:
+                        continue
+                elif pass_ == "snapshot" and vol.snapshot and vol.snapshot.source_volume:
                     field: FieldPath = ("spec", "source", "volume")
                     target = by_name.get(vol.snapshot.source_volume)
                     if target is None or target.snapshot is not None:
@@ -711,7 +755,12 @@ def resolve_sources(results: list[_FileResult]) -> None:
                     new = replace(vol, image=replace(vol.image, pool=target.image.pool,
                                                      name=target.image.name))
                 elif pass_ == "volume" and vol.image.source and \
-                        vol.image.source.kind != "image":
+                        vol.image.source.kind == "group":
+                    if (new := _resolve_group_source(vol, by_name, lambda f, m, r=res, d=doc:
+                                                     report(r, d, f, m))) is None:
+                        continue
+                elif pass_ == "volume" and vol.image.source and \
+                        vol.image.source.kind not in ("image", "group"):
                     src = vol.image.source
                     field = ("spec", "image", "source", src.kind)
                     if chain(vol.name) is None:
@@ -740,6 +789,62 @@ def resolve_sources(results: list[_FileResult]) -> None:
                     continue
                 res.docs[i] = (doc, new)
                 by_name[vol.name] = new
+
+
+def _resolve_group(vol: Volume, by_name: dict[str, Volume],
+                   report: Callable[[FieldPath, str], None]) -> Volume | None:
+    """A SnapshotGroup's members named by volume: their images, each in the
+    group's pool and named once. None: an error was reported."""
+    assert vol.group is not None
+    members: list[tuple[str, str]] = []
+    ok = True
+    for i, name in enumerate(vol.group.volumes):
+        if name in vol.group.volumes[:i]:
+            continue  # reported by the builder
+        field: FieldPath = ("spec", "volumes", i)
+        target = by_name.get(name)
+        if target is None or target.kind != "Volume":
+            report(field, f"no desired Volume named {excerpt(name)} (a SnapshotGroup's "
+                          "volumes must be declared in the desired files)")
+            ok = False
+            continue
+        member = (target.image.pool, target.image.name)
+        if member[0] != vol.image.pool:
+            report(field, f"volume {name}'s image {member[0]}/{member[1]} is not in the "
+                          f"group's pool {excerpt(vol.image.pool)} (an RBD group holds "
+                          "images of its own pool only)")
+            ok = False
+        elif member in members:
+            report(field, f"volume {name}'s image {member[0]}/{member[1]} is already a member")
+            ok = False
+        members.append(member)
+    if not ok:
+        return None
+    return replace(vol, group=replace(vol.group, members=tuple(members)))
+
+
+def _resolve_group_source(vol: Volume, by_name: dict[str, Volume],
+                          report: Callable[[FieldPath, str], None]) -> Volume | None:
+    """A restore from a group snapshot that a desired SnapshotGroup takes: its
+    ``ref`` becomes that document's name (so it waits for it, as a clone
+    waits for a desired Snapshot). One not among the desired files is taken
+    as it is. None: an error was reported."""
+    src = vol.image.source
+    assert src is not None and src.group is not None
+    target = by_name.get(src.group)
+    if target is None or target.group is None:
+        return vol
+    field: FieldPath = ("spec", "image", "source", "groupSnapshot")
+    members = target.group.members
+    if target.image.pool != src.pool or (src.pool, src.image) not in members:
+        report(field, f"SnapshotGroup {src.group} has no member {src.pool}/{src.image} "
+                      f"(its members: {', '.join(f'{p}/{i}' for p, i in members) or 'none'})")
+        return None
+    if (vol.image.pool, vol.image.name) in members:
+        report(field, f"{vol.image.spec} is itself a member of SnapshotGroup {src.group}: "
+                      "a restore cannot start from its own group snapshot")
+        return None
+    return replace(vol, image=replace(vol.image, source=replace(src, ref=src.group)))
 
 
 def _untrusted_dirs(paths: Iterable[Path]) -> list[Diagnostic]:

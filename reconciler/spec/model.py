@@ -33,14 +33,19 @@ class CloneSource:
     snap are resolved by the loader. ``snap`` None: clone a volume through a
     temporary snapshot (then flattened, so the source keeps no snapshot)."""
 
-    kind: str  # snapshot | volume | image
+    kind: str  # snapshot | volume | image | group
     ref: str  # the Snapshot's or Volume's metadata.name, or "pool/image[@snap]"
     pool: str = ""
     image: str = ""
     snap: str | None = None
+    # kind group: a member image of this RBD group's snapshot (of the same
+    # name), restored as a full copy (Pacific cannot clone a group snapshot).
+    group: str | None = None
 
     @property
     def spec(self) -> str:
+        if self.group:
+            return f"{self.pool}/{self.image} in group snapshot {self.pool}/{self.group}"
         return f"{self.pool}/{self.image}" + (f"@{self.snap}" if self.snap else "")
 
 
@@ -122,6 +127,16 @@ class SnapshotSpec:
 
 
 @dataclass(frozen=True)
+class GroupSpec:
+    """A ``kind: SnapshotGroup`` document: an RBD group in ``pool`` (the
+    Volume's ``image.pool``) and one group snapshot, both named ``group``."""
+
+    group: str  # = metadata.name
+    members: tuple[tuple[str, str], ...]  # (pool, image), resolved by the loader
+    volumes: tuple[str, ...] = ()  # the desired Volumes it named, if it named volumes
+
+
+@dataclass(frozen=True)
 class Volume:
     name: str
     state: str  # present | absent
@@ -136,9 +151,13 @@ class Volume:
     snapshot: SnapshotSpec | None = None
     encryption: EncryptionSpec | None = None
     qos: QosSpec | None = None  # None: the image's QoS settings are not ours to change
+    # Set for a ``kind: SnapshotGroup`` document (travels like a Snapshot).
+    group: GroupSpec | None = None
 
     @property
     def kind(self) -> str:
+        if self.group is not None:
+            return "SnapshotGroup"
         return "Snapshot" if self.snapshot is not None else "Volume"
 
     @property
@@ -165,8 +184,12 @@ class Volume:
             del data["encryption"]
         if data["qos"] is None:
             del data["qos"]
+        if data["group"] is None:
+            del data["group"]
         if data["image"]["source"] is None:
             del data["image"]["source"]
+        elif data["image"]["source"]["group"] is None:
+            del data["image"]["source"]["group"]
         blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
         import hashlib  # only here: `validate` never hashes
 
@@ -183,6 +206,7 @@ def volume_from_dict(d: dict) -> Volume:
     """Inverse of ``volume_to_dict`` (the daemon's record of managed volumes)."""
     img, mp, st = d["image"], d.get("map"), d.get("stage")
     src, snap, enc = img.get("source"), d.get("snapshot"), d.get("encryption")
+    grp = d.get("group")
     return Volume(
         name=d["name"], state=d["state"],
         image=ImageSpec(img["pool"], img["name"], img["size"], tuple(img["features"]),
@@ -196,4 +220,6 @@ def volume_from_dict(d: dict) -> Volume:
         source=Source(Path(d["source"]["file"]), d["source"]["line"]),
         snapshot=SnapshotSpec(**snap) if snap else None,
         encryption=EncryptionSpec(**enc) if enc else None,
+        group=GroupSpec(grp["group"], tuple((m[0], m[1]) for m in grp["members"]),
+                        tuple(grp.get("volumes", ()))) if grp else None,
     )

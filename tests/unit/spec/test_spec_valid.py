@@ -163,3 +163,14 @@ def test_encryption_example_loads() -> None:
     assert by["vault"].encryption is not None
     assert (by["vault"].encryption.key_kind, by["ledger"].encryption.key_kind) == (
         "wrappedBy", "file")
+
+
+def test_group_snapshot_example_resolves_its_members() -> None:
+    result = load([EXAMPLES / "snapshots"], default_config())
+    assert result.ok, "\n".join(map(str, result.diagnostics))
+    group = {v.name: v for v in result.volumes}["db-nightly"]
+    assert group.kind == "SnapshotGroup" and group.group is not None
+    assert group.group.members == (("rbd", "db-data"), ("rbd", "db-wal"))
+    src = {v.name: v for v in result.volumes}["db-data-restored"].image.source
+    assert src is not None and (src.kind, src.ref, src.group) == ("group", "db-nightly",
+                                                                  "db-nightly")
