@@ -174,3 +174,19 @@ def test_group_snapshot_example_resolves_its_members() -> None:
     src = {v.name: v for v in result.volumes}["db-data-restored"].image.source
     assert src is not None and (src.kind, src.ref, src.group) == ("group", "db-nightly",
                                                                   "db-nightly")
+
+
+def test_qos_example_loads_with_its_limits() -> None:
+    from reconciler.spec import qos
+
+    result = load([EXAMPLES / "qos"], default_config())
+    assert result.ok, "\n".join(map(str, result.diagnostics))
+    by = {v.name: v for v in result.volumes}
+    db, wal = by["tenant-db"], by["tenant-wal"]
+    assert db.qos is not None and wal.qos is not None
+    assert qos.librbd_meta(db.qos, db.image.size) == {
+        "conf_rbd_qos_read_iops_limit": "2000", "conf_rbd_qos_write_iops_limit": "1000",
+        "conf_rbd_qos_write_bps_limit": str(100 << 20)}
+    assert wal.qos.unit == "tenant.slice"
+    assert qos.io_max(wal.qos, wal.image.size) == {
+        "riops": 2000, "wiops": 2000, "rbps": 200 << 20, "wbps": 200 << 20}
