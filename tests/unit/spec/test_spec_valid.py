@@ -176,6 +176,23 @@ def test_group_snapshot_example_resolves_its_members() -> None:
                                                                   "db-nightly")
 
 
+
+def test_a_restore_has_one_spec_hash_with_or_without_its_group_loaded(tmp_path: Path) -> None:
+    """The CSI adapter checks one file alone, the daemon loads every file: the
+    digest it waits for (observedGeneration) must be the same in both."""
+    import yaml
+
+    docs = list(yaml.safe_load_all((EXAMPLES / "snapshots" / "db-nightly.yaml").read_text()))
+    restore = next(d for d in docs if d["metadata"]["name"] == "db-data-restored")
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "restore.yaml").write_text(yaml.safe_dump(restore))
+    [one] = load([alone], default_config()).volumes
+    every = {v.name: v for v in load([EXAMPLES / "snapshots"], default_config()).volumes}
+    assert one.image.source is not None and one.image.source.ref != "db-nightly"
+    assert one.spec_hash == every["db-data-restored"].spec_hash
+
+
 def test_qos_example_loads_with_its_limits() -> None:
     from reconciler.spec import qos
 
