@@ -58,6 +58,8 @@ def test_qos_set_changed_in_place_and_in_force(node: NodeUnderTest) -> None:
                                      "conf_rbd_qos_iops_limit": "200"}
     rc, st = node.cli_json("status")
     assert st["volumes"][0]["qos"] == {"iops": 200, "writeBps": 2 * MiB}, st
+    _, text = node.cli("explain", name)
+    assert f"QoS:      iops 200, writeBps {2 * MiB}" in text, text
 
     # A change is a change in place: one step, not disruptive, no remap.
     device = st["volumes"][0]["device"]
