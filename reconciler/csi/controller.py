@@ -195,6 +195,7 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
             if doc is not None and doc["spec"].get("state", "present") == "present":
                 self._same_request(doc, request, img, labels)
                 self.volumes.settle(name, deadline)
+                self.volumes.finish(name, doc)
                 return pb.CreateVolumeResponse(volume=_volume(doc))
             doc = new_document(name, labels, img)
             mutable.apply(doc["spec"], limits)

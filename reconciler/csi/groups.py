@@ -120,6 +120,7 @@ class GroupControllerServicer(csi_pb2_grpc.GroupControllerServicer):
                                    f"a group snapshot named {request.name!r} already exists "
                                    "with other source volumes")
                 self.volumes.settle(name, deadline)
+                self.volumes.finish(name, doc)
             else:
                 labels = {L_REQUEST: request.name, L_ORIGIN: "controller"}
                 doc = group_document(name, labels, pool, images)

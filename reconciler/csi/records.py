@@ -134,13 +134,16 @@ class Records:
                 if self._write(key, self._encode(doc, "creating"), b""):
                     return None
                 continue  # someone claimed it between the read and the write
-            stale = have.state == "creating" and time.time() - have.at > self.stale_s
+            stale = self.stale(have)
             if not (have.by == self.holder and have.state == "creating") and not stale:
                 return have
             if self._write(key, self._encode(doc, "creating"), have.raw):
                 return None
         raise CsiError(grpc.StatusCode.ABORTED, f"the record of {name} in {self.pool}/{OBJECT} "
                        "kept changing; retry")
+
+    def stale(self, rec: Record) -> bool:
+        return rec.state == "creating" and time.time() - rec.at > self.stale_s
 
     def put(self, name: str, doc: dict[str, Any]) -> None:
         """The document as it now stands (created, expanded, modified)."""

@@ -97,6 +97,7 @@ class SnapshotRpcs:
                                    f"a snapshot named {request.name!r} already exists for "
                                    f"another volume ({doc['metadata']['labels'].get(L_SOURCE)})")
                 self.volumes.settle(name, deadline)
+                self.volumes.finish(name, doc)
             else:
                 labels = {L_REQUEST: request.name, L_ORIGIN: "controller",
                           L_SOURCE: request.source_volume_id}

@@ -51,8 +51,11 @@ class Volumes:
         if self.records is None:
             return doc
         rec = self.records.get(name)
-        if rec is None or (rec.state == "creating" and rec.by == self.records.holder):
-            return doc  # not recorded, or ours, cut off before it was recorded
+        if rec is None or (rec.state == "creating" and (rec.by == self.records.holder
+                                                         or self.records.stale(rec))):
+            # Not recorded; or ours, cut off before it was recorded; or left by
+            # a replica that died: a create takes it over (claim).
+            return doc
         if rec.state != "created":
             raise CsiError(grpc.StatusCode.ABORTED,
                            f"{name} is being created by controller {rec.by}; retry")
@@ -87,6 +90,15 @@ class Volumes:
 
     def record(self, name: str, doc: dict[str, Any]) -> None:
         if self.records is not None:
+            self.records.put(name, doc)
+
+    def finish(self, name: str, doc: dict[str, Any]) -> None:
+        """A create retried after this replica was cut off between converging
+        and recording: its claim still says "creating"; now it is created."""
+        if self.records is None:
+            return
+        rec = self.records.get(name)
+        if rec is not None and rec.state == "creating" and rec.by == self.records.holder:
             self.records.put(name, doc)
 
     def forget(self, name: str) -> None:

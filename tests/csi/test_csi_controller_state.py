@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,7 +18,7 @@ import pytest
 import rados
 from conftest import NodeUnderTest
 from csi_fixture import CsiNode, mount_cap, start_csi_fixture
-from test_csi import T
+from test_csi import T, error
 
 from reconciler.csi import csi_pb2 as pb
 from reconciler.csi import ids
@@ -151,4 +152,55 @@ def test_two_controllers_race_the_same_names(start_csi: Callable[..., CsiNode],
         assert not node.image_exists(ids.image_for_request(n))
     assert records(node) == {}
     assert a.stop() == 0 and b.stop() == 0
+    drop_records(node)
+
+
+def set_record(node: NodeUnderTest, name: str, **change: object) -> None:
+    with node.cluster.client() as cl, cl.open_ioctx(node.cluster.pool) as io:
+        rec = records(node)[name]
+        rec.update(change)
+        with rados.WriteOpCtx() as op:
+            io.set_omap(op, (PREFIX + name,), (json.dumps(rec).encode(),))
+            io.operate_write_op(op, OBJECT)
+
+
+def test_claims_unfinished_foreign_and_stale(start_csi: Callable[..., CsiNode],
+                                             node: NodeUnderTest) -> None:
+    drop_records(node)
+    c = start_csi(f"  statePool: {node.cluster.pool}\n")
+    me = f"test-node@{socket.gethostname()}:{node.state}"
+    vol = create_until_done(c, "pvc-claims")
+    name = ids.volume_name(*ids.parse_volume_id(vol.volume_id))  # type: ignore[misc]
+    node.images.add(name)
+    assert records(node)[name]["state"] == "created" and records(node)[name]["by"] == me
+
+    # Cut off between converging and recording: the retry finishes the record.
+    set_record(node, name, state="creating")
+    assert create_until_done(c, "pvc-claims") == vol
+    assert records(node)[name]["state"] == "created"
+
+    # Another replica's fresh claim on a name this one has no file for: ABORTED,
+    # nothing written; once stale (that replica died), taken over and made.
+    other = ids.image_for_request("pvc-claimed-elsewhere")
+    node.images.add(other)
+    with node.cluster.client() as cl, cl.open_ioctx(node.cluster.pool) as io, \
+            rados.WriteOpCtx() as op:
+        doc = {"apiVersion": "rbd-reconciler/v1", "kind": "Volume",
+               "metadata": {"name": other}, "spec": {"image": {}}}
+        rec = {"doc": doc, "state": "creating", "by": "test-node@elsewhere:/x", "at": time.time()}
+        io.set_omap(op, (PREFIX + other,), (json.dumps(rec).encode(),))
+        io.operate_write_op(op, OBJECT)
+    req = pb.CreateVolumeRequest(name="pvc-claimed-elsewhere", volume_capabilities=[mount_cap()],
+                                 capacity_range=pb.CapacityRange(required_bytes=16 * MiB),
+                                 parameters={"pool": node.cluster.pool})
+    code_, why = error(lambda: c.controller.CreateVolume(req, timeout=T))
+    assert code_ == Code.ABORTED and "elsewhere" in why, why
+    assert not (c.csi_dir / f"{other}.yaml").exists() and not node.image_exists(other)
+    set_record(node, other, at=time.time() - 10_000)
+    taken = c.controller.CreateVolume(req, timeout=T).volume
+    assert records(node)[other]["by"] == me and records(node)[other]["state"] == "created"
+    for v in (vol, taken):
+        c.controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id=v.volume_id), timeout=T)
+    assert records(node) == {}
+    assert c.stop() == 0
     drop_records(node)
