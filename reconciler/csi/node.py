@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from reconciler.csi import capability, csi_pb2_grpc, ids
+from reconciler.csi import capability, csi_pb2_grpc, ids, podcgroup
 from reconciler.csi import csi_pb2 as pb
 from reconciler.csi.cephinfo import CephInfo
 from reconciler.csi.errors import CsiError, invalid, not_found, precondition, rpc
@@ -183,7 +183,10 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                 raise precondition(f"volume {name} is SINGLE_NODE_SINGLE_WRITER and already "
                                    f"published at {', '.join(p['path'] for p in publish)}; "
                                    "unpublish it there first")
-            publish.append({"path": target, "readOnly": read_only})
+            entry: dict[str, Any] = {"path": target, "readOnly": read_only}
+            if (cgroup := podcgroup.find(target)) is not None:
+                entry["ioCgroup"] = cgroup  # io.max for the pod: the volume's QoS
+            publish.append(entry)
             self.volumes.converge(name, doc, deadline)
         return pb.NodePublishVolumeResponse()
 

@@ -228,8 +228,13 @@ def _io_limits(node: Node, volumes: list[Volume], ours: list[Mapping]
     wanted: dict[str, list[str]] = {}
     for v in volumes:
         dev = device.get((v.image.pool, v.image.name))
-        if v.qos is not None and v.qos.io_target and dev:
-            wanted.setdefault(v.qos.io_target, []).append(dev)
+        if not dev:
+            continue
+        targets = [p.io_cgroup for p in v.publish if p.io_cgroup]
+        if v.qos is not None and v.qos.io_target:
+            targets.append(v.qos.io_target)
+        for target in targets:
+            wanted.setdefault(target, []).append(dev)
     limits, errors = {}, {}
     for target, devs in wanted.items():
         try:

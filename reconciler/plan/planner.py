@@ -355,20 +355,37 @@ class _VolumePlanner(SnapshotRules, GroupRules):
         a kernel-mapped device's I/O never passes through librbd's limits.
         Set in place, never a remap."""
         v = self.v
-        target = v.qos.io_target if v.qos is not None else None
-        if v.qos is None or target is None:
+        size = size if size is not None else (self.img.size if self.img else None)
+        if v.qos is not None and v.qos.io_target is not None:
+            self.limit_io(v.qos.io_target, qos.io_max(v.qos, size), required=True)
+        # A publish's user (the CSI adapter: the pod) gets the volume's limits,
+        # or the image's own (set through another file, another node, CSI).
+        if v.wanted_phase >= Phase.PUBLISHED and self.img is not None:
+            limits = qos.io_max(v.qos if v.qos is not None and v.qos.io_target is None
+                                else qos.from_meta(self.img.meta), size)
+            for p in v.publish:
+                if p.io_cgroup:
+                    self.limit_io(p.io_cgroup, limits, required=False)
+
+    def limit_io(self, target: str, limits: dict[str, int], required: bool) -> None:
+        """``required``: the spec names the target (cannot read it: refused);
+        else a publish's user: a note, never a reason to keep a pod from its
+        volume, and nothing at all while there is no limit to set."""
+        v, want = self.v, tuple(sorted(limits.items()))
+        if not required and not want:
             return
-        want = tuple(sorted(qos.io_max(v.qos, size if size is not None else
-                                       (self.img.size if self.img else None)).items()))
         if self.mapping is None or self.raw is None:  # mapped by this run
-            self.add(LimitDeviceIo(v.name, target, None, (), want))
+            self.add(LimitDeviceIo(v.name, target, None, (), want, required))
             return
         if target in self.obs.io_errors:
-            raise Refused(f"QoS: {self.obs.io_errors[target]}")
+            if required:
+                raise Refused(f"QoS: {self.obs.io_errors[target]}")
+            self.plan.notes.append(f"QoS not set for {target}: {self.obs.io_errors[target]}")
+            return
         rdev = f"{self.raw.major}:{self.raw.minor}"
         have = tuple(sorted(self.obs.io_limits.get(target, {}).get(rdev, {}).items()))
         if have != want:
-            self.add(LimitDeviceIo(v.name, target, self.mapping.device, have, want))
+            self.add(LimitDeviceIo(v.name, target, self.mapping.device, have, want, required))
 
     def claim_interrupted_create(self) -> bool:
         """Our create was cut off before the owner record: the intent says it is ours."""

@@ -110,6 +110,9 @@ class LimitDeviceIo(Step):
     device: str | None  # None: the device this run maps
     old: tuple[tuple[str, int], ...]  # riops/wiops/rbps/wbps in force now
     new: tuple[tuple[str, int], ...]
+    # False for a publish's user (a pod): failing to limit it is reported,
+    # never a reason to stop the volume's next steps.
+    required: bool = True
     action: ClassVar[str] = "limit device io"
 
     target = property(lambda self: f"{self.target_name} {self.device or '(mapped device)'}")

@@ -335,8 +335,12 @@ class _VolumeBuilder:
             if stage is not None and (p["path"] == stage.path or _under(p["path"], stage.path)):
                 self.error(("spec", "publish", i, "path"),
                            "publish path is inside the staging path")
+            if "/../" in p.get("ioCgroup", "") + "/" or "/./" in p.get("ioCgroup", "") + "/":
+                self.error(("spec", "publish", i, "ioCgroup"),
+                           f"{excerpt(p['ioCgroup'])} is not a clean path")
             publish.append(PublishSpec(path=p["path"], read_only=p.get("readOnly", False),
-                                       mount_options=tuple(p.get("mountOptions", ()))))
+                                       mount_options=tuple(p.get("mountOptions", ())),
+                                       io_cgroup=p.get("ioCgroup")))
         if publish and stage is None:
             self.error(("spec", "publish"), "publish needs a stage section (a staged volume)")
         seen: dict[str, int] = {}

@@ -93,6 +93,9 @@ class PublishSpec:
     path: str
     read_only: bool
     mount_options: tuple[str, ...]
+    # The user's cgroup v2 directory (the CSI adapter: the pod's): its io.max
+    # mirrors the volume's limits for the mapped device.
+    io_cgroup: str | None = None
 
 
 @dataclass(frozen=True)

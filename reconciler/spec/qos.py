@@ -88,6 +88,14 @@ def io_max(qos: QosSpec, size: int | None) -> dict[str, int]:
     return {k: v for k, v in out.items() if v is not None}
 
 
+def from_meta(meta: dict[str, str]) -> QosSpec:
+    """The limits librbd's keys on an image hold, as a spec (already scaled)."""
+    d = describe(meta)
+    return QosSpec(iops=d.get("iops"), read_iops=d.get("readIops"),
+                   write_iops=d.get("writeIops"), bps=d.get("bps"),
+                   read_bps=d.get("readBps"), write_bps=d.get("writeBps"))
+
+
 def describe(meta: dict[str, str]) -> dict[str, int]:
     """The QoS image-meta keys present, by their spec names (for status)."""
     names = ("iops", "readIops", "writeIops", "bps", "readBps", "writeBps")

@@ -3,7 +3,9 @@ the real socket: QoS limits read back from Ceph, changed while in use."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import pytest
@@ -12,6 +14,7 @@ from csi_fixture import CsiNode, mount_cap
 from test_csi import T, code, delete, error, publish_req, stage_req, unpublish, unstage
 
 from reconciler.csi import csi_pb2 as pb
+from reconciler.csi import ids
 
 pytestmark = pytest.mark.ceph
 Code = grpc.StatusCode
@@ -88,3 +91,47 @@ def test_modify_volume_qos(start_csi: Callable[..., CsiNode]) -> None:
     unstage(c, vol, staging)
     delete(c, vol)
     assert c.stop() == 0
+
+
+def test_publish_gives_the_pod_cgroup_the_limits_never_blocking(
+        start_csi: Callable[..., CsiNode]) -> None:
+    """NodePublish finds the pod's cgroup from kubelet's target path and puts
+    it on the publish entry (io.max mirrors the image's limits for krbd's
+    sake). This host's cgroup v2 has no io controller: the limit is reported
+    not set and the pod gets its volume all the same. (The kernel tests set
+    io.max on a krbd device for real.)"""
+    unified = Path("/sys/fs/cgroup/unified")
+    if not (unified / "cgroup.controllers").exists():
+        pytest.skip("no cgroup v2 hierarchy at /sys/fs/cgroup/unified")
+    c = start_csi()
+    uid = str(uuid.uuid4())
+    kube = unified / f"kubepods-{c.node.tag}.slice"
+    pod = kube / f"kubepods-{c.node.tag}-pod{uid.replace('-', '_')}.slice"
+    pod.mkdir(parents=True)
+    try:
+        req = pb.CreateVolumeRequest(
+            name="pvc-pod-qos", capacity_range=pb.CapacityRange(required_bytes=32 * MiB),
+            volume_capabilities=[mount_cap()], parameters={"pool": c.node.cluster.pool},
+            mutable_parameters={"qosWriteBpsLimit": "8Mi"})
+        vol = c.controller.CreateVolume(req, timeout=T).volume
+        c.node.images.add(vol.volume_id.rsplit(":", 1)[1])
+        staging, _ = c.kubelet_paths("pv-pod-qos")
+        target = (c.node.srv / "kubelet" / "pods" / uid / "volumes" / "kubernetes.io~csi"
+                  / "pv-pod-qos" / "mount")
+        target.parent.mkdir(parents=True)
+        c.nodes.NodeStageVolume(stage_req(vol, staging), timeout=T)
+        c.nodes.NodePublishVolume(publish_req(vol, staging, target), timeout=T)
+        [doc] = c.files().values()
+        assert doc["spec"]["publish"] == [{"path": str(target), "readOnly": False,
+                                           "ioCgroup": str(pod)}]
+        assert str(target) in c.node.mounts()
+        name = ids.volume_name(*ids.parse_volume_id(vol.volume_id))  # type: ignore[misc]
+        notes = " ".join(c.daemon.status(name).get("notes", []))
+        assert f"QoS not set for {pod}" in notes and "no io.max" in notes, notes
+        unpublish(c, vol, target)
+        unstage(c, vol, staging)
+        delete(c, vol)
+        assert c.stop() == 0
+    finally:
+        pod.rmdir()
+        kube.rmdir()

@@ -158,3 +158,30 @@ def test_a_broken_volume_file_is_reported_not_overwritten(tmp_path: Path) -> Non
         assert exc.value.code == grpc.StatusCode.FAILED_PRECONDITION
     files.remove("csi-a")
     assert files.names() == []
+
+
+POD = "1b4c7d2e-58a4-4f0b-9a55-3f2c1e0d9abc"
+
+
+@pytest.mark.parametrize("driver", ["systemd", "cgroupfs"])
+def test_the_pod_cgroup_of_a_kubelet_path(tmp_path: Path, driver: str) -> None:
+    from reconciler.csi import podcgroup
+
+    root = tmp_path / "cgroup"
+    root.mkdir()
+    (root / "cgroup.controllers").write_text("cpu io memory\n")
+    if driver == "systemd":
+        pod = (root / "kubepods.slice" / "kubepods-burstable.slice"
+               / f"kubepods-burstable-pod{POD.replace('-', '_')}.slice")
+    else:
+        pod = root / "kubepods" / "burstable" / f"pod{POD}"
+    (pod / "cri-containerd-abc.scope").mkdir(parents=True)
+    (root / "system.slice" / f"pod{POD}").mkdir(parents=True)  # not under kubepods: not it
+    fs = f"/var/lib/kubelet/pods/{POD}/volumes/kubernetes.io~csi/pvc-1/mount"
+    block = f"/var/lib/kubelet/plugins/kubernetes.io/csi/volumeDevices/publish/pvc-1/{POD}"
+    for target in (fs, block):
+        assert podcgroup.find(target, (str(root),)) == str(pod)
+    other = fs.replace(POD[:8], "00000000")
+    assert podcgroup.find(other, (str(root),)) is None  # that pod has no cgroup here
+    assert podcgroup.find("/srv/app", (str(root),)) is None  # not kubelet's
+    assert podcgroup.find(fs, (str(tmp_path / "none"),)) is None  # no cgroup v2

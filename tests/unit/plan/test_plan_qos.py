@@ -81,3 +81,21 @@ def test_parse_io_max_and_systemd_properties() -> None:
             "IOReadBandwidthMax=/dev/rbd0 infinity\nIOWriteBandwidthMax=/dev/rbd0 1048576\n")
     assert parse_systemd_io(text) == {"/dev/rbd0": {"riops": 50, "wbps": 1048576},
                                       "/dev/rbd1": {"riops": 7}}
+
+
+def test_a_publish_user_cgroup_mirrors_the_image_limits_and_never_refuses() -> None:
+    pod = "/sys/fs/cgroup/kubepods.slice/kubepods-pod1.slice"
+    base = volume()
+    vol = replace(base, publish=(replace(base.publish[0], io_cgroup=pod), base.publish[1]))
+    meta = owned_meta(vol, conf_rbd_qos_write_bps_limit=str(8 * MiB))
+    obs = converged(vol, image_meta=meta).observed()
+    [s] = io_steps(plan_one(vol, replace(obs, io_limits={pod: {}})))
+    assert s.target_name == pod and dict(s.new) == {"wbps": 8 * MiB} and not s.required
+    assert io_steps(plan_one(vol, replace(obs, io_limits={pod: {"7:0": {"wbps": 8 * MiB}}}))) \
+        == []
+    p = plan_one(vol, replace(obs, io_errors={pod: f"{pod}: no io.max"}))
+    assert p.refusal is None and any("QoS not set" in n for n in p.notes), p.notes
+    # No limits anywhere: nothing to do, and an unreadable cgroup is no news.
+    bare = converged(vol).observed()
+    p = plan_one(vol, replace(bare, io_errors={pod: "no io.max"}))
+    assert io_steps(p) == [] and not p.notes
