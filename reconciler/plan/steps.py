@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from reconciler.spec.qos import QOS_PREFIX
 from reconciler.spec.units import format_size
 
 
@@ -79,8 +80,8 @@ class SetImageMeta(Step):
     after = property(lambda self: self.new)
 
 
-def _limits(pairs: tuple[tuple[str, int], ...]) -> str:
-    return " ".join(f"{k}={v}" for k, v in pairs) or "no limits"
+def _limits(pairs: tuple[tuple[str, object], ...]) -> str:
+    return " ".join(f"{k.removeprefix(QOS_PREFIX)}={v}" for k, v in pairs) or "no limits"
 
 
 @dataclass(frozen=True)
@@ -95,10 +96,8 @@ class SetQos(Step):
     action: ClassVar[str] = "set qos"
 
     target = property(lambda self: f"{self.pool}/{self.image}")
-    before = property(lambda self: _limits(tuple((k.removeprefix("conf_rbd_qos_"), v)
-                                                 for k, v in self.old)))
-    after = property(lambda self: _limits(tuple((k.removeprefix("conf_rbd_qos_"), v)
-                                                for k, v in self.new)))
+    before = property(lambda self: _limits(self.old))
+    after = property(lambda self: _limits(self.new))
 
 
 @dataclass(frozen=True)
