@@ -194,7 +194,7 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
             doc = self.volumes.read(name)
             if doc is not None and doc["spec"].get("state", "present") == "present":
                 self._same_request(doc, request, img, labels)
-                self.volumes.settle(name, deadline)
+                self.volumes.settle_here(name, deadline)
                 self.volumes.finish(name, doc)
                 return pb.CreateVolumeResponse(volume=_volume(doc))
             doc = new_document(name, labels, img)
@@ -415,7 +415,8 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
                 self.volumes.record(name, doc)
             else:
                 size = current
-                self.volumes.settle(name, deadline)
+                self.volumes.settle_here(name, deadline)
+                self.volumes.let_go(name, doc)
         stage = doc["spec"].get("stage") or {}
         block = stage.get("mode") == "block" or (
             not stage and doc["metadata"].get("labels", {}).get(L_ACCESS) == "block")
@@ -447,5 +448,6 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
                 self.volumes.converge(name, doc, deadline)
                 self.volumes.record(name, doc)
             else:
-                self.volumes.settle(name, deadline)
+                self.volumes.settle_here(name, deadline)
+                self.volumes.let_go(name, doc)
         return pb.ControllerModifyVolumeResponse()

@@ -119,7 +119,7 @@ class GroupControllerServicer(csi_pb2_grpc.GroupControllerServicer):
                     raise CsiError(grpc.StatusCode.ALREADY_EXISTS,
                                    f"a group snapshot named {request.name!r} already exists "
                                    "with other source volumes")
-                self.volumes.settle(name, deadline)
+                self.volumes.settle_here(name, deadline)
                 self.volumes.finish(name, doc)
             else:
                 labels = {L_REQUEST: request.name, L_ORIGIN: "controller"}

@@ -141,6 +141,8 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             self.volumes.converge(name, doc, deadline)
             if doc["metadata"].get("labels", {}).get(L_ORIGIN) == "node":
                 self.files.remove(name)  # it only existed to stage the id here
+            else:
+                self.volumes.let_go(name, doc)  # with records in Ceph: theirs now
         return pb.NodeUnstageVolumeResponse()
 
     # -- publish ---------------------------------------------------------------

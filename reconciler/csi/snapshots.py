@@ -96,7 +96,7 @@ class SnapshotRpcs:
                     raise CsiError(grpc.StatusCode.ALREADY_EXISTS,
                                    f"a snapshot named {request.name!r} already exists for "
                                    f"another volume ({doc['metadata']['labels'].get(L_SOURCE)})")
-                self.volumes.settle(name, deadline)
+                self.volumes.settle_here(name, deadline)
                 self.volumes.finish(name, doc)
             else:
                 labels = {L_REQUEST: request.name, L_ORIGIN: "controller",

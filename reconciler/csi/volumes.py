@@ -20,7 +20,7 @@ import grpc
 
 from reconciler.csi.errors import CsiError, invalid, precondition
 from reconciler.csi.files import VolumeFiles
-from reconciler.csi.records import NODE_ONLY, Records, controller_view
+from reconciler.csi.records import NODE_ONLY, Records
 from reconciler.spec.config import Config
 from reconciler.spec.desired import claims, operator_conflicts
 from reconciler.spec.loader import load
@@ -45,30 +45,42 @@ class Volumes:
     def read(self, name: str) -> dict[str, Any] | None:
         """The controller's view of ``name``. With records in Ceph the record
         is the truth for the controller's part (another replica may have
-        grown or modified it since): the file here is rebuilt from it, keeping
-        what this node added (stage, publish)."""
+        grown, modified or deleted it since), with what this node added
+        (stage, publish) from its file. Nothing is written: a call that
+        changes the volume writes its file (converge), then lets it go."""
         doc = self.files.read(name)
         if self.records is None:
             return doc
         rec = self.records.get(name)
         if rec is None or (rec.state == "creating" and (rec.by == self.records.holder
                                                          or self.records.stale(rec))):
-            # Not recorded; or ours, cut off before it was recorded; or left by
-            # a replica that died: a create takes it over (claim).
+            # Not recorded (made before statePool, or not at all); ours, cut
+            # off before it was recorded; or left by a replica that died: a
+            # create takes it over (claim).
             return doc
         if rec.state != "created":
             raise CsiError(grpc.StatusCode.ABORTED,
                            f"{name} is being created by controller {rec.by}; retry")
-        if doc is not None and controller_view(doc) == rec.doc:
-            return doc
         merged = copy.deepcopy(rec.doc)
         for key in NODE_ONLY:
             if doc is not None and key in doc["spec"]:
                 merged["spec"][key] = doc["spec"][key]
-        self.files.commit(name, self.files.write_temp(name, merged))
-        log.info("%s: volume file %s from its record in Ceph", name,
-                 "rebuilt" if doc is None else "brought up to date")
         return merged
+
+    def let_go(self, name: str, doc: dict[str, Any]) -> None:
+        """With records in Ceph, a converged controller-only file is removed
+        (the daemon forgets it: nothing is mapped): a file left behind would
+        be converged again after another replica deleted or changed the
+        volume, and bring a deleted image back. A file with a stage, publish
+        or map is this node's and stays."""
+        if self.records is not None and not any(k in doc["spec"] for k in NODE_ONLY):
+            self.files.remove(name)
+
+    def settle_here(self, name: str, deadline: float) -> None:
+        """settle() when this replica has the file (a call of its own still
+        converging); with records and no file, there is nothing to wait for."""
+        if self.records is None or self.files.path(name).exists():
+            self.settle(name, deadline)
 
     def names(self) -> list[str]:
         """Every name the controller answers for: its files, and with records
@@ -89,8 +101,11 @@ class Volumes:
                            f"{name} {what} by controller {have.by}; retry")
 
     def record(self, name: str, doc: dict[str, Any]) -> None:
+        """After a create, expand or modify converged: the record, then the
+        file let go."""
         if self.records is not None:
             self.records.put(name, doc)
+            self.let_go(name, doc)
 
     def finish(self, name: str, doc: dict[str, Any]) -> None:
         """A create retried after this replica was cut off between converging
@@ -100,6 +115,7 @@ class Volumes:
         rec = self.records.get(name)
         if rec is not None and rec.state == "creating" and rec.by == self.records.holder:
             self.records.put(name, doc)
+        self.let_go(name, doc)
 
     def forget(self, name: str) -> None:
         if self.records is not None:
@@ -180,6 +196,7 @@ class Volumes:
             if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
                 self.files.commit(name, self.files.write_temp(name, before))
                 self.engine.wake_volume(name)
+                self.let_go(name, before)  # with records: the record stands for it
             raise
         self.files.remove(name)
 

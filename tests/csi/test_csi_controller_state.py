@@ -126,6 +126,10 @@ def test_two_controllers_race_the_same_names(start_csi: Callable[..., CsiNode],
             for r in recs.values()} == set(names)
     assert {r["state"] for r in recs.values()} == {"created"}
     assert all("stage" not in r["doc"]["spec"] for r in recs.values())
+    # Converged and recorded, the files are let go: one left behind would be
+    # converged again after the other replica deleted its volume, and bring
+    # the image back.
+    assert a.files() == {} and b.files() == {}
 
     # Either replica serves what the other made: expand, list, delete.
     for n in names:
@@ -135,6 +139,7 @@ def test_two_controllers_race_the_same_names(start_csi: Callable[..., CsiNode],
         other.controller.ControllerExpandVolume(pb.ControllerExpandVolumeRequest(
             volume_id=vol.volume_id, capacity_range=pb.CapacityRange(
                 required_bytes=32 * MiB)), timeout=T)
+    assert a.files() == {} and b.files() == {}
     for c in (a, b):
         listed = c.controller.ListVolumes(pb.ListVolumesRequest(), timeout=T).entries
         sizes = {e.volume.volume_id: e.volume.capacity_bytes for e in listed}
@@ -151,6 +156,7 @@ def test_two_controllers_race_the_same_names(start_csi: Callable[..., CsiNode],
                                         timeout=T)
         assert not node.image_exists(ids.image_for_request(n))
     assert records(node) == {}
+    assert a.files() == {} and b.files() == {}  # nothing left for an engine to bring back
     assert a.stop() == 0 and b.stop() == 0
     drop_records(node)
 
