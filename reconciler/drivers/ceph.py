@@ -499,6 +499,19 @@ def snapshot_children(cluster: rados.Rados, pool: str, image: str, snap: str) ->
                       if not c.get("trash"))
 
 
+def make_own(img: rbd.Image, meta: dict[str, str], size: int | None) -> None:
+    """A new clone or copy: librbd copied its source's image-meta, and what
+    described the source goes (the filesystem and LUKS records stay true);
+    ``meta`` is set and the image grown to ``size``."""
+    for k, _ in list(img.metadata_list()):
+        if k in metakeys.PARENT_ONLY or k.startswith(metakeys.SNAP_PREFIX):
+            img.metadata_remove(k)
+    for k, v in meta.items():
+        img.metadata_set(k, v)
+    if size is not None and size > img.size():
+        img.resize(size, allow_shrink=False)
+
+
 def clone_image(cluster: rados.Rados, parent: tuple[str, str, str], pool: str, name: str,
                 features: Iterable[str], size: int | None, meta: dict[str, str]) -> None:
     """An RBD clone of ``parent`` (pool, image, snap), grown to ``size``. The
@@ -517,14 +530,7 @@ def clone_image(cluster: rados.Rados, parent: tuple[str, str, str], pool: str, n
                               "since it was observed)") from None
         try:
             with open_image(ioctx, name) as img:
-                # librbd copies the parent's image-meta; what described the parent goes.
-                for k, _ in list(img.metadata_list()):
-                    if k in metakeys.PARENT_ONLY or k.startswith(metakeys.SNAP_PREFIX):
-                        img.metadata_remove(k)
-                for k, v in meta.items():
-                    img.metadata_set(k, v)
-                if size is not None and size > img.size():
-                    img.resize(size, allow_shrink=False)
+                make_own(img, meta, size)
         except Exception:
             rbd.RBD().remove(ioctx, name)  # never leak a clone nobody owns
             raise

@@ -17,8 +17,7 @@ import json
 import rados
 import rbd
 
-from reconciler.drivers.ceph import CephError, ImageExists, feature_bits, open_image
-from reconciler.facts import meta as metakeys
+from reconciler.drivers.ceph import CephError, ImageExists, feature_bits, make_own, open_image
 from reconciler.facts.observed import GroupSnapState, GroupState
 
 RECORD_PREFIX = "rbd-reconciler.group."
@@ -214,15 +213,7 @@ def copy_member(cluster: rados.Rados, source: tuple[str, str, str, str], pool: s
             src.copy(ioctx, tmp, features=feature_bits(features))
         try:
             with open_image(ioctx, tmp) as img:
-                # librbd copies the source's image-meta; what described the source
-                # goes (as for a clone: the filesystem and LUKS records stay true).
-                for k, _ in list(img.metadata_list()):
-                    if k in metakeys.PARENT_ONLY or k.startswith(metakeys.SNAP_PREFIX):
-                        img.metadata_remove(k)
-                for k, v in meta.items():
-                    img.metadata_set(k, v)
-                if size is not None and size > img.size():
-                    img.resize(size, allow_shrink=False)
+                make_own(img, meta, size)  # as for a clone
             rbd.RBD().rename(ioctx, tmp, name)
         except Exception:
             with contextlib.suppress(rbd.Error):
