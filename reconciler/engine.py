@@ -41,6 +41,13 @@ class FrontDoorMetrics(Protocol):
     def csi_call(self, method: str, code: str, seconds: float) -> None: ...
 
 
+# Asked by a volume's chain right before each of its steps, with the
+# volume's name and file: None to go on, or why that file must not act
+# (the CSI adapter's record moved on). Only the front door that owns the
+# file knows; the engine asks and stops.
+Gate = Callable[[str, Path], str | None]
+
+
 class Served(Protocol):
     """All a front door (the CSI server) may ask of the running engine. The
     daemon implements it; the front door never sees the daemon itself."""
@@ -52,6 +59,8 @@ class Served(Protocol):
     def ready(self) -> bool: ...  # a first pass is done
 
     def wake_volume(self, name: str) -> None: ...
+
+    def set_gate(self, gate: Gate | None) -> None: ...
 
     def status(self, name: str) -> dict[str, Any]: ...
 

@@ -227,6 +227,25 @@ def start_csi(node: NodeUnderTest) -> Iterator[object]:
 
 
 @pytest.fixture
+def replica_b(node: NodeUnderTest, tmp_path: Path) -> Iterator[object]:
+    """A second CSI daemon on the same cluster: its own state, desired dir and
+    socket, the same nodeName (controller replicas share one owner name).
+    Calling it again restarts it on the same state dir."""
+    from csi_fixture import start_csi_fixture
+
+    root = tmp_path / "replica-b"
+    dirs = [root / d for d in ("desired", "state", "srv")]
+    for d in dirs:
+        d.mkdir(parents=True)
+    config = root / "config.yaml"
+    text = node.config.read_text()
+    for old, new in zip((node.desired, node.state, node.srv), dirs, strict=True):
+        text = text.replace(str(old), str(new))
+    config.write_text(text)
+    yield from start_csi_fixture(NodeUnderTest(root, node.cluster, config, *dirs, node.tag))
+
+
+@pytest.fixture
 def dead_pool(ceph_cluster: DevCluster) -> Iterator[str]:
     """A real pool whose CRUSH rule maps to no OSD: every op on it waits."""
     tag = uuid.uuid4().hex[:6]

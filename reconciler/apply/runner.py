@@ -137,6 +137,7 @@ class _VolumeRun:
         # (``apply(claims_after=...)``): the Unmap that would drop it.
         self.claims_after = False
         self.claim_unmap: StepOutcome | None = None
+        self.gate: Callable[[str, Path], str | None] | None = None
 
     def need_cluster(self) -> rados.Rados:
         if self.cluster is None:
@@ -179,6 +180,7 @@ class _VolumeRun:
                 return self.out
             t0 = time.monotonic()
             try:
+                self.ask_gate()
                 status, message = self.execute(step)
             except Aborted as exc:
                 took = time.monotonic() - t0
@@ -206,6 +208,12 @@ class _VolumeRun:
             if status == "changed":
                 self.out.status = "changed"
         return self.out
+
+    def ask_gate(self) -> None:
+        """Right before a step: may this volume's file still act?"""
+        if self.gate is not None and self.volume is not None and \
+                (why := self.gate(self.volume.name, self.volume.source.file)):
+            raise StepRefused(why)
 
     def abort(self, why: str) -> None:
         """The daemon is stopping. A half stage is not undone: its commands may
@@ -711,13 +719,17 @@ class _VolumeRun:
 
 def apply(plans: list[VolumePlan], volumes: dict[str, Volume], observed: Observed,
           node: Node, parallel: int | None = None,
-          claims_after: Connecting | None = None) -> list[VolumeOutcome]:
+          claims_after: Connecting | None = None,
+          gate: Callable[[str, Path], str | None] | None = None) -> list[VolumeOutcome]:
     """Run each volume's chain; up to ``parallel`` (default: the config's)
     volumes at a time, each chain in order. Outcomes come back in plan order.
 
     ``claims_after``: a release planned from the node alone (``observe(...,
     ceph=False)``): every chain runs without Ceph, then this one connection
-    drops this node's claim of each image no longer mapped here."""
+    drops this node's claim of each image no longer mapped here.
+
+    ``gate``: asked right before each step (name, file): a reason stops the
+    chain there, refused (a front door's file that must not act any more)."""
     needed = any(isinstance(s, CEPH_STEPS) for p in plans for s in p.steps)
     # An unmap releases its claim through the connection observe kept; it
     # never waits to connect: the unmap matters, a later pass drops the claim.
@@ -743,6 +755,7 @@ def apply(plans: list[VolumePlan], volumes: dict[str, Volume], observed: Observe
         runs = [_VolumeRun(node, cluster, p, volumes.get(p.name), observed) for p in plans]
         for r in runs:
             r.claims_after = claims_after is not None
+            r.gate = gate
         workers = min(parallel or node.config.parallel, sum(bool(p.steps) for p in plans))
         if workers <= 1:
             out = [r.run() for r in runs]

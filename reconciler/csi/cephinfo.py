@@ -150,6 +150,22 @@ class CephInfo:
         with self._client() as c:
             return snapshot_members(c, pool, group, group)
 
+    def image_group(self, pool: str, image: str) -> str | None:
+        """The RBD group the image belongs to ("pool/group"), or None."""
+        try:
+            with self._client() as c, c.open_ioctx(pool) as io, \
+                    rbd.Image(io, image, read_only=True) as img:
+                info = img.group()
+                if not info.get("name"):
+                    return None
+                try:
+                    where = c.pool_reverse_lookup(int(info["pool"]))
+                except (rados.Error, ValueError, TypeError):
+                    where = str(info.get("pool"))
+                return f"{where}/{info['name']}"
+        except (rados.ObjectNotFound, rbd.ImageNotFound):
+            return None
+
     def watchers(self, pool: str, image: str) -> list[str]:
         """Addresses of the clients that have the image open (none when it,
         or its pool, does not exist). A Ceph that does not answer raises."""

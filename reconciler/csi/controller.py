@@ -3,7 +3,6 @@ volume file's image section; the engine creates, grows and deletes."""
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import re
@@ -190,18 +189,12 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
                           "new volume must set encrypted: \"true\" (with the source's key, "
                           "which a clone opens with)")
         deadline = self.volumes.deadline(context)
+        doc = new_document(name, labels, img)
+        mutable.apply(doc["spec"], limits)
         with self.volumes.operation(name):
-            doc = self.volumes.read(name)
-            if doc is not None and doc["spec"].get("state", "present") == "present":
-                self._same_request(doc, request, img, labels)
-                self.volumes.settle_here(name, deadline)
-                self.volumes.finish(name, doc)
-                return pb.CreateVolumeResponse(volume=_volume(doc))
-            doc = new_document(name, labels, img)
-            mutable.apply(doc["spec"], limits)
-            self.volumes.claim(name, doc)
-            self.volumes.converge(name, doc, deadline)
-            self.volumes.record(name, doc)
+            doc = self.volumes.create(
+                name, doc, deadline,
+                lambda have: self._same_request(have, request, img, labels))
         try:
             self.ceph.record_name(pool, image, request.name)
         except Exception as exc:  # a missing note for humans never fails the call
@@ -243,10 +236,7 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
             return pb.DeleteVolumeResponse()  # never ours: nothing to delete
         name = ids.volume_name(*parsed)
         deadline = self.volumes.deadline(context)
-        with self.volumes.operation(name):
-            doc = self.volumes.read(name)
-            if doc is None:
-                return pb.DeleteVolumeResponse()
+        def check(doc: dict[str, Any]) -> None:
             if doc["metadata"].get("labels", {}).get(L_ORIGIN) != "controller":
                 raise CsiError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"volume {name} was not created through CreateVolume here; "
@@ -262,12 +252,14 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
                 # node's own calls (unpublish, unstage) do, then the CO retries.
                 raise CsiError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"volume {name} is in use: {why}; nothing was changed")
-            present = copy.deepcopy(doc)
+
+        def absent(doc: dict[str, Any]) -> None:
             doc["spec"]["state"] = "absent"
             doc["spec"]["image"]["reclaimPolicy"] = "Delete"
+
+        with self.volumes.operation(name):
             # Refused (still open elsewhere, not ours): the volume stays as it was.
-            self.volumes.retire(name, present, doc, deadline)
-            self.volumes.forget(name)
+            self.volumes.delete(name, deadline, check, absent)
         return pb.DeleteVolumeResponse()
 
     def _in_use(self, name: str, doc: dict[str, Any], pool: str, image: str) -> str | None:
@@ -398,8 +390,7 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
         deadline = self.volumes.deadline(context)
         # Staged or published is no reason to refuse: we advertise ONLINE
         # expansion, and growing never tears anything down on the node.
-        with self.volumes.operation(name):
-            doc = self.volumes.read(name)
+        def grow(doc: dict[str, Any] | None) -> bool:
             if doc is None or doc["spec"].get("state", "present") != "present":
                 raise not_found(f"volume {request.volume_id!r} does not exist")
             img = doc["spec"]["image"]
@@ -409,14 +400,14 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
                 raise CsiError(grpc.StatusCode.OUT_OF_RANGE,
                                f"volume {name} is already {current} bytes, more than "
                                f"limit_bytes {rng.limit_bytes}; volumes never shrink")
-            if size > current:
-                img["size"] = size
-                self.volumes.converge(name, doc, deadline)
-                self.volumes.record(name, doc)
-            else:
-                size = current
-                self.volumes.settle_here(name, deadline)
-                self.volumes.let_go(name, doc)
+            if size <= current:
+                return False
+            img["size"] = size
+            return True
+
+        with self.volumes.operation(name):
+            doc = self.volumes.update(name, grow, deadline)
+        size = int(doc["spec"]["image"].get("size") or 0)
         stage = doc["spec"].get("stage") or {}
         block = stage.get("mode") == "block" or (
             not stage and doc["metadata"].get("labels", {}).get(L_ACCESS) == "block")
@@ -439,15 +430,12 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
             raise not_found(f"volume {request.volume_id!r} does not exist")
         name = ids.volume_name(*parsed)
         deadline = self.volumes.deadline(context)
-        with self.volumes.operation(name):
-            doc = self.volumes.read(name)
+        def modify(doc: dict[str, Any] | None) -> bool:
             if doc is None or doc.get("kind", "Volume") != "Volume" or \
                     doc["spec"].get("state", "present") != "present":
                 raise not_found(f"volume {request.volume_id!r} does not exist")
-            if mutable.apply(doc["spec"], changes):
-                self.volumes.converge(name, doc, deadline)
-                self.volumes.record(name, doc)
-            else:
-                self.volumes.settle_here(name, deadline)
-                self.volumes.let_go(name, doc)
+            return mutable.apply(doc["spec"], changes)
+
+        with self.volumes.operation(name):
+            self.volumes.update(name, modify, deadline)
         return pb.ControllerModifyVolumeResponse()

@@ -27,6 +27,9 @@ L_MAPPER = LABEL + "mapper"  # the StorageClass mapper parameter
 # node puts it into spec.encryption when it stages (encryption needs a map).
 L_ENCRYPTION = LABEL + "encryption"
 L_SOURCE = LABEL + "source-volume-id"  # a snapshot's CSI source volume
+# The controller record's revision a file was built from (csi.statePool): the
+# engine acts on the file only while the record still has it.
+L_RECORD_REV = LABEL + "record-rev"
 
 
 class VolumeFiles:

@@ -10,7 +10,6 @@ cannot clone a group snapshot) or to look up (GetSnapshot).
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import grpc
@@ -37,11 +36,6 @@ def group_document(name: str, labels: dict[str, str], pool: str,
             "metadata": {"name": name, "labels": labels},
             "spec": {"state": "present", "pool": pool,
                      "images": [{"pool": pool, "name": i} for i in images]}}
-
-
-def is_present_group(doc: dict[str, Any] | None) -> bool:
-    return doc is not None and doc.get("kind") == "SnapshotGroup" and \
-        doc["spec"].get("state", "present") == "present"
 
 
 def member_snapshot(pool: str, group: str, image: str, size: int, created: float
@@ -110,29 +104,53 @@ class GroupControllerServicer(csi_pb2_grpc.GroupControllerServicer):
         except ValueError as exc:
             raise invalid(str(exc)) from None
         deadline = self.volumes.deadline(context)
+        def same(have: dict[str, Any]) -> None:
+            members = sorted(i["name"] for i in have["spec"].get("images", []))
+            if have["spec"].get("pool") != pool or members != images:
+                raise CsiError(grpc.StatusCode.ALREADY_EXISTS,
+                               f"a group snapshot named {request.name!r} already exists "
+                               "with other source volumes")
+
+        labels = {L_REQUEST: request.name, L_ORIGIN: "controller"}
         with self.volumes.operation(name):
-            doc = self.volumes.read(name)
-            if is_present_group(doc):
-                assert doc is not None
-                have = sorted(i["name"] for i in doc["spec"].get("images", []))
-                if doc["spec"].get("pool") != pool or have != images:
-                    raise CsiError(grpc.StatusCode.ALREADY_EXISTS,
-                                   f"a group snapshot named {request.name!r} already exists "
-                                   "with other source volumes")
-                self.volumes.settle_here(name, deadline)
-                self.volumes.finish(name, doc)
-            else:
-                labels = {L_REQUEST: request.name, L_ORIGIN: "controller"}
-                doc = group_document(name, labels, pool, images)
-                self.volumes.claim(name, doc)
-                self.volumes.converge(name, doc, deadline)
-                self.volumes.record(name, doc)
+            self._refuse_overlap(name, pool, images)
+            self.volumes.create(name, group_document(name, labels, pool, images), deadline,
+                                same)
         members = self.ceph.group_snapshot(pool, name)
         if members is None or sorted(members) != images:
             raise CsiError(grpc.StatusCode.INTERNAL, f"group snapshot {pool}/{name} was not "
                                                      "found complete after it was taken")
         return pb.CreateVolumeGroupSnapshotResponse(
             group_snapshot=group_snapshot(pool, name, members))
+
+    def _refuse_overlap(self, name: str, pool: str, images: list[str]) -> None:
+        """An RBD image belongs to one group at most: a volume already in
+        another group snapshot (by Kubernetes' label selectors, overlaps
+        happen) is refused before anything is made."""
+        for image in images:
+            group = self.ceph.image_group(pool, image)
+            if group is not None and group != f"{pool}/{name}":
+                raise CsiError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"volume {ids.volume_id(pool, image)} is already in RBD group "
+                               f"{group} (another group snapshot's; an image belongs to one "
+                               "group at most): delete that group snapshot first; nothing "
+                               "was changed")
+        for other in self.volumes.names():
+            if other == name or not ids.is_group_name(other):
+                continue
+            try:
+                doc = self.volumes.read(other)
+            except CsiError:
+                continue  # its own error, for its own name
+            if doc is None or doc.get("kind") != "SnapshotGroup" or \
+                    doc["spec"].get("state", "present") != "present":
+                continue
+            taken = {(i.get("pool"), i.get("name")) for i in doc["spec"].get("images", [])}
+            if both := sorted(i for i in images if (pool, i) in taken):
+                raise CsiError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"volume(s) {', '.join(both)} already belong to group "
+                               f"snapshot {other} (an image belongs to one group at most): "
+                               "delete that group snapshot first; nothing was changed")
 
     @rpc
     def GetVolumeGroupSnapshot(
@@ -167,10 +185,7 @@ class GroupControllerServicer(csi_pb2_grpc.GroupControllerServicer):
             return pb.DeleteVolumeGroupSnapshotResponse()  # never ours: nothing to delete
         pool, name = parsed
         deadline = self.volumes.deadline(context)
-        with self.volumes.operation(name):
-            doc = self.volumes.read(name)
-            if doc is None or doc.get("kind") != "SnapshotGroup":
-                return pb.DeleteVolumeGroupSnapshotResponse()
+        def check(doc: dict[str, Any]) -> None:
             if request.snapshot_ids:
                 want = sorted(ids.member_id(pool, name, i["name"])
                               for i in doc["spec"].get("images", []))
@@ -178,8 +193,10 @@ class GroupControllerServicer(csi_pb2_grpc.GroupControllerServicer):
                     raise invalid(f"snapshot_ids do not match the members of group snapshot "
                                   f"{request.group_snapshot_id} ({', '.join(want)}); "
                                   "nothing was changed")
-            present = copy.deepcopy(doc)
+
+        def absent(doc: dict[str, Any]) -> None:
             doc["spec"]["state"] = "absent"
-            self.volumes.retire(name, present, doc, deadline)
-            self.volumes.forget(name)
+
+        with self.volumes.operation(name):
+            self.volumes.delete(name, deadline, check, absent)
         return pb.DeleteVolumeGroupSnapshotResponse()

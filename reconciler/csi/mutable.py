@@ -6,15 +6,19 @@ only what is specified)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from reconciler.csi.errors import invalid
-from reconciler.spec.qos import CSI_PARAMETERS
+from reconciler.spec.diagnostics import excerpt
+from reconciler.spec.qos import CSI_PARAMETERS, MAX_LIMIT
 from reconciler.spec.units import parse_size
 
 # Fields measured in bytes take a size ("100Mi") as well as a number.
 _BYTES = frozenset({"bps", "readBps", "writeBps", "bpsPerGiB", "maxBps"})
 _MOST = 10**12  # the volume schema's ceiling for a rate
+# ASCII digits only: int() would take "１００", "1_000" and " 100 ".
+_DIGITS = re.compile(r"[0-9]{1,13}")
 
 
 def parse(params: dict[str, str], what: str = "mutable_parameters") -> dict[str, int | None]:
@@ -24,19 +28,25 @@ def parse(params: dict[str, str], what: str = "mutable_parameters") -> dict[str,
     for key, value in sorted(params.items()):
         field = CSI_PARAMETERS.get(key)
         if field is None:
-            raise invalid(f"{what}: {key!r} is not a mutable parameter (known: "
+            raise invalid(f"{what}: {excerpt(key)} is not a mutable parameter (known: "
                           f"{', '.join(sorted(CSI_PARAMETERS))})")
-        if value.strip() == "0":
+        if value == "0":
             out[field] = None
             continue
+        number = -1
         try:
-            number = parse_size(value) if field in _BYTES else int(value, 10)
+            if field in _BYTES:
+                number = parse_size(value)  # digits and a unit suffix, nothing else
+            elif _DIGITS.fullmatch(value):
+                number = int(value)
         except ValueError:
-            number = -1
-        if number < 1 or (field not in _BYTES and number > _MOST):
-            raise invalid(f"{what}: {key}={value!r}: expected a whole number from 0 (no limit)"
-                          + (" or a size such as 100Mi" if field in _BYTES else
-                             f" to {_MOST}"))
+            pass
+        most = MAX_LIMIT if field in _BYTES else _MOST
+        if not 1 <= number <= most:
+            raise invalid(f"{what}: {key}={excerpt(value)}: expected a whole number from 0 "
+                          "(no limit) to " + (f"{most} bytes, or a size such as 100Mi"
+                                              if field in _BYTES else f"{most}")
+                          + ", ASCII digits only")
         out[field] = number
     return out
 

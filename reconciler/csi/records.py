@@ -1,20 +1,37 @@
 """The controller's records in Ceph: name -> document, in the omap of one
-RADOS object, written with compare-and-set.
+RADOS object, every change a compare-and-set.
 
-With ``csi.statePool`` set, what CreateVolume / CreateSnapshot made is kept
-where every controller replica sees it, not only in one node's csi.dir: a
-replica on another node (or a restarted one with an empty csi.dir) rebuilds
-its local file from the record before it expands, modifies or deletes. The
-first replica to claim a name creates it; another one asking for the same
-name meanwhile is told to retry (ABORTED), so an image is never created by
-two engines at once. Only the controller's part of a document is recorded
-(the image, QoS, labels): stage and publish are one node's business.
+With ``csi.statePool`` set, what CreateVolume / CreateSnapshot / a group
+snapshot made is kept where every controller replica sees it, not in one
+node's csi.dir. A record is the controller's truth for its name:
+
+- ``creating``: a replica claimed the name and its engine is making it;
+  another replica asking is told to retry (ABORTED) until it is created, or
+  until the claim is stale (that replica died) and is taken over.
+- ``created``: made; the document is what the last acknowledged call left.
+- ``deleting``: a tombstone. A delete writes it *before* its engine removes
+  anything, and removes it once the image is gone; a racing call sees
+  "being deleted", never "absent".
+
+Every record has a revision (``rev``), new with every write: a random token,
+not a counter, so that a name deleted and made again never shows an old
+revision (no ABA). A CSI file carries the revision it was built from
+(``L_RECORD_REV``), and the engine acts on it only while the record still
+has that revision (``Volumes.gate``): a file left behind by a call that was
+cut off can never create, grow or delete anything after the record moved on.
+
+Only the controller's part of a document is recorded (the image, QoS,
+labels): stage and publish are one node's business.
 """
 
 from __future__ import annotations
 
 import copy
+import errno
+import hashlib
 import json
+import logging
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,11 +41,16 @@ import rados
 
 from reconciler.csi.cephinfo import CephInfo
 from reconciler.csi.errors import CsiError
+from reconciler.spec.diagnostics import excerpt
+
+log = logging.getLogger("rbd-reconciler.csi")
 
 OBJECT = "rbd-reconciler.csi"
 PREFIX = "v1."  # omap key: PREFIX + the file's name
 PAGE = 1000
 NODE_ONLY = ("map", "stage", "publish", "encryption")
+STATES = ("creating", "created", "deleting")
+KINDS = ("Volume", "Snapshot", "SnapshotGroup")
 
 
 def controller_view(doc: dict[str, Any]) -> dict[str, Any]:
@@ -43,18 +65,62 @@ def controller_view(doc: dict[str, Any]) -> dict[str, Any]:
 @dataclass(frozen=True)
 class Record:
     doc: dict[str, Any]
-    state: str  # creating | created
+    state: str  # creating | created | deleting
     by: str  # the holder that wrote it (host:pid)
     at: float
-    raw: bytes  # as stored: the compare value of a take-over
+    rev: str  # new with every write
+    raw: bytes  # as stored: the compare value of the next write
 
 
-def _decode(raw: bytes) -> Record | None:
+class Unreadable(CsiError):
+    """A record that does not decode: an error for its name only."""
+
+
+def _repair(pool: str, key: str) -> str:
+    return (f"inspect it with `rados -p {pool} getomapval {OBJECT} {key}`; once the image "
+            f"is dealt with, remove it with `rados -p {pool} rmomapkey {OBJECT} {key}`")
+
+
+def decode(raw: bytes, pool: str, key: str) -> Record:
+    """The record stored under ``key``; Unreadable (FAILED_PRECONDITION, with
+    how to repair it) for anything this version did not write. Written by
+    anyone with write access to the pool: checked field by field."""
+    def bad(why: str) -> Unreadable:
+        return Unreadable(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"the controller record {key} in {pool}/{OBJECT} cannot be read "
+                          f"({why}); nothing was changed: {_repair(pool, key)}")
     try:
         data = json.loads(raw)
-        return Record(data["doc"], data["state"], data["by"], float(data["at"]), raw)
-    except (ValueError, KeyError, TypeError):
-        return None  # written by hand or by a newer version: not ours to read
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad(f"not JSON: {excerpt(str(exc))}") from None
+    if not isinstance(data, dict):
+        raise bad("not a JSON object")
+    doc, state, by, at = data.get("doc"), data.get("state"), data.get("by"), data.get("at")
+    if state not in STATES:
+        raise bad(f"state {excerpt(state)}: expected one of {', '.join(STATES)}")
+    if not isinstance(by, str) or isinstance(at, bool) or not isinstance(at, int | float):
+        raise bad("'by' must be a string and 'at' a number")
+    if not isinstance(doc, dict) or doc.get("kind", "Volume") not in KINDS or \
+            not isinstance(doc.get("spec"), dict) or not isinstance(doc.get("metadata"), dict):
+        raise bad("'doc' is not a Volume, Snapshot or SnapshotGroup document")
+    labels = doc["metadata"].get("labels", {})
+    if not isinstance(labels, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+        raise bad("metadata.labels must map strings to strings")
+    kind = doc.get("kind", "Volume")
+    spec = doc["spec"]
+    if kind == "Volume" and not isinstance(spec.get("image"), dict):
+        raise bad("a Volume document needs spec.image")
+    if kind == "Snapshot" and not isinstance(spec.get("source"), dict):
+        raise bad("a Snapshot document needs spec.source")
+    if kind == "SnapshotGroup" and not isinstance(spec.get("images"), list):
+        raise bad("a SnapshotGroup document needs spec.images")
+    rev = data.get("rev")
+    if rev is None:  # written before revisions: its bytes stand for one
+        rev = "legacy-" + hashlib.sha256(raw).hexdigest()[:16]
+    elif not isinstance(rev, str):
+        raise bad("'rev' must be a string")
+    return Record(doc, state, by, float(at), rev, raw)
 
 
 class Records:
@@ -64,46 +130,54 @@ class Records:
         # replica died or lost its lead (its own calls end well before).
         self.stale_s = stale_s
 
-    def _encode(self, doc: dict[str, Any], state: str) -> bytes:
+    def _encode(self, doc: dict[str, Any], state: str) -> tuple[bytes, str]:
+        rev = secrets.token_hex(8)
         return json.dumps({"doc": controller_view(doc), "state": state, "by": self.holder,
-                           "at": time.time()}, sort_keys=True).encode()
+                           "at": time.time(), "rev": rev}, sort_keys=True).encode(), rev
 
-    def _write(self, key: str, value: bytes | None, expect: bytes | None) -> bool:
-        """Set (or with ``value`` None remove) one key; with ``expect``, only if
-        the key holds exactly that now (b"": only if absent). False: it did not."""
+    def _write(self, key: str, value: bytes | None, expect: bytes) -> bool:
+        """Set (or with ``value`` None remove) one key, only if it holds
+        exactly ``expect`` now (b"": only if absent), in one RADOS op. False:
+        someone else wrote first."""
         with self.ceph.client() as c, c.open_ioctx(self.pool) as io:
-            if expect is not None:  # a compare needs the object (set_omap makes it)
-                with rados.WriteOpCtx() as op:
-                    op.new(rados.LIBRADOS_CREATE_IDEMPOTENT)
-                    io.operate_write_op(op, OBJECT)
+            with rados.WriteOpCtx() as op:  # a compare needs the object
+                op.new(rados.LIBRADOS_CREATE_IDEMPOTENT)
+                io.operate_write_op(op, OBJECT)
             with rados.WriteOpCtx() as op:
-                if expect is not None:
-                    op.omap_cmp(key, expect.decode(), rados.LIBRADOS_CMPXATTR_OP_EQ)
+                # omap_cmp takes a str; our values are JSON (ASCII), a foreign
+                # value that is not UTF-8 can only be replaced by hand.
+                op.omap_cmp(key, expect.decode(errors="surrogateescape"),
+                            rados.LIBRADOS_CMPXATTR_OP_EQ)
                 if value is None:
                     io.remove_omap_keys(op, (key,))
                 else:
                     io.set_omap(op, (key,), (value,))
                 try:
                     io.operate_write_op(op, OBJECT)
-                except rados.Error:
-                    if expect is None:
-                        raise
-                    return False  # the compare failed: someone else wrote first
+                except rados.Error as exc:
+                    if getattr(exc, "errno", None) == errno.ECANCELED:
+                        return False  # the compare failed
+                    raise
         return True
 
     def get(self, name: str) -> Record | None:
+        """The record of ``name``; None when there is none. Unreadable when
+        it does not decode (never read as absent)."""
+        key = PREFIX + name
         with self.ceph.client() as c, c.open_ioctx(self.pool) as io, \
                 rados.ReadOpCtx() as op:
-            it, _ = io.get_omap_vals_by_keys(op, (PREFIX + name,))
+            it, _ = io.get_omap_vals_by_keys(op, (key,))
             try:
                 io.operate_read_op(op, OBJECT)
             except rados.ObjectNotFound:
                 return None
             found = dict(it)
-        raw = found.get(PREFIX + name)
-        return _decode(raw) if raw is not None else None
+        raw = found.get(key)
+        return decode(raw, self.pool, key) if raw is not None else None
 
     def all(self) -> dict[str, Record]:
+        """Every readable record; one that does not decode is skipped (and
+        logged): it concerns its own name, never the listing."""
         out: dict[str, Record] = {}
         after = ""
         with self.ceph.client() as c, c.open_ioctx(self.pool) as io:
@@ -116,38 +190,30 @@ class Records:
                         return out
                     page = list(it)
                 for key, raw in page:
-                    rec = _decode(raw)
-                    if rec is not None:
-                        out[key[len(PREFIX):]] = rec
+                    try:
+                        out[key[len(PREFIX):]] = decode(raw, self.pool, key)
+                    except Unreadable as exc:
+                        log.warning("%s", exc.message)
                 if len(page) < PAGE:
                     return out
                 after = page[-1][0]
 
-    def claim(self, name: str, doc: dict[str, Any]) -> Record | None:
-        """Take ``name`` for a create: None when it is ours now (no record
-        yet, our own earlier claim, or a dead replica's stale one); else the
-        record that stands (another replica's, or one already created)."""
-        key = PREFIX + name
-        for _ in range(3):
-            have = self.get(name)
-            if have is None:
-                if self._write(key, self._encode(doc, "creating"), b""):
-                    return None
-                continue  # someone claimed it between the read and the write
-            stale = self.stale(have)
-            if not (have.by == self.holder and have.state == "creating") and not stale:
-                return have
-            if self._write(key, self._encode(doc, "creating"), have.raw):
-                return None
-        raise CsiError(grpc.StatusCode.ABORTED, f"the record of {name} in {self.pool}/{OBJECT} "
-                       "kept changing; retry")
-
     def stale(self, rec: Record) -> bool:
         return rec.state == "creating" and time.time() - rec.at > self.stale_s
 
-    def put(self, name: str, doc: dict[str, Any]) -> None:
-        """The document as it now stands (created, expanded, modified)."""
-        self._write(PREFIX + name, self._encode(doc, "created"), None)
+    def mine(self, rec: Record) -> bool:
+        """A claim this replica may go on with: its own, or a dead one's."""
+        return rec.state == "creating" and (rec.by == self.holder or self.stale(rec))
 
-    def forget(self, name: str) -> None:
-        self._write(PREFIX + name, None, None)
+    def write(self, name: str, expect: Record | None, doc: dict[str, Any],
+              state: str) -> Record | None:
+        """``doc`` in ``state`` under a new revision, only if the record is
+        still ``expect`` (None: only if there is none). None: it changed."""
+        value, rev = self._encode(doc, state)
+        if not self._write(PREFIX + name, value, expect.raw if expect else b""):
+            return None
+        return Record(controller_view(doc), state, self.holder, time.time(), rev, value)
+
+    def remove(self, name: str, expect: Record) -> bool:
+        """Forget ``name`` only if its record is still ``expect``."""
+        return self._write(PREFIX + name, None, expect.raw)

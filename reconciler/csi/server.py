@@ -66,6 +66,10 @@ class CsiServer:
             holder = f"{config.node_name}@{socket.gethostname()}:{config.state_dir}"
             volumes.records = Records(ceph, config.csi.state_pool, holder,
                                       stale_s=2 * config.csi.timeout_seconds + 60)
+            # Files of records that moved on while this replica was away never
+            # act: dropped now, and every step of a chain asks again.
+            volumes.sweep()
+            self.engine.set_gate(volumes.gate)
         server = grpc.server(ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="csi"),
                              interceptors=[MetricsInterceptor(self.engine.metrics)])
         servicers = (IdentityServicer(self.engine, ceph), ControllerServicer(volumes, ceph),

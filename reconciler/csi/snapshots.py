@@ -4,7 +4,6 @@ becomes an ``image.source``. The engine takes, clones and deletes."""
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import grpc
@@ -88,23 +87,18 @@ class SnapshotRpcs:
         except ValueError as exc:
             raise invalid(str(exc)) from None
         deadline = self.volumes.deadline(context)
+        def same(have: dict[str, Any]) -> None:
+            if have["spec"].get("source", {}).get("image") != {"pool": pool, "name": image}:
+                raise CsiError(grpc.StatusCode.ALREADY_EXISTS,
+                               f"a snapshot named {request.name!r} already exists for "
+                               "another volume "
+                               f"({have['metadata'].get('labels', {}).get(L_SOURCE)})")
+
+        labels = {L_REQUEST: request.name, L_ORIGIN: "controller",
+                  L_SOURCE: request.source_volume_id}
         with self.volumes.operation(name):
-            doc = self.volumes.read(name)
-            if _is_present_snapshot(doc):
-                assert doc is not None
-                if doc["spec"]["source"].get("image") != {"pool": pool, "name": image}:
-                    raise CsiError(grpc.StatusCode.ALREADY_EXISTS,
-                                   f"a snapshot named {request.name!r} already exists for "
-                                   f"another volume ({doc['metadata']['labels'].get(L_SOURCE)})")
-                self.volumes.settle_here(name, deadline)
-                self.volumes.finish(name, doc)
-            else:
-                labels = {L_REQUEST: request.name, L_ORIGIN: "controller",
-                          L_SOURCE: request.source_volume_id}
-                doc = new_snapshot_document(name, labels, pool, image)
-                self.volumes.claim(name, doc)
-                self.volumes.converge(name, doc, deadline)
-                self.volumes.record(name, doc)
+            self.volumes.create(name, new_snapshot_document(name, labels, pool, image),
+                                deadline, same)
         found = self.ceph.snapshot(pool, image, name)
         if found is None:
             raise CsiError(grpc.StatusCode.INTERNAL, f"snapshot {sid} was not found after it "
@@ -126,17 +120,14 @@ class SnapshotRpcs:
             return pb.DeleteSnapshotResponse()  # never ours: nothing to delete
         name = parsed[2]
         deadline = self.volumes.deadline(context)
-        with self.volumes.operation(name):
-            doc = self.volumes.read(name)
-            if doc is None or doc.get("kind") != "Snapshot":
-                return pb.DeleteSnapshotResponse()
-            self._refuse_if_cloned(name, doc)
-            present = copy.deepcopy(doc)
+        def absent(doc: dict[str, Any]) -> None:
             doc["spec"]["state"] = "absent"
+
+        with self.volumes.operation(name):
             # Refused by the engine all the same (a clone appeared since): it
             # stays as it was.
-            self.volumes.retire(name, present, doc, deadline)
-            self.volumes.forget(name)
+            self.volumes.delete(name, deadline, lambda doc: self._refuse_if_cloned(name, doc),
+                                absent)
         return pb.DeleteSnapshotResponse()
 
     def _refuse_if_cloned(self, name: str, doc: dict[str, Any]) -> None:

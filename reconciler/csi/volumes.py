@@ -13,14 +13,15 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from reconciler.csi.errors import CsiError, invalid, precondition
-from reconciler.csi.files import VolumeFiles
-from reconciler.csi.records import NODE_ONLY, Records
+from reconciler.csi.files import L_RECORD_REV, VolumeFiles
+from reconciler.csi.records import NODE_ONLY, Record, Records
 from reconciler.spec.config import Config
 from reconciler.spec.desired import claims, operator_conflicts
 from reconciler.spec.loader import load
@@ -31,6 +32,51 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rbd-reconciler.csi")
 DEADLINE_MARGIN_S = 0.25  # answer before the caller's deadline cuts us off
+# Reads and compare-and-sets of one call before it answers ABORTED (another
+# replica changed the record every time).
+ATTEMPTS = 4
+
+
+def rev_of(doc: dict[str, Any]) -> str | None:
+    """The record revision a CSI file was built from (None: not from one)."""
+    labels = doc.get("metadata", {}).get("labels") or {}
+    rev = labels.get(L_RECORD_REV) if isinstance(labels, dict) else None
+    return rev if isinstance(rev, str) and rev else None
+
+
+def with_rev(doc: dict[str, Any], rev: str) -> dict[str, Any]:
+    out = copy.deepcopy(doc)
+    out["metadata"].setdefault("labels", {})[L_RECORD_REV] = rev
+    return out
+
+
+def merge(rec: Record, file: dict[str, Any] | None) -> dict[str, Any]:
+    """The record's document with what this node added to its file."""
+    merged = copy.deepcopy(rec.doc)
+    for key in NODE_ONLY:
+        if file is not None and key in file["spec"]:
+            merged["spec"][key] = file["spec"][key]
+    return merged
+
+
+def node_view(doc: dict[str, Any]) -> dict[str, Any]:
+    """A file that keeps only this node's part: the image by name (no size,
+    features, source or QoS to enforce), the map, stage, publish and
+    encryption it added, and no record revision."""
+    out = copy.deepcopy(doc)
+    labels = out["metadata"].get("labels") or {}
+    labels.pop(L_RECORD_REV, None)
+    img = out["spec"].get("image") or {}
+    out["spec"] = {"state": "present",
+                   "image": {"pool": img.get("pool"), "name": img.get("name")},
+                   **{k: v for k, v in out["spec"].items() if k in NODE_ONLY}}
+    return out
+
+
+def _contended(name: str) -> CsiError:
+    return CsiError(grpc.StatusCode.ABORTED,
+                    f"the controller record of {name} kept changing under this call (other "
+                    "replicas are changing it); nothing is lost: retry")
 
 
 class Volumes:
@@ -43,38 +89,46 @@ class Volumes:
 
     # -- the controller's records in Ceph (csi.statePool) ------------------------
     def read(self, name: str) -> dict[str, Any] | None:
-        """The controller's view of ``name``. With records in Ceph the record
-        is the truth for the controller's part (another replica may have
-        grown, modified or deleted it since), with what this node added
-        (stage, publish) from its file. Nothing is written: a call that
-        changes the volume writes its file (converge), then lets it go."""
+        """The controller's view of ``name`` (None: it does not exist, or is
+        being deleted). With records in Ceph the record is the truth for the
+        controller's part (another replica may have grown, modified or
+        deleted it since), with what this node added (stage, publish) from
+        its file. Nothing is written. A record that does not decode is an
+        error for this name (never "absent")."""
         doc = self.files.read(name)
         if self.records is None:
             return doc
-        rec = self.records.get(name)
-        if rec is None or (rec.state == "creating" and (rec.by == self.records.holder
-                                                         or self.records.stale(rec))):
-            # Not recorded (made before statePool, or not at all); ours, cut
-            # off before it was recorded; or left by a replica that died: a
-            # create takes it over (claim).
-            return doc
-        if rec.state != "created":
+        return self._view(name, self.records.get(name), doc)
+
+    def _view(self, name: str, rec: Record | None, doc: dict[str, Any] | None
+              ) -> dict[str, Any] | None:
+        assert self.records is not None
+        if rec is None:
+            # Never recorded (made before statePool, or staged by id on this
+            # node) stands; a file built from a record that is gone is stale.
+            return None if doc is None or rev_of(doc) else doc
+        if rec.state == "deleting":
+            return None
+        if rec.state == "creating" and not self.records.mine(rec):
             raise CsiError(grpc.StatusCode.ABORTED,
                            f"{name} is being created by controller {rec.by}; retry")
-        merged = copy.deepcopy(rec.doc)
-        for key in NODE_ONLY:
-            if doc is not None and key in doc["spec"]:
-                merged["spec"][key] = doc["spec"][key]
-        return merged
+        return merge(rec, doc)
 
     def let_go(self, name: str, doc: dict[str, Any]) -> None:
-        """With records in Ceph, a converged controller-only file is removed
-        (the daemon forgets it: nothing is mapped): a file left behind would
-        be converged again after another replica deleted or changed the
-        volume, and bring a deleted image back. A file with a stage, publish
-        or map is this node's and stays."""
-        if self.records is not None and not any(k in doc["spec"] for k in NODE_ONLY):
+        """With records in Ceph, a converged file keeps no controller part: a
+        controller-only file is removed (the daemon forgets it: nothing is
+        mapped), one with a stage, publish or map keeps that part only. A
+        controller part left behind would be converged again after another
+        replica changed or deleted the volume."""
+        if self.records is None:
+            return
+        if not any(k in doc["spec"] for k in NODE_ONLY):
             self.files.remove(name)
+            return
+        node = node_view(doc)
+        if self.files.read(name) != node:
+            self.files.commit(name, self.files.write_temp(name, node))
+            self.engine.wake_volume(name)
 
     def settle_here(self, name: str, deadline: float) -> None:
         """settle() when this replica has the file (a call of its own still
@@ -90,36 +144,214 @@ class Volumes:
             names.update(n for n, r in self.records.all().items() if r.state == "created")
         return sorted(names)
 
-    def claim(self, name: str, doc: dict[str, Any]) -> None:
-        """Before a create: this replica holds the name, or the CO retries."""
-        if self.records is None:
-            return
-        have = self.records.claim(name, doc)
-        if have is not None:
-            what = "is being created" if have.state == "creating" else "was just created"
-            raise CsiError(grpc.StatusCode.ABORTED,
-                           f"{name} {what} by controller {have.by}; retry")
+    def _record(self, name: str) -> Record | None:
+        assert self.records is not None
+        return self.records.get(name)
 
-    def record(self, name: str, doc: dict[str, Any]) -> None:
-        """After a create, expand or modify converged: the record, then the
-        file let go."""
-        if self.records is not None:
-            self.records.put(name, doc)
+    def _moved(self, name: str, rec: Record) -> bool:
+        """The record is no longer the one a file was built from."""
+        now = self._record(name)
+        return now is None or now.rev != rec.rev
+
+    def _converge_at(self, name: str, doc: dict[str, Any], rec: Record,
+                     deadline: float) -> bool:
+        """Converge ``doc`` as a file of revision ``rec`` (the engine acts on
+        it only while the record stands). False: the record moved on meanwhile
+        (the engine stopped, or this call's change may be missing from it):
+        the caller reads it again and decides again."""
+        try:
+            self.converge(name, with_rev(doc, rec.rev), deadline)
+        except CsiError as exc:
+            if exc.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INTERNAL) \
+                    and self._moved(name, rec):
+                return False
+            raise
+        return True
+
+    def create(self, name: str, doc: dict[str, Any], deadline: float,
+               same: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        """CreateVolume, CreateSnapshot, CreateVolumeGroupSnapshot: make
+        ``doc``, or answer with the one that stands (``same`` raises
+        ALREADY_EXISTS when it is not what was asked). With records: claim
+        the name (compare-and-set), converge, record it created (compare-
+        and-set); a replica that loses a race re-reads or answers ABORTED."""
+        if self.records is None:
+            have = self.files.read(name)
+            if have is not None and have["spec"].get("state", "present") == "present":
+                same(have)
+                self.settle(name, deadline)
+                return have
+            self.converge(name, doc, deadline)
+            return doc
+        for _ in range(ATTEMPTS):
+            rec = self._record(name)
+            if rec is not None and rec.state == "created":
+                have = merge(rec, self.files.read(name))
+                same(have)
+                self.settle_here(name, deadline)
+                self.let_go(name, have)
+                return have
+            if rec is not None and rec.state == "deleting":
+                raise CsiError(grpc.StatusCode.ABORTED,
+                               f"{name} is being deleted (by controller {rec.by}); retry "
+                               "once DeleteVolume has finished")
+            if rec is not None and not self.records.mine(rec):
+                raise CsiError(grpc.StatusCode.ABORTED,
+                               f"{name} is being created by controller {rec.by}; retry")
+            claim = self.records.write(name, rec, doc, "creating")
+            if claim is None:
+                continue  # another replica wrote first: see what it wrote
+            if not self._converge_at(name, doc, claim, deadline):
+                continue
+            if self.records.write(name, claim, doc, "created") is None:
+                continue
             self.let_go(name, doc)
+            return doc
+        raise _contended(name)
 
-    def finish(self, name: str, doc: dict[str, Any]) -> None:
-        """A create retried after this replica was cut off between converging
-        and recording: its claim still says "creating"; now it is created."""
+    def update(self, name: str, change: Callable[[dict[str, Any]], bool],
+               deadline: float) -> dict[str, Any]:
+        """ControllerExpandVolume, ControllerModifyVolume: ``change`` edits
+        the document as it stands (raising for one that is not there) and
+        says whether it changed. With records: converge the change on the
+        revision read, then record it by compare-and-set; if another replica
+        changed the record meanwhile, read it again and apply the change to
+        what it says now, so neither change is lost."""
+        for _ in range(ATTEMPTS):
+            rec = self._record(name) if self.records is not None else None
+            doc = self.files.read(name)
+            if self.records is not None:
+                doc = self._view(name, rec, doc)
+            if not change(doc):  # raises for an absent document
+                assert doc is not None
+                self.settle_here(name, deadline)
+                self.let_go(name, doc)
+                return doc
+            assert doc is not None
+            if self.records is None or rec is None:
+                # No record (none kept, or a volume made before statePool):
+                # the file is the state.
+                self.converge(name, doc, deadline)
+                if self.records is not None and \
+                        self.records.write(name, None, doc, "created") is None:
+                    continue
+                self.let_go(name, doc)
+                return doc
+            if not self._converge_at(name, doc, rec, deadline):
+                continue
+            if self.records.write(name, rec, doc, "created") is None:
+                continue
+            self.let_go(name, doc)
+            return doc
+        raise _contended(name)
+
+    def delete(self, name: str, deadline: float,
+               check: Callable[[dict[str, Any]], None],
+               absent: Callable[[dict[str, Any]], None]) -> None:
+        """DeleteVolume, DeleteSnapshot, DeleteVolumeGroupSnapshot. ``check``
+        refuses (raises) before anything is written; ``absent`` turns the
+        document into its ``state: absent`` form. With records: a tombstone
+        first (compare-and-set), then the engine deletes, then the tombstone
+        goes; a refusal of the engine's puts the record back."""
+        for _ in range(ATTEMPTS):
+            rec = self._record(name) if self.records is not None else None
+            file = self.files.read(name)
+            if self.records is None or rec is None:
+                if file is None or (self.records is not None and rev_of(file)):
+                    self._drop(name)  # a leftover of a record now gone
+                    return
+                check(file)
+                gone = copy.deepcopy(file)
+                absent(gone)
+                self.retire(name, file, gone, deadline)
+                return
+            if rec.state == "creating" and not self.records.mine(rec):
+                raise CsiError(grpc.StatusCode.ABORTED,
+                               f"{name} is being created by controller {rec.by}; retry")
+            present = merge(rec, file)
+            check(present)  # a tombstone too: never tear down a node's side
+            tomb = rec
+            if rec.state != "deleting":
+                written = self.records.write(name, rec, present, "deleting")
+                if written is None:
+                    continue
+                tomb = written
+            gone = copy.deepcopy(present)
+            absent(gone)
+            try:
+                if not self._converge_at(name, gone, tomb, deadline):
+                    continue
+            except CsiError as exc:
+                if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
+                    # Refused (still open elsewhere, has snapshots): the
+                    # volume stays as it was, and so does its record.
+                    self.files.remove(name)
+                    if file is not None:
+                        self.files.commit(name, self.files.write_temp(name, file))
+                        self.let_go(name, file)
+                    self.engine.wake_volume(name)
+                    self.records.write(name, tomb, present, "created")
+                raise
+            self.files.remove(name)
+            self.records.remove(name, tomb)  # False: another replica finished it
+            return
+        raise _contended(name)
+
+    def _drop(self, name: str) -> None:
+        """A file whose record is gone: nothing of it acts again."""
+        doc = self.files.read(name)
+        if doc is not None and rev_of(doc):
+            self.files.remove(name) if not any(k in doc["spec"] for k in NODE_ONLY) \
+                else self.files.commit(name, self.files.write_temp(name, node_view(doc)))
+
+    def gate(self, name: str, file: Path) -> str | None:
+        """The engine asks before each step of a chain: may the CSI file act?
+        Only while the record it was built from is the current one; a file
+        of a record that moved on (another replica's change, a delete, a
+        restart) is dropped, not converged."""
+        if self.records is None or file.parent != self.files.dir:
+            return None
+        try:
+            doc = self.files.read(name)
+        except CsiError:
+            return None  # it does not load: the daemon freezes it
+        rev = rev_of(doc) if doc is not None else None
+        if not rev:
+            return None
+        try:
+            rec = self.records.get(name)
+        except Exception as exc:  # unknown is not current: nothing acts
+            return (f"its controller record cannot be read ({exc}); nothing is done until "
+                    "it can")
+        if rec is not None and rec.rev == rev:
+            return None
+        why = (f"its controller record moved on (revision {rev} is "
+               + ("gone" if rec is None else f"now {rec.rev}, {rec.state}") +
+               "): the file is dropped, not converged")
+        with self._guard:
+            if name in self._busy:
+                return why  # the call that holds it reads the record again
+            self._busy.add(name)
+        try:
+            again = self.files.read(name)
+            if again is not None and rev_of(again) == rev:
+                log.info("%s: %s", name, why)
+                self._drop(name)
+        except CsiError:
+            pass
+        finally:
+            with self._guard:
+                self._busy.discard(name)
+        return why
+
+    def sweep(self) -> None:
+        """At start: drop every file whose record moved on while this
+        replica was away, before its engine could act on one."""
         if self.records is None:
             return
-        rec = self.records.get(name)
-        if rec is not None and rec.state == "creating" and rec.by == self.records.holder:
-            self.records.put(name, doc)
-        self.let_go(name, doc)
-
-    def forget(self, name: str) -> None:
-        if self.records is not None:
-            self.records.forget(name)
+        for name in self.files.names():
+            with contextlib.suppress(Exception):  # a pass's gate asks again
+                self.gate(name, self.files.path(name))
 
     @property
     def config(self) -> Config:  # the daemon may reload it (SIGHUP)

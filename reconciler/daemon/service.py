@@ -40,7 +40,7 @@ from reconciler.daemon.metrics import Metrics, ceph_reachable
 from reconciler.drivers.freeze import thaw_recorded
 from reconciler.drivers.reaper import become_subreaper, reap_zombies
 from reconciler.drivers.run import Aborted, Halt
-from reconciler.engine import Awaited, Busy, FrontDoor, Stoppable, context, state_lock
+from reconciler.engine import Awaited, Busy, FrontDoor, Gate, Stoppable, context, state_lock
 from reconciler.facts.observed import Observed
 from reconciler.observe.ceph import observe_images
 from reconciler.observe.node import Node, observe
@@ -145,6 +145,7 @@ class Daemon:
         self.csi_endpoint = csi_endpoint
         self.serve_csi = serve_csi
         self.urgent = threading.Event()
+        self.gate: Gate | None = None  # the CSI adapter's say over its files, per step
         self.passes_started = 0  # passes run one after another: started - done <= 1
         self.passes_done = 0
         self.progress = threading.Condition()  # notified: pass finished, status written
@@ -195,6 +196,9 @@ class Daemon:
             self.dirty.add(name)
         self.urgent.set()
         self.wake_event.set()
+
+    def set_gate(self, gate: Gate | None) -> None:
+        self.gate = gate
 
     @property
     def ready(self) -> bool:
@@ -693,7 +697,8 @@ class Daemon:
         log.info("%s: %d step(s) start", vol.name, len(vp.steps), extra={"volume": vol.name})
         crashed = False
         try:
-            [outcome] = apply([vp], {vol.name: vol}, observed, self.node)  # type: ignore[arg-type]
+            [outcome] = apply([vp], {vol.name: vol}, observed, self.node,  # type: ignore[arg-type]
+                              gate=self.gate)
         except Exception as exc:  # a driver bug must not kill the worker silently
             log.exception("%s: apply crashed", vol.name, extra={"volume": vol.name})
             outcome, crashed = VolumeOutcome(vol.name, status="failed", error=str(exc)), True

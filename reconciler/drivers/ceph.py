@@ -382,13 +382,27 @@ def set_qos(cluster: rados.Rados, pool: str, name: str, keys: tuple[str, ...],
     one open. Through librbd, not the header omap: it checks each value and
     tells every client with the image open (their limits change live)."""
     with cluster.open_ioctx(pool) as ioctx, open_image(ioctx, name) as img:
-        have = dict(img.metadata_list())
-        for key in keys:
-            if key in want and have.get(key) != want[key]:
-                img.metadata_set(key, want[key])
-            elif key not in want and key in have:
-                with contextlib.suppress(KeyError, rbd.ObjectNotFound):
-                    img.metadata_remove(key)
+        have = {k: v for k, v in img.metadata_list() if k in keys}
+        done: list[str] = []
+        try:
+            for key in keys:
+                if key in want and have.get(key) != want[key]:
+                    img.metadata_set(key, want[key])
+                    done.append(key)
+                elif key not in want and key in have:
+                    with contextlib.suppress(KeyError, rbd.ObjectNotFound):
+                        img.metadata_remove(key)
+                    done.append(key)
+        except BaseException:
+            # A value librbd refused half-way: the previous set of limits
+            # back, never a mix of old and new.
+            for key in reversed(done):
+                with contextlib.suppress(Exception):
+                    if key in have:
+                        img.metadata_set(key, have[key])
+                    else:
+                        img.metadata_remove(key)
+            raise
 
 
 def get_meta(cluster: rados.Rados, pool: str, name: str) -> dict[str, str]:

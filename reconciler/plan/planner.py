@@ -343,6 +343,8 @@ class _VolumePlanner(SnapshotRules, GroupRules):
         v = self.v
         if v.qos is None:
             return
+        if (why := qos.too_large(v.qos, size)) is not None:
+            raise Refused(why)  # before any key is set: never half the limits
         want = qos.librbd_meta(v.qos, size)
         have = {k: val for k, val in (self.img.meta if self.img else {}).items()
                 if k in qos.QOS_KEYS}

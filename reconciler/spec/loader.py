@@ -8,6 +8,7 @@ parse error is never read as "absent").
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import re
@@ -37,7 +38,7 @@ from reconciler.spec.model import (
     StageSpec,
     Volume,
 )
-from reconciler.spec.qos import QosSpec
+from reconciler.spec.qos import MAX_LIMIT, QosSpec, too_large
 from reconciler.spec.schemas import schema_errors
 from reconciler.spec.units import MAX_OBJECT_MAP_SIZE, MAX_SIZE, MiB, format_size, parse_size
 from reconciler.spec.yamldoc import Document, YamlError, load_documents
@@ -377,13 +378,29 @@ class _VolumeBuilder:
             self.error(("spec", "qos", "cgroup"), f"{excerpt(q['cgroup'])} is not a clean path")
 
         def size(key: str) -> int | None:
-            return parse_size(q[key]) if key in q else None
+            if key not in q:
+                return None
+            value = parse_size(q[key])
+            if value > MAX_LIMIT:
+                self.error(("spec", "qos", key), f"{excerpt(q[key])} is more than librbd "
+                           f"holds (at most {MAX_LIMIT} bytes per second)")
+            return value
 
-        return QosSpec(iops=q.get("iops"), read_iops=q.get("readIops"),
-                       write_iops=q.get("writeIops"), bps=size("bps"), read_bps=size("readBps"),
-                       write_bps=size("writeBps"), iops_per_gib=q.get("iopsPerGiB"),
-                       bps_per_gib=size("bpsPerGiB"), max_iops=q.get("maxIops"),
-                       max_bps=size("maxBps"), unit=q.get("unit"), cgroup=q.get("cgroup"))
+        spec_ = QosSpec(iops=q.get("iops"), read_iops=q.get("readIops"),
+                        write_iops=q.get("writeIops"), bps=size("bps"),
+                        read_bps=size("readBps"), write_bps=size("writeBps"),
+                        iops_per_gib=q.get("iopsPerGiB"), bps_per_gib=size("bpsPerGiB"),
+                        max_iops=q.get("maxIops"), max_bps=size("maxBps"), unit=q.get("unit"),
+                        cgroup=q.get("cgroup"))
+        img = spec.get("image") or {}
+        if "size" in img and not self.diags:
+            # Scaled with the size the file gives: refused here, at its line,
+            # rather than by the planner.
+            with contextlib.suppress(ValueError):
+                if (why := too_large(spec_, parse_size(img["size"]))) is not None:
+                    per = "bpsPerGiB" if "bpsPerGiB" in q else "iopsPerGiB"
+                    self.error(("spec", "qos", per), why)
+        return spec_
 
     def encryption(self, spec: dict[str, Any], mapping: MapSpec | None
                    ) -> EncryptionSpec | None:

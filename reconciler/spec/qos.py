@@ -15,6 +15,9 @@ QOS_KEYS = (QOS_PREFIX + "iops_limit", QOS_PREFIX + "read_iops_limit",
             QOS_PREFIX + "read_bps_limit", QOS_PREFIX + "write_bps_limit")
 
 GiB = 1 << 30
+# librbd keeps every limit as an int64 (io.max's are u64): the most a limit
+# may be, after scaling with the image's size.
+MAX_LIMIT = (1 << 63) - 1
 # The CSI mutable parameters (VolumeAttributesClass) and the spec fields they set.
 CSI_PARAMETERS = {
     "qosIopsLimit": "iops", "qosReadIopsLimit": "readIops", "qosWriteIopsLimit": "writeIops",
@@ -66,6 +69,19 @@ def limits(qos: QosSpec, size: int | None) -> tuple[int | None, ...]:
     return (_scaled(qos.iops, qos.iops_per_gib, qos.max_iops, size), qos.read_iops,
             qos.write_iops, _scaled(qos.bps, qos.bps_per_gib, qos.max_bps, size),
             qos.read_bps, qos.write_bps)
+
+
+def too_large(qos: QosSpec, size: int | None) -> str | None:
+    """Why the limits in force for an image of ``size`` cannot be set (a
+    value librbd cannot hold), or None."""
+    names = ("iops", "readIops", "writeIops", "bps", "readBps", "writeBps")
+    for name, value in zip(names, limits(qos, size), strict=True):
+        if value is not None and value > MAX_LIMIT:
+            scaled = name in ("iops", "bps") and getattr(qos, name) is None
+            return (f"qos.{name} is {value}" + (f" (scaled to a {size}-byte image)"
+                                                  if scaled else "")
+                    + f", more than librbd holds ({MAX_LIMIT})")
+    return None
 
 
 def librbd_meta(qos: QosSpec, size: int | None) -> dict[str, str]:

@@ -37,7 +37,7 @@ def parse_size(value: object) -> int:
         if value < 1:
             raise ValueError(f"size must be positive, got {excerpt(value)}")
         return value
-    m = _SIZE.match(value)
+    m = _SIZE.fullmatch(value)
     if not m:
         raise ValueError(
             f"{excerpt(value)} is not a size (bytes, or a number with Ki/Mi/Gi/Ti or K/M/G/T)"

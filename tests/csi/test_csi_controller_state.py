@@ -10,14 +10,13 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import grpc
 import pytest
 import rados
 from conftest import NodeUnderTest
-from csi_fixture import CsiNode, mount_cap, start_csi_fixture
+from csi_fixture import CsiNode, mount_cap
 from test_csi import T, error
 
 from reconciler.csi import csi_pb2 as pb
@@ -45,23 +44,6 @@ def drop_records(node: NodeUnderTest) -> None:
     with node.cluster.client() as cl, cl.open_ioctx(node.cluster.pool) as io, \
             contextlib.suppress(rados.ObjectNotFound):
         io.remove_object(OBJECT)
-
-
-@pytest.fixture
-def replica_b(node: NodeUnderTest, tmp_path: Path) -> Iterator[Callable[..., CsiNode]]:
-    """A second node under test on the same cluster: its own state, desired
-    dir and socket, the same nodeName (one owner for every replica)."""
-    root = tmp_path / "replica-b"
-    dirs = [root / d for d in ("desired", "state", "srv")]
-    for d in dirs:
-        d.mkdir(parents=True)
-    config = root / "config.yaml"
-    text = node.config.read_text()
-    for old, new in zip((node.desired, node.state, node.srv), dirs, strict=True):
-        text = text.replace(str(old), str(new))
-    config.write_text(text)
-    b = NodeUnderTest(root, node.cluster, config, *dirs, node.tag)
-    yield from start_csi_fixture(b)
 
 
 def create_until_done(c: CsiNode, name: str) -> pb.Volume:

@@ -125,6 +125,15 @@ CASES: list[tuple[str, str, str, int, str]] = [
      "spec.qos.maxIops", 10, "iopsPerGiB"),
     ("qos-unit-not-a-unit", with_lines({"  map: {}\n": "  map: {}\n  qos: {unit: ../x}\n"}),
      "spec.qos.unit", 10, "../x"),
+    # librbd holds a limit as an int64: more is refused at its line, before
+    # anything is set (issue 24: a half-applied change).
+    ("qos-bps-beyond-librbd", with_lines({"  map: {}\n": "  map: {}\n  qos:\n    iops: 100\n"
+                                                         "    bps: 18446744073709551615\n"}),
+     "spec.qos.bps", 12, "librbd"),
+    ("qos-per-gib-scaled-beyond-librbd",
+     with_lines({"size: 1Gi": "size: 8Gi", "  map: {}\n": "  map: {}\n  qos:\n"
+                 "    bpsPerGiB: 4611686018427387904\n"}),
+     "spec.qos.bpsPerGiB", 11, "librbd"),
 ]
 
 

@@ -1,0 +1,330 @@
+"""The controller records as a transaction (csi.statePool), on the real
+cluster with two controller processes: a deleted volume never comes back,
+an acknowledged change is never lost, a leftover file never acts, a broken
+record concerns its own name only and is never read as absent."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+import pytest
+import rados
+import rbd
+from conftest import NodeUnderTest
+from csi_fixture import CsiNode
+from test_csi import T, error
+from test_csi_controller_state import create_until_done, drop_records, records
+
+from reconciler.csi import csi_pb2 as pb
+from reconciler.csi import csi_pb2_grpc, ids
+from reconciler.csi.records import OBJECT, PREFIX
+
+pytestmark = pytest.mark.ceph
+Code = grpc.StatusCode
+MiB = 1 << 20
+RETRY_FOR_S = 120.0
+QUIET_S = 4.0  # how long a deleted image is watched for coming back
+
+
+def state(node: NodeUnderTest) -> str:
+    return f"  statePool: {node.cluster.pool}\n"
+
+
+def until_ok(call: Callable[[], object]) -> object:
+    """A CO's retries: ABORTED (another replica holds the record) and
+    DEADLINE_EXCEEDED are asked again, up to a deadline."""
+    end = time.monotonic() + RETRY_FOR_S
+    while True:
+        try:
+            return call()
+        except grpc.RpcError as exc:
+            if exc.code() not in (Code.ABORTED, Code.DEADLINE_EXCEEDED) or \
+                    time.monotonic() > end:
+                raise
+        time.sleep(0.05)  # the CO's backoff, not a synchronisation
+
+
+def expand(c: CsiNode, vid: str, size: int, timeout: float = T) -> object:
+    return c.controller.ControllerExpandVolume(pb.ControllerExpandVolumeRequest(
+        volume_id=vid, capacity_range=pb.CapacityRange(required_bytes=size)), timeout=timeout)
+
+
+def delete(c: CsiNode, vid: str) -> object:
+    return c.controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id=vid), timeout=T)
+
+
+def modify(c: CsiNode, vid: str, **params: str) -> object:
+    return c.controller.ControllerModifyVolume(pb.ControllerModifyVolumeRequest(
+        volume_id=vid, mutable_parameters=params), timeout=T)
+
+
+def image_meta(node: NodeUnderTest, image: str) -> dict[str, str]:
+    with node.cluster.client() as cl, cl.open_ioctx(node.cluster.pool) as io, \
+            rbd.Image(io, image, read_only=True) as img:
+        return dict(img.metadata_list())
+
+
+def image_size(node: NodeUnderTest, image: str) -> int:
+    with node.cluster.client() as cl, cl.open_ioctx(node.cluster.pool) as io, \
+            rbd.Image(io, image, read_only=True) as img:
+        return int(img.size())
+
+
+def stays_gone(node: NodeUnderTest, image: str) -> bool:
+    """Watch a deleted image for QUIET_S: False as soon as it is back."""
+    end = time.monotonic() + QUIET_S
+    while time.monotonic() < end:
+        if node.image_exists(image):
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def wait_for(what: str, cond: Callable[[], bool], limit: float = 60.0) -> None:
+    end = time.monotonic() + limit
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"gave up after {limit} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def raw_record(node: NodeUnderTest, name: str, value: bytes) -> None:
+    with node.cluster.client() as cl, cl.open_ioctx(node.cluster.pool) as io, \
+            rados.WriteOpCtx() as op:
+        io.set_omap(op, (PREFIX + name,), (value,))
+        io.operate_write_op(op, OBJECT)
+
+
+def both(a: Callable[[], object], b: Callable[[], object]) -> list[object]:
+    """Two calls released at once; each answer, or the exception it raised."""
+    out: list[object] = [None, None]
+    gate = threading.Barrier(2)
+
+    def run(i: int, fn: Callable[[], object]) -> None:
+        gate.wait()
+        try:
+            out[i] = fn()
+        except BaseException as exc:  # compared by the caller
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate((a, b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(RETRY_FOR_S + 30)
+    return out
+
+
+def test_delete_racing_expand_never_brings_the_image_back(
+        start_csi: Callable[..., CsiNode], replica_b: Callable[..., CsiNode],
+        node: NodeUnderTest) -> None:
+    drop_records(node)
+    a, b = start_csi(state(node)), replica_b(state(node))
+    for trial in range(4):
+        vol = create_until_done(a, f"pvc-race-del-{trial}")
+        image = vol.volume_id.rsplit(":", 1)[1]
+        node.images.add(image)
+        got = both(lambda v=vol: expand(a, v.volume_id, 48 * MiB),
+                   lambda v=vol: until_ok(lambda: delete(b, v.volume_id)))
+        # The expand may answer OK (before the delete), NOT_FOUND (after it)
+        # or ABORTED; the delete must finish.
+        assert not isinstance(got[1], BaseException), got
+        if isinstance(got[0], grpc.RpcError):
+            assert got[0].code() in (Code.NOT_FOUND, Code.ABORTED, Code.FAILED_PRECONDITION), \
+                got[0]
+        assert stays_gone(node, image), f"trial {trial}: the deleted image came back ({got})"
+        assert ids.volume_name(*ids.parse_volume_id(vol.volume_id)) not in records(node)
+        for c in (a, b):
+            listed = c.controller.ListVolumes(pb.ListVolumesRequest(), timeout=T).entries
+            assert vol.volume_id not in {e.volume.volume_id for e in listed}
+    wait_for("no CSI file left on either replica", lambda: a.files() == {} == b.files())
+    assert a.stop() == 0 and b.stop() == 0
+    drop_records(node)
+
+
+def test_expand_and_modify_at_once_lose_nothing(
+        start_csi: Callable[..., CsiNode], replica_b: Callable[..., CsiNode],
+        node: NodeUnderTest) -> None:
+    drop_records(node)
+    a, b = start_csi(state(node)), replica_b(state(node))
+    for trial in range(3):
+        vol = create_until_done(a, f"pvc-lost-update-{trial}")
+        image = vol.volume_id.rsplit(":", 1)[1]
+        node.images.add(image)
+        name = ids.volume_name(*ids.parse_volume_id(vol.volume_id))
+        size = (32 + trial) * MiB
+        got = both(lambda v=vol, s=size: until_ok(lambda: expand(a, v.volume_id, s)),
+                   lambda v=vol: until_ok(lambda: modify(b, v.volume_id,
+                                                         qosIopsLimit="100")))
+        assert not any(isinstance(g, BaseException) for g in got), got
+        rec = records(node)[name]
+        assert rec["doc"]["spec"]["image"]["size"] == size, rec
+        assert rec["doc"]["spec"].get("qos") == {"iops": 100}, rec
+        assert image_size(node, image) == size
+        assert image_meta(node, image).get("conf_rbd_qos_iops_limit") == "100"
+        # The next change keeps both acknowledged ones.
+        until_ok(lambda v=vol: modify(a, v.volume_id, qosWriteBpsLimit="1Mi"))
+        meta = image_meta(node, image)
+        assert meta.get("conf_rbd_qos_iops_limit") == "100", meta
+        assert meta.get("conf_rbd_qos_write_bps_limit") == str(MiB), meta
+        until_ok(lambda v=vol: delete(b, v.volume_id))
+    assert a.stop() == 0 and b.stop() == 0
+    drop_records(node)
+
+
+def test_a_leftover_file_never_acts(start_csi: Callable[..., CsiNode],
+                                    replica_b: Callable[..., CsiNode],
+                                    node: NodeUnderTest) -> None:
+    """A's expand is cut off (its file stays), A is killed; the CO's retry
+    and then the delete go to B. A restarted on the same state dir must not
+    create the image again from its file; nor may a live A whose file was
+    left by a DEADLINE_EXCEEDED."""
+    drop_records(node)
+    a, b = start_csi(state(node)), replica_b(state(node))
+    vol = create_until_done(a, "pvc-leftover")
+    image = vol.volume_id.rsplit(":", 1)[1]
+    node.images.add(image)
+    name = ids.volume_name(*ids.parse_volume_id(vol.volume_id))
+
+    # Cut off at once (the server keeps 0.25 s of the caller's deadline):
+    # the file is written, the call answers DEADLINE_EXCEEDED, the file stays.
+    code_, _ = error(lambda: expand(a, vol.volume_id, 64 * MiB, timeout=0.2))
+    assert code_ == Code.DEADLINE_EXCEEDED
+    assert name in a.files()
+    a.stop(signal.SIGKILL)
+    until_ok(lambda: expand(b, vol.volume_id, 64 * MiB))
+    until_ok(lambda: delete(b, vol.volume_id))
+    assert not node.image_exists(image) and name not in records(node)
+    a = start_csi()  # same state dir: its file of the old record is there
+    assert stays_gone(node, image), "a restarted replica re-created a deleted image"
+    wait_for("A's leftover file to be dropped", lambda: name not in a.files())
+
+    # A live replica: A's call is cut off by its deadline, its file stays
+    # (its engine grows the image), and then B grows and deletes it.
+    vol = create_until_done(b, "pvc-leftover-live")
+    image = vol.volume_id.rsplit(":", 1)[1]
+    node.images.add(image)
+    name = ids.volume_name(*ids.parse_volume_id(vol.volume_id))
+    code_, _ = error(lambda: expand(a, vol.volume_id, 64 * MiB, timeout=0.2))
+    assert code_ == Code.DEADLINE_EXCEEDED
+    until_ok(lambda: expand(b, vol.volume_id, 96 * MiB))
+    until_ok(lambda: delete(b, vol.volume_id))
+    a.daemon.proc.send_signal(signal.SIGHUP)  # a pass over every file
+    assert stays_gone(node, image), "a replica's leftover file re-created a deleted image"
+    wait_for("A's leftover file to be dropped", lambda: name not in a.files())
+    assert a.stop() == 0 and b.stop() == 0
+    drop_records(node)
+
+
+def test_qos_beyond_librbd_changes_nothing(start_csi: Callable[..., CsiNode],
+                                           node: NodeUnderTest) -> None:
+    drop_records(node)
+    c = start_csi(state(node))
+    vol = c.create("pvc-qos-range", size=8 << 30)  # thin: nothing is written
+    image = vol.volume_id.rsplit(":", 1)[1]
+    for params in ({"qosIopsLimit": "100", "qosBpsLimit": str(1 << 63)},
+                   {"qosIopsLimit": "100", "qosBpsLimit": "18446744073709551615"},
+                   # 2^62 per GiB of an 8 GiB image: 2^65 once scaled.
+                   {"qosIopsLimit": "100", "qosBpsPerGiB": str(1 << 62)},
+                   {"qosIopsLimit": "１００"}, {"qosIopsLimit": "1_000"},
+                   {"qosIopsLimit": " 100"}, {"qosWriteBpsLimit": "1Mi\n"}):
+        code_, why = error(lambda p=params: modify(c, vol.volume_id, **p))
+        assert code_ == Code.INVALID_ARGUMENT, (params, code_, why)
+        assert not any(k.startswith("conf_rbd_qos") for k in image_meta(node, image)), params
+        assert c.files() == {}, params
+    modify(c, vol.volume_id, qosIopsLimit="100")
+    assert image_meta(node, image)["conf_rbd_qos_iops_limit"] == "100"
+    delete(c, vol.volume_id)
+    assert c.stop() == 0
+    drop_records(node)
+
+
+def test_a_broken_record_is_an_error_for_its_name_only(
+        start_csi: Callable[..., CsiNode], node: NodeUnderTest) -> None:
+    drop_records(node)
+    c = start_csi(state(node))
+    vol = create_until_done(c, "pvc-broken-record")
+    other = create_until_done(c, "pvc-beside-it")
+    image = vol.volume_id.rsplit(":", 1)[1]
+    node.images.update({image, other.volume_id.rsplit(":", 1)[1]})
+    name = ids.volume_name(*ids.parse_volume_id(vol.volume_id))
+    good = json.dumps(records(node)[name]).encode()
+
+    raw_record(node, name, b"{not json")
+    for call in (lambda: delete(c, vol.volume_id),
+                 lambda: expand(c, vol.volume_id, 64 * MiB),
+                 lambda: modify(c, vol.volume_id, qosIopsLimit="10"),
+                 lambda: create_until_done(c, "pvc-broken-record")):
+        code_, why = error(call)
+        assert code_ == Code.FAILED_PRECONDITION, (code_, why)
+        assert f"{PREFIX}{name}" in why and "rmomapkey" in why, why
+    assert node.image_exists(image)  # never read as absent: not orphaned
+
+    # A record under a snapshot's key with no spec: every other call goes on.
+    snap = ids.snapshot_for_request("snap-without-spec")
+    raw_record(node, snap, json.dumps({"doc": {"kind": "Snapshot", "metadata": {}},
+                                       "state": "created", "by": "x", "at": 1}).encode())
+    c.controller.ListSnapshots(pb.ListSnapshotsRequest(), timeout=T)
+    listed = c.controller.ListVolumes(pb.ListVolumesRequest(), timeout=T).entries
+    assert other.volume_id in {e.volume.volume_id for e in listed}
+    delete(c, other.volume_id)
+    assert not node.image_exists(other.volume_id.rsplit(":", 1)[1])
+
+    raw_record(node, name, good)  # repaired by hand: the volume is served again
+    delete(c, vol.volume_id)
+    assert not node.image_exists(image)
+    assert c.stop() == 0
+    drop_records(node)
+
+
+def test_overlapping_group_snapshots_refused_before_anything(
+        start_csi: Callable[..., CsiNode], node: NodeUnderTest) -> None:
+    drop_records(node)
+    c = start_csi(state(node))
+    grp = csi_pb2_grpc.GroupControllerStub(c.channel)
+    v1, v2, v3 = (c.create(f"pvc-overlap-{i}", size=16 * MiB) for i in (1, 2, 3))
+
+    def create(name: str, *vols: pb.Volume) -> pb.VolumeGroupSnapshot:
+        return grp.CreateVolumeGroupSnapshot(pb.CreateVolumeGroupSnapshotRequest(
+            name=name, source_volume_ids=[v.volume_id for v in vols]), timeout=T).group_snapshot
+
+    gx = create("gx", v1, v2)
+    with node.cluster.client() as cl, cl.open_ioctx(node.cluster.pool) as io:
+        before = sorted(rbd.RBD().group_list(io))
+    for members in ((v1, v3), (v3, v1), (v2,)):
+        code_, why = error(lambda m=members: create("gy", *m))
+        assert code_ == Code.FAILED_PRECONDITION, (code_, why)
+        assert "one group at most" in why and "nothing was changed" in why, why
+        with node.cluster.client() as cl, cl.open_ioctx(node.cluster.pool) as io:
+            assert sorted(rbd.RBD().group_list(io)) == before  # nothing made
+        assert c.files() == {}
+    delete(c, v3.volume_id)  # never added to a group: deleted at once
+    grp.DeleteVolumeGroupSnapshot(pb.DeleteVolumeGroupSnapshotRequest(
+        group_snapshot_id=gx.group_snapshot_id), timeout=T)
+    for v in (v1, v2):
+        delete(c, v.volume_id)
+    assert c.stop() == 0
+    drop_records(node)
+
+
+def test_mutable_parameters_take_the_documented_syntax_only() -> None:
+    from reconciler.csi import mutable
+    from reconciler.csi.errors import CsiError
+
+    assert mutable.parse({"qosIopsLimit": "100", "qosBpsLimit": "1Mi",
+                          "qosReadBpsLimit": "0"}) == {"iops": 100, "bps": MiB,
+                                                       "readBps": None}
+    for value in ("１００", "1_000", " 100", "100 ", "+100", "1e3", "100\n", "0x10", " 0",
+                  str(10**12 + 1)):
+        with pytest.raises(CsiError):
+            mutable.parse({"qosIopsLimit": value})
+    for value in ("1_000Mi", "１Mi", "1Mi\n", str(1 << 63), "9223372036854775808"):
+        with pytest.raises(CsiError):
+            mutable.parse({"qosBpsLimit": value})
+    assert mutable.parse({"qosBpsLimit": str((1 << 63) - 1)}) == {"bps": (1 << 63) - 1}
+
