@@ -201,7 +201,10 @@ class Volumes:
             claim = self.records.write(name, rec, doc, "creating")
             if claim is None:
                 continue  # another replica wrote first: see what it wrote
-            if not self._converge_at(name, doc, claim, deadline):
+            # What this node added to a file of that name (staged by id
+            # before it was recorded) stays: a create never tears it down.
+            if not self._converge_at(name, merge(claim, self.files.read(name)), claim,
+                                     deadline):
                 continue
             if self.records.write(name, claim, doc, "created") is None:
                 continue
