@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from reconciler.csi.errors import invalid
+from reconciler.csi.errors import invalid, quoted
 from reconciler.spec.qos import CSI_PARAMETERS
 from reconciler.spec.units import parse_size
 
@@ -24,7 +24,7 @@ def parse(params: dict[str, str], what: str = "mutable_parameters") -> dict[str,
     for key, value in sorted(params.items()):
         field = CSI_PARAMETERS.get(key)
         if field is None:
-            raise invalid(f"{what}: {key!r} is not a mutable parameter (known: "
+            raise invalid(f"{what}: {quoted(key)} is not a mutable parameter (known: "
                           f"{', '.join(sorted(CSI_PARAMETERS))})")
         if value.strip() == "0":
             out[field] = None
@@ -34,7 +34,8 @@ def parse(params: dict[str, str], what: str = "mutable_parameters") -> dict[str,
         except ValueError:
             number = -1
         if number < 1 or (field not in _BYTES and number > _MOST):
-            raise invalid(f"{what}: {key}={value!r}: expected a whole number from 0 (no limit)"
+            raise invalid(f"{what}: {key}={quoted(value)}: expected a whole number from 0 "
+                          "(no limit)"
                           + (" or a size such as 100Mi" if field in _BYTES else
                              f" to {_MOST}"))
         out[field] = number

@@ -18,7 +18,7 @@ import grpc
 from reconciler.csi import capability, csi_pb2_grpc, ids, podcgroup
 from reconciler.csi import csi_pb2 as pb
 from reconciler.csi.cephinfo import CephInfo
-from reconciler.csi.errors import CsiError, invalid, not_found, precondition, rpc
+from reconciler.csi.errors import CsiError, invalid, not_found, precondition, quoted, rpc
 from reconciler.csi.files import (
     L_ENCRYPTION,
     L_FSTYPE,
@@ -31,13 +31,23 @@ from reconciler.csi.volumes import Volumes
 from reconciler.facts.parsers import parse_mountinfo
 
 BLOCK_DEVICE_FILE = "rbd-device"  # the device node's bind inside kubelet's staging dir
+NAME_MAX = 255  # bytes in one path component (Linux)
+PATH_MAX = 4096  # bytes in a path, its terminating NUL included
 
 
 def _path(value: str, what: str) -> str:
     if not value:
         raise invalid(f"{what} is required")
     if not os.path.isabs(value) or os.path.normpath(value) != value:
-        raise invalid(f"{what} {value!r} must be an absolute, normalised path")
+        raise invalid(f"{what} {quoted(value)} must be an absolute, normalised path")
+    size = len(os.fsencode(value))
+    if size >= PATH_MAX:
+        raise invalid(f"{what} {quoted(value)} is {size} bytes long; a path holds at most "
+                      f"{PATH_MAX - 1}")
+    for part in value.split("/"):
+        if len(os.fsencode(part)) > NAME_MAX:
+            raise invalid(f"{what} {quoted(value)}: its component {quoted(part, 40)} is "
+                          f"{len(os.fsencode(part))} bytes long; a name holds at most {NAME_MAX}")
     return value
 
 
@@ -63,7 +73,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
     def _name(self, volume_id: str) -> tuple[str, str, str]:
         parsed = ids.parse_volume_id(volume_id)
         if parsed is None:
-            raise not_found(f"volume {volume_id!r} does not exist (not an id we handed out)")
+            raise not_found(f"volume {quoted(volume_id)} does not exist (not an id we handed out)")
         return ids.volume_name(*parsed), *parsed
 
     # -- stage -----------------------------------------------------------------
@@ -83,7 +93,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             if not _present(doc):
                 # Created elsewhere (or by hand): stage it by its id alone.
                 if self.ceph.image_size(pool, image) is None:
-                    raise not_found(f"volume {request.volume_id!r} does not exist")
+                    raise not_found(f"volume {quoted(request.volume_id)} does not exist")
                 doc = new_document(name, {L_ORIGIN: "node"}, {"pool": pool, "name": image})
             assert doc is not None
             labels = doc["metadata"].setdefault("labels", {})
@@ -161,11 +171,11 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         with self.volumes.operation(name):
             doc = self.files.read(name)
             if not _present(doc):
-                raise not_found(f"volume {request.volume_id!r} does not exist")
+                raise not_found(f"volume {quoted(request.volume_id)} does not exist")
             assert doc is not None
             spec = doc["spec"]
             if not _staged_at(spec.get("stage"), staging):
-                raise precondition(f"volume {name} is not staged at {staging}; "
+                raise precondition(f"volume {name} is not staged at {quoted(staging)}; "
                                    "call NodeStageVolume first")
             if (spec["stage"].get("mode") == "block") != access.block:
                 raise invalid(f"volume {name} is staged as "
@@ -177,7 +187,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                 if entry["path"] == target:
                     if bool(entry.get("readOnly")) != read_only:
                         raise CsiError(grpc.StatusCode.ALREADY_EXISTS,
-                                       f"{target} is already published "
+                                       f"{quoted(target)} is already published "
                                        f"{'read-only' if entry.get('readOnly') else 'read-write'}")
                     self.volumes.settle(name, deadline)
                     return pb.NodePublishVolumeResponse()
@@ -231,7 +241,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         name, _, _ = self._name(request.volume_id)
         doc = self.files.read(name)
         if not _present(doc):
-            raise not_found(f"volume {request.volume_id!r} does not exist")
+            raise not_found(f"volume {quoted(request.volume_id)} does not exist")
         assert doc is not None
         path = request.volume_path
         stage = doc["spec"].get("stage") or {}
@@ -240,7 +250,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             known |= {stage["path"], os.path.dirname(stage["path"])
                       if stage.get("mode") == "block" else stage["path"]}
         if path not in known:
-            raise not_found(f"volume {name} is not staged or published at {path}")
+            raise not_found(f"volume {name} is not staged or published at {quoted(path)}")
         if stage.get("mode") == "block":
             device = stage["path"] if path == os.path.dirname(stage["path"]) else path
             return self._block_stats(device)
@@ -295,7 +305,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         with self.volumes.operation(name):
             doc = self.files.read(name)
             if not _present(doc):
-                raise not_found(f"volume {request.volume_id!r} does not exist")
+                raise not_found(f"volume {quoted(request.volume_id)} does not exist")
             # The engine grows the mapping and the filesystem whenever the
             # image is larger: a pass on the file as it is does the work.
             status = self.volumes.settle(name, deadline)
