@@ -28,6 +28,7 @@ from reconciler.csi.files import (
     new_document,
 )
 from reconciler.csi.volumes import Volumes
+from reconciler.facts.observed import Mount, top_mounts
 from reconciler.facts.parsers import parse_mountinfo
 
 BLOCK_DEVICE_FILE = "rbd-device"  # the device node's bind inside kubelet's staging dir
@@ -49,6 +50,49 @@ def _path(value: str, what: str) -> str:
             raise invalid(f"{what} {quoted(value)}: its component {quoted(part, 40)} is "
                           f"{len(os.fsencode(part))} bytes long; a name holds at most {NAME_MAX}")
     return value
+
+
+def _usable(path: str, what: str, last: str) -> None:
+    """The engine's checks on a path it mounts on (and creates what is
+    missing of), made before the volume's file is written: no symlink in it
+    (safety rule 8), every existing component a directory, and the last one,
+    if it exists, a ``last`` ("directory" or "file")."""
+    parts = [p for p in path.split("/") if p]
+    here = ""
+    for i, part in enumerate(parts):
+        here += "/" + part
+        try:
+            st = os.lstat(here)
+        except FileNotFoundError:
+            return  # the engine makes the rest
+        except OSError as exc:
+            raise precondition(f"{what} {quoted(path)}: cannot look at {quoted(here)}: "
+                               f"{exc.strerror or exc}") from None
+        if stat.S_ISLNK(st.st_mode):
+            where = "is" if here == path else "passes through"
+            raise precondition(f"{what} {quoted(path)} {where} the symlink {quoted(here)}; "
+                               "no symlink is followed")
+        if i < len(parts) - 1 or last == "directory":
+            if not stat.S_ISDIR(st.st_mode):
+                raise precondition(f"{what} {quoted(path)}: {quoted(here)} exists and is "
+                                   "not a directory")
+        elif stat.S_ISDIR(st.st_mode):
+            raise precondition(f"{what} {quoted(path)} is a directory; a block volume is "
+                               "bound onto a file")
+
+
+def _foreign_mount(target: str, source: str) -> Mount | None:
+    """The top mount at ``target`` when it is not a bind of the top mount at
+    ``source`` (the volume's staging mount or device node): something else is
+    mounted there. With nothing at ``source`` to compare, None: the engine
+    decides (by the device) and a refusal puts the file back."""
+    tops = top_mounts(parse_mountinfo(Path("/proc/self/mountinfo").read_text()))
+    there, ours = tops.get(target), tops.get(source)
+    if there is None or ours is None:
+        return None
+    if (there.major, there.minor, there.root) == (ours.major, ours.minor, ours.root):
+        return None
+    return there
 
 
 def _staged_at(stage: dict[str, Any] | None, staging: str) -> bool:
@@ -113,6 +157,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                 raise CsiError(grpc.StatusCode.ALREADY_EXISTS,
                                f"volume {name} is already staged at {spec['stage']['path']} "
                                f"({spec['stage'].get('mode', 'filesystem')}); unstage it first")
+            _usable(want["path"], "staging_target_path", "file" if access.block else "directory")
             spec["map"] = {"mapper": labels[L_MAPPER]} if L_MAPPER in labels else {}
             if L_ENCRYPTION in labels:
                 spec["encryption"] = encryption_spec(labels[L_ENCRYPTION])
@@ -195,6 +240,11 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                 raise precondition(f"volume {name} is SINGLE_NODE_SINGLE_WRITER and already "
                                    f"published at {', '.join(p['path'] for p in publish)}; "
                                    "unpublish it there first")
+            _usable(target, "target_path", "file" if access.block else "directory")
+            if (there := _foreign_mount(target, spec["stage"]["path"])) is not None:
+                raise precondition(f"target_path {quoted(target)} already has a mount of "
+                                   f"something else ({quoted(there.source)}, "
+                                   f"{quoted(there.fs_type)}); refusing to stack on it")
             entry: dict[str, Any] = {"path": target, "readOnly": read_only}
             if (cgroup := podcgroup.find(target)) is not None:
                 entry["ioCgroup"] = cgroup  # io.max for the pod: the volume's QoS

@@ -181,9 +181,32 @@ class Volumes:
                                    f"{kind} {value} is already used by volume {other.name}")
 
     def converge(self, name: str, doc: dict[str, Any], deadline: float) -> dict[str, Any]:
+        """Write ``doc`` and wait for the engine. When the engine refuses or
+        fails the change, the file is put back exactly as it was (or removed
+        again) and the engine woken: a refused call changes nothing, and the
+        volume's next call is not held up by what was refused. Past the
+        deadline (or at a stop) the file stays and the work goes on."""
+        previous = self.files.raw(name)
         vol, tmp = self.check(name, doc)
         self.files.commit(name, tmp)
-        return self.wait(name, vol.spec_hash, deadline)
+        try:
+            return self.wait(name, vol.spec_hash, deadline)
+        except CsiError as exc:
+            if exc.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INTERNAL):
+                self._restore(name, previous, exc)
+            raise
+
+    def _restore(self, name: str, previous: bytes | None, exc: CsiError) -> None:
+        """The file as it was before a refused or failed change (``None``:
+        there was none), atomically; then the engine is woken for it."""
+        try:
+            self.files.put_back(name, previous)
+        except OSError as err:
+            log.error("%s: could not put its file back after %s: %s", name, exc.code.name, err)
+            exc.message += (f"; and its file {self.files.path(name)} could not be put back "
+                            f"({err.strerror or err}): fix it by hand")
+            return
+        self.engine.wake_volume(name)
 
     def retire(self, name: str, before: dict[str, Any], after: dict[str, Any],
                deadline: float) -> None:

@@ -1,21 +1,142 @@
 """A refused CSI call changes nothing, over the real socket on the real
-cluster: request values are quoted briefly."""
+cluster: what the engine would refuse is refused before the volume's file is
+written; what only the engine can refuse puts the file back; request values
+are quoted briefly."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import grpc
 import pytest
+import rbd
 from csi_fixture import CsiNode, mount_cap
-from test_csi import T, error
+from test_csi import T, delete, error, publish_req, stage_req, unpublish, unstage
+from test_daemon import wait_for
 
 from reconciler.csi import csi_pb2 as pb
-from reconciler.csi import csi_pb2_grpc
+from reconciler.csi import csi_pb2_grpc, ids
 
 pytestmark = pytest.mark.ceph
 Code = grpc.StatusCode
 MiB = 1 << 20
+
+
+def name_of(vol: pb.Volume | str) -> str:
+    vid = vol if isinstance(vol, str) else vol.volume_id
+    return ids.volume_name(*ids.parse_volume_id(vid))  # type: ignore[misc]
+
+
+def identity(c: CsiNode, vol: pb.Volume | str) -> tuple[int, int, bytes] | None:
+    """The volume file's inode, mtime and bytes (None: no file): any write shows."""
+    path = c.csi_dir / f"{name_of(vol)}.yaml"
+    try:
+        st = path.stat()
+        return st.st_ino, st.st_mtime_ns, path.read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def raw(c: CsiNode, vol: pb.Volume | str) -> bytes | None:
+    found = identity(c, vol)
+    return None if found is None else found[2]
+
+
+@contextlib.contextmanager
+def foreign_mount(path: Path) -> Iterator[None]:
+    """A tmpfs of somebody else's at ``path``, for the duration."""
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "someone-elses", str(path)],
+                   check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_a_refused_publish_changes_nothing(start_csi: Callable[..., CsiNode]) -> None:
+    """Issue 30.1: each target the engine would refuse is refused before the
+    file is written; the publish at A and its unpublish go on working."""
+    c = start_csi()
+    vol = c.create("pvc-Refused-Publish", size=16 * MiB)
+    staging, a = c.kubelet_paths("pv-refused-publish")
+    c.nodes.NodeStageVolume(stage_req(vol, staging), timeout=T)
+    c.nodes.NodePublishVolume(publish_req(vol, staging, a), timeout=T)
+    before = identity(c, vol)
+    pods = a.parent
+    elsewhere = c.node.srv / "elsewhere"
+    elsewhere.mkdir()
+    (pods / "link").symlink_to(elsewhere)
+    (pods / "a-file").write_text("not a directory")
+    with foreign_mount(pods / "foreign"):
+        for what, target, want, words in (
+                ("a foreign mount", pods / "foreign", Code.FAILED_PRECONDITION,
+                 "refusing to stack on it"),
+                ("through a symlinked directory", pods / "link" / "mount",
+                 Code.FAILED_PRECONDITION, "passes through the symlink"),
+                ("a symlink", pods / "link", Code.FAILED_PRECONDITION, "is the symlink"),
+                ("a 300-byte component", pods / ("n" * 300), Code.INVALID_ARGUMENT,
+                 "a name holds at most 255"),
+                ("a path of 5000 bytes", pods.joinpath(*["p" * 99] * 50), Code.INVALID_ARGUMENT,
+                 "a path holds at most 4095"),
+                ("under a regular file", pods / "a-file" / "mount", Code.FAILED_PRECONDITION,
+                 "is not a directory")):
+            got, msg = error(lambda t=target: c.nodes.NodePublishVolume(  # type: ignore[misc]
+                publish_req(vol, staging, t), timeout=T))
+            assert got == want and words in msg, (what, got, msg)
+            assert len(msg) < 1024, (what, len(msg))
+            assert identity(c, vol) == before, what  # not even rewritten
+            # The idempotent retry of A answers OK, not the refusal.
+            c.nodes.NodePublishVolume(publish_req(vol, staging, a), timeout=T)
+        assert c.node.mounts()[str(pods / "foreign")].fs_type == "tmpfs"  # left alone
+    assert not any(elsewhere.iterdir())  # nothing made through the symlink
+    assert c.daemon.status(name_of(vol))["phase"] == "Published"
+    unpublish(c, vol, a)
+    assert not a.exists() and str(a) not in c.node.mounts()
+    unstage(c, vol, staging)
+    delete(c, vol)
+    assert not c.files()
+    assert "Traceback" not in c.daemon.log.read_text()
+    assert c.stop() == 0
+
+
+def test_a_stage_the_engine_refuses_puts_the_file_back(start_csi: Callable[..., CsiNode]
+                                                       ) -> None:
+    """Issue 30.1: a refusal only the engine makes (a foreign mount on the
+    staging path: which mount is the volume's own is known once it is mapped)
+    leaves the file exactly as it was, or no file when there was none."""
+    c = start_csi()
+    vol = c.create("pvc-Put-Back", size=16 * MiB)
+    pool = c.node.cluster.pool
+    by_hand = c.node.name("by-hand")  # an image no CreateVolume made: staged by its id
+    with c.node.cluster.client() as cl, cl.open_ioctx(pool) as io:
+        rbd.RBD().create(io, by_hand, 16 * MiB)
+    c.node.images.add(by_hand)
+    by_id = ids.volume_id(pool, by_hand)
+    staging, _ = c.kubelet_paths("pv-put-back")
+    before = raw(c, vol)
+    assert before is not None and identity(c, by_id) is None
+    with foreign_mount(staging):
+        for vid in (vol.volume_id, by_id):
+            req = stage_req(vol, staging)
+            req.volume_id = vid
+            got, msg = error(lambda r=req: c.nodes.NodeStageVolume(r, timeout=T))
+            assert got == Code.FAILED_PRECONDITION and "refusing to stack on it" in msg, msg
+        assert raw(c, vol) == before  # put back byte for byte
+        assert identity(c, by_id) is None  # there was none: there is none
+        assert c.node.mounts()[str(staging)].fs_type == "tmpfs"
+    # Nothing of the refused stage stays: the engine, woken, takes back any mapping.
+    wait_for(lambda: not [m for m in c.node.mounts() if "/fuse/" in m], "the mappings to go")
+    # The CO's retry, once the path is free, stages it.
+    c.nodes.NodeStageVolume(stage_req(vol, staging), timeout=T)
+    assert str(staging) in c.node.mounts()
+    unstage(c, vol, staging)
+    delete(c, vol)
+    assert not c.files()
+    assert c.stop() == 0
 
 
 def test_a_very_long_id_is_quoted_briefly(start_csi: Callable[..., CsiNode]) -> None:
