@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from reconciler.csi.errors import CsiError, invalid, precondition
+from reconciler.csi.errors import CsiError, invalid, precondition, quoted
 from reconciler.csi.files import VolumeFiles
 from reconciler.csi.records import NODE_ONLY, Records
 from reconciler.spec.config import Config
@@ -169,16 +169,30 @@ class Volumes:
             raise
 
     def _check_other_csi_volumes(self, name: str, vol: Volume) -> None:
-        """Two CSI volumes claiming one path would freeze both; refuse the new claim."""
-        mine = {(k, v) for k, v, _ in claims(vol) if k.endswith("path")}
+        """A path another CSI volume claims, or one inside or around one of its
+        paths, is refused before the file is written: the loader would fail
+        the file (a mount inside another volume's mount hides it or lands in
+        its data), and the other volume is left as it is."""
+        mine = [(k, v) for k, v, _ in claims(vol) if k.endswith("path")]
         if not mine:
             return
         others = [self.files.path(n) for n in self.files.names() if n != name]
         for other in load(others, self.config).volumes if others else ():
             for kind, value, _ in claims(other):
-                if (kind, value) in mine:
-                    raise CsiError(grpc.StatusCode.ALREADY_EXISTS,
-                                   f"{kind} {value} is already used by volume {other.name}")
+                if not kind.endswith("path"):
+                    continue
+                for my_kind, mine_ in mine:
+                    theirs = f"the {kind} {quoted(value)} of volume {other.name}"
+                    if mine_ == value:
+                        raise CsiError(grpc.StatusCode.ALREADY_EXISTS,
+                                       f"{my_kind} {quoted(mine_)} is already used by volume "
+                                       f"{other.name} (its {kind})")
+                    if mine_.startswith(value.rstrip("/") + "/"):
+                        raise invalid(f"{my_kind} {quoted(mine_)} is inside {theirs}; a volume "
+                                      "is never mounted inside another")
+                    if value.startswith(mine_.rstrip("/") + "/"):
+                        raise invalid(f"{my_kind} {quoted(mine_)} contains {theirs}; a volume "
+                                      "is never mounted around another")
 
     def converge(self, name: str, doc: dict[str, Any], deadline: float) -> dict[str, Any]:
         """Write ``doc`` and wait for the engine. When the engine refuses or

@@ -1,11 +1,13 @@
 """A refused CSI call changes nothing, over the real socket on the real
 cluster: what the engine would refuse is refused before the volume's file is
-written; what only the engine can refuse puts the file back; request values
-are quoted briefly."""
+written; what only the engine can refuse puts the file back; a path nested
+in another volume's is refused with the other volume untouched (and a file
+that claims one anyway freezes alone); request values are quoted briefly."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 import rbd
+import yaml
 from csi_fixture import CsiNode, mount_cap
 from test_csi import T, delete, error, publish_req, stage_req, unpublish, unstage
 from test_daemon import wait_for
@@ -135,6 +138,76 @@ def test_a_stage_the_engine_refuses_puts_the_file_back(start_csi: Callable[..., 
     assert str(staging) in c.node.mounts()
     unstage(c, vol, staging)
     delete(c, vol)
+    assert not c.files()
+    assert c.stop() == 0
+
+
+def _write_by_hand(path: Path, doc: dict) -> None:
+    """What a second call racing the adapter's check could commit: atomically."""
+    tmp = path.with_name(f".{path.name}.by-hand.tmp")
+    tmp.write_text(yaml.safe_dump(doc, sort_keys=False))
+    os.replace(tmp, path)
+
+
+def test_a_path_nested_in_another_volumes_is_refused_before_it_is_written(
+        start_csi: Callable[..., CsiNode]) -> None:
+    """Issue 30.2: a stage or publish path inside (or around) another CSI
+    volume's path is refused with both files as they were; and a file that
+    claims one anyway freezes alone, the volume already there still served."""
+    c = start_csi()
+    outer = c.create("pvc-Outer", size=16 * MiB)
+    inner = c.create("pvc-Inner", size=16 * MiB)
+    s1, a = c.kubelet_paths("pv-outer")
+    s2, _ = c.kubelet_paths("pv-inner")
+    c.nodes.NodeStageVolume(stage_req(outer, s1), timeout=T)
+    c.nodes.NodePublishVolume(publish_req(outer, s1, a), timeout=T)
+    (a / "sub").mkdir()  # kubelet makes a staging dir wherever it is told
+
+    def unchanged() -> tuple[object, object]:
+        return identity(c, outer), identity(c, inner)
+
+    before = unchanged()
+    got, msg = error(lambda: c.nodes.NodeStageVolume(stage_req(inner, a / "sub"), timeout=T))
+    assert got == Code.INVALID_ARGUMENT and "is inside the publish path" in msg, msg
+    assert unchanged() == before
+    c.nodes.NodeStageVolume(stage_req(inner, s2), timeout=T)
+    before = unchanged()
+    for target, want, words in (
+            (a / "sub", Code.INVALID_ARGUMENT, "is inside the publish path"),
+            (s1 / "deeper", Code.INVALID_ARGUMENT, "is inside the staging path"),
+            (a.parent, Code.INVALID_ARGUMENT, "contains the publish path"),
+            # Equal to a path in use: its mount is seen first.
+            (s1, Code.FAILED_PRECONDITION, "already has a mount of something else")):
+        got, msg = error(lambda t=target: c.nodes.NodePublishVolume(  # type: ignore[misc]
+            publish_req(inner, s2, t), timeout=T))
+        assert got == want and words in msg, (target, got, msg)
+        assert name_of(outer) in msg or target == s1, msg
+        assert unchanged() == before, target
+    assert c.daemon.status(name_of(outer))["phase"] == "Published"
+    assert c.daemon.status(name_of(inner))["phase"] == "Staged"
+
+    # Two calls at once on two volumes could still commit a clash (each checks
+    # before the other writes): the file that brings it is frozen, alone.
+    path = c.csi_dir / f"{name_of(inner)}.yaml"
+    doc = yaml.safe_load(path.read_bytes())
+    doc["spec"]["publish"] = [{"path": str(a / "sub"), "readOnly": False}]
+    _write_by_hand(path, doc)
+    # A call on the volume already there waits for a pass that loads both
+    # files: it is served, not frozen.
+    c.nodes.NodePublishVolume(publish_req(outer, s1, a), timeout=T)
+    assert c.daemon.status(name_of(outer))["phase"] == "Published"
+    c.daemon.wait_phase(name_of(inner), "Frozen")
+    assert not any((a / "sub").iterdir())  # nothing was mounted inside it
+    log = c.daemon.log.read_text()
+    assert f"{name_of(inner)}.yaml" in log and "is inside publish path" in log
+    unpublish(c, inner, a / "sub")  # the CO's call takes the entry out again
+    c.daemon.wait_phase(name_of(inner), "Staged")
+
+    unpublish(c, outer, a)
+    unstage(c, outer, s1)
+    unstage(c, inner, s2)
+    for v in (outer, inner):
+        delete(c, v)
     assert not c.files()
     assert c.stop() == 0
 
