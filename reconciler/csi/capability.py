@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 
 from reconciler.csi import csi_pb2 as pb
-from reconciler.csi.errors import invalid
+from reconciler.csi.errors import invalid, quoted
 
 Mode = pb.VolumeCapability.AccessMode
 # One node at a time, or many nodes reading: an RBD image with a local
@@ -45,12 +45,12 @@ def parse(cap: pb.VolumeCapability, what: str = "volume_capability") -> Access:
         return Access(True, None, (), mode in READ_ONLY_MODES, single)
     fs_type = cap.mount.fs_type or None
     if fs_type is not None and fs_type not in FS_TYPES:
-        raise invalid(f"{what}: fs_type {fs_type!r} is not supported (ext4 or xfs)")
+        raise invalid(f"{what}: fs_type {quoted(fs_type)} is not supported (ext4 or xfs)")
     options: list[str] = []
     for flag in cap.mount.mount_flags:
         for opt in flag.split(","):
             if opt and not _OPTION.fullmatch(opt):
-                raise invalid(f"{what}: mount flag {opt!r} is not a mount option")
+                raise invalid(f"{what}: mount flag {quoted(opt)} is not a mount option")
             if opt:
                 options.append(opt)
     return Access(False, fs_type, tuple(options), mode in READ_ONLY_MODES, single)

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import rados
 import rbd
 
+from reconciler.csi.errors import quoted
 from reconciler.drivers.ceph import CephError, connect, get_meta, set_meta, snapshot_children
 from reconciler.drivers.groups import snapshot_members
 from reconciler.facts import meta
@@ -195,7 +196,7 @@ class CephInfo:
         (our test cluster) reports 0, which is what we pass on."""
         with self._client() as c:
             if pool is not None and not c.pool_exists(pool):
-                raise CephError(f"pool {pool!r} does not exist")
+                raise CephError(f"pool {quoted(pool)} does not exist")
             cmd = json.dumps({"prefix": "df", "format": "json"})
             ret, out, err = c.mon_command(cmd, b"", timeout=TIMEOUT_S)
             if ret != 0:

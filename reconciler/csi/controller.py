@@ -13,7 +13,7 @@ import grpc
 from reconciler.csi import capability, csi_pb2_grpc, ids, mutable
 from reconciler.csi import csi_pb2 as pb
 from reconciler.csi.cephinfo import CephInfo
-from reconciler.csi.errors import CsiError, invalid, not_found, rpc
+from reconciler.csi.errors import CsiError, invalid, not_found, quoted, rpc
 from reconciler.csi.files import (
     L_ACCESS,
     L_ENCRYPTION,
@@ -81,20 +81,20 @@ def _parameters(params: dict[str, str]) -> dict[str, str]:
         if key.startswith(CO_PREFIX):
             continue
         if key not in PARAMETERS:
-            raise invalid(f"parameter {key!r} is not known (known: {', '.join(PARAMETERS)})")
+            raise invalid(f"parameter {quoted(key)} is not known (known: {', '.join(PARAMETERS)})")
         out[key] = value
     if "pool" not in out:
         raise invalid("parameter 'pool' is required (the StorageClass names the RBD pool)")
     if out.get("fsType", "ext4") not in capability.FS_TYPES:
-        raise invalid(f"parameter fsType {out['fsType']!r}: ext4 or xfs")
+        raise invalid(f"parameter fsType {quoted(out['fsType'])}: ext4 or xfs")
     if out.get("encrypted", "false") not in ("true", "false"):
-        raise invalid(f"parameter encrypted {out['encrypted']!r}: \"true\" or \"false\"")
+        raise invalid(f"parameter encrypted {quoted(out['encrypted'])}: \"true\" or \"false\"")
     if "encryptionKey" in out:
         kind, _, path = out["encryptionKey"].partition(":")
         if out.get("encrypted") != "true":
             raise invalid("parameter encryptionKey needs encrypted: \"true\"")
         if kind not in KEY_KINDS or not path.startswith("/"):
-            raise invalid(f"parameter encryptionKey {out['encryptionKey']!r}: file:/PATH or "
+            raise invalid(f"parameter encryptionKey {quoted(out['encryptionKey'])}: file:/PATH or "
                           "wrappedBy:/PATH (a key file under the node config's "
                           "encryption.keyRoot)")
     return out
@@ -109,7 +109,7 @@ def _encryption(params: dict[str, str], key_root: str) -> str | None:
     source = params.get("encryptionKey") or f"wrappedBy:{root}/node.key"
     path = source.partition(":")[2]
     if os.path.normpath(path) != path or not path.startswith(root + "/"):
-        raise invalid(f"parameter encryptionKey {source!r}: the key file must lie under "
+        raise invalid(f"parameter encryptionKey {quoted(source)}: the key file must lie under "
                       f"{root} (encryption.keyRoot of the node config)")
     return source
 
@@ -210,7 +210,7 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
         fits = size >= rng.required_bytes and (not rng.limit_bytes or size <= rng.limit_bytes)
         if not fits:
             raise CsiError(grpc.StatusCode.ALREADY_EXISTS,
-                           f"a volume named {request.name!r} already exists with another "
+                           f"a volume named {quoted(request.name)} already exists with another "
                            f"capacity ({size} bytes)")
         differ = [what for what, a, b in (
             ("name", old.get(L_REQUEST), request.name),
@@ -223,7 +223,7 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
             ("encryption", old.get(L_ENCRYPTION), labels.get(L_ENCRYPTION))) if a != b]
         if differ:
             raise CsiError(grpc.StatusCode.ALREADY_EXISTS,
-                           f"a volume named {request.name!r} already exists with another "
+                           f"a volume named {quoted(request.name)} already exists with another "
                            f"{', '.join(differ)}")
 
     @rpc
@@ -299,10 +299,10 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
             raise invalid("volume_capabilities is required")
         parsed = ids.parse_volume_id(request.volume_id)
         if parsed is None:
-            raise not_found(f"volume {request.volume_id!r} does not exist")
+            raise not_found(f"volume {quoted(request.volume_id)} does not exist")
         doc = self.volumes.read(ids.volume_name(*parsed))
         if doc is None and self.ceph.image_size(*parsed) is None:
-            raise not_found(f"volume {request.volume_id!r} does not exist")
+            raise not_found(f"volume {quoted(request.volume_id)} does not exist")
         try:
             capability.parse_all(list(request.volume_capabilities))
         except CsiError as exc:
@@ -325,7 +325,7 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
         start = request.starting_token
         if start and not _TOKEN.fullmatch(start):
             raise CsiError(grpc.StatusCode.ABORTED,
-                           f"starting_token {start!r} was not handed out by ListVolumes")
+                           f"starting_token {quoted(start)} was not handed out by ListVolumes")
         entries, next_token = [], ""
         for name in self.volumes.names():
             if start and name < start:
@@ -385,14 +385,14 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
         _size(rng)  # the arguments alone first: INVALID_ARGUMENT before NOT_FOUND
         parsed = ids.parse_volume_id(request.volume_id)
         if parsed is None:
-            raise not_found(f"volume {request.volume_id!r} does not exist")
+            raise not_found(f"volume {quoted(request.volume_id)} does not exist")
         name = ids.volume_name(*parsed)
         deadline = self.volumes.deadline(context)
         # Staged or published is no reason to refuse: we advertise ONLINE
         # expansion, and growing never tears anything down on the node.
         def grow(doc: dict[str, Any] | None) -> bool:
             if doc is None or doc["spec"].get("state", "present") != "present":
-                raise not_found(f"volume {request.volume_id!r} does not exist")
+                raise not_found(f"volume {quoted(request.volume_id)} does not exist")
             img = doc["spec"]["image"]
             size = _size(rng, max_size(img.get("features")))
             current = int(img.get("size") or 0)
@@ -427,13 +427,13 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
         changes = mutable.parse(dict(request.mutable_parameters))
         parsed = ids.parse_volume_id(request.volume_id)
         if parsed is None:
-            raise not_found(f"volume {request.volume_id!r} does not exist")
+            raise not_found(f"volume {quoted(request.volume_id)} does not exist")
         name = ids.volume_name(*parsed)
         deadline = self.volumes.deadline(context)
         def modify(doc: dict[str, Any] | None) -> bool:
             if doc is None or doc.get("kind", "Volume") != "Volume" or \
                     doc["spec"].get("state", "present") != "present":
-                raise not_found(f"volume {request.volume_id!r} does not exist")
+                raise not_found(f"volume {quoted(request.volume_id)} does not exist")
             return mutable.apply(doc["spec"], changes)
 
         with self.volumes.operation(name):

@@ -10,7 +10,16 @@ from typing import Any, TypeVar
 
 import grpc
 
+from reconciler.spec.diagnostics import excerpt
+
 log = logging.getLogger("rbd-reconciler.csi")
+
+# A request value quoted in a message: every id we hand out (128 bytes) and
+# kubelet's paths whole, a 20,000-byte id as its start. gRPC carries the
+# message in a header (16 KiB for all of them, non-ASCII bytes percent-encoded
+# to three): a whole message is cut at MAX_MESSAGE_BYTES, the last defence.
+QUOTE_CHARS = 256
+MAX_MESSAGE_BYTES = 4096
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -20,6 +29,20 @@ class CsiError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+def quoted(value: str, limit: int = QUOTE_CHARS) -> str:
+    """A value from a request, for a message: ``repr`` (control and bidi
+    characters escaped), at most ``limit`` characters of it and "…"."""
+    return excerpt(value, limit)
+
+
+def bounded(message: str) -> str:
+    """``message`` cut to MAX_MESSAGE_BYTES of UTF-8, saying so."""
+    raw = message.encode()
+    if len(raw) <= MAX_MESSAGE_BYTES:
+        return message
+    return raw[:MAX_MESSAGE_BYTES - 32].decode(errors="ignore") + " … (message cut)"
 
 
 def invalid(message: str) -> CsiError:
@@ -49,9 +72,10 @@ def rpc(method: F) -> F:
             log.exception("CSI %s failed", method.__name__)
             err = CsiError(grpc.StatusCode.INTERNAL,
                            f"{method.__name__}: internal error: {type(exc).__name__}: {exc}")
+        message = bounded(err.message)
         if err.code not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS):
-            log.info("CSI %s: %s: %s", method.__name__, err.code.name, err.message)
-        context.abort(err.code, err.message)
+            log.info("CSI %s: %s: %s", method.__name__, err.code.name, message)
+        context.abort(err.code, message)
         raise AssertionError("unreachable: abort raises")
 
     return wrapper  # type: ignore[return-value]

@@ -71,6 +71,21 @@ class VolumeFiles:
                 + yaml.safe_dump(doc, sort_keys=False))
         return durable_temp(self.dir / name, text.encode())  # .NAME.*.tmp beside NAME.yaml
 
+    def raw(self, name: str) -> bytes | None:
+        """The file's bytes as they are (None: there is none), to put back."""
+        try:
+            return self.path(name).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def put_back(self, name: str, raw: bytes | None) -> None:
+        """The file exactly as ``raw`` (from ``raw``), atomically; removed
+        when there was none."""
+        if raw is None:
+            self.remove(name)
+        else:
+            commit(durable_temp(self.dir / name, raw), self.path(name))
+
     def commit(self, name: str, tmp: Path) -> None:
         commit(tmp, self.path(name))
 

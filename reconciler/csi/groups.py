@@ -18,7 +18,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from reconciler.csi import csi_pb2 as pb
 from reconciler.csi import csi_pb2_grpc, ids
 from reconciler.csi.cephinfo import CephInfo
-from reconciler.csi.errors import CsiError, invalid, not_found, rpc
+from reconciler.csi.errors import CsiError, invalid, not_found, quoted, rpc
 from reconciler.csi.files import L_ORIGIN, L_REQUEST, VolumeFiles
 from reconciler.csi.volumes import Volumes
 from reconciler.spec.model import API_VERSION
@@ -77,7 +77,7 @@ class GroupControllerServicer(csi_pb2_grpc.GroupControllerServicer):
             doc = self.volumes.read(ids.volume_name(*parsed)) if parsed else None
             present = doc is not None and doc["spec"].get("state", "present") == "present"
             if parsed is None or (not present and self.ceph.image_size(*parsed) is None):
-                raise not_found(f"volume {vid!r} does not exist")
+                raise not_found(f"volume {quoted(vid)} does not exist")
             found.append(parsed)
         pools = {p for p, _ in found}
         if len(pools) != 1:
@@ -108,7 +108,7 @@ class GroupControllerServicer(csi_pb2_grpc.GroupControllerServicer):
             members = sorted(i["name"] for i in have["spec"].get("images", []))
             if have["spec"].get("pool") != pool or members != images:
                 raise CsiError(grpc.StatusCode.ALREADY_EXISTS,
-                               f"a group snapshot named {request.name!r} already exists "
+                               f"a group snapshot named {quoted(request.name)} already exists "
                                "with other source volumes")
 
         labels = {L_REQUEST: request.name, L_ORIGIN: "controller"}
@@ -161,7 +161,7 @@ class GroupControllerServicer(csi_pb2_grpc.GroupControllerServicer):
         parsed = ids.parse_group_id(request.group_snapshot_id)
         members = self.ceph.group_snapshot(*parsed) if parsed else None
         if parsed is None or members is None:
-            raise not_found(f"group snapshot {request.group_snapshot_id!r} does not exist")
+            raise not_found(f"group snapshot {quoted(request.group_snapshot_id)} does not exist")
         answer = group_snapshot(*parsed, members)
         self._check_ids(answer, list(request.snapshot_ids))
         return pb.GetVolumeGroupSnapshotResponse(group_snapshot=answer)
@@ -191,7 +191,7 @@ class GroupControllerServicer(csi_pb2_grpc.GroupControllerServicer):
                               for i in doc["spec"].get("images", []))
                 if sorted(request.snapshot_ids) != want:
                     raise invalid(f"snapshot_ids do not match the members of group snapshot "
-                                  f"{request.group_snapshot_id} ({', '.join(want)}); "
+                                  f"{quoted(request.group_snapshot_id)} ({', '.join(want)}); "
                                   "nothing was changed")
 
         def absent(doc: dict[str, Any]) -> None:

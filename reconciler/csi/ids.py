@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import re
 
+from reconciler.csi.errors import quoted
+
 ID_PREFIX = "rbdr1"
 SNAP_ID_PREFIX = "rbdr1s"
 _SNAP = re.compile(r"csi-snap-[0-9a-f]{32}")
@@ -26,7 +28,7 @@ def image_for_request(request_name: str) -> str:
 def volume_id(pool: str, image: str) -> str:
     vid = f"{ID_PREFIX}:{pool}:{image}"
     if len(vid.encode()) > MAX_ID_BYTES:
-        raise ValueError(f"pool name {pool!r} is too long for a CSI volume id")
+        raise ValueError(f"pool name {quoted(pool)} is too long for a CSI volume id")
     return vid
 
 
@@ -61,7 +63,7 @@ def snapshot_id(pool: str, image: str, snap: str) -> str:
     """Self-describing like a volume id: any node finds the snapshot from it."""
     sid = f"{SNAP_ID_PREFIX}:{pool}:{image}:{snap}"
     if len(sid.encode()) > MAX_ID_BYTES:
-        raise ValueError(f"pool name {pool!r} is too long for a CSI snapshot id")
+        raise ValueError(f"pool name {quoted(pool)} is too long for a CSI snapshot id")
     return sid
 
 
@@ -94,7 +96,7 @@ def is_group_name(name: str) -> bool:
 def group_id(pool: str, group: str) -> str:
     gid = f"{GROUP_ID_PREFIX}:{pool}:{group}"
     if len(gid.encode()) > MAX_ID_BYTES:
-        raise ValueError(f"pool name {pool!r} is too long for a CSI group snapshot id")
+        raise ValueError(f"pool name {quoted(pool)} is too long for a CSI group snapshot id")
     return gid
 
 
@@ -112,7 +114,7 @@ def member_id(pool: str, group: str, image: str) -> str:
     """A snapshot id for one member of a group snapshot: restorable from the id alone."""
     mid = f"{MEMBER_ID_PREFIX}:{pool}:{group}:{image}"
     if len(mid.encode()) > MAX_ID_BYTES:
-        raise ValueError(f"pool name {pool!r} is too long for a CSI snapshot id")
+        raise ValueError(f"pool name {quoted(pool)} is too long for a CSI snapshot id")
     return mid
 
 

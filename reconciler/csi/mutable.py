@@ -9,8 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from reconciler.csi.errors import invalid
-from reconciler.spec.diagnostics import excerpt
+from reconciler.csi.errors import invalid, quoted
 from reconciler.spec.qos import CSI_PARAMETERS, MAX_LIMIT
 from reconciler.spec.units import parse_size
 
@@ -28,7 +27,7 @@ def parse(params: dict[str, str], what: str = "mutable_parameters") -> dict[str,
     for key, value in sorted(params.items()):
         field = CSI_PARAMETERS.get(key)
         if field is None:
-            raise invalid(f"{what}: {excerpt(key)} is not a mutable parameter (known: "
+            raise invalid(f"{what}: {quoted(key)} is not a mutable parameter (known: "
                           f"{', '.join(sorted(CSI_PARAMETERS))})")
         if value == "0":
             out[field] = None
@@ -43,7 +42,7 @@ def parse(params: dict[str, str], what: str = "mutable_parameters") -> dict[str,
             pass
         most = MAX_LIMIT if field in _BYTES else _MOST
         if not 1 <= number <= most:
-            raise invalid(f"{what}: {key}={excerpt(value)}: expected a whole number from 0 "
+            raise invalid(f"{what}: {key}={quoted(value)}: expected a whole number from 0 "
                           "(no limit) to " + (f"{most} bytes, or a size such as 100Mi"
                                               if field in _BYTES else f"{most}")
                           + ", ASCII digits only")

@@ -18,7 +18,7 @@ import grpc
 from reconciler.csi import capability, csi_pb2_grpc, ids, podcgroup
 from reconciler.csi import csi_pb2 as pb
 from reconciler.csi.cephinfo import CephInfo
-from reconciler.csi.errors import CsiError, invalid, not_found, precondition, rpc
+from reconciler.csi.errors import CsiError, invalid, not_found, precondition, quoted, rpc
 from reconciler.csi.files import (
     L_ENCRYPTION,
     L_FSTYPE,
@@ -28,17 +28,71 @@ from reconciler.csi.files import (
     new_document,
 )
 from reconciler.csi.volumes import Volumes
+from reconciler.facts.observed import Mount, top_mounts
 from reconciler.facts.parsers import parse_mountinfo
 
 BLOCK_DEVICE_FILE = "rbd-device"  # the device node's bind inside kubelet's staging dir
+NAME_MAX = 255  # bytes in one path component (Linux)
+PATH_MAX = 4096  # bytes in a path, its terminating NUL included
 
 
 def _path(value: str, what: str) -> str:
     if not value:
         raise invalid(f"{what} is required")
     if not os.path.isabs(value) or os.path.normpath(value) != value:
-        raise invalid(f"{what} {value!r} must be an absolute, normalised path")
+        raise invalid(f"{what} {quoted(value)} must be an absolute, normalised path")
+    size = len(os.fsencode(value))
+    if size >= PATH_MAX:
+        raise invalid(f"{what} {quoted(value)} is {size} bytes long; a path holds at most "
+                      f"{PATH_MAX - 1}")
+    for part in value.split("/"):
+        if len(os.fsencode(part)) > NAME_MAX:
+            raise invalid(f"{what} {quoted(value)}: its component {quoted(part, 40)} is "
+                          f"{len(os.fsencode(part))} bytes long; a name holds at most {NAME_MAX}")
     return value
+
+
+def _usable(path: str, what: str, last: str) -> None:
+    """The engine's checks on a path it mounts on (and creates what is
+    missing of), made before the volume's file is written: no symlink in it
+    (safety rule 8), every existing component a directory, and the last one,
+    if it exists, a ``last`` ("directory" or "file")."""
+    parts = [p for p in path.split("/") if p]
+    here = ""
+    for i, part in enumerate(parts):
+        here += "/" + part
+        try:
+            st = os.lstat(here)
+        except FileNotFoundError:
+            return  # the engine makes the rest
+        except OSError as exc:
+            raise precondition(f"{what} {quoted(path)}: cannot look at {quoted(here)}: "
+                               f"{exc.strerror or exc}") from None
+        if stat.S_ISLNK(st.st_mode):
+            where = "is" if here == path else "passes through"
+            raise precondition(f"{what} {quoted(path)} {where} the symlink {quoted(here)}; "
+                               "no symlink is followed")
+        if i < len(parts) - 1 or last == "directory":
+            if not stat.S_ISDIR(st.st_mode):
+                raise precondition(f"{what} {quoted(path)}: {quoted(here)} exists and is "
+                                   "not a directory")
+        elif stat.S_ISDIR(st.st_mode):
+            raise precondition(f"{what} {quoted(path)} is a directory; a block volume is "
+                               "bound onto a file")
+
+
+def _foreign_mount(target: str, source: str) -> Mount | None:
+    """The top mount at ``target`` when it is not a bind of the top mount at
+    ``source`` (the volume's staging mount or device node): something else is
+    mounted there. With nothing at ``source`` to compare, None: the engine
+    decides (by the device) and a refusal puts the file back."""
+    tops = top_mounts(parse_mountinfo(Path("/proc/self/mountinfo").read_text()))
+    there, ours = tops.get(target), tops.get(source)
+    if there is None or ours is None:
+        return None
+    if (there.major, there.minor, there.root) == (ours.major, ours.minor, ours.root):
+        return None
+    return there
 
 
 def _staged_at(stage: dict[str, Any] | None, staging: str) -> bool:
@@ -63,7 +117,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
     def _name(self, volume_id: str) -> tuple[str, str, str]:
         parsed = ids.parse_volume_id(volume_id)
         if parsed is None:
-            raise not_found(f"volume {volume_id!r} does not exist (not an id we handed out)")
+            raise not_found(f"volume {quoted(volume_id)} does not exist (not an id we handed out)")
         return ids.volume_name(*parsed), *parsed
 
     # -- stage -----------------------------------------------------------------
@@ -83,7 +137,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             if not _present(doc):
                 # Created elsewhere (or by hand): stage it by its id alone.
                 if self.ceph.image_size(pool, image) is None:
-                    raise not_found(f"volume {request.volume_id!r} does not exist")
+                    raise not_found(f"volume {quoted(request.volume_id)} does not exist")
                 doc = new_document(name, {L_ORIGIN: "node"}, {"pool": pool, "name": image})
             assert doc is not None
             labels = doc["metadata"].setdefault("labels", {})
@@ -103,6 +157,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                 raise CsiError(grpc.StatusCode.ALREADY_EXISTS,
                                f"volume {name} is already staged at {spec['stage']['path']} "
                                f"({spec['stage'].get('mode', 'filesystem')}); unstage it first")
+            _usable(want["path"], "staging_target_path", "file" if access.block else "directory")
             spec["map"] = {"mapper": labels[L_MAPPER]} if L_MAPPER in labels else {}
             if L_ENCRYPTION in labels:
                 spec["encryption"] = encryption_spec(labels[L_ENCRYPTION])
@@ -161,11 +216,11 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         with self.volumes.operation(name):
             doc = self.files.read(name)
             if not _present(doc):
-                raise not_found(f"volume {request.volume_id!r} does not exist")
+                raise not_found(f"volume {quoted(request.volume_id)} does not exist")
             assert doc is not None
             spec = doc["spec"]
             if not _staged_at(spec.get("stage"), staging):
-                raise precondition(f"volume {name} is not staged at {staging}; "
+                raise precondition(f"volume {name} is not staged at {quoted(staging)}; "
                                    "call NodeStageVolume first")
             if (spec["stage"].get("mode") == "block") != access.block:
                 raise invalid(f"volume {name} is staged as "
@@ -177,7 +232,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                 if entry["path"] == target:
                     if bool(entry.get("readOnly")) != read_only:
                         raise CsiError(grpc.StatusCode.ALREADY_EXISTS,
-                                       f"{target} is already published "
+                                       f"{quoted(target)} is already published "
                                        f"{'read-only' if entry.get('readOnly') else 'read-write'}")
                     self.volumes.settle(name, deadline)
                     return pb.NodePublishVolumeResponse()
@@ -185,6 +240,11 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                 raise precondition(f"volume {name} is SINGLE_NODE_SINGLE_WRITER and already "
                                    f"published at {', '.join(p['path'] for p in publish)}; "
                                    "unpublish it there first")
+            _usable(target, "target_path", "file" if access.block else "directory")
+            if (there := _foreign_mount(target, spec["stage"]["path"])) is not None:
+                raise precondition(f"target_path {quoted(target)} already has a mount of "
+                                   f"something else ({quoted(there.source)}, "
+                                   f"{quoted(there.fs_type)}); refusing to stack on it")
             entry: dict[str, Any] = {"path": target, "readOnly": read_only}
             if (cgroup := podcgroup.find(target)) is not None:
                 entry["ioCgroup"] = cgroup  # io.max for the pod: the volume's QoS
@@ -231,7 +291,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         name, _, _ = self._name(request.volume_id)
         doc = self.files.read(name)
         if not _present(doc):
-            raise not_found(f"volume {request.volume_id!r} does not exist")
+            raise not_found(f"volume {quoted(request.volume_id)} does not exist")
         assert doc is not None
         path = request.volume_path
         stage = doc["spec"].get("stage") or {}
@@ -240,7 +300,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             known |= {stage["path"], os.path.dirname(stage["path"])
                       if stage.get("mode") == "block" else stage["path"]}
         if path not in known:
-            raise not_found(f"volume {name} is not staged or published at {path}")
+            raise not_found(f"volume {name} is not staged or published at {quoted(path)}")
         if stage.get("mode") == "block":
             device = stage["path"] if path == os.path.dirname(stage["path"]) else path
             return self._block_stats(device)
@@ -295,7 +355,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         with self.volumes.operation(name):
             doc = self.files.read(name)
             if not _present(doc):
-                raise not_found(f"volume {request.volume_id!r} does not exist")
+                raise not_found(f"volume {quoted(request.volume_id)} does not exist")
             # The engine grows the mapping and the filesystem whenever the
             # image is larger: a pass on the file as it is does the work.
             status = self.volumes.settle(name, deadline)

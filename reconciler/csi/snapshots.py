@@ -12,7 +12,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from reconciler.csi import csi_pb2 as pb
 from reconciler.csi import ids
 from reconciler.csi.cephinfo import CephInfo
-from reconciler.csi.errors import CsiError, invalid, not_found, rpc
+from reconciler.csi.errors import CsiError, invalid, not_found, quoted, rpc
 from reconciler.csi.files import L_ORIGIN, L_REQUEST, L_SOURCE, VolumeFiles, new_snapshot_document
 from reconciler.csi.groups import member_snapshot
 from reconciler.csi.volumes import Volumes
@@ -41,11 +41,11 @@ class SnapshotRpcs:
         """(pool, image) of an existing volume, or NOT_FOUND."""
         parsed = ids.parse_volume_id(volume_id)
         if parsed is None:
-            raise not_found(f"volume {volume_id!r} does not exist")
+            raise not_found(f"volume {quoted(volume_id)} does not exist")
         doc = self.volumes.read(ids.volume_name(*parsed))
         present = doc is not None and doc["spec"].get("state", "present") == "present"
         if not present and self.ceph.image_size(*parsed) is None:
-            raise not_found(f"volume {volume_id!r} does not exist")
+            raise not_found(f"volume {quoted(volume_id)} does not exist")
         return parsed
 
     def snapshots_of(self, pool: str, image: str) -> list[str]:
@@ -90,7 +90,7 @@ class SnapshotRpcs:
         def same(have: dict[str, Any]) -> None:
             if have["spec"].get("source", {}).get("image") != {"pool": pool, "name": image}:
                 raise CsiError(grpc.StatusCode.ALREADY_EXISTS,
-                               f"a snapshot named {request.name!r} already exists for "
+                               f"a snapshot named {quoted(request.name)} already exists for "
                                "another volume "
                                f"({have['metadata'].get('labels', {}).get(L_SOURCE)})")
 
@@ -113,7 +113,7 @@ class SnapshotRpcs:
             raise invalid("snapshot_id is required")
         if ids.parse_member_id(request.snapshot_id) is not None:
             # The spec: a member of a group snapshot is never deleted alone.
-            raise invalid(f"snapshot {request.snapshot_id!r} is part of a group snapshot: "
+            raise invalid(f"snapshot {quoted(request.snapshot_id)} is part of a group snapshot: "
                           "delete the group snapshot (DeleteVolumeGroupSnapshot)")
         parsed = ids.parse_snapshot_id(request.snapshot_id)
         if parsed is None:
@@ -159,7 +159,7 @@ class SnapshotRpcs:
         start = request.starting_token
         if start and not ids.is_snapshot_name(start):
             raise CsiError(grpc.StatusCode.ABORTED,
-                           f"starting_token {start!r} was not handed out by ListSnapshots")
+                           f"starting_token {quoted(start)} was not handed out by ListSnapshots")
         only: str | None = None
         if request.snapshot_id:
             parsed = ids.parse_snapshot_id(request.snapshot_id)
@@ -201,7 +201,7 @@ class SnapshotRpcs:
         parsed = ids.parse_snapshot_id(request.snapshot_id)
         found = self.ceph.snapshot(*parsed) if parsed else None
         if parsed is None or found is None:
-            raise not_found(f"snapshot {request.snapshot_id!r} does not exist")
+            raise not_found(f"snapshot {quoted(request.snapshot_id)} does not exist")
         pool, image, name = parsed
         try:
             doc = self.volumes.read(name)
@@ -215,7 +215,7 @@ class SnapshotRpcs:
         """A member of a group snapshot, or NOT_FOUND."""
         members = self.ceph.group_snapshot(pool, group)
         if members is None or image not in members:
-            raise not_found(f"snapshot {sid!r} does not exist")
+            raise not_found(f"snapshot {quoted(sid)} does not exist")
         return member_snapshot(pool, group, image, *members[image])
 
     # -- CreateVolume from a snapshot or a volume ----------------------------------
@@ -233,7 +233,7 @@ class SnapshotRpcs:
             parsed = ids.parse_snapshot_id(sid)
             found = self.ceph.snapshot(*parsed) if parsed else None
             if parsed is None or found is None:
-                raise not_found(f"snapshot {sid!r} does not exist")
+                raise not_found(f"snapshot {quoted(sid)} does not exist")
             pool, image, snap = parsed
             return {"image": {"pool": pool, "name": image, "snapshot": snap}}, found[0]
         if src.HasField("volume"):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from reconciler.csi.errors import CsiError, invalid, precondition
+from reconciler.csi.errors import CsiError, invalid, precondition, quoted
 from reconciler.csi.files import L_RECORD_REV, VolumeFiles
 from reconciler.csi.records import NODE_ONLY, Record, Records
 from reconciler.spec.config import Config
@@ -286,13 +286,8 @@ class Volumes:
                     continue
             except CsiError as exc:
                 if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
-                    # Refused (still open elsewhere, has snapshots): the
-                    # volume stays as it was, and so does its record.
-                    self.files.remove(name)
-                    if file is not None:
-                        self.files.commit(name, self.files.write_temp(name, file))
-                        self.let_go(name, file)
-                    self.engine.wake_volume(name)
+                    # Refused (still open elsewhere, has snapshots): converge
+                    # put the file back; the record goes back to created too.
                     self.records.write(name, tomb, present, "created")
                 raise
             self.files.remove(name)
@@ -404,21 +399,58 @@ class Volumes:
             raise
 
     def _check_other_csi_volumes(self, name: str, vol: Volume) -> None:
-        """Two CSI volumes claiming one path would freeze both; refuse the new claim."""
-        mine = {(k, v) for k, v, _ in claims(vol) if k.endswith("path")}
+        """A path another CSI volume claims, or one inside or around one of its
+        paths, is refused before the file is written: the loader would fail
+        the file (a mount inside another volume's mount hides it or lands in
+        its data), and the other volume is left as it is."""
+        mine = [(k, v) for k, v, _ in claims(vol) if k.endswith("path")]
         if not mine:
             return
         others = [self.files.path(n) for n in self.files.names() if n != name]
         for other in load(others, self.config).volumes if others else ():
             for kind, value, _ in claims(other):
-                if (kind, value) in mine:
-                    raise CsiError(grpc.StatusCode.ALREADY_EXISTS,
-                                   f"{kind} {value} is already used by volume {other.name}")
+                if not kind.endswith("path"):
+                    continue
+                for my_kind, mine_ in mine:
+                    theirs = f"the {kind} {quoted(value)} of volume {other.name}"
+                    if mine_ == value:
+                        raise CsiError(grpc.StatusCode.ALREADY_EXISTS,
+                                       f"{my_kind} {quoted(mine_)} is already used by volume "
+                                       f"{other.name} (its {kind})")
+                    if mine_.startswith(value.rstrip("/") + "/"):
+                        raise invalid(f"{my_kind} {quoted(mine_)} is inside {theirs}; a volume "
+                                      "is never mounted inside another")
+                    if value.startswith(mine_.rstrip("/") + "/"):
+                        raise invalid(f"{my_kind} {quoted(mine_)} contains {theirs}; a volume "
+                                      "is never mounted around another")
 
     def converge(self, name: str, doc: dict[str, Any], deadline: float) -> dict[str, Any]:
+        """Write ``doc`` and wait for the engine. When the engine refuses or
+        fails the change, the file is put back exactly as it was (or removed
+        again) and the engine woken: a refused call changes nothing, and the
+        volume's next call is not held up by what was refused. Past the
+        deadline (or at a stop) the file stays and the work goes on."""
+        previous = self.files.raw(name)
         vol, tmp = self.check(name, doc)
         self.files.commit(name, tmp)
-        return self.wait(name, vol.spec_hash, deadline)
+        try:
+            return self.wait(name, vol.spec_hash, deadline)
+        except CsiError as exc:
+            if exc.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INTERNAL):
+                self._restore(name, previous, exc)
+            raise
+
+    def _restore(self, name: str, previous: bytes | None, exc: CsiError) -> None:
+        """The file as it was before a refused or failed change (``None``:
+        there was none), atomically; then the engine is woken for it."""
+        try:
+            self.files.put_back(name, previous)
+        except OSError as err:
+            log.error("%s: could not put its file back after %s: %s", name, exc.code.name, err)
+            exc.message += (f"; and its file {self.files.path(name)} could not be put back "
+                            f"({err.strerror or err}): fix it by hand")
+            return
+        self.engine.wake_volume(name)
 
     def retire(self, name: str, before: dict[str, Any], after: dict[str, Any],
                deadline: float) -> None:

@@ -46,7 +46,7 @@ from reconciler.observe.ceph import observe_images
 from reconciler.observe.node import Node, observe
 from reconciler.plan.planner import VolumePlan, actual_state, plan
 from reconciler.spec.config import Config, ConfigError, load_config
-from reconciler.spec.desired import forgettable, load_desired
+from reconciler.spec.desired import claims, forgettable, load_desired
 from reconciler.spec.loader import LoadCache, discover, is_ignored
 from reconciler.spec.model import Volume, volume_from_dict, volume_to_dict
 from reconciler.spec.security import desired_dir_problems
@@ -506,7 +506,7 @@ class Daemon:
         if problems:
             sdnotify.notify(f"STATUS=refusing: {problems[0]}")
             return False
-        loaded = load_desired(self.config, self.load_cache)
+        loaded = load_desired(self.config, self.load_cache, self._settled)
         self.conditions.update("load", [str(d) for d in loaded.diagnostics])
         if loaded.refused:  # an untrusted file or directory: read nothing, touch nothing
             sdnotify.notify("STATUS=refusing: the desired directory is not trusted")
@@ -601,6 +601,16 @@ class Daemon:
         forget(self.interest, current)
         if self.events is not None:
             self.events.update(combine(self.interest))
+
+    def _settled(self, name: str, file: Path) -> frozenset[tuple[str, str]]:
+        """What volume ``name`` claimed (kind, value) when it last loaded from
+        ``file`` (its record): between CSI files, a clash with a claim that
+        was already there freezes only the file that brought it."""
+        rec = self.records.get(name)
+        if rec is None or rec["file"] != str(file):
+            return frozenset()
+        return frozenset((kind, value) for kind, value, _ in
+                         claims(volume_from_dict(rec["volume"])))
 
     def _removals(self, current: dict[str, Volume], frozen: set[str],
                   failed_files: list[str]) -> tuple[list[Volume], dict[str, str]]:

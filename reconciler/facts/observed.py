@@ -6,6 +6,7 @@ or in memory by tests and benchmarks. Indexes make every planner lookup O(1).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -117,6 +118,20 @@ class Mount:
         return "ro" in self.options
 
 
+def top_mounts(mounts: Iterable[Mount]) -> dict[str, Mount]:
+    """The visible mount at each mount point: the one nothing else at that
+    point is mounted on (mountinfo order alone can mislead after moves)."""
+    by_point: dict[str, list[Mount]] = {}
+    for m in mounts:
+        by_point.setdefault(m.mount_point, []).append(m)
+    out = {}
+    for point, ms in by_point.items():
+        parents = {m.parent_id for m in ms}
+        tops = [m for m in ms if m.mount_id not in parents]
+        out[point] = tops[-1] if tops else ms[-1]
+    return out
+
+
 @dataclass(frozen=True)
 class Observed:
     images: dict[tuple[str, str], ImageState]
@@ -152,17 +167,7 @@ class Observed:
 
     @cached_property
     def top_mounts(self) -> dict[str, Mount]:
-        """The visible mount at each mount point: the one nothing else at that
-        point is mounted on (mountinfo order alone can mislead after moves)."""
-        by_point: dict[str, list[Mount]] = {}
-        for m in self.mounts:
-            by_point.setdefault(m.mount_point, []).append(m)
-        out = {}
-        for point, ms in by_point.items():
-            parents = {m.parent_id for m in ms}
-            tops = [m for m in ms if m.mount_id not in parents]
-            out[point] = tops[-1] if tops else ms[-1]
-        return out
+        return top_mounts(self.mounts)
 
     @cached_property
     def mounts_by_point(self) -> dict[str, Mount]:

@@ -14,7 +14,7 @@ import os
 import re
 import stat
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -649,6 +649,11 @@ def _load_file_guarded(path: Path, config: Config, cache: LoadCache | None) -> _
 FieldPath = tuple[str | int, ...]
 
 
+# The claims (kind, value) volume NAME held when it last loaded from FILE:
+# none for a volume new to the node (or to that file).
+Settled = Callable[[str, Path], Collection[tuple[str, str]]]
+
+
 @dataclass(frozen=True)
 class _Claim:
     kind: str  # "volume name", "image", "staging path", "publish path"
@@ -656,6 +661,11 @@ class _Claim:
     res: _FileResult
     doc: Document
     field: FieldPath
+    owner: str  # the volume's name
+
+    def settled(self, settled: Settled | None) -> bool:
+        return settled is not None and \
+            (self.kind, self.value) in settled(self.owner, self.res.path)
 
     def where(self) -> str:
         line, col = self.doc.where(self.field)
@@ -668,39 +678,65 @@ class _Claim:
 
 
 def _claims(res: _FileResult, doc: Document, vol: Volume) -> list[_Claim]:
-    out = [_Claim("volume name", vol.name, res, doc, ("metadata", "name"))]
+    name = vol.name
+    out = [_Claim("volume name", vol.name, res, doc, ("metadata", "name"), name)]
     if vol.snapshot is not None or vol.group is not None:
         return out  # a snapshot shares its volumes' images; it claims only its name
-    out.append(_Claim("image", vol.image.spec, res, doc, ("spec", "image")))
+    out.append(_Claim("image", vol.image.spec, res, doc, ("spec", "image"), name))
     if vol.stage is not None:
         written = bool(doc.data["spec"]["stage"].get("path"))
         out.append(_Claim("staging path", vol.stage.path, res, doc,
-                          ("spec", "stage", "path") if written else ("spec", "stage")))
-    out += [_Claim("publish path", p.path, res, doc, ("spec", "publish", i, "path"))
+                          ("spec", "stage", "path") if written else ("spec", "stage"), name))
+    out += [_Claim("publish path", p.path, res, doc, ("spec", "publish", i, "path"), name)
             for i, p in enumerate(vol.publish)]
     return out
 
 
-def _same(first: _Claim, second: _Claim) -> None:
-    """Both claims fail, each naming the other's file:line:column."""
-    def line(this: _Claim, other: _Claim, verb: str) -> str:
-        as_ = f" as a {other.kind}" if other.kind != this.kind else ""
-        return f"{this.kind} {excerpt(this.value)} is {verb} claimed at {other.where()}{as_}"
-    second.report(line(second, first, "already"))
-    first.report(line(first, second, "also"))
+class _Conflicts:
+    """Reports a claim that clashes with another. Both fail, each naming the
+    other's file:line:column; but with ``settled`` (the CSI adapter's files),
+    when one of them is what its volume already held at its last load and the
+    other is new, only the new one fails: the file that brought the clash
+    is frozen, never the volume already there."""
+
+    def __init__(self, settled: Settled | None) -> None:
+        self.settled = settled
+        self.decided = False  # a clash was decided by ``settled``
+
+    def _fails(self, this: _Claim, other: _Claim) -> bool:
+        if self.settled is None or this.res is other.res:
+            return True
+        if other.settled(self.settled) and not this.settled(self.settled):
+            return True
+        if this.settled(self.settled) and not other.settled(self.settled):
+            self.decided = True
+            return False
+        return True
+
+    def same(self, first: _Claim, second: _Claim) -> None:
+        def line(this: _Claim, other: _Claim, verb: str) -> str:
+            as_ = f" as a {other.kind}" if other.kind != this.kind else ""
+            return f"{this.kind} {excerpt(this.value)} is {verb} claimed at {other.where()}{as_}"
+        if self._fails(second, first):
+            second.report(line(second, first, "already"))
+        if self._fails(first, second):
+            first.report(line(first, second, "also"))
+
+    def nested(self, outer: _Claim, inner: _Claim) -> None:
+        if self._fails(inner, outer):
+            inner.report(f"{inner.kind} {excerpt(inner.value)} is inside {outer.kind} "
+                         f"{excerpt(outer.value)} claimed at {outer.where()}")
+        if self._fails(outer, inner):
+            outer.report(f"{outer.kind} {excerpt(outer.value)} contains {inner.kind} "
+                         f"{excerpt(inner.value)} claimed at {inner.where()}")
 
 
-def _nested(outer: _Claim, inner: _Claim) -> None:
-    inner.report(f"{inner.kind} {excerpt(inner.value)} is inside {outer.kind} "
-                 f"{excerpt(outer.value)} claimed at {outer.where()}")
-    outer.report(f"{outer.kind} {excerpt(outer.value)} contains {inner.kind} "
-                 f"{excerpt(inner.value)} claimed at {inner.where()}")
-
-
-def _cross_file_checks(results: list[_FileResult]) -> None:
+def _cross_file_checks(results: list[_FileResult], settled: Settled | None = None) -> bool:
     """Names and images are each claimed once on a node; no staging or publish
     path equals or nests in another (a mount inside another volume's mount
-    hides it, or lands in its data, and teardown order breaks)."""
+    hides it, or lands in its data, and teardown order breaks). True when
+    ``settled`` spared a claim (see _Conflicts)."""
+    conflicts = _Conflicts(settled)
     seen: dict[tuple[str, str], _Claim] = {}
     paths: list[_Claim] = []
     for res in results:
@@ -709,7 +745,7 @@ def _cross_file_checks(results: list[_FileResult]) -> None:
                 if claim.kind.endswith("path"):
                     paths.append(claim)
                 elif (first := seen.setdefault((claim.kind, claim.value), claim)) is not claim:
-                    _same(first, claim)
+                    conflicts.same(first, claim)
     # Sorted component-wise, a path's descendants follow it directly, so a stack
     # of the open ancestors finds every nesting in O(n log n). "/" -> NUL (the
     # smallest character, never in a path) sorts component-wise as one string.
@@ -720,8 +756,10 @@ def _cross_file_checks(results: list[_FileResult]) -> None:
                              or _under(claim.value, stack[-1].value)):
             stack.pop()
         if stack:
-            (_same if stack[-1].value == claim.value else _nested)(stack[-1], claim)
+            (conflicts.same if stack[-1].value == claim.value else conflicts.nested)(
+                stack[-1], claim)
         stack.append(claim)
+    return conflicts.decided
 
 
 def resolve_sources(results: list[_FileResult]) -> None:
@@ -876,9 +914,12 @@ def _untrusted_dirs(paths: Iterable[Path]) -> list[Diagnostic]:
             for d in sorted(dirs) for problem in security.directory_problems(d)]
 
 
-def load(paths: Iterable[Path], config: Config, cache: LoadCache | None = None) -> LoadResult:
+def load(paths: Iterable[Path], config: Config, cache: LoadCache | None = None,
+         settled: Settled | None = None) -> LoadResult:
     """Load every desired volume under ``paths``. Never raises for bad input.
     ``cache``: kept by the caller across loads; unchanged files are not read.
+    ``settled``: what each volume claimed at its last load; a clash between
+    files then fails only the file that brought it (see _Conflicts).
 
     Refuses (no volume at all, every file failed) when a directory, or any
     file, could have been written by someone other than root, or a file is a
@@ -897,7 +938,7 @@ def load(paths: Iterable[Path], config: Config, cache: LoadCache | None = None) 
         cache.prune(paths, files)
     results = [_load_file_guarded(f, config, cache) for f in files]
     refused = any(res.untrusted for res in results)
-    _cross_file_checks(results)
+    decided = _cross_file_checks(results, settled)
     resolve_sources(results)
     volumes: list[Volume] = []
     failed: set[Path] = set()
@@ -918,5 +959,8 @@ def load(paths: Iterable[Path], config: Config, cache: LoadCache | None = None) 
         refused=refused,
     )
     if cache is not None:
-        cache.remember(tuple(paths), files, result)
+        if decided:  # the result depends on more than the files: not kept as it is
+            cache.results.pop(tuple(paths), None)
+        else:
+            cache.remember(tuple(paths), files, result)
     return result

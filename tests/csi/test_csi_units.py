@@ -185,3 +185,16 @@ def test_the_pod_cgroup_of_a_kubelet_path(tmp_path: Path, driver: str) -> None:
     assert podcgroup.find(other, (str(root),)) is None  # that pod has no cgroup here
     assert podcgroup.find("/srv/app", (str(root),)) is None  # not kubelet's
     assert podcgroup.find(fs, (str(tmp_path / "none"),)) is None  # no cgroup v2
+
+
+def test_request_values_are_quoted_briefly_and_messages_bounded() -> None:
+    from reconciler.csi.errors import MAX_MESSAGE_BYTES, QUOTE_CHARS, bounded, quoted
+
+    vid = ids.volume_id("rbd", ids.image_for_request("pvc-x"))
+    assert quoted(vid) == repr(vid)  # every id we hand out, whole
+    long = quoted("x" * 20_000)
+    assert long == repr("x" * QUOTE_CHARS) + "…"
+    assert quoted("a\nb\u202e") == repr("a\nb\u202e")  # escaped, never raw
+    assert bounded("short") == "short"
+    cut = bounded("é" * 10_000)  # 20,000 bytes; percent-encoded by gRPC: 60,000
+    assert len(cut.encode()) <= MAX_MESSAGE_BYTES and cut.endswith("(message cut)")

@@ -160,7 +160,8 @@ def test_a_load_of_unchanged_files_is_the_last_result(tmp_path: Path, settled: N
         (tmp_path / f"v{i}.yaml").write_text(doc(f"v{i}"))
     checks = []
     real = loader._cross_file_checks
-    monkeypatch.setattr(loader, "_cross_file_checks", lambda r: (checks.append(1), real(r)))
+    monkeypatch.setattr(loader, "_cross_file_checks",
+                        lambda r, s=None: (checks.append(1), real(r, s))[1])
     cache = LoadCache()
     first = load([tmp_path], CONFIG, cache)
     assert load([tmp_path], CONFIG, cache) is first and len(checks) == 1
