@@ -133,12 +133,15 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         name, pool, image = self._name(request.volume_id)
         deadline = self.volumes.deadline(context)
         with self.volumes.operation(name):
-            doc = self.files.read(name)
+            doc = self.volumes.node_file(name)
             if not _present(doc):
                 # Created elsewhere (or by hand): stage it by its id alone.
                 if self.ceph.image_size(pool, image) is None:
                     raise not_found(f"volume {quoted(request.volume_id)} does not exist")
-                doc = new_document(name, {L_ORIGIN: "node"}, {"pool": pool, "name": image})
+                # What the controller recorded of it (csi.statePool) says how
+                # it maps, formats and opens: its mapper, fs type, encryption.
+                doc = new_document(name, {L_ORIGIN: "node", **self.volumes.recorded_labels(name)},
+                                   {"pool": pool, "name": image})
             assert doc is not None
             labels = doc["metadata"].setdefault("labels", {})
             if access.block:
@@ -177,7 +180,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         name = ids.volume_name(*parsed)
         deadline = self.volumes.deadline(context)
         with self.volumes.operation(name):
-            doc = self.files.read(name)
+            doc = self.volumes.node_file(name)
             if doc is None:
                 return pb.NodeUnstageVolumeResponse()
             spec = doc["spec"]
@@ -214,7 +217,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         name, _, _ = self._name(request.volume_id)
         deadline = self.volumes.deadline(context)
         with self.volumes.operation(name):
-            doc = self.files.read(name)
+            doc = self.volumes.node_file(name)
             if not _present(doc):
                 raise not_found(f"volume {quoted(request.volume_id)} does not exist")
             assert doc is not None
@@ -264,7 +267,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         name = ids.volume_name(*parsed)
         deadline = self.volumes.deadline(context)
         with self.volumes.operation(name):
-            doc = self.files.read(name)
+            doc = self.volumes.node_file(name)
             if doc is None:
                 return pb.NodeUnpublishVolumeResponse()
             publish = doc["spec"].get("publish", [])
@@ -289,7 +292,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         if not request.volume_path:
             raise invalid("volume_path is required")
         name, _, _ = self._name(request.volume_id)
-        doc = self.files.read(name)
+        doc = self.volumes.node_file(name)
         if not _present(doc):
             raise not_found(f"volume {quoted(request.volume_id)} does not exist")
         assert doc is not None
@@ -353,7 +356,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         name, pool, image = self._name(request.volume_id)
         deadline = self.volumes.deadline(context)
         with self.volumes.operation(name):
-            doc = self.files.read(name)
+            doc = self.volumes.node_file(name)
             if not _present(doc):
                 raise not_found(f"volume {quoted(request.volume_id)} does not exist")
             # The engine grows the mapping and the filesystem whenever the

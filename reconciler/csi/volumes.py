@@ -20,8 +20,15 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from reconciler.csi.errors import CsiError, invalid, precondition, quoted
-from reconciler.csi.files import L_RECORD_REV, VolumeFiles
-from reconciler.csi.records import NODE_ONLY, Record, Records
+from reconciler.csi.files import (
+    L_ACCESS,
+    L_ENCRYPTION,
+    L_FSTYPE,
+    L_MAPPER,
+    L_RECORD_REV,
+    VolumeFiles,
+)
+from reconciler.csi.records import NODE_ONLY, Record, Records, Unreadable
 from reconciler.spec.config import Config
 from reconciler.spec.desired import claims, operator_conflicts
 from reconciler.spec.loader import load
@@ -32,6 +39,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rbd-reconciler.csi")
 DEADLINE_MARGIN_S = 0.25  # answer before the caller's deadline cuts us off
+# What a node takes from the controller's record for a volume staged by id.
+NODE_LABELS = (L_MAPPER, L_FSTYPE, L_ACCESS, L_ENCRYPTION)
 # Reads and compare-and-sets of one call before it answers ABORTED (another
 # replica changed the record every time).
 ATTEMPTS = 4
@@ -129,6 +138,33 @@ class Volumes:
         if self.files.read(name) != node:
             self.files.commit(name, self.files.write_temp(name, node))
             self.engine.wake_volume(name)
+
+    def node_file(self, name: str) -> dict[str, Any] | None:
+        """The file a node call (stage, publish and their reverse) edits: with
+        records in Ceph, never a controller part (a leftover one would act
+        on an old revision): only this node's."""
+        doc = self.files.read(name)
+        if self.records is None or doc is None or not rev_of(doc):
+            return doc
+        return node_view(doc)
+
+    def recorded_labels(self, name: str) -> dict[str, str]:
+        """The labels a node needs (mapper, fs type, access type, encryption)
+        from the controller's record, for a volume staged by its id alone."""
+        if self.records is None:
+            return {}
+        try:
+            rec = self.records.get(name)
+        except Unreadable:
+            raise
+        except Exception as exc:  # unknown is not "none": an encrypted one must not lose it
+            raise CsiError(grpc.StatusCode.UNAVAILABLE,
+                           f"volume {name}: cannot read its controller record ({exc}); nothing "
+                           "was changed, retry later") from None
+        if rec is None or rec.state != "created":
+            return {}
+        labels = rec.doc["metadata"].get("labels") or {}
+        return {k: v for k, v in labels.items() if k in NODE_LABELS}
 
     def settle_here(self, name: str, deadline: float) -> None:
         """settle() when this replica has the file (a call of its own still

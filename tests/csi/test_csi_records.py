@@ -328,3 +328,33 @@ def test_mutable_parameters_take_the_documented_syntax_only() -> None:
             mutable.parse({"qosBpsLimit": value})
     assert mutable.parse({"qosBpsLimit": str((1 << 63) - 1)}) == {"bps": (1 << 63) - 1}
 
+
+
+def test_a_node_stages_by_what_the_record_says(start_csi: Callable[..., CsiNode],
+                                               replica_b: Callable[..., CsiNode],
+                                               node: NodeUnderTest) -> None:
+    """The file is let go once the create is recorded; a stage by id alone
+    takes the fs type from the record (not ext4 by default), and an expand
+    on the other replica while it is published keeps the node's part."""
+    from test_csi import publish_req, stage_req, unpublish, unstage
+
+    drop_records(node)
+    a, b = start_csi(state(node)), replica_b(state(node))
+    vol = b.create("pvc-by-record", size=320 * MiB, fsType="xfs")
+    node.images.add(vol.volume_id.rsplit(":", 1)[1])
+    assert a.files() == {} == b.files()
+    staging, target = a.kubelet_paths("pv-by-record")
+    a.nodes.NodeStageVolume(stage_req(vol, staging), timeout=T)
+    a.nodes.NodePublishVolume(publish_req(vol, staging, target), timeout=T)
+    assert node.mounts()[str(staging)].fs_type == "xfs"  # type: ignore[attr-defined]
+    until_ok(lambda: expand(a, vol.volume_id, 384 * MiB))
+    [doc] = a.files().values()
+    assert "size" not in doc["spec"]["image"] and "record-rev" not in str(doc)
+    assert doc["spec"]["publish"][0]["path"] == str(target)
+    (target / "kept").write_text("data")
+    unpublish(a, vol, target)
+    unstage(a, vol, staging)
+    delete(b, vol.volume_id)
+    assert a.files() == {} == b.files()
+    assert a.stop() == 0 and b.stop() == 0
+    drop_records(node)
