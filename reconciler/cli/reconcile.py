@@ -208,8 +208,10 @@ def cmd_release(args: argparse.Namespace, config: Config) -> int:
     except Busy as exc:
         print(f"rbd-reconciler: {exc}; nothing released", file=sys.stderr)
         return EXIT_FAILED
+    for line in done.thawed:
+        print(f"rbd-reconciler: {line}", file=sys.stderr)
     if args.output == "json":
-        json.dump({"sync": done.sync, "notReleased": done.left,
+        json.dump({"sync": done.sync, "thawed": done.thawed, "notReleased": done.left,
                    "volumes": [o.as_dict() for o in done.outcomes]}, sys.stdout, indent=2)
         print()
     else:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from reconciler.apply.runner import VolumeOutcome, apply
+from reconciler.drivers.freeze import thaw_recorded
 from reconciler.drivers.run import Runner
 from reconciler.engine import Busy, context, state_lock
 from reconciler.facts import meta
@@ -47,6 +48,7 @@ class Released:
     outcomes: list[VolumeOutcome] = field(default_factory=list)
     left: list[str] = field(default_factory=list)  # what is still held, one line each
     sync: str | None = None  # why sync did not finish, if it did not
+    thawed: list[str] = field(default_factory=list)  # freezes a dead run left, one line each
 
     @property
     def ok(self) -> bool:
@@ -166,12 +168,23 @@ def _plan_release(config: Config, node: Node) -> tuple[list[VolumePlan], dict[st
     return plans, volumes, observed, skipped
 
 
+def thaw_first(config: Config) -> list[str]:
+    """What a killed snapshot run left frozen, thawed from its record before
+    anything else (as ``apply`` and ``release`` do): sync waits on a frozen
+    filesystem, its writers keep its mounts busy, and one unmounted frozen
+    lives on frozen in the kernel, to be mounted again still frozen."""
+    if not (config.state_dir / "freezes.json").exists():
+        return []
+    return thaw_recorded(config.state_dir)
+
+
 def release_all(config: Config, step_timeout: float) -> Released:
-    """Sync, release every volume of ours, then look again: whatever is still
-    mounted or mapped is reported in ``left`` (the command prints it, so the
-    journal has it). Takes the state lock (the daemon must not map while we
-    unmap)."""
-    out = Released(sync=sync_all(step_timeout))
+    """Thaw what a dead run left frozen, sync, release every volume of ours,
+    then look again: whatever is still mounted or mapped is reported in
+    ``left`` (the command prints it, so the journal has it). Takes the state
+    lock (the daemon must not map while we unmap)."""
+    out = Released(thawed=thaw_first(config))
+    out.sync = sync_all(step_timeout)
     node = Node.from_config(config, Runner(timeout=step_timeout))
     with lock_within(config, step_timeout):
         plans, volumes, observed, _ = _plan_release(config, node)

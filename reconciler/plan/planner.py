@@ -195,7 +195,11 @@ class _VolumePlanner(SnapshotRules, GroupRules):
         try:
             if release:
                 # Give the node's resources back; the image is never touched.
+                # A filesystem a dead run left frozen is thawed first: its
+                # writers hold the mounts, and a frozen filesystem unmounted
+                # lives on frozen in the kernel (mounted again, still frozen).
                 self.plan.wanted = min(self.plan.phase, Phase.CREATED)
+                self.thaw_left_frozen()
                 self.teardown(Phase.CREATED)
                 return self.plan
             self.plan.unknown = self.unknown()

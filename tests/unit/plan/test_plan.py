@@ -30,6 +30,7 @@ from reconciler.plan.steps import (
     Remount,
     ResizeImage,
     SetImageMeta,
+    Thaw,
     Unmap,
     Unpublish,
     Unstage,
@@ -911,3 +912,13 @@ def test_planning_does_not_change_the_observation() -> None:
     before = (dict(obs.images), obs.mappings, dict(obs.devices), obs.mounts)
     plan(vols, obs, CTX)
     assert (dict(obs.images), obs.mappings, dict(obs.devices), obs.mounts) == before
+
+
+def test_release_thaws_a_freeze_left_by_a_dead_run_first() -> None:
+    """Issue 30: a release (plain, `--all`, the daemon's onRemove) thaws a
+    recorded freeze before it unmounts anything."""
+    vol = volume()
+    obs = replace(converged(vol).observed(), freezes=frozenset({"/srv/pgdata"}))
+    [p] = plan([vol], obs, CTX, release=["pgdata"])
+    assert actions(p) == ["thaw", "unpublish", "unpublish", "unstage", "unmap"]
+    assert p.steps[0] == Thaw("pgdata", "/srv/pgdata")
