@@ -159,6 +159,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         p.add_argument("--step-timeout", type=_positive_seconds, default=30.0, metavar="SECONDS",
                        help="with --all: deadline of the sync and of each unmount/unmap "
                             "command (default: 30)")
+        p.add_argument("--deadline", type=_positive_seconds, default=240.0, metavar="SECONDS",
+                       help="with --all: the whole release ends by then and prints what it "
+                            "could not release; commands still running are killed (default: "
+                            "240, under the shutdown unit's TimeoutStopSec=300s)")
         p.set_defaults(func=_Command("reconcile", "cmd_release"), release=True)
 
     if only in (None, "run"):
