@@ -154,6 +154,9 @@ def _print_explanation(doc: dict[str, Any]) -> None:
         print("  next:     nothing; it is where it should be")
 
 
+UNKNOWN = "unknown"
+
+
 def _print_actual(actual: dict[str, Any], holders: list[str], claim: dict | None) -> None:
     from reconciler.spec.units import format_size
 
@@ -162,23 +165,33 @@ def _print_actual(actual: dict[str, Any], holders: list[str], claim: dict | None
         print(f"  unknown:  {actual['unknown']}")
     if actual["problem"]:
         print(f"  PROBLEM:  {actual['problem']}")
-    size = format_size(actual["size"]) if actual["size"] else "-"
+    # What only Ceph knows is "unknown" while the image is not seen (an
+    # outage): never "none", which would say there is nothing.
+    unseen = bool(actual.get("imageUnknown"))
+    size = format_size(actual["size"]) if actual["size"] else UNKNOWN if unseen else "-"
     print(f"  image:    {actual['image']}  size {size}")
     if actual.get("kind") == "Snapshot":
-        print(f"  snapshot: of {actual['source']}, owner {actual['owner'] or 'none recorded'}"
-              f", protected {actual['protected']}")
-        print(f"  clones:   {', '.join(actual['children']) or 'none'}")
+        owner = UNKNOWN if unseen else actual["owner"] or "none recorded"
+        print(f"  snapshot: of {actual['source']}, owner {owner}"
+              f", protected {UNKNOWN if unseen else actual['protected']}")
+        print(f"  clones:   {UNKNOWN if unseen else ', '.join(actual['children']) or 'none'}")
     elif actual.get("kind") == "SnapshotGroup":
-        print(f"  group:    of {actual['source']}, owner {actual['owner'] or 'none recorded'}")
-        print(f"  members:  {', '.join(actual['members']) or 'none'}")  # type: ignore[arg-type]
+        owner = UNKNOWN if unseen else actual["owner"] or "none recorded"
+        print(f"  group:    of {actual['source']}, owner {owner}")
+        members = UNKNOWN if unseen else ", ".join(actual["members"]) or "none"  # type: ignore[arg-type]
+        print(f"  members:  {members}")
     else:
         if actual.get("clonedFrom"):
             print(f"  clone of: {actual['clonedFrom']} (depth {actual['cloneDepth']})")
         if actual.get("snapshots"):
             print(f"  snapshots: {', '.join(actual['snapshots'])}")
-    print(f"  watchers: {', '.join(actual['watchers']) or 'none'}"
-          + (f" (mapped by {actual['holder']})" if actual.get("holder") else ""))
-    _print_claim(claim)
+    if unseen:
+        print(f"  watchers: {UNKNOWN} (the image was not seen)")
+        print(f"  claim:    {UNKNOWN} (the image was not seen)")
+    else:
+        print(f"  watchers: {', '.join(actual['watchers']) or 'none'}"
+              + (f" (mapped by {actual['holder']})" if actual.get("holder") else ""))
+        _print_claim(claim)
     print(f"  mapping:  {actual['mapper'] or '-'} {actual['device'] or ''}")
     if enc := actual.get("encryption"):
         print(f"  encryption: {enc['type']}, key {enc['key'] or '(none in the spec)'}; "
