@@ -208,10 +208,15 @@ class _VolumePlanner(SnapshotRules, GroupRules):
                 self.thaw_left_frozen()
                 self.teardown(Phase.CREATED)
                 return self.plan
+            self.plan.unknown = self.image_unknown()
+            if self.plan.unknown:
+                raise Refused(self.plan.unknown)
+            # Before the devices: a fenced node's mapping does not answer
+            # (its client is blocklisted), and the fence is what to act on.
+            self.check_not_fenced()
             self.plan.unknown = self.unknown()
             if self.plan.unknown:
                 raise Refused(self.plan.unknown)
-            self.check_not_fenced()
             self.check_symlinks()
             self.thaw_left_frozen()
             if self.mapping is not None and self.mapping.problem:

@@ -812,6 +812,23 @@ def test_mapped_here_but_claimed_elsewhere_is_refused_except_release() -> None:
     assert actions(released) == ["unpublish", "unpublish", "unstage", "unmap"]
 
 
+def test_a_fenced_node_is_refused_for_the_fence_not_its_unreadable_device() -> None:
+    """Fenced, its mapping no longer answers (the client is blocklisted): the
+    refusal names the fence, not the probe that timed out."""
+    vol = volume()
+    taken = Claim("node-b", (), "node-a", ("10.0.0.1:0/1",)).encode()
+    w = converged(vol, image_meta={**owned_meta(vol), meta.HOLDER: taken})
+    w.devices[LOOP] = replace(w.devices[LOOP], fs_type=None, fs_uuid=None,
+                              signature="unknown (probe timed out)",
+                              unknown="probe timed out: no answer within 5 s")
+    p = plan_one(vol, w)
+    assert p.unknown is None and p.steps == []
+    assert "claimed by node node-b, which took it over from node-a" in (p.refusal or "")
+    # Not fenced: the unreadable device is unknown, as before.
+    w.images[("rbd", "pgdata")].meta[meta.HOLDER] = Claim(NODE).encode()
+    assert "cannot read" in (plan_one(vol, w).unknown or "")
+
+
 def test_our_claim_with_nothing_mapped_is_released_when_not_wanted_mapped() -> None:
     vol = volume(mapper=None, stage=False)
     w = World().image("pgdata", 256 * MiB,
