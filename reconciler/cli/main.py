@@ -235,8 +235,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                            description="Phase (ABSENT, CREATED, MAPPED, STAGED, PUBLISHED; "
                                        "DEGRADED, or UNKNOWN with the reason when its pool, image "
                                        "or device did not answer within observeTimeoutSeconds), "
-                                       "device, mounts and size of each desired volume. Exit 1 on "
-                                       "load errors or any DEGRADED or UNKNOWN volume.")
+                                       "device, mounts and size of each desired volume; PENDING "
+                                       "(not converged) for one not at its wanted phase while "
+                                       "stateDir cannot take a write. Exit 1 on load errors, any "
+                                       "DEGRADED or UNKNOWN volume, or a full stateDir.")
         _add_paths_and_output(p)
         p.set_defaults(func=_Command("status", "cmd_status"))
     for p in sub.choices.values():

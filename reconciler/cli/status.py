@@ -31,15 +31,19 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
     rows = [actual_state(v, p.observed, ctx) for v in p.loaded.volumes]
     for r in rows:
         r["daemon"] = _daemon_status(config, str(r["name"]))
+    full = _state_dir_full(config, rows)
     # Unknown is not absent: what could not be seen fails the command.
     bad = any(r["unknown"] or r["problem"] for r in rows)
-    rc = EXIT_FAILED if p.loaded.diagnostics or bad else EXIT_OK
+    rc = EXIT_FAILED if p.loaded.diagnostics or bad or full else EXIT_OK
     if args.output == "json":
         json.dump({"volumes": rows, "frozen": sorted(p.loaded.frozen_names),
                    "errors": [d.as_dict() for d in p.loaded.diagnostics]}, sys.stdout, indent=2)
         print()
         return rc
     print_load_errors(p)
+    if full:
+        print(f"rbd-reconciler: {full}: new and changed volumes are not converged until it "
+              "can (the daemon holds back what it cannot record)", file=sys.stderr)
     print(f"{'VOLUME':<16} {'PHASE':<10} {'WANTED':<10} {'SIZE':>7}  {'DEVICE':<11} MOUNTS")
     for r in rows:
         size = format_size(r["size"]) if r["size"] else "-"  # type: ignore[arg-type]
@@ -61,12 +65,32 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
               f"{r['device'] or '-':<11} {', '.join(mounts) or '-'}")
         if r["unknown"]:
             print(f"{'':<16} unknown: {r['unknown']}")
+        if r.get("notConverged"):
+            print(f"{'':<16} not converged ({r['observedPhase']} now): {r['notConverged']}")
     for name in sorted(p.loaded.frozen_names):
         print(f"{name:<16} {'FROZEN':<10} (its file failed to load; left as it is)")
     for r in rows:
         if r["problem"]:
             print(f"{r['name']}: {r['phase']}: {r['problem']}", file=sys.stderr)
     return rc
+
+
+def _state_dir_full(config: Config, rows: list[dict[str, Any]]) -> str | None:
+    """A stateDir that cannot take the daemon's next record (read without
+    writing): every volume not yet at its wanted phase is not converged,
+    whatever it looks like now (PENDING, never ABSENT), and status fails."""
+    from reconciler.state.files import space_problem
+
+    why = space_problem(config.state_dir, config.state_dir / "managed.json")
+    if why is None:
+        return None
+    full = f"stateDir {config.state_dir} cannot take a write ({why})"
+    for r in rows:
+        if (r.get("kind", "Volume") == "Volume" and r["phase"] != r["wanted"]
+                and r["phase"] not in ("UNKNOWN", "DEGRADED")):
+            r["observedPhase"], r["phase"] = r["phase"], "PENDING"
+            r["notConverged"] = full
+    return full
 
 
 def _daemon_status(config: Config, name: str) -> dict | None:
