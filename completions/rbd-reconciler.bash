@@ -6,6 +6,7 @@ _rbd_reconciler() {
     case $prev in
         --config) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         --csi-endpoint) COMPREPLY=(); return ;;
+        --deadline) COMPREPLY=(); return ;;
         --log-format) COMPREPLY=($(compgen -W "auto journal json plain" -- "$cur")); return ;;
         --new-key-file) COMPREPLY=(); return ;;
         --output) COMPREPLY=($(compgen -W "human json" -- "$cur")); return ;;
@@ -18,7 +19,7 @@ _rbd_reconciler() {
     for ((i = 1; i < COMP_CWORD; i++)); do
         word=${COMP_WORDS[i]}
         if ((skip)); then skip=0; continue; fi
-        case " --config --csi-endpoint --log-format --new-key-file --output --step-timeout -c -o " in *" $word "*) skip=1; continue ;; esac
+        case " --config --csi-endpoint --deadline --log-format --new-key-file --output --step-timeout -c -o " in *" $word "*) skip=1; continue ;; esac
         [[ $word == -* ]] && continue
         cmd=$word; break
     done
@@ -29,7 +30,7 @@ _rbd_reconciler() {
         validate) opts="-h --help -o --output -c --config -v --verbose"; paths=1 ;;
         plan) opts="-h --help -o --output -c --config -v --verbose"; paths=1 ;;
         apply) opts="-h --help -o --output -c --config -v --verbose"; paths=1 ;;
-        release) opts="-h --help -o --output --all --step-timeout -c --config -v --verbose"; paths=1 ;;
+        release) opts="-h --help -o --output --all --step-timeout --deadline -c --config -v --verbose"; paths=1 ;;
         run) opts="-h --help --allow-mass-removal --log-format --csi-endpoint -c --config -v --verbose"; paths=0 ;;
         allow-removal) opts="-h --help --all -c --config -v --verbose"; paths=0 ;;
         explain) opts="-h --help -o --output -c --config -v --verbose"; paths=0 ;;

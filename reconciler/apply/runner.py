@@ -175,8 +175,9 @@ class _VolumeRun:
         steps = self.plan.steps
         for i, step in enumerate(steps):
             if self.node.runner.halt.stopping:
-                self.abort(f"daemon stopping: {step.action} {step.target} not started")
-                log_not_run(log, steps[i:], "daemon stopping")
+                why = self.node.runner.halt.reason
+                self.abort(f"{why}: {step.action} {step.target} not started")
+                log_not_run(log, steps[i:], why)
                 return self.out
             t0 = time.monotonic()
             try:

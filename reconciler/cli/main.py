@@ -159,6 +159,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         p.add_argument("--step-timeout", type=_positive_seconds, default=30.0, metavar="SECONDS",
                        help="with --all: deadline of the sync and of each unmount/unmap "
                             "command (default: 30)")
+        p.add_argument("--deadline", type=_positive_seconds, default=240.0, metavar="SECONDS",
+                       help="with --all: the whole release ends by then and prints what it "
+                            "could not release; commands still running are killed (default: "
+                            "240, under the shutdown unit's TimeoutStopSec=300s)")
         p.set_defaults(func=_Command("reconcile", "cmd_release"), release=True)
 
     if only in (None, "run"):
@@ -231,8 +235,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                            description="Phase (ABSENT, CREATED, MAPPED, STAGED, PUBLISHED; "
                                        "DEGRADED, or UNKNOWN with the reason when its pool, image "
                                        "or device did not answer within observeTimeoutSeconds), "
-                                       "device, mounts and size of each desired volume. Exit 1 on "
-                                       "load errors or any DEGRADED or UNKNOWN volume.")
+                                       "device, mounts and size of each desired volume; PENDING "
+                                       "(not converged) for one not at its wanted phase while "
+                                       "stateDir cannot take a write. Exit 1 on load errors, any "
+                                       "DEGRADED or UNKNOWN volume, or a full stateDir.")
         _add_paths_and_output(p)
         p.set_defaults(func=_Command("status", "cmd_status"))
     for p in sub.choices.values():

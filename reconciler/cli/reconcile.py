@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import threading
 from pathlib import Path
 
 from reconciler.cli.main import EXIT_CHANGES, EXIT_FAILED, EXIT_OK
@@ -12,6 +14,7 @@ from reconciler.cli.main import EXIT_CHANGES, EXIT_FAILED, EXIT_OK
 TYPE_CHECKING = False  # typing itself costs ~5 ms at start-up
 if TYPE_CHECKING:
     from reconciler.apply.runner import VolumeOutcome
+    from reconciler.cli.release import Released
     from reconciler.drivers.freeze import Record
     from reconciler.engine import Pass
     from reconciler.plan.planner import VolumePlan
@@ -200,21 +203,52 @@ def cmd_release(args: argparse.Namespace, config: Config) -> int:
         print("rbd-reconciler: release --all takes no PATH (it releases every volume of ours)",
               file=sys.stderr)
         return EXIT_FAILED
-    from reconciler.cli.release import release_all
+    from reconciler.cli.release import Released, release_all, report_at_deadline
     from reconciler.engine import Busy
 
-    try:
-        done = release_all(config, args.step_timeout)
-    except Busy as exc:
-        print(f"rbd-reconciler: {exc}; nothing released", file=sys.stderr)
+    progress = Released()
+    result: list[Released | BaseException] = []
+
+    def work() -> None:
+        try:
+            result.append(release_all(config, args.step_timeout, args.deadline, progress))
+        except BaseException as exc:  # handed to the main thread, which reports it
+            result.append(exc)
+
+    # The work runs in a thread so that the report is printed at the deadline
+    # even when something is stuck where no command can be killed (a thaw or
+    # an unmount in the kernel, a Ceph call): then the process exits at once,
+    # leaving that thread (and the stuck call) behind.
+    worker = threading.Thread(target=work, name="release-all", daemon=True)
+    worker.start()
+    worker.join(args.deadline)
+    if not result:
+        _report_release(args, report_at_deadline(progress, args.deadline))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_FAILED)  # not sys.exit: it would wait for the stuck threads
+    if isinstance(result[0], Busy):
+        print(f"rbd-reconciler: {result[0]}; nothing released", file=sys.stderr)
         return EXIT_FAILED
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return _report_release(args, result[0])
+
+
+def _report_release(args: argparse.Namespace, done: Released) -> int:
+    for line in done.thawed:
+        print(f"rbd-reconciler: {line}", file=sys.stderr)
+    if done.late:
+        print(f"rbd-reconciler: release --all: {done.late}; stopped there "
+              "(--deadline)", file=sys.stderr)
     if args.output == "json":
-        json.dump({"sync": done.sync, "notReleased": done.left,
+        json.dump({"sync": done.sync, "thawed": done.thawed, "deadline": done.late,
+                   "notReleased": done.left,
                    "volumes": [o.as_dict() for o in done.outcomes]}, sys.stdout, indent=2)
         print()
     else:
         for o in done.outcomes:
-            if o.steps or o.status == "failed":
+            if o.steps or o.status in ("failed", "aborted"):
                 print(f"{o.status}: [{o.name}]" + (f" {o.error}" if o.error else ""))
             for s in o.steps:
                 msg = f" ({s.message})" if s.message else ""
@@ -223,7 +257,8 @@ def cmd_release(args: argparse.Namespace, config: Config) -> int:
             print(f"warning: {done.sync}", file=sys.stderr)
         for line in done.left:
             print(f"not released: {line}", file=sys.stderr)
-        print(f"released: {sum(bool(o.steps) for o in done.outcomes)} volume(s); "
+        released = sum(bool(o.steps) and o.status in ("ok", "changed") for o in done.outcomes)
+        print(f"released: {released} volume(s); "
               f"{len(done.left)} thing(s) still held")
     return EXIT_OK if done.ok else EXIT_FAILED
 

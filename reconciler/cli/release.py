@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import subprocess
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -24,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from reconciler.apply.runner import VolumeOutcome, apply
-from reconciler.drivers.run import Runner
+from reconciler.drivers.freeze import THAW_WAIT_S, thaw_recorded
+from reconciler.drivers.run import KILL_WAIT_S, STOP_CHECK_S, Runner
 from reconciler.engine import Busy, context, state_lock
 from reconciler.facts import meta
 from reconciler.facts.claim import parse as parse_claim
@@ -41,16 +43,32 @@ log = logging.getLogger("reconciler.shutdown")  # the name log lines have always
 
 BY_IDENTITY = Path("(found by identity)")
 
+# The whole of `release --all`: under rbd-reconciler-shutdown.service's
+# TimeoutStopSec=300s, whose SIGKILL would cut off the report.
+DEFAULT_DEADLINE_S = 240.0
+# Before the deadline, the chains stop: a command still running is killed
+# (noticed within STOP_CHECK_S, its exit waited for up to KILL_WAIT_S), and
+# the report is written.
+WIND_DOWN_S = STOP_CHECK_S + KILL_WAIT_S + 1.5
+MIN_BUDGET_S = 0.1
+
 
 @dataclass
 class Released:
     outcomes: list[VolumeOutcome] = field(default_factory=list)
     left: list[str] = field(default_factory=list)  # what is still held, one line each
     sync: str | None = None  # why sync did not finish, if it did not
+    thawed: list[str] = field(default_factory=list)  # freezes a dead run left, one line each
+    late: str | None = None  # the overall deadline passed: while doing what
+    # Progress, for a report at the deadline: what it does now, what it planned.
+    phase: str = "starting"
+    plans: list[VolumePlan] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.left and not any(o.status == "failed" for o in self.outcomes)
+        return (self.late is None and not self.left
+                and not any(o.status in ("failed", "aborted") for o in self.outcomes))
 
 
 def sync_all(timeout: float) -> str | None:
@@ -166,18 +184,82 @@ def _plan_release(config: Config, node: Node) -> tuple[list[VolumePlan], dict[st
     return plans, volumes, observed, skipped
 
 
-def release_all(config: Config, step_timeout: float) -> Released:
-    """Sync, release every volume of ours, then look again: whatever is still
-    mounted or mapped is reported in ``left`` (the command prints it, so the
-    journal has it). Takes the state lock (the daemon must not map while we
-    unmap)."""
-    out = Released(sync=sync_all(step_timeout))
+def thaw_first(config: Config, wait: float = THAW_WAIT_S) -> list[str]:
+    """What a killed snapshot run left frozen, thawed from its record before
+    anything else (as ``apply`` and ``release`` do): sync waits on a frozen
+    filesystem, its writers keep its mounts busy, and one unmounted frozen
+    lives on frozen in the kernel, to be mounted again still frozen."""
+    if not (config.state_dir / "freezes.json").exists():
+        return []
+    return thaw_recorded(config.state_dir, wait)
+
+
+class Deadline:
+    """One deadline for the whole of ``release --all``, under the unit's stop
+    timeout: each phase gets its own limit or what is left, whichever is
+    less, and the chains are stopped ``WIND_DOWN_S`` before the end (the
+    commands still running killed, the steps not started reported), so the
+    report is printed before the deadline, not cut off by systemd's SIGKILL."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.end = time.monotonic() + seconds
+        self.wind_down = min(WIND_DOWN_S, seconds / 4)
+
+    def budget(self, limit: float) -> float:
+        """``limit``, or less: what is left before the chains must stop."""
+        return max(MIN_BUDGET_S, min(limit, self.end - self.wind_down - time.monotonic()))
+
+    def stop_chains_in_time(self, node: Node) -> threading.Timer:
+        why = f"release --all deadline ({self.seconds:g} s) reached"
+        timer = threading.Timer(max(0.0, self.end - self.wind_down - time.monotonic()),
+                                node.runner.halt.begin, (0.0, why))
+        timer.daemon = True
+        timer.start()
+        return timer
+
+
+def release_all(config: Config, step_timeout: float, deadline: float = DEFAULT_DEADLINE_S,
+                out: Released | None = None) -> Released:
+    """Thaw what a dead run left frozen, sync, release every volume of ours,
+    then look again: whatever is still mounted or mapped is reported in
+    ``left`` (the command prints it, so the journal has it). Takes the state
+    lock (the daemon must not map while we unmap). All of it within
+    ``deadline`` s; ``out`` shows the progress while it runs (``phase``,
+    ``plans``), for a caller that must report at the deadline whatever
+    happens here."""
+    out = out if out is not None else Released()
+    limit = Deadline(deadline)
+    out.phase = "thawing what a killed snapshot run left frozen"
+    out.thawed = thaw_first(config, limit.budget(THAW_WAIT_S))
+    out.phase = "syncing"
+    out.sync = sync_all(limit.budget(step_timeout))
     node = Node.from_config(config, Runner(timeout=step_timeout))
-    with lock_within(config, step_timeout):
-        plans, volumes, observed, _ = _plan_release(config, node)
-        out.outcomes = apply(plans, volumes, observed, node)
-        again, _, _, skipped = _plan_release(config, node)
+    timer = limit.stop_chains_in_time(node)
+    try:
+        out.phase = "waiting for the state lock"
+        with lock_within(config, limit.budget(step_timeout)):
+            out.phase = "looking at what is ours"
+            plans, volumes, observed, skipped = _plan_release(config, node)
+            out.plans, out.skipped = plans, skipped
+            out.phase = "releasing"
+            out.outcomes = apply(plans, volumes, observed, node)
+            timer.cancel()
+            if node.runner.halt.stopping:
+                # Stopped at the deadline: no time to look again. What the
+                # chains did not do is still held.
+                out.late = f"deadline of {deadline:g} s reached while releasing"
+                out.left = [*skipped, *_not_done(plans, out.outcomes)]
+                return out
+            out.phase = "looking again"
+            # Its own runner: the deadline's halt, had it come now, must not
+            # refuse the listing commands of this last look.
+            again, _, _, skipped = _plan_release(
+                config, Node.from_config(config, Runner(timeout=step_timeout)))
+    finally:
+        timer.cancel()
     out.left = [*skipped, *_still_held(again)]
+    out.phase = "done"
     return out
 
 
@@ -188,3 +270,30 @@ def _still_held(plans: Iterable[VolumePlan]) -> list[str]:
             left.append(f"{vp.name}: {vp.refusal}")
         left += [f"{vp.name}: {s.action} {s.target} not done" for s in vp.steps]
     return left
+
+
+def _not_done(plans: Iterable[VolumePlan], outcomes: Iterable[VolumeOutcome]) -> list[str]:
+    """What the plans set out to do and their chains did not (nor are known
+    to have done: a plan without an outcome yet counts as not done at all)."""
+    done = {o.name: {id(s.step) for s in o.steps if s.status in ("ok", "changed")}
+            for o in outcomes}
+    left = []
+    for vp in plans:
+        if vp.refusal:
+            left.append(f"{vp.name}: {vp.refusal}")
+        left += [f"{vp.name}: {s.action} {s.target} not done" for s in vp.steps
+                 if id(s) not in done.get(vp.name, set())]
+    return left
+
+
+def report_at_deadline(out: Released, deadline: float) -> Released:
+    """``release_all`` has not returned by its deadline (stuck outside any
+    command: the kernel, a Ceph call): what it had done is all there is to
+    report, and everything it set out to do that is not known done is held."""
+    late = Released(outcomes=list(out.outcomes), sync=out.sync, thawed=list(out.thawed),
+                    plans=list(out.plans), skipped=list(out.skipped), phase=out.phase)
+    late.late = f"deadline of {deadline:g} s reached while {out.phase}"
+    late.left = [*late.skipped, *_not_done(late.plans, late.outcomes)]
+    if not late.plans:
+        late.left.append(f"{out.phase} did not end: what is ours was not listed")
+    return late

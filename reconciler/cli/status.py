@@ -31,15 +31,19 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
     rows = [actual_state(v, p.observed, ctx) for v in p.loaded.volumes]
     for r in rows:
         r["daemon"] = _daemon_status(config, str(r["name"]))
+    full = _state_dir_full(config, rows)
     # Unknown is not absent: what could not be seen fails the command.
     bad = any(r["unknown"] or r["problem"] for r in rows)
-    rc = EXIT_FAILED if p.loaded.diagnostics or bad else EXIT_OK
+    rc = EXIT_FAILED if p.loaded.diagnostics or bad or full else EXIT_OK
     if args.output == "json":
         json.dump({"volumes": rows, "frozen": sorted(p.loaded.frozen_names),
                    "errors": [d.as_dict() for d in p.loaded.diagnostics]}, sys.stdout, indent=2)
         print()
         return rc
     print_load_errors(p)
+    if full:
+        print(f"rbd-reconciler: {full}: new and changed volumes are not converged until it "
+              "can (the daemon holds back what it cannot record)", file=sys.stderr)
     print(f"{'VOLUME':<16} {'PHASE':<10} {'WANTED':<10} {'SIZE':>7}  {'DEVICE':<11} MOUNTS")
     for r in rows:
         size = format_size(r["size"]) if r["size"] else "-"  # type: ignore[arg-type]
@@ -61,12 +65,32 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
               f"{r['device'] or '-':<11} {', '.join(mounts) or '-'}")
         if r["unknown"]:
             print(f"{'':<16} unknown: {r['unknown']}")
+        if r.get("notConverged"):
+            print(f"{'':<16} not converged ({r['observedPhase']} now): {r['notConverged']}")
     for name in sorted(p.loaded.frozen_names):
         print(f"{name:<16} {'FROZEN':<10} (its file failed to load; left as it is)")
     for r in rows:
         if r["problem"]:
             print(f"{r['name']}: {r['phase']}: {r['problem']}", file=sys.stderr)
     return rc
+
+
+def _state_dir_full(config: Config, rows: list[dict[str, Any]]) -> str | None:
+    """A stateDir that cannot take the daemon's next record (read without
+    writing): every volume not yet at its wanted phase is not converged,
+    whatever it looks like now (PENDING, never ABSENT), and status fails."""
+    from reconciler.state.files import space_problem
+
+    why = space_problem(config.state_dir, config.state_dir / "managed.json")
+    if why is None:
+        return None
+    full = f"stateDir {config.state_dir} cannot take a write ({why})"
+    for r in rows:
+        if (r.get("kind", "Volume") == "Volume" and r["phase"] != r["wanted"]
+                and r["phase"] not in ("UNKNOWN", "DEGRADED")):
+            r["observedPhase"], r["phase"] = r["phase"], "PENDING"
+            r["notConverged"] = full
+    return full
 
 
 def _daemon_status(config: Config, name: str) -> dict | None:
@@ -154,6 +178,9 @@ def _print_explanation(doc: dict[str, Any]) -> None:
         print("  next:     nothing; it is where it should be")
 
 
+UNKNOWN = "unknown"
+
+
 def _print_actual(actual: dict[str, Any], holders: list[str], claim: dict | None) -> None:
     from reconciler.spec.units import format_size
 
@@ -162,23 +189,33 @@ def _print_actual(actual: dict[str, Any], holders: list[str], claim: dict | None
         print(f"  unknown:  {actual['unknown']}")
     if actual["problem"]:
         print(f"  PROBLEM:  {actual['problem']}")
-    size = format_size(actual["size"]) if actual["size"] else "-"
+    # What only Ceph knows is "unknown" while the image is not seen (an
+    # outage): never "none", which would say there is nothing.
+    unseen = bool(actual.get("imageUnknown"))
+    size = format_size(actual["size"]) if actual["size"] else UNKNOWN if unseen else "-"
     print(f"  image:    {actual['image']}  size {size}")
     if actual.get("kind") == "Snapshot":
-        print(f"  snapshot: of {actual['source']}, owner {actual['owner'] or 'none recorded'}"
-              f", protected {actual['protected']}")
-        print(f"  clones:   {', '.join(actual['children']) or 'none'}")
+        owner = UNKNOWN if unseen else actual["owner"] or "none recorded"
+        print(f"  snapshot: of {actual['source']}, owner {owner}"
+              f", protected {UNKNOWN if unseen else actual['protected']}")
+        print(f"  clones:   {UNKNOWN if unseen else ', '.join(actual['children']) or 'none'}")
     elif actual.get("kind") == "SnapshotGroup":
-        print(f"  group:    of {actual['source']}, owner {actual['owner'] or 'none recorded'}")
-        print(f"  members:  {', '.join(actual['members']) or 'none'}")  # type: ignore[arg-type]
+        owner = UNKNOWN if unseen else actual["owner"] or "none recorded"
+        print(f"  group:    of {actual['source']}, owner {owner}")
+        members = UNKNOWN if unseen else ", ".join(actual["members"]) or "none"  # type: ignore[arg-type]
+        print(f"  members:  {members}")
     else:
         if actual.get("clonedFrom"):
             print(f"  clone of: {actual['clonedFrom']} (depth {actual['cloneDepth']})")
         if actual.get("snapshots"):
             print(f"  snapshots: {', '.join(actual['snapshots'])}")
-    print(f"  watchers: {', '.join(actual['watchers']) or 'none'}"
-          + (f" (mapped by {actual['holder']})" if actual.get("holder") else ""))
-    _print_claim(claim)
+    if unseen:
+        print(f"  watchers: {UNKNOWN} (the image was not seen)")
+        print(f"  claim:    {UNKNOWN} (the image was not seen)")
+    else:
+        print(f"  watchers: {', '.join(actual['watchers']) or 'none'}"
+              + (f" (mapped by {actual['holder']})" if actual.get("holder") else ""))
+        _print_claim(claim)
     print(f"  mapping:  {actual['mapper'] or '-'} {actual['device'] or ''}")
     if enc := actual.get("encryption"):
         print(f"  encryption: {enc['type']}, key {enc['key'] or '(none in the spec)'}; "

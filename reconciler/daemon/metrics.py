@@ -183,6 +183,10 @@ class Metrics:
                                   "volumes are frozen).", registry=r)
         self.unknown = Gauge(f"{NS}_unknown_volumes", "Volumes that could not be observed.",
                              registry=r)
+        self.state_writable = Gauge(f"{NS}_state_dir_writable", "0 while a record or status "
+                                    "under stateDir cannot be written (full, read-only): new "
+                                    "and changed volumes wait; else 1.", registry=r)
+        self.state_writable.set(1)
         self.csi_calls = Counter(f"{NS}_csi_calls", "CSI calls, by method and gRPC status code.",
                                  ["method", "code"], registry=r)
         self.csi_seconds = Histogram(f"{NS}_csi_call_duration_seconds", "CSI call latency, by "

@@ -14,6 +14,7 @@ with jitter, until its spec changes).
 from __future__ import annotations
 
 import faulthandler
+import json
 import logging
 import os
 import random
@@ -51,7 +52,7 @@ from reconciler.spec.loader import LoadCache, discover, is_ignored
 from reconciler.spec.model import Volume, volume_from_dict, volume_to_dict
 from reconciler.spec.security import desired_dir_problems
 from reconciler.state import allowance
-from reconciler.state.files import read_json, write_json
+from reconciler.state.files import CannotWrite, read_json, write_json
 from reconciler.state.records import RecordsFile
 from reconciler.state.status import VolumeStatus
 
@@ -160,9 +161,23 @@ class Daemon:
         self.events: EventHub | None = None
         # name -> the status fields compared before a write (no read per pass)
         self.written: dict[str, tuple] = {}
+        # stateDir that cannot be written (full, read-only): the first failed
+        # write of the episode, what is not on disk yet, and the volumes held
+        # back meanwhile (their new or changed record is not on disk: what is
+        # not recorded is not done, so a restart never loses track of it).
+        self.state_error: str | None = None
+        self.unsaved_records = False
+        self.unrecorded: set[str] = set()
+        self.unwritten: dict[str, dict[str, Any]] = {}  # name -> status not on disk yet
         self.metrics = Metrics()
         self.metrics.in_backoff.set_function(lambda: len(self.backoff))
+        self.metrics.state_writable.set_function(lambda: 0 if self.state_failing else 1)
         self.metrics.resync.set_function(lambda: self.config.resync_seconds)  # follows SIGHUP
+
+    @property
+    def state_failing(self) -> bool:
+        """Something under stateDir (records, a status) is not on disk yet."""
+        return self.unsaved_records or bool(self.unwritten)
 
     # -- paths ----------------------------------------------------------------
     @property
@@ -416,6 +431,8 @@ class Daemon:
             self.reconcile()
         except Aborted as exc:  # SIGTERM: the pass's commands were refused
             log.info("pass cut short: %s", exc)
+        except CannotWrite as exc:  # one line: the file and the cause are the news
+            log.error("pass failed: %s", exc)
         except Exception:  # the daemon never dies of one pass (a file, a bug)
             log.exception("pass failed")
         finally:
@@ -515,11 +532,20 @@ class Daemon:
         failed_files = sorted(str(f) for f in loaded.failed_files)
         frozen = set(loaded.frozen_names) | {
             n for n, r in self.records.items() if r["file"] in failed_files}
+        self._retry_statuses()
         release, held = self._removals(current, frozen, failed_files)
 
         look, why = self._take_dirty(current, release)
+        with self.lock:
+            unrecorded = self.unrecorded & set(current)
+            self.dirty |= unrecorded  # looked at again once it can be recorded
+        for name in sorted(unrecorded):
+            self._write_status(name, VolumeStatus(
+                "Pending", reason="StateDirNotWritable",
+                message=f"not converged: {self._state_line()}",
+                observed_generation=current[name].spec_hash))
         candidates = [v for v in [*current.values(), *release]
-                      if v.name in look and self._due(v)]
+                      if v.name in look and v.name not in unrecorded and self._due(v)]
         t_obs = time.monotonic()
         # Nothing to look at: nothing of the node is read (an idle pass).
         observed = observe(self.node, candidates) if candidates else NOTHING_OBSERVED
@@ -564,6 +590,7 @@ class Daemon:
         self.metrics.retain({*current, *frozen, *held, *(v.name for v in release)})
         self.metrics.frozen_files.set(len(failed_files))
         self.metrics.unknown.set(len(still) + len(unknown))
+        self._state_condition()
         sdnotify.notify(f"STATUS={len(current)} volume(s), {busy} converging, "
                         f"{len(unknown)} unknown, {len(frozen)} frozen, "
                         f"{len(held)} removal(s) held")
@@ -664,10 +691,14 @@ class Daemon:
                 if self.recorded.get(v.name) == (v.spec_hash, v.source.file) \
                         and v.name in self.records:
                     continue  # recorded as it is: no conversion, no write
-                self.records[v.name] = {"file": str(v.source.file), "volume": volume_to_dict(v)}
+                rec = {"file": str(v.source.file), "volume": volume_to_dict(v)}
                 self.recorded[v.name] = (v.spec_hash, v.source.file)
+                if _same_record(self.records.get(v.name), rec):
+                    continue  # on disk as it is (read at start-up)
+                self.records[v.name] = rec
+                self.unrecorded.add(v.name)
                 changed = True
-            if changed:
+            if changed or self.unsaved_records:
                 self._save_records()
         return release, held
 
@@ -805,14 +836,68 @@ class Daemon:
                   "name": name, "updated": _now()}
         if all(old.get(k) == merged.get(k) for k in STATUS_KEYS) and "steps" not in data:
             self.written[name] = key
+            self.unwritten.pop(name, None)
             return  # unchanged: spare the disk a write every resync
-        write_json(path, merged)
+        if not self._write_status_file(name, merged):
+            return
         self.written[name] = key
         with self.progress:
             self.progress_seq += 1
             self.progress.notify_all()
 
-    def _save_records(self) -> None:
+    def _write_status_file(self, name: str, content: dict[str, Any]) -> bool:
+        """False: not on disk (kept, and written again by every pass until it is)."""
+        try:
+            write_json(self.status_path(name), content)
+        except OSError as exc:
+            self.unwritten[name] = content
+            self._state_write_failed(exc)
+            return False
+        self.unwritten.pop(name, None)
+        return True
+
+    def _retry_statuses(self) -> None:
+        for name, content in sorted(self.unwritten.items()):
+            if self._write_status_file(name, {**content, "updated": _now()}):
+                with self.progress:
+                    self.progress_seq += 1
+                    self.progress.notify_all()
+
+    def _save_records(self) -> bool:
+        """False: managed.json is behind (each pass tries again); the volumes
+        whose record it lacks are held back until it is written."""
         if self.records_file.path != self.records_path:  # a reload moved stateDir
             self.records_file = RecordsFile(self.records_path)
-        self.records_file.save(self.records)
+        try:
+            self.records_file.save(self.records)
+        except OSError as exc:
+            self.unsaved_records = True
+            self._state_write_failed(exc)
+            return False
+        self.unsaved_records = False
+        self.unrecorded.clear()
+        return True
+
+    def _state_write_failed(self, exc: OSError) -> None:
+        if self.state_error is None:  # the first of the episode says why
+            self.state_error = str(exc) if isinstance(exc, CannotWrite) else (
+                f"cannot write {exc.filename or self.config.state_dir}: "
+                f"{exc.strerror or exc}")
+
+    def _state_line(self) -> str:
+        return (f"stateDir {self.config.state_dir} cannot be written ({self.state_error}): "
+                "new and changed volumes wait, not converged, until it can; what is up "
+                "stays up")
+
+    def _state_condition(self) -> None:
+        """Logged once when it starts (one line: the directory and the cause),
+        and when it ends; rbd_reconciler_state_dir_writable says it meanwhile."""
+        failing = self.state_failing
+        self.conditions.update("state", {"state": self._state_line()} if failing else {})
+        if not failing:
+            self.state_error = None
+
+
+def _same_record(old: object, new: dict[str, Any]) -> bool:
+    """``new`` is what ``old`` (read from managed.json) already says."""
+    return old == json.loads(json.dumps(new))

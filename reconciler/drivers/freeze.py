@@ -219,7 +219,10 @@ def thaw_recorded(state_dir: Path, wait: float = THAW_WAIT_S) -> list[str]:
         else:
             out.append(f"{rec.path}: thawed (left frozen by {rec.owner}, which is gone)"
                        if thawed else f"{rec.path}: was not frozen (record of {rec.owner})")
-        records.forget(rec.key)
+        try:
+            records.forget(rec.key)
+        except OSError as exc:  # a full stateDir: the next run finds it not frozen
+            out[-1] += f"; its record stays ({exc})"
     return out
 
 

@@ -57,7 +57,8 @@ class CommandError(Exception):
 
 
 class Aborted(Exception):
-    """The daemon is stopping: the command was not started, or was killed.
+    """The daemon is stopping (or ``release --all`` reached its deadline): the
+    command was not started, or was killed.
     Not a failure of the volume: nothing backs off, the next start resumes."""
 
 
@@ -73,8 +74,11 @@ class Halt:
         self._kill_at = math.inf
         self._lock = threading.Lock()
         self._running: dict[int, tuple[str, float]] = {}  # pid -> command, started
+        self.reason = "daemon stopping"  # what the aborted steps and commands say
 
-    def begin(self, grace: float) -> None:
+    def begin(self, grace: float, reason: str | None = None) -> None:
+        if reason is not None and not self.stopping:
+            self.reason = reason
         self._kill_at = min(self._kill_at, time.monotonic() + grace)
 
     @property
@@ -88,7 +92,7 @@ class Halt:
 
     def check(self, argv: Sequence[str]) -> None:
         if time.monotonic() >= self._kill_at:
-            raise Aborted(f"daemon stopping: {' '.join(argv)} not started")
+            raise Aborted(f"{self.reason}: {' '.join(argv)} not started")
 
     @contextlib.contextmanager
     def tracking(self, pid: int, argv: Sequence[str]) -> Iterator[None]:
@@ -167,7 +171,7 @@ class Runner:
         said = _kill(proc)
         took = time.monotonic() - t0
         if stopping:
-            raise Aborted(f"daemon stopping: {' '.join(argv)} killed after {took:.0f} s"
+            raise Aborted(f"{self.halt.reason}: {' '.join(argv)} killed after {took:.0f} s"
                           f"{said}")
         raise CommandError(argv, 124, f"timed out after {limit:g} s: killed (its process "
                            f"group){said}")

@@ -193,7 +193,7 @@ def group_row(v: Volume, obs: Observed) -> dict[str, object]:
     return {
         "name": v.name, "kind": "SnapshotGroup",
         "phase": "UNKNOWN" if unknown else ("CREATED" if snap and snap.complete else "ABSENT"),
-        "unknown": unknown, "problem": None,
+        "unknown": unknown, "problem": None, "imageUnknown": unknown,
         "wanted": v.wanted_phase.name,
         "image": f"{v.image.pool}/{spec.group}@{spec.group}",
         "source": ", ".join(f"{p}/{i}" for p, i in spec.members),

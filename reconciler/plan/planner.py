@@ -146,8 +146,8 @@ class _VolumePlanner(SnapshotRules, GroupRules):
             return Phase.STAGED
         return Phase.MAPPED
 
-    def unknown(self) -> str | None:
-        """Why the volume's state cannot be known, if it cannot (safety rule 7)."""
+    def image_unknown(self) -> str | None:
+        """Why the image (its size, watchers, claim, snapshots) was not seen."""
         pool = self.v.image.pool
         if pool not in self.obs.pools_listed:
             why = self.obs.pool_errors.get(pool, "not listed")
@@ -155,6 +155,12 @@ class _VolumePlanner(SnapshotRules, GroupRules):
         why = self.obs.image_errors.get((pool, self.v.image.name))
         if why is not None:
             return f"cannot see image {self.v.image.spec} ({why}); unknown, not absent"
+        return None
+
+    def unknown(self) -> str | None:
+        """Why the volume's state cannot be known, if it cannot (safety rule 7)."""
+        if (why := self.image_unknown()) is not None:
+            return why
         for dev in (self.raw, self.dev):
             if dev is not None and dev.unknown:
                 return f"cannot read {dev.path}: {dev.unknown}"
@@ -195,13 +201,22 @@ class _VolumePlanner(SnapshotRules, GroupRules):
         try:
             if release:
                 # Give the node's resources back; the image is never touched.
+                # A filesystem a dead run left frozen is thawed first: its
+                # writers hold the mounts, and a frozen filesystem unmounted
+                # lives on frozen in the kernel (mounted again, still frozen).
                 self.plan.wanted = min(self.plan.phase, Phase.CREATED)
+                self.thaw_left_frozen()
                 self.teardown(Phase.CREATED)
                 return self.plan
+            self.plan.unknown = self.image_unknown()
+            if self.plan.unknown:
+                raise Refused(self.plan.unknown)
+            # Before the devices: a fenced node's mapping does not answer
+            # (its client is blocklisted), and the fence is what to act on.
+            self.check_not_fenced()
             self.plan.unknown = self.unknown()
             if self.plan.unknown:
                 raise Refused(self.plan.unknown)
-            self.check_not_fenced()
             self.check_symlinks()
             self.thaw_left_frozen()
             if self.mapping is not None and self.mapping.problem:
@@ -685,6 +700,7 @@ def actual_state(vol: Volume, observed: Observed, ctx: Context) -> dict[str, obj
         return snapshot_state(p)
     staged = p.staged_mount()
     unknown = p.unknown()
+    image_unknown = p.image_unknown()
     problem = (p.mapping.problem if p.mapping and p.mapping.problem else
                p.dev.problem if p.dev and p.dev.problem else None)
     return {
@@ -708,7 +724,9 @@ def actual_state(vol: Volume, observed: Observed, ctx: Context) -> dict[str, obj
         "stagingOptions": sorted(staged.options) if staged else None,
         "published": sorted((m.mount_point, "ro" if m.read_only else "rw")
                             for m in p.published_targets()),
-        "watchers": list(p.img.watchers) if p.img else [],
+        # What only Ceph knows is null, not empty, while the image is unseen.
+        "imageUnknown": image_unknown,
+        "watchers": None if image_unknown else list(p.img.watchers) if p.img else [],
         "holder": p.claim.node if p.claim else None,
         "claim": p.claim.as_dict() if p.claim else None,
         "kind": "Volume",
@@ -740,6 +758,7 @@ def snapshot_state(p: _VolumePlanner) -> dict[str, object]:
         "name": vol.name, "kind": "Snapshot",
         "phase": "UNKNOWN" if unknown else ("CREATED" if snap else "ABSENT"),
         "unknown": unknown, "problem": None,
+        "imageUnknown": p.image_unknown() if vol.image.pool else unknown,
         "wanted": vol.wanted_phase.name,
         "image": f"{vol.image.spec}@{vol.snapshot.snap}",
         "source": vol.snapshot.source_volume or vol.image.spec,

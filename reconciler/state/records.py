@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from reconciler.state.files import write_atomic
+from reconciler.state.files import CannotWrite, write_atomic
 
 
 class RecordsFile:
@@ -31,5 +31,8 @@ class RecordsFile:
         for name in self._lines.keys() - records.keys():
             del self._lines[name]
         body = "{\n" + ",\n".join(lines) + "\n}\n" if lines else "{}\n"
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as exc:
+            raise CannotWrite(exc.errno, f"cannot write {self.path}: {exc.strerror}") from exc
         write_atomic(self.path, body.encode())

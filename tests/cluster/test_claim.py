@@ -315,3 +315,42 @@ def test_a_failed_undo_keeps_the_claim_of_an_image_still_mapped(
     monkeypatch.undo()
     assert node.cli("release")[0] == 0
     assert claim_of(node, image) is None
+
+
+def test_a_fenced_node_is_refused_naming_the_fence(node: NodeUnderTest, tmp_path: Path) -> None:
+    """Node A is taken over while its helper hangs: its client is blocklisted
+    and its mounted device no longer answers a probe. A's `plan` and `apply`
+    refuse naming the fence (the way out is `release`), not `UNKNOWN:
+    cannot read /dev/loopN`, which says nothing of what to do."""
+    image = node.name("fenced")
+    node.write(image, f"  image: {{pool: {node.cluster.pool}, size: 64Mi}}\n"
+                      f"  map: {{mapper: fuse}}\n  stage: {{fsType: ext4}}\n"
+                      f"  publish:\n    - path: {node.srv / 'app'}\n")
+    node.config.write_text(node.config.read_text() + "observeTimeoutSeconds: 2\n")
+    a = Node("test-node", node.config, node.root / "state")
+    b = second_node(node, tmp_path)
+    (b.root / "desired" / f"{image}.yaml").write_text(map_only(node.cluster.pool, image))
+    assert a.cli("apply")[0] == 0
+    old = watchers(node, image)
+    helper = mappers._fuse_children[str(node.state / "fuse" / f"{node.cluster.pool}@{image}")]
+    helper.send_signal(signal.SIGSTOP)  # node A hangs: alive, silent
+    try:
+        assert b.cli("takeover", image, "--yes-i-am-sure")[0] == 0
+        assert old[0] in blocklisted(node)
+        helper.send_signal(signal.SIGCONT)  # A comes back, fenced
+        fence = "claimed by node node-b, which took it over from test-node"
+        rc, out = a.cli("plan")
+        assert rc == 1 and "UNKNOWN" not in out and f"REFUSED: rbd/{image} is mapped here " \
+            f"but is {fence}" in out and "`rbd-reconciler release`" in out, out
+        rc, out = a.cli("apply", "-o", "json")
+        [vol] = json.loads(out)["volumes"]
+        assert rc == 1 and vol["status"] == "failed" and fence in vol["error"], out
+        assert not vol["steps"]
+    finally:
+        helper.send_signal(signal.SIGCONT)
+        helper.kill()  # a fenced helper never finishes its writes: stopped, as by an operator
+        helper.wait(timeout=30)
+    assert a.cli("release")[0] == 0
+    assert b.cli("release")[0] == 0
+    assert claim_of(node, image) is None
+    mon(node, {"prefix": "osd blocklist", "blocklistop": "rm", "addr": old[0]})

@@ -16,7 +16,16 @@ from pathlib import Path
 import pytest
 from conftest import NodeUnderTest
 from test_daemon import Daemon, start, wait_for  # noqa: F401  (start: the daemon fixture)
-from test_snapshots import killed_apply, published, set_config, snaps_of, snapshot, tear_down
+from test_shutdown import NOTHING, held_by_us, run_shutdown
+from test_snapshots import (
+    killed_apply,
+    published,
+    set_config,
+    snaps_of,
+    snapshot,
+    tear_down,
+    writes_within,
+)
 
 from reconciler.cli import main as cli
 
@@ -142,6 +151,40 @@ def test_left_frozen_is_thawed_while_ceph_is_unreachable(
     # Ceph back: both snapshots were taken (inside the freeze), none again.
     assert node.apply()["rc"] == 0
     assert sorted(snaps_of(node, src)) == sorted([node.name("ice-s1"), node.name("ice-s2")])
+    tear_down(node, src)
+
+
+def test_release_all_thaws_a_dead_runs_freeze_first(
+        node: NodeUnderTest, writers: Callable[[Path], Writer]) -> None:
+    """The shutdown command (`release --all`) after an apply was killed inside
+    its freeze: it thaws from the record first, as plain `release` does, then
+    releases everything. Unthawed, a writer blocked on the filesystem kept it
+    busy (nothing released); without one, the frozen filesystem was unmounted
+    and lived on frozen in the kernel, to be mounted again frozen."""
+    src = node.name("halt")
+    published(node, src, node.srv / src)
+    assert node.apply()["rc"] == 0
+
+    writer = frozen_by_a_dead_run(node, src, node.name("halt-s1"), writers)
+    proc = run_shutdown(node)
+    assert writer.done_within(30), "release --all left the filesystem frozen"
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"{node.srv / src}: thawed (left frozen by pid " in proc.stderr, proc.stderr
+    assert held_by_us(node) == NOTHING, proc.stdout + proc.stderr
+    assert records(node) == {}
+
+    # No writer: the filesystem is thawed before its last unmount, so the boot
+    # that follows mounts a filesystem that takes writes.
+    assert node.apply()["rc"] == 0
+    snapshot(node, node.name("halt-s2"), src)
+    killed_apply(node, "snapshot")
+    assert records(node)
+    proc = run_shutdown(node)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert held_by_us(node) == NOTHING, proc.stdout + proc.stderr
+    assert records(node) == {}
+    assert node.apply()["rc"] == 0
+    assert writes_within(node.srv / src / "after", "x", 30), "mounted again still frozen"
     tear_down(node, src)
 
 

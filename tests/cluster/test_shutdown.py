@@ -14,6 +14,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -286,6 +287,98 @@ def test_shutdown_waits_for_the_daemon_and_never_races_it(node: NodeUnderTest) -
     proc = run_shutdown(node)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert held_by_us(node) == NOTHING
+
+
+def test_the_deadline_fits_the_unit() -> None:
+    """`release --all` ends (and has printed its report) by --deadline, which
+    the unit passes, well under the unit's TimeoutStopSec: systemd's SIGKILL
+    there would cut the report off."""
+    from reconciler.cli import release
+    from reconciler.cli.main import build_parser
+
+    sd = unit_options(SHUTDOWN_UNIT)
+    argv = shlex.split(sd["ExecStop"][0])
+    args = build_parser().parse_args(argv[1:])
+    stop = float(sd["TimeoutStopSec"][0].removesuffix("s"))
+    assert args.all and args.deadline + 30 <= stop, (args.deadline, stop)
+    default = build_parser().parse_args(["release", "--all"]).deadline
+    assert default == release.DEFAULT_DEADLINE_S and default + 30 <= stop
+    assert f"--deadline {args.deadline:g}" in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.ceph
+def test_release_all_reports_within_its_deadline(node: NodeUnderTest, tmp_path: Path) -> None:
+    """Volumes whose unmount hangs (a stand-in `umount` that never returns,
+    as on a dead OSD), one at a time, 4 s each: 12 s and more without an
+    overall deadline. With --deadline 6 the command kills what still runs,
+    prints every volume it could not release and exits 1, within the
+    deadline; nothing of the stand-in is left running."""
+    names = [node.name(f"dl{i}") for i in range(3)]
+    for n in names:
+        node.write(n, fs_spec(node.cluster.pool, "16Mi", "ext4", [(node.srv / n, False)]))
+    node.config.write_text(node.config.read_text() + "parallel: 1\n")
+    assert node.apply()["rc"] == 0
+    stuck = tmp_path / "stuck-bin"
+    stuck.mkdir()
+    marker = f"stuck-umount-{node.tag}"
+    (stuck / "umount").write_text(f"#!/bin/bash\nexec -a {marker} sleep 600\n")
+    (stuck / "umount").chmod(0o755)
+
+    began = time.monotonic()
+    proc = subprocess.run([*shutdown_command(node), "--step-timeout", "4", "--deadline", "6"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env={**os.environ, "PATH": f"{stuck}:{os.environ['PATH']}"})
+    took = time.monotonic() - began
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert took < 6 + 3, f"took {took:.1f} s"  # the deadline, and Python's start and exit
+    assert "deadline of 6 s reached while releasing" in proc.stderr, proc.stderr
+    for n in names:
+        assert f"not released: {n}: unpublish {node.srv / n} not done" in proc.stderr, \
+            proc.stderr
+    assert "killed" in proc.stdout, proc.stdout  # the one in flight at the deadline
+    assert not [p for p in Path("/proc").glob("[0-9]*")
+                if marker.encode() in _cmdline(p)], "a stuck umount was left running"
+    assert sorted(node.mounts()) == sorted(  # nothing was unmounted
+        str(p) for n in names
+        for p in (node.srv / n, node.state / "staging" / n, node.state / "fuse" / f"rbd@{n}"))
+
+    # Stuck where no command can be killed (here: in Python, as in the
+    # kernel or a Ceph call): the report is printed at the deadline all the
+    # same, and the process exits, leaving the stuck thread behind.
+    began = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", STUCK_UNMOUNT, *shutdown_command(node)[3:],
+                           "--step-timeout", "4", "--deadline", "6", "-o", "json"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    took = time.monotonic() - began
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert took < 6 + 3, f"took {took:.1f} s"
+    doc = json.loads(proc.stdout)
+    assert doc["deadline"] == "deadline of 6 s reached while releasing", doc
+    assert {line.split(":")[0] for line in doc["notReleased"]} == set(names), doc
+
+    proc = run_shutdown(node)  # the real umount: everything goes
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert held_by_us(node) == NOTHING
+
+
+STUCK_UNMOUNT = """
+import sys, threading
+from reconciler.cli import main as cli
+from reconciler.drivers import fs
+
+def unmount(*a, **k):
+    threading.Event().wait()  # never returns, and nothing can kill it
+
+fs.Filesystems.unmount = unmount
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def _cmdline(proc_dir: Path) -> bytes:
+    try:
+        return (proc_dir / "cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def test_release_all_takes_no_paths(node: NodeUnderTest) -> None:

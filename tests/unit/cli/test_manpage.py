@@ -56,6 +56,7 @@ def test_the_man_page_renders_without_warnings() -> None:
     (["status", "ot"], ["other.txt"]),          # PATH arguments are files
     (["explain", ""], []),                      # a volume name is not a file
     (["release", "--step-timeout", ""], []),
+    (["release", "--all", "--dead"], ["--deadline"]),
 ])
 def test_the_completion_completes(words: list[str], want: list[str], tmp_path: Path) -> None:
     (tmp_path / "node.yaml").touch()

@@ -112,6 +112,16 @@ def test_a_stop_refuses_new_commands() -> None:
         Runner(halt=halt).run(["true"])
 
 
+def test_a_stop_says_why() -> None:
+    """`release --all` at its deadline stops its chains with its own reason;
+    the first reason given stays."""
+    halt = Halt()
+    halt.begin(0, "release --all deadline (6 s) reached")
+    halt.begin(0, "daemon stopping")
+    with pytest.raises(Aborted, match=r"^release --all deadline \(6 s\) reached: true not"):
+        Runner(halt=halt).run(["true"])
+
+
 def test_a_stop_lets_a_short_command_finish_within_the_grace() -> None:
     halt = Halt()
     halt.begin(grace=30)

@@ -30,6 +30,7 @@ from reconciler.plan.steps import (
     Remount,
     ResizeImage,
     SetImageMeta,
+    Thaw,
     Unmap,
     Unpublish,
     Unstage,
@@ -811,6 +812,23 @@ def test_mapped_here_but_claimed_elsewhere_is_refused_except_release() -> None:
     assert actions(released) == ["unpublish", "unpublish", "unstage", "unmap"]
 
 
+def test_a_fenced_node_is_refused_for_the_fence_not_its_unreadable_device() -> None:
+    """Fenced, its mapping no longer answers (the client is blocklisted): the
+    refusal names the fence, not the probe that timed out."""
+    vol = volume()
+    taken = Claim("node-b", (), "node-a", ("10.0.0.1:0/1",)).encode()
+    w = converged(vol, image_meta={**owned_meta(vol), meta.HOLDER: taken})
+    w.devices[LOOP] = replace(w.devices[LOOP], fs_type=None, fs_uuid=None,
+                              signature="unknown (probe timed out)",
+                              unknown="probe timed out: no answer within 5 s")
+    p = plan_one(vol, w)
+    assert p.unknown is None and p.steps == []
+    assert "claimed by node node-b, which took it over from node-a" in (p.refusal or "")
+    # Not fenced: the unreadable device is unknown, as before.
+    w.images[("rbd", "pgdata")].meta[meta.HOLDER] = Claim(NODE).encode()
+    assert "cannot read" in (plan_one(vol, w).unknown or "")
+
+
 def test_our_claim_with_nothing_mapped_is_released_when_not_wanted_mapped() -> None:
     vol = volume(mapper=None, stage=False)
     w = World().image("pgdata", 256 * MiB,
@@ -911,3 +929,13 @@ def test_planning_does_not_change_the_observation() -> None:
     before = (dict(obs.images), obs.mappings, dict(obs.devices), obs.mounts)
     plan(vols, obs, CTX)
     assert (dict(obs.images), obs.mappings, dict(obs.devices), obs.mounts) == before
+
+
+def test_release_thaws_a_freeze_left_by_a_dead_run_first() -> None:
+    """Issue 30: a release (plain, `--all`, the daemon's onRemove) thaws a
+    recorded freeze before it unmounts anything."""
+    vol = volume()
+    obs = replace(converged(vol).observed(), freezes=frozenset({"/srv/pgdata"}))
+    [p] = plan([vol], obs, CTX, release=["pgdata"])
+    assert actions(p) == ["thaw", "unpublish", "unpublish", "unstage", "unmap"]
+    assert p.steps[0] == Thaw("pgdata", "/srv/pgdata")

@@ -107,9 +107,31 @@ def test_unreachable_ceph_is_unknown_not_absent(node: NodeUnderTest, tmp_path: P
         assert rc == 1 and "UNKNOWN" in out and "ABSENT" not in out
         rc, out = node.cli("explain", name)
         assert rc == 1 and "phase:    UNKNOWN" in out and "cannot reach Ceph" in out
+        # Mapped here (a watcher, our claim): unknown, never "none".
+        assert "watchers: unknown (the image was not seen)" in out, out
+        assert "claim:    unknown (the image was not seen)" in out, out
+        rc, doc = node.cli_json("explain", name)
+        assert doc["actual"]["watchers"] is None and doc["claim"] is None
+        assert "cannot reach Ceph" in doc["actual"]["imageUnknown"]
         rc, plan = node.plan()
         assert rc == 1 and plan["volumes"][0]["phase"] == "UNKNOWN"
         assert not plan["volumes"][0]["steps"]
     finally:
         node.config = good
     assert str(node.srv / "app") in node.mounts()  # serving all along
+
+
+@pytest.mark.ceph
+def test_explain_on_a_dead_pool_says_unknown(node: NodeUnderTest, dead_pool: str) -> None:
+    """A pool whose PGs map to no OSD (an outage): what only Ceph knows is
+    unknown, never "none"."""
+    name = node.name("dark")
+    spec = node.write(name, f"  image: {{pool: {dead_pool}, size: 64Mi}}\n")
+    node.config.write_text(node.config.read_text() + "observeTimeoutSeconds: 2\n")
+    rc, out = node.cli("explain", name)
+    spec.unlink()  # its pool goes with the fixture: nothing to release there
+    assert rc == 1 and "phase:    UNKNOWN" in out and dead_pool in out, out
+    lines = {line.split(":")[0].strip(): line for line in out.splitlines()}
+    assert lines["watchers"] == "  watchers: unknown (the image was not seen)", out
+    assert lines["claim"] == "  claim:    unknown (the image was not seen)", out
+    assert lines["image"].endswith("size unknown"), out
