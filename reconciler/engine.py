@@ -16,6 +16,7 @@ from reconciler.facts.observed import Observed
 from reconciler.observe.ceph import Connecting
 from reconciler.observe.node import Node, observe
 from reconciler.plan.planner import Context, VolumePlan, plan
+from reconciler.plan.steps import Step
 from reconciler.spec.config import Config
 from reconciler.spec.loader import LoadResult, load
 
@@ -42,10 +43,11 @@ class FrontDoorMetrics(Protocol):
 
 
 # Asked by a volume's chain right before each of its steps, with the
-# volume's name and file: None to go on, or why that file must not act
-# (the CSI adapter's record moved on). Only the front door that owns the
-# file knows; the engine asks and stops.
-Gate = Callable[[str, Path], str | None]
+# volume's name, file and the step: None to go on, or why that file must not
+# take it (the CSI adapter's record moved on; a CSI volume never deletes a
+# snapshot). Only the front door that owns the file knows; the engine asks
+# and stops.
+Gate = Callable[[str, Path, Step], str | None]
 
 
 class Served(Protocol):

@@ -137,7 +137,7 @@ class _VolumeRun:
         # (``apply(claims_after=...)``): the Unmap that would drop it.
         self.claims_after = False
         self.claim_unmap: StepOutcome | None = None
-        self.gate: Callable[[str, Path], str | None] | None = None
+        self.gate: Callable[[str, Path, Step], str | None] | None = None
 
     def need_cluster(self) -> rados.Rados:
         if self.cluster is None:
@@ -181,7 +181,7 @@ class _VolumeRun:
                 return self.out
             t0 = time.monotonic()
             try:
-                self.ask_gate()
+                self.ask_gate(step)
                 status, message = self.execute(step)
             except Aborted as exc:
                 took = time.monotonic() - t0
@@ -210,10 +210,10 @@ class _VolumeRun:
                 self.out.status = "changed"
         return self.out
 
-    def ask_gate(self) -> None:
-        """Right before a step: may this volume's file still act?"""
+    def ask_gate(self, step: Step) -> None:
+        """Right before a step: may this volume's file still take it?"""
         if self.gate is not None and self.volume is not None and \
-                (why := self.gate(self.volume.name, self.volume.source.file)):
+                (why := self.gate(self.volume.name, self.volume.source.file, step)):
             raise StepRefused(why)
 
     def abort(self, why: str) -> None:
@@ -721,7 +721,8 @@ class _VolumeRun:
 def apply(plans: list[VolumePlan], volumes: dict[str, Volume], observed: Observed,
           node: Node, parallel: int | None = None,
           claims_after: Connecting | None = None,
-          gate: Callable[[str, Path], str | None] | None = None) -> list[VolumeOutcome]:
+          gate: Callable[[str, Path, Step], str | None] | None = None
+          ) -> list[VolumeOutcome]:
     """Run each volume's chain; up to ``parallel`` (default: the config's)
     volumes at a time, each chain in order. Outcomes come back in plan order.
 
@@ -729,7 +730,7 @@ def apply(plans: list[VolumePlan], volumes: dict[str, Volume], observed: Observe
     ceph=False)``): every chain runs without Ceph, then this one connection
     drops this node's claim of each image no longer mapped here.
 
-    ``gate``: asked right before each step (name, file): a reason stops the
+    ``gate``: asked right before each step (name, file, step): a reason stops the
     chain there, refused (a front door's file that must not act any more)."""
     needed = any(isinstance(s, CEPH_STEPS) for p in plans for s in p.steps)
     # An unmap releases its claim through the connection observe kept; it

@@ -194,7 +194,8 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
         with self.volumes.operation(name):
             doc = self.volumes.create(
                 name, doc, deadline,
-                lambda have: self._same_request(have, request, img, labels))
+                lambda have: self._same_request(have, request, img, labels),
+                gone=lambda: self._size_now(pool, image) is None)
         try:
             self.ceph.record_name(pool, image, request.name)
         except Exception as exc:  # a missing note for humans never fails the call
@@ -261,6 +262,26 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
             # Refused (still open elsewhere, not ours): the volume stays as it was.
             self.volumes.delete(name, deadline, check, absent)
         return pb.DeleteVolumeResponse()
+
+    def _size_now(self, pool: str, image: str) -> int | None:
+        try:
+            return self.ceph.image_size(pool, image)
+        except Exception as exc:  # unknown is neither gone nor a size
+            raise CsiError(grpc.StatusCode.UNAVAILABLE,
+                           f"cannot ask Ceph about {pool}/{image} ({exc}); nothing was "
+                           "changed, retry later") from None
+
+    def _catch_up(self, doc: dict[str, Any], pool: str, image: str) -> bool:
+        """The image may be larger than the document says: a grow that
+        converged but was never recorded (its call was cut off; the CO
+        retries it). A change never converges a smaller size (the engine
+        refuses to shrink): the size in force is taken as it is."""
+        img = doc["spec"]["image"]
+        actual = self._size_now(pool, image)
+        if actual is None or actual <= int(img.get("size") or 0):
+            return False
+        img["size"] = actual
+        return True
 
     def _in_use(self, name: str, doc: dict[str, Any], pool: str, image: str) -> str | None:
         """Why the volume is in use (None: it is not): a stage or publish on
@@ -393,6 +414,7 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
         def grow(doc: dict[str, Any] | None) -> bool:
             if doc is None or doc["spec"].get("state", "present") != "present":
                 raise not_found(f"volume {quoted(request.volume_id)} does not exist")
+            caught_up = self._catch_up(doc, *parsed)
             img = doc["spec"]["image"]
             size = _size(rng, max_size(img.get("features")))
             current = int(img.get("size") or 0)
@@ -401,7 +423,7 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
                                f"volume {name} is already {current} bytes, more than "
                                f"limit_bytes {rng.limit_bytes}; volumes never shrink")
             if size <= current:
-                return False
+                return caught_up
             img["size"] = size
             return True
 
@@ -434,7 +456,8 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
             if doc is None or doc.get("kind", "Volume") != "Volume" or \
                     doc["spec"].get("state", "present") != "present":
                 raise not_found(f"volume {quoted(request.volume_id)} does not exist")
-            return mutable.apply(doc["spec"], changes)
+            changed = mutable.apply(doc["spec"], changes)
+            return self._catch_up(doc, *parsed) or changed
 
         with self.volumes.operation(name):
             self.volumes.update(name, modify, deadline)

@@ -66,7 +66,9 @@ class SnapshotRpcs:
                 continue
             try:
                 doc = self.volumes.read(name)
-            except CsiError:
+            except CsiError as exc:
+                if exc.code == grpc.StatusCode.ABORTED:
+                    out.append(name)  # being created (perhaps of this volume): wait for it
                 continue
             if _is_present_snapshot(doc) and doc is not None and \
                     doc["spec"]["source"].get("image") == {"pool": pool, "name": image}:
@@ -98,7 +100,8 @@ class SnapshotRpcs:
                   L_SOURCE: request.source_volume_id}
         with self.volumes.operation(name):
             self.volumes.create(name, new_snapshot_document(name, labels, pool, image),
-                                deadline, same)
+                                deadline, same,
+                                gone=lambda: self.ceph.snapshot(pool, image, name) is None)
         found = self.ceph.snapshot(pool, image, name)
         if found is None:
             raise CsiError(grpc.StatusCode.INTERNAL, f"snapshot {sid} was not found after it "

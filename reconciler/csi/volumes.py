@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from reconciler.csi import ids
 from reconciler.csi.errors import CsiError, invalid, precondition, quoted
 from reconciler.csi.files import (
     L_ACCESS,
@@ -29,6 +30,7 @@ from reconciler.csi.files import (
     VolumeFiles,
 )
 from reconciler.csi.records import NODE_ONLY, Record, Records, Unreadable
+from reconciler.plan.steps import CreateSnapshot, DeleteSnapshot, Step
 from reconciler.spec.config import Config
 from reconciler.spec.desired import claims, operator_conflicts
 from reconciler.spec.loader import load
@@ -39,6 +41,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rbd-reconciler.csi")
 DEADLINE_MARGIN_S = 0.25  # answer before the caller's deadline cuts us off
+# The step the start-up sweep asks the gate about: none in particular.
+SWEEP = Step("")
 # What a node takes from the controller's record for a volume staged by id.
 NODE_LABELS = (L_MAPPER, L_FSTYPE, L_ACCESS, L_ENCRYPTION)
 # Reads and compare-and-sets of one call before it answers ABORTED (another
@@ -166,10 +170,24 @@ class Volumes:
         labels = rec.doc["metadata"].get("labels") or {}
         return {k: v for k, v in labels.items() if k in NODE_LABELS}
 
-    def settle_here(self, name: str, deadline: float) -> None:
+    def settle_here(self, name: str, deadline: float, rec: Record | None = None) -> None:
         """settle() when this replica has the file (a call of its own still
-        converging); with records and no file, there is nothing to wait for."""
-        if self.records is None or self.files.path(name).exists():
+        converging); with records, only a file of the record's revision (an
+        earlier call's work that goes on); one of another revision is dropped
+        (the gate would refuse it), and with no file there is nothing to wait for."""
+        if self.records is None:
+            self.settle(name, deadline)
+            return
+        try:
+            doc = self.files.read(name)
+        except CsiError:
+            return  # broken by hand: the daemon freezes it; the record answers
+        if doc is None:
+            return
+        rev = rev_of(doc)
+        if rev is not None and (rec is None or rev != rec.rev):
+            self._drop(name)
+        elif rev is not None or rec is None:
             self.settle(name, deadline)
 
     def names(self) -> list[str]:
@@ -177,7 +195,8 @@ class Volumes:
         in Ceph every created one (rebuilt here when it is read)."""
         names = set(self.files.names())
         if self.records is not None:
-            names.update(n for n, r in self.records.all().items() if r.state == "created")
+            # Being created too: a delete of its source must see it coming.
+            names.update(n for n, r in self.records.all().items() if r.state != "deleting")
         return sorted(names)
 
     def _record(self, name: str) -> Record | None:
@@ -205,12 +224,15 @@ class Volumes:
         return True
 
     def create(self, name: str, doc: dict[str, Any], deadline: float,
-               same: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+               same: Callable[[dict[str, Any]], None],
+               gone: Callable[[], bool] | None = None) -> dict[str, Any]:
         """CreateVolume, CreateSnapshot, CreateVolumeGroupSnapshot: make
         ``doc``, or answer with the one that stands (``same`` raises
         ALREADY_EXISTS when it is not what was asked). With records: claim
         the name (compare-and-set), converge, record it created (compare-
-        and-set); a replica that loses a race re-reads or answers ABORTED."""
+        and-set); a replica that loses a race re-reads or answers ABORTED.
+        ``gone``: whether what a tombstone of the name deleted is gone from
+        Ceph (the delete then is finished, and the name free again)."""
         if self.records is None:
             have = self.files.read(name)
             if have is not None and have["spec"].get("state", "present") == "present":
@@ -224,9 +246,14 @@ class Volumes:
             if rec is not None and rec.state == "created":
                 have = merge(rec, self.files.read(name))
                 same(have)
-                self.settle_here(name, deadline)
+                self.settle_here(name, deadline, rec)
                 self.let_go(name, have)
                 return have
+            if rec is not None and rec.state == "deleting" and gone is not None and gone():
+                # A delete that was cut off after its engine removed the
+                # object: finished here (its file, if any, acts no more).
+                self.records.remove(name, rec)
+                continue
             if rec is not None and rec.state == "deleting":
                 raise CsiError(grpc.StatusCode.ABORTED,
                                f"{name} is being deleted (by controller {rec.by}); retry "
@@ -263,7 +290,7 @@ class Volumes:
                 doc = self._view(name, rec, doc)
             if not change(doc):  # raises for an absent document
                 assert doc is not None
-                self.settle_here(name, deadline)
+                self.settle_here(name, deadline, rec)
                 self.let_go(name, doc)
                 return doc
             assert doc is not None
@@ -338,18 +365,33 @@ class Volumes:
             self.files.remove(name) if not any(k in doc["spec"] for k in NODE_ONLY) \
                 else self.files.commit(name, self.files.write_temp(name, node_view(doc)))
 
-    def gate(self, name: str, file: Path) -> str | None:
-        """The engine asks before each step of a chain: may the CSI file act?
-        Only while the record it was built from is the current one; a file
-        of a record that moved on (another replica's change, a delete, a
-        restart) is dropped, not converged."""
-        if self.records is None or file.parent != self.files.dir:
+    def gate(self, name: str, file: Path, step: Step) -> str | None:
+        """The engine asks before each step of a chain: may the CSI file take
+        it? A CSI volume never deletes a snapshot (CSI snapshots outlive their
+        volume: DeleteVolume refuses while one exists, and one taken while the
+        delete ran is never removed by it). With records in Ceph a file acts
+        only while the record it was built from is the current one; a file of
+        a record that moved on (another replica's change, a delete, a restart)
+        is dropped, not converged; and a snapshot is taken only while its
+        source volume is not being deleted."""
+        if file.parent != self.files.dir:
             return None
         try:
             doc = self.files.read(name)
         except CsiError:
             return None  # it does not load: the daemon freezes it
-        rev = rev_of(doc) if doc is not None else None
+        if doc is None:
+            return None
+        if doc.get("kind", "Volume") == "Volume" and isinstance(step, DeleteSnapshot):
+            return (f"a CSI volume does not delete snapshots ({step.target}): they outlive it; "
+                    "delete them first (DeleteSnapshot)")
+        if self.records is None:
+            return None
+        if doc.get("kind") == "Snapshot" and isinstance(step, CreateSnapshot):
+            why = self._source_gone(step.pool, step.image)
+            if why is not None:
+                return why
+        rev = rev_of(doc)
         if not rev:
             return None
         try:
@@ -378,6 +420,21 @@ class Volumes:
                 self._busy.discard(name)
         return why
 
+    def _source_gone(self, pool: str, image: str) -> str | None:
+        """Why a snapshot of ``pool/image`` must not be taken now: its volume's
+        record is being deleted (or cannot be read). Checked right before the
+        snapshot is cut: a volume delete writes its tombstone before its
+        engine looks, so the two never both succeed."""
+        source = ids.volume_name(pool, image)
+        assert self.records is not None
+        try:
+            rec = self.records.get(source)
+        except Exception as exc:  # unknown is not "there"
+            return f"the source volume's record cannot be read ({exc})"
+        if rec is not None and rec.state == "deleting":
+            return f"its source volume {source} is being deleted"
+        return None
+
     def sweep(self) -> None:
         """At start: drop every file whose record moved on while this
         replica was away, before its engine could act on one."""
@@ -385,7 +442,7 @@ class Volumes:
             return
         for name in self.files.names():
             with contextlib.suppress(Exception):  # a pass's gate asks again
-                self.gate(name, self.files.path(name))
+                self.gate(name, self.files.path(name), SWEEP)
 
     @property
     def config(self) -> Config:  # the daemon may reload it (SIGHUP)
