@@ -70,6 +70,10 @@ class Record:
     at: float
     rev: str  # new with every write
     raw: bytes  # as stored: the compare value of the next write
+    # A change under way (expand, modify): the replica that leased the name
+    # for it, and when. A tombstone is its writer's lease as well.
+    op_by: str | None = None
+    op_at: float = 0.0
 
 
 class Unreadable(CsiError):
@@ -115,12 +119,18 @@ def decode(raw: bytes, pool: str, key: str) -> Record:
         raise bad("a Snapshot document needs spec.source")
     if kind == "SnapshotGroup" and not isinstance(spec.get("images"), list):
         raise bad("a SnapshotGroup document needs spec.images")
+    op = data.get("op")
+    if op is not None and (not isinstance(op, dict) or not isinstance(op.get("by"), str)
+                           or isinstance(op.get("at"), bool)
+                           or not isinstance(op.get("at"), int | float)):
+        raise bad("'op' must be {by: string, at: number}")
     rev = data.get("rev")
     if rev is None:  # written before revisions: its bytes stand for one
         rev = "legacy-" + hashlib.sha256(raw).hexdigest()[:16]
     elif not isinstance(rev, str):
         raise bad("'rev' must be a string")
-    return Record(doc, state, by, float(at), rev, raw)
+    return Record(doc, state, by, float(at), rev, raw,
+                  op["by"] if op else None, float(op["at"]) if op else 0.0)
 
 
 class Records:
@@ -130,10 +140,13 @@ class Records:
         # replica died or lost its lead (its own calls end well before).
         self.stale_s = stale_s
 
-    def _encode(self, doc: dict[str, Any], state: str) -> tuple[bytes, str]:
-        rev = secrets.token_hex(8)
-        return json.dumps({"doc": controller_view(doc), "state": state, "by": self.holder,
-                           "at": time.time(), "rev": rev}, sort_keys=True).encode(), rev
+    def _encode(self, doc: dict[str, Any], state: str, lease: bool) -> tuple[bytes, str, float]:
+        rev, now = secrets.token_hex(8), time.time()
+        data: dict[str, Any] = {"doc": controller_view(doc), "state": state,
+                                "by": self.holder, "at": now, "rev": rev}
+        if lease:
+            data["op"] = {"by": self.holder, "at": now}
+        return json.dumps(data, sort_keys=True).encode(), rev, now
 
     def _write(self, key: str, value: bytes | None, expect: bytes) -> bool:
         """Set (or with ``value`` None remove) one key, only if it holds
@@ -205,14 +218,25 @@ class Records:
         """A claim this replica may go on with: its own, or a dead one's."""
         return rec.state == "creating" and (rec.by == self.holder or self.stale(rec))
 
+    def leased(self, rec: Record) -> str | None:
+        """Who else is changing the name now (a live lease of another
+        replica's, or its tombstone), or None: this replica may change it.
+        A lease older than ``stale_s`` was left by a replica that died."""
+        by, at = (rec.by, rec.at) if rec.state == "deleting" else (rec.op_by, rec.op_at)
+        if by is None or by == self.holder or time.time() - at > self.stale_s:
+            return None
+        return by
+
     def write(self, name: str, expect: Record | None, doc: dict[str, Any],
-              state: str) -> Record | None:
+              state: str, lease: bool = False) -> Record | None:
         """``doc`` in ``state`` under a new revision, only if the record is
-        still ``expect`` (None: only if there is none). None: it changed."""
-        value, rev = self._encode(doc, state)
+        still ``expect`` (None: only if there is none); ``lease``: marked as
+        being changed by this replica. None: it changed meanwhile."""
+        value, rev, now = self._encode(doc, state, lease)
         if not self._write(PREFIX + name, value, expect.raw if expect else b""):
             return None
-        return Record(controller_view(doc), state, self.holder, time.time(), rev, value)
+        return Record(controller_view(doc), state, self.holder, now, rev, value,
+                      self.holder if lease else None, now if lease else 0.0)
 
     def remove(self, name: str, expect: Record) -> bool:
         """Forget ``name`` only if its record is still ``expect``."""

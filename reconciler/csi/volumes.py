@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -97,6 +98,7 @@ class Volumes:
         self.engine = engine
         self.files = VolumeFiles(engine.config.csi_dir)
         self._guard = threading.Lock()
+        self._freed = threading.Condition(self._guard)  # a name's call ended
         self._busy: set[str] = set()
         self.records: Records | None = None  # csi.statePool: the server sets it
 
@@ -208,20 +210,54 @@ class Volumes:
         now = self._record(name)
         return now is None or now.rev != rec.rev
 
-    def _converge_at(self, name: str, doc: dict[str, Any], rec: Record,
-                     deadline: float) -> bool:
+    def _converge_at(self, name: str, doc: dict[str, Any], rec: Record, deadline: float,
+                     finish: tuple[Callable[[], bool], Callable[[], object] | None]) -> bool:
         """Converge ``doc`` as a file of revision ``rec`` (the engine acts on
         it only while the record stands). False: the record moved on meanwhile
         (the engine stopped, or this call's change may be missing from it):
-        the caller reads it again and decides again."""
+        the caller reads it again and decides again. Past the caller's
+        deadline the work goes on, and so does the call's record: ``finish``
+        (record it done; let the record go back) runs once it converged."""
         try:
             self.converge(name, with_rev(doc, rec.rev), deadline)
         except CsiError as exc:
             if exc.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INTERNAL) \
                     and self._moved(name, rec):
                 return False
+            if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                threading.Thread(target=self._finish_later, args=(name, rec, doc, *finish),
+                                 name=f"csi-finish-{name[:20]}", daemon=True).start()
             raise
         return True
+
+    def _finish_later(self, name: str, rec: Record, doc: dict[str, Any],
+                      done: Callable[[], bool], undone: Callable[[], object] | None) -> None:
+        """A call cut off by its deadline: its file goes on converging; once
+        it has, its record change is made as the call would have made it (so
+        the name is free for other replicas at once, not after its lease goes
+        stale). A retry of the call that comes first does it instead."""
+        assert self.records is not None
+        try:
+            # After the cut-off call (it holds the name until it answers),
+            # or after a retry of it, which may have finished it already.
+            with self.operation(name, wait_s=self.records.stale_s):
+                if rev_of(self.files.read(name) or {}) != rec.rev:
+                    return
+                try:
+                    self.settle(name, time.monotonic() + self.records.stale_s)
+                except CsiError as exc:
+                    if exc.code in (grpc.StatusCode.FAILED_PRECONDITION,
+                                    grpc.StatusCode.INTERNAL) and undone is not None:
+                        undone()  # refused or failed: the record as it was
+                    log.info("%s: a cut-off call did not converge: %s", name, exc.message)
+                    return
+                if done():
+                    if doc["spec"].get("state") == "absent":
+                        self.files.remove(name)
+                    else:
+                        self.let_go(name, doc)
+        except Exception as exc:  # a retry of the call finishes what this could not
+            log.info("%s: finishing a cut-off call: %s", name, exc)
 
     def create(self, name: str, doc: dict[str, Any], deadline: float,
                same: Callable[[dict[str, Any]], None],
@@ -266,10 +302,11 @@ class Volumes:
                 continue  # another replica wrote first: see what it wrote
             # What this node added to a file of that name (staged by id
             # before it was recorded) stays: a create never tears it down.
+            created = partial(self._written, name, claim, doc, "created")
             if not self._converge_at(name, merge(claim, self.files.read(name)), claim,
-                                     deadline):
+                                     deadline, finish=(created, None)):
                 continue
-            if self.records.write(name, claim, doc, "created") is None:
+            if not created():
                 continue
             self.let_go(name, doc)
             return doc
@@ -303,13 +340,33 @@ class Volumes:
                     continue
                 self.let_go(name, doc)
                 return doc
-            if not self._converge_at(name, doc, rec, deadline):
+            # One replica changes a name at a time (a lease in the record):
+            # two engines never resize or set the limits of one image at once.
+            self._refuse_leased(name, rec)
+            lease = self.records.write(name, rec, rec.doc, rec.state, lease=True)
+            if lease is None:
                 continue
-            if self.records.write(name, rec, doc, "created") is None:
+            changed = partial(self._written, name, lease, doc, "created")
+            # Refused or failed later: the lease let go, the record as it was.
+            unchanged = partial(self.records.write, name, lease, rec.doc, rec.state)
+            if not self._converge_at(name, doc, lease, deadline, finish=(changed, unchanged)):
                 continue
+            if not changed():
+                continue  # the lease was taken over (it outlived stale_s)
             self.let_go(name, doc)
             return doc
         raise _contended(name)
+
+    def _written(self, name: str, expect: Record, doc: dict[str, Any], state: str) -> bool:
+        assert self.records is not None
+        return self.records.write(name, expect, doc, state) is not None
+
+    def _refuse_leased(self, name: str, rec: Record) -> None:
+        assert self.records is not None
+        if (by := self.records.leased(rec)) is not None:
+            what = "being deleted" if rec.state == "deleting" else "being changed"
+            raise CsiError(grpc.StatusCode.ABORTED,
+                           f"{name} is {what} by controller {by}; retry")
 
     def delete(self, name: str, deadline: float,
                check: Callable[[dict[str, Any]], None],
@@ -334,18 +391,20 @@ class Volumes:
             if rec.state == "creating" and not self.records.mine(rec):
                 raise CsiError(grpc.StatusCode.ABORTED,
                                f"{name} is being created by controller {rec.by}; retry")
+            self._refuse_leased(name, rec)
             present = merge(rec, file)
             check(present)  # a tombstone too: never tear down a node's side
-            tomb = rec
-            if rec.state != "deleting":
-                written = self.records.write(name, rec, present, "deleting")
-                if written is None:
-                    continue
-                tomb = written
+            # The tombstone (ours now, a fresh lease: a dead replica's is
+            # taken over) before the engine removes anything.
+            tomb = self.records.write(name, rec, present, "deleting")
+            if tomb is None:
+                continue
             gone = copy.deepcopy(present)
             absent(gone)
+            deleted = partial(self.records.remove, name, tomb)
+            kept = partial(self.records.write, name, tomb, present, "created")
             try:
-                if not self._converge_at(name, gone, tomb, deadline):
+                if not self._converge_at(name, gone, tomb, deadline, finish=(deleted, kept)):
                     continue
             except CsiError as exc:
                 if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
@@ -404,20 +463,14 @@ class Volumes:
         why = (f"its controller record moved on (revision {rev} is "
                + ("gone" if rec is None else f"now {rec.rev}, {rec.state}") +
                "): the file is dropped, not converged")
-        with self._guard:
-            if name in self._busy:
-                return why  # the call that holds it reads the record again
-            self._busy.add(name)
         try:
-            again = self.files.read(name)
-            if again is not None and rev_of(again) == rev:
-                log.info("%s: %s", name, why)
-                self._drop(name)
+            with self.operation(name):  # ABORTED: the call that holds it reads again
+                again = self.files.read(name)
+                if again is not None and rev_of(again) == rev:
+                    log.info("%s: %s", name, why)
+                    self._drop(name)
         except CsiError:
             pass
-        finally:
-            with self._guard:
-                self._busy.discard(name)
         return why
 
     def _source_gone(self, pool: str, image: str) -> str | None:
@@ -440,6 +493,13 @@ class Volumes:
         replica was away, before its engine could act on one."""
         if self.records is None:
             return
+        # This replica's own leases are its dead predecessor's (one process
+        # per state dir): let go, so other replicas need not wait for them
+        # to go stale; that predecessor's files are then of an old revision.
+        with contextlib.suppress(Exception):  # left to go stale instead
+            for name, rec in self.records.all().items():
+                if rec.op_by == self.records.holder and rec.state != "deleting":
+                    self.records.write(name, rec, rec.doc, rec.state)
         for name in self.files.names():
             with contextlib.suppress(Exception):  # a pass's gate asks again
                 self.gate(name, self.files.path(name), SWEEP)
@@ -450,18 +510,25 @@ class Volumes:
 
     # -- one operation per volume ---------------------------------------------
     @contextlib.contextmanager
-    def operation(self, name: str) -> Iterator[None]:
-        with self._guard:
-            if name in self._busy:
-                raise CsiError(grpc.StatusCode.ABORTED,
-                               f"an operation on volume {name} is already in progress; "
-                               "retry when it has finished")
+    def operation(self, name: str, wait_s: float = 0.0) -> Iterator[None]:
+        """One call per volume at a time; ``wait_s``: wait that long for the
+        one under way (else ABORTED at once, the CO retries)."""
+        end = time.monotonic() + wait_s
+        with self._freed:
+            while name in self._busy:
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise CsiError(grpc.StatusCode.ABORTED,
+                                   f"an operation on volume {name} is already in progress; "
+                                   "retry when it has finished")
+                self._freed.wait(left)
             self._busy.add(name)
         try:
             yield
         finally:
-            with self._guard:
+            with self._freed:
                 self._busy.discard(name)
+                self._freed.notify_all()
 
     def deadline(self, context: grpc.ServicerContext) -> float:
         budget = self.config.csi.timeout_seconds

@@ -197,10 +197,13 @@ def test_a_leftover_file_never_acts(start_csi: Callable[..., CsiNode],
     assert code_ == Code.DEADLINE_EXCEEDED
     assert name in a.files()
     a.stop(signal.SIGKILL)
+    # B waits while A's lease stands (ABORTED); A restarted on its state dir
+    # lets its predecessor's lease go; its file of that revision never acts.
+    a = start_csi()
     until_ok(lambda: expand(b, vol.volume_id, 64 * MiB))
     until_ok(lambda: delete(b, vol.volume_id))
     assert not node.image_exists(image) and name not in records(node)
-    a = start_csi()  # same state dir: its file of the old record is there
+    a.daemon.proc.send_signal(signal.SIGHUP)  # a pass over every file
     assert stays_gone(node, image), "a restarted replica re-created a deleted image"
     wait_for("A's leftover file to be dropped", lambda: name not in a.files())
 
