@@ -285,9 +285,12 @@ class Volumes:
                 self.settle_here(name, deadline, rec)
                 self.let_go(name, have)
                 return have
-            if rec is not None and rec.state == "deleting" and gone is not None and gone():
-                # A delete that was cut off after its engine removed the
-                # object: finished here (its file, if any, acts no more).
+            if rec is not None and rec.state == "deleting" and gone is not None and \
+                    self.records.leased(rec) is None and gone():
+                # A delete whose replica died (or this one's, before a
+                # restart) after its engine removed the object: finished here
+                # (its file, if any, acts no more). Never while its replica
+                # may still be in the middle of its last step.
                 self.records.remove(name, rec)
                 continue
             if rec is not None and rec.state == "deleting":
