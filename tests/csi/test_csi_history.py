@@ -532,6 +532,15 @@ def cleanup(io: rados.Ioctx, names: Names) -> None:
         with contextlib.suppress(rbd.ImageNotFound):
             with rbd.Image(io, image) as img:
                 for s in list(img.list_snaps()):
+                    if s.get("namespace", rbd.RBD_SNAP_NAMESPACE_TYPE_USER) == \
+                            rbd.RBD_SNAP_NAMESPACE_TYPE_GROUP:
+                        # A group snapshot whose group outlived the removal
+                        # above (made meanwhile): removed through its group.
+                        info = img.snap_get_group_namespace(s["id"])
+                        with contextlib.suppress(rbd.ObjectNotFound), \
+                                rbd.Group(io, info["name"]) as g:
+                            g.remove_snap(info["snap_name"])
+                        continue
                     if s.get("namespace", rbd.RBD_SNAP_NAMESPACE_TYPE_USER) != \
                             rbd.RBD_SNAP_NAMESPACE_TYPE_USER:
                         continue

@@ -120,15 +120,22 @@ def both(a: Callable[[], object], b: Callable[[], object]) -> list[object]:
     return out
 
 
+def made(c: CsiNode, node: NodeUnderTest, request: str) -> tuple[pb.Volume, str, str]:
+    """CreateVolume as a CO sends it (retried while ABORTED): the volume, its
+    image (removed by the fixture if a test fails) and its file's name."""
+    vol = create_until_done(c, request)
+    image = vol.volume_id.rsplit(":", 1)[1]
+    node.images.add(image)
+    return vol, image, ids.volume_name(*ids.parse_volume_id(vol.volume_id))
+
+
 def test_delete_racing_expand_never_brings_the_image_back(
         start_csi: Callable[..., CsiNode], replica_b: Callable[..., CsiNode],
         node: NodeUnderTest) -> None:
     drop_records(node)
     a, b = start_csi(state(node)), replica_b(state(node))
     for trial in range(4):
-        vol = create_until_done(a, f"pvc-race-del-{trial}")
-        image = vol.volume_id.rsplit(":", 1)[1]
-        node.images.add(image)
+        vol, image, _ = made(a, node, f"pvc-race-del-{trial}")
         got = both(lambda v=vol: expand(a, v.volume_id, 48 * MiB),
                    lambda v=vol: until_ok(lambda: delete(b, v.volume_id)))
         # The expand may answer OK (before the delete), NOT_FOUND (after it)
@@ -153,10 +160,7 @@ def test_expand_and_modify_at_once_lose_nothing(
     drop_records(node)
     a, b = start_csi(state(node)), replica_b(state(node))
     for trial in range(3):
-        vol = create_until_done(a, f"pvc-lost-update-{trial}")
-        image = vol.volume_id.rsplit(":", 1)[1]
-        node.images.add(image)
-        name = ids.volume_name(*ids.parse_volume_id(vol.volume_id))
+        vol, image, name = made(a, node, f"pvc-lost-update-{trial}")
         size = (32 + trial) * MiB
         got = both(lambda v=vol, s=size: until_ok(lambda: expand(a, v.volume_id, s)),
                    lambda v=vol: until_ok(lambda: modify(b, v.volume_id,
@@ -186,10 +190,7 @@ def test_a_leftover_file_never_acts(start_csi: Callable[..., CsiNode],
     left by a DEADLINE_EXCEEDED."""
     drop_records(node)
     a, b = start_csi(state(node)), replica_b(state(node))
-    vol = create_until_done(a, "pvc-leftover")
-    image = vol.volume_id.rsplit(":", 1)[1]
-    node.images.add(image)
-    name = ids.volume_name(*ids.parse_volume_id(vol.volume_id))
+    vol, image, name = made(a, node, "pvc-leftover")
 
     # Cut off at once (the server keeps 0.25 s of the caller's deadline):
     # the file is written, the call answers DEADLINE_EXCEEDED, the file stays.
@@ -209,10 +210,7 @@ def test_a_leftover_file_never_acts(start_csi: Callable[..., CsiNode],
 
     # A live replica: A's call is cut off by its deadline, its file stays
     # (its engine grows the image), and then B grows and deletes it.
-    vol = create_until_done(b, "pvc-leftover-live")
-    image = vol.volume_id.rsplit(":", 1)[1]
-    node.images.add(image)
-    name = ids.volume_name(*ids.parse_volume_id(vol.volume_id))
+    vol, image, name = made(b, node, "pvc-leftover-live")
     code_, _ = error(lambda: expand(a, vol.volume_id, 64 * MiB, timeout=0.2))
     assert code_ == Code.DEADLINE_EXCEEDED
     until_ok(lambda: expand(b, vol.volume_id, 96 * MiB))
