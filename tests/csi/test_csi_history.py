@@ -537,9 +537,12 @@ def cleanup(io: rados.Ioctx, names: Names) -> None:
                         # A group snapshot whose group outlived the removal
                         # above (made meanwhile): removed through its group.
                         info = img.snap_get_group_namespace(s["id"])
-                        with contextlib.suppress(rbd.ObjectNotFound), \
-                                rbd.Group(io, info["name"]) as g:
-                            g.remove_snap(info["snap_name"])
+                        try:
+                            with rbd.Group(io, info["name"]) as g:
+                                g.remove_snap(info["snap_name"])
+                        except rbd.Error:
+                            with contextlib.suppress(rbd.Error):
+                                img.remove_snap_by_id(s["id"])
                         continue
                     if s.get("namespace", rbd.RBD_SNAP_NAMESPACE_TYPE_USER) != \
                             rbd.RBD_SNAP_NAMESPACE_TYPE_USER:
@@ -547,7 +550,11 @@ def cleanup(io: rados.Ioctx, names: Names) -> None:
                     if img.is_protected_snap(s["name"]):
                         img.unprotect_snap(s["name"])
                     img.remove_snap(s["name"])
-            rbd.RBD().remove(io, image)
+            try:
+                rbd.RBD().remove(io, image)
+            except rbd.ImageHasSnapshots:
+                snaps = [dict(s) for s in rbd.Image(io, image).list_snaps()]
+                print(f"cleanup: {image} kept, its snapshots cannot be removed: {snaps}")
     with contextlib.suppress(rados.ObjectNotFound):
         io.remove_object(RECORDS_OBJECT)
 
