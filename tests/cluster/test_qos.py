@@ -130,3 +130,27 @@ def test_io_max_on_a_cgroup_without_the_io_controller_is_a_clear_failure(
         assert node.apply()["rc"] == 0
     finally:
         cg.rmdir()
+
+
+def test_a_limit_librbd_refuses_leaves_the_previous_set(node: NodeUnderTest) -> None:
+    """set_qos changes several keys one by one: when librbd refuses one of
+    them half-way, the keys already changed go back (never a mix)."""
+    from reconciler.drivers.ceph import CephError, set_qos
+    from reconciler.spec.qos import QOS_KEYS
+
+    image = node.name("qos-rollback")
+    node.images.add(image)
+    with node.cluster.client() as cl:
+        with cl.open_ioctx(node.cluster.pool) as io:
+            rbd.RBD().create(io, image, 16 * MiB)
+            with rbd.Image(io, image) as img:
+                img.metadata_set("conf_rbd_qos_iops_limit", "50")
+                img.metadata_set("conf_rbd_qos_bps_limit", str(MiB))
+        before = qos_keys(node, image)
+        # iops is changed first, read_iops removed... then bps is a value
+        # librbd cannot hold.
+        want = {"conf_rbd_qos_iops_limit": "100", "conf_rbd_qos_read_iops_limit": "7",
+                "conf_rbd_qos_bps_limit": str(1 << 64)}
+        with pytest.raises((rbd.Error, CephError)):
+            set_qos(cl, node.cluster.pool, image, QOS_KEYS, want)
+        assert qos_keys(node, image) == before
