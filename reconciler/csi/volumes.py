@@ -237,19 +237,28 @@ class Volumes:
         the name is free for other replicas at once, not after its lease goes
         stale). A retry of the call that comes first does it instead."""
         assert self.records is not None
+        stale_s = self.records.stale_s
         try:
-            # After the cut-off call (it holds the name until it answers),
-            # or after a retry of it, which may have finished it already.
-            with self.operation(name, wait_s=self.records.stale_s):
+            # The cut-off call holds the name until it has answered; a retry
+            # of it may come meanwhile and take over (its own revision): this
+            # then does nothing (every write compares the revision).
+            with self.operation(name, wait_s=stale_s):
                 if rev_of(self.files.read(name) or {}) != rec.rev:
                     return
-                try:
-                    self.settle(name, time.monotonic() + self.records.stale_s)
-                except CsiError as exc:
-                    if exc.code in (grpc.StatusCode.FAILED_PRECONDITION,
-                                    grpc.StatusCode.INTERNAL) and undone is not None:
+            failed = None
+            try:
+                self.settle(name, time.monotonic() + stale_s)
+            except CsiError as exc:
+                failed = exc
+            with self.operation(name, wait_s=stale_s):
+                if rev_of(self.files.read(name) or {}) != rec.rev:
+                    return
+                if failed is not None:
+                    if failed.code in (grpc.StatusCode.FAILED_PRECONDITION,
+                                       grpc.StatusCode.INTERNAL) and undone is not None:
                         undone()  # refused or failed: the record as it was
-                    log.info("%s: a cut-off call did not converge: %s", name, exc.message)
+                        self._drop(name)  # and its file acts no more
+                    log.info("%s: a cut-off call did not converge: %s", name, failed.message)
                     return
                 if done():
                     if doc["spec"].get("state") == "absent":
