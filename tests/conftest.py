@@ -134,9 +134,13 @@ class NodeUnderTest:
             return name in rbd.RBD().list(io)
 
 
-def _loops_under(root: Path) -> list[str]:
+def _loops_under(root: Path, tag: str) -> list[str]:
+    """Loop devices of this test: backed by a file under its root, or, once
+    the FUSE mount behind it is gone (sysfs then shows "/IMAGE"), by one of
+    its images (named NAME-TAG)."""
     return [lo.name for lo in loop_devices()
-            if lo.back_file and lo.back_file.startswith(str(root))]
+            if lo.back_file and (lo.back_file.startswith(str(root))
+                                 or lo.back_file.endswith(f"-{tag}"))]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -186,7 +190,7 @@ def node(tmp_path: Path, ceph_cluster: DevCluster) -> Iterator[NodeUnderTest]:
     finally:
         reap_zombies()
         leaked_mounts = sorted(n.mounts())
-        leaked_loops = _loops_under(tmp_path)
+        leaked_loops = _loops_under(tmp_path, n.tag)
         _force_cleanup(leaked_mounts, leaked_loops)
     assert not leaked_mounts, f"mounts leaked: {leaked_mounts}"
     assert not leaked_loops, f"loop devices leaked: {leaked_loops}"
@@ -210,12 +214,32 @@ def _force_cleanup(mounts: list[str], loops: list[str]) -> None:
     for mp in reversed(mounts):  # children before parents
         subprocess.run(["umount", "-l", mp], check=False, timeout=30)
     for lo in loops:
+        _thaw_detached(lo)
         subprocess.run(["losetup", "-d", lo], check=False, timeout=30)
     for mnt, pid in fuse_pids().items():
         if mnt.startswith(tuple(mounts)) or not Path(mnt).exists():
             with contextlib.suppress(OSError):
                 os.kill(pid, 9)
     reap_fuse_children()
+
+
+def _thaw_detached(loop: str) -> None:
+    """A filesystem unmounted while frozen lives on in the kernel, frozen,
+    holding its loop device with no mount point anywhere: mount it again (the
+    kernel hands back that superblock), thaw it there, unmount it."""
+    import subprocess
+    import tempfile
+
+    dev = Path(loop).name
+    if not any(Path(f"/sys/fs/{fs}/{dev}").exists() for fs in ("ext4", "xfs")):
+        return
+    if any(m.source == loop for m in parse_mountinfo(Path("/proc/self/mountinfo").read_text())):
+        return  # mounted: the lazy unmount above lets it go
+    with tempfile.TemporaryDirectory(prefix="thaw-") as mnt:
+        if subprocess.run(["mount", "--", loop, mnt], check=False, timeout=30).returncode:
+            return
+        subprocess.run(["fsfreeze", "-u", "--", mnt], check=False, timeout=30)
+        subprocess.run(["umount", "--", mnt], check=False, timeout=30)
 
 
 @pytest.fixture

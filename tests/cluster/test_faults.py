@@ -94,7 +94,7 @@ def killer(node: NodeUnderTest, tmp_path: Path) -> Iterator[Killer]:
 
 
 def assert_clean(node: NodeUnderTest, mapped: bool) -> None:
-    loops = _loops_under(node.root)
+    loops = _loops_under(node.root, node.tag)
     assert len(loops) == (1 if mapped else 0), loops
 
 

@@ -368,4 +368,4 @@ def test_apply_converges_many_volumes_at_once(node: NodeUnderTest) -> None:
 def _loops(node: NodeUnderTest) -> list[str]:
     from conftest import _loops_under
 
-    return _loops_under(node.root)
+    return _loops_under(node.root, node.tag)

@@ -172,7 +172,7 @@ def fuse_helpers_under(root: Path) -> list[str]:
 
 
 def held_by_us(node: NodeUnderTest) -> dict[str, object]:
-    return {"mounts": sorted(node.mounts()), "loops": _loops_under(node.root),
+    return {"mounts": sorted(node.mounts()), "loops": _loops_under(node.root, node.tag),
             "rbd-fuse": fuse_helpers_under(node.root)}
 
 
@@ -520,4 +520,4 @@ def test_release_unmounts_and_unmaps_before_it_touches_ceph(
                       "drop claim"], events
     assert holder(node, name) is None
     assert not node.mounts()
-    assert not _loops_under(node.root)
+    assert not _loops_under(node.root, node.tag)
