@@ -398,7 +398,10 @@ class Volumes:
                 check(file)
                 gone = copy.deepcopy(file)
                 absent(gone)
-                self.retire(name, file, gone, deadline)
+                # Refused: converge puts the file back, the volume stays as it
+                # was, and the CO's retry asks again.
+                self.converge(name, gone, deadline)
+                self.files.remove(name)
                 return
             if rec.state == "creating" and not self.records.mine(rec):
                 raise CsiError(grpc.StatusCode.ABORTED,
@@ -422,7 +425,7 @@ class Volumes:
                 if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
                     # Refused (still open elsewhere, has snapshots): converge
                     # put the file back; the record goes back to created too.
-                    self.records.write(name, tomb, present, "created")
+                    kept()
                 raise
             self.files.remove(name)
             self.records.remove(name, tomb)  # False: another replica finished it
@@ -432,9 +435,12 @@ class Volumes:
     def _drop(self, name: str) -> None:
         """A file whose record is gone: nothing of it acts again."""
         doc = self.files.read(name)
-        if doc is not None and rev_of(doc):
-            self.files.remove(name) if not any(k in doc["spec"] for k in NODE_ONLY) \
-                else self.files.commit(name, self.files.write_temp(name, node_view(doc)))
+        if doc is None or not rev_of(doc):
+            return
+        if any(k in doc["spec"] for k in NODE_ONLY):
+            self.files.commit(name, self.files.write_temp(name, node_view(doc)))
+        else:
+            self.files.remove(name)
 
     def gate(self, name: str, file: Path, step: Step) -> str | None:
         """The engine asks before each step of a chain: may the CSI file take
@@ -623,21 +629,6 @@ class Volumes:
                             f"({err.strerror or err}): fix it by hand")
             return
         self.engine.wake_volume(name)
-
-    def retire(self, name: str, before: dict[str, Any], after: dict[str, Any],
-               deadline: float) -> None:
-        """Converge ``after`` (the file with ``state: absent``), then remove the
-        file. A refusal puts ``before`` back: the object stays as it was and the
-        CO's retry asks again."""
-        try:
-            self.converge(name, after, deadline)
-        except CsiError as exc:
-            if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
-                self.files.commit(name, self.files.write_temp(name, before))
-                self.engine.wake_volume(name)
-                self.let_go(name, before)  # with records: the record stands for it
-            raise
-        self.files.remove(name)
 
     def wait(self, name: str, generation: str, deadline: float) -> dict[str, Any]:
         """Wake the engine for ``name`` and wait for a status that covers
