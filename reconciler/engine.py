@@ -19,6 +19,7 @@ from reconciler.plan.planner import Context, VolumePlan, plan
 from reconciler.plan.steps import Step
 from reconciler.spec.config import Config
 from reconciler.spec.loader import LoadResult, load
+from reconciler.state.files import open_lock
 
 
 @dataclass
@@ -82,8 +83,7 @@ FrontDoor = Callable[[Served, str], Stoppable]
 @contextlib.contextmanager
 def state_lock(config: Config, wait: bool = False) -> Iterator[None]:
     """One actor per stateDir: the daemon, or one CLI apply, never both."""
-    config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(config.state_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fd = open_lock(config.state_dir / "lock")
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))

@@ -8,6 +8,7 @@ whichever it finds.
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import yaml
 
 from reconciler.csi.errors import precondition
 from reconciler.spec.model import API_VERSION
-from reconciler.state.files import commit, durable_temp, sync_dir
+from reconciler.state.files import commit, durable_temp, ensure_dir, opened_dir, remove
 
 LABEL = "csi.rbd-reconciler/"
 L_REQUEST = LABEL + "request-name"  # the CO's name for it (CreateVolume)
@@ -37,7 +38,7 @@ class VolumeFiles:
         self.dir = directory
 
     def ensure_dir(self) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        ensure_dir(self.dir)
 
     def path(self, name: str) -> Path:
         return self.dir / f"{name}.yaml"
@@ -46,7 +47,7 @@ class VolumeFiles:
         """The file's document; None when there is none. A file someone broke
         by hand is an error to report, never a volume to write over."""
         try:
-            doc = yaml.safe_load(self.path(name).read_text())
+            doc = yaml.safe_load(self._read(name).decode())
         except FileNotFoundError:
             return None
         except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
@@ -56,6 +57,14 @@ class VolumeFiles:
             raise precondition(f"volume file {self.path(name)} is not a Volume document; "
                                "fix or remove it by hand")
         return doc
+
+    def _read(self, name: str) -> bytes:
+        """The file's bytes; a symlink is not followed (ELOOP): only this
+        adapter writes here, and it never makes one."""
+        with opened_dir(self.dir) as dfd:
+            fd = os.open(f"{name}.yaml", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        with os.fdopen(fd, "rb") as f:
+            return f.read()
 
     def names(self) -> list[str]:
         try:
@@ -74,7 +83,7 @@ class VolumeFiles:
     def raw(self, name: str) -> bytes | None:
         """The file's bytes as they are (None: there is none), to put back."""
         try:
-            return self.path(name).read_bytes()
+            return self._read(name)
         except FileNotFoundError:
             return None
 
@@ -91,12 +100,11 @@ class VolumeFiles:
 
     def discard(self, tmp: Path) -> None:
         with contextlib.suppress(OSError):
-            tmp.unlink()
+            remove(tmp)
 
     def remove(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
-            self.path(name).unlink()
-            sync_dir(self.dir)
+            remove(self.path(name))
 
 
 def new_document(name: str, labels: dict[str, str], image: dict[str, Any]) -> dict[str, Any]:

@@ -294,7 +294,8 @@ class Metrics:
         a pass."""
         try:
             data = prometheus_client.generate_latest(self.registry)
-            # 0644: node_exporter usually runs as another user
+            # 0644: node_exporter usually runs as another user, and often owns
+            # the directory: write_atomic acts only through descriptors there.
             write_atomic(path, data, mode=0o644)
         except OSError as exc:
             log.warning("metrics: cannot write %s: %s", path, exc)

@@ -50,7 +50,7 @@ from reconciler.spec.config import Config, ConfigError, load_config
 from reconciler.spec.desired import claims, forgettable, load_desired
 from reconciler.spec.loader import LoadCache, discover, is_ignored
 from reconciler.spec.model import Volume, volume_from_dict, volume_to_dict
-from reconciler.spec.security import desired_dir_problems
+from reconciler.spec.security import desired_dir_problems, directory_problems
 from reconciler.state import allowance
 from reconciler.state.files import CannotWrite, read_json, write_json
 from reconciler.state.records import RecordsFile
@@ -282,6 +282,10 @@ class Daemon:
         problems = []
         for d in dirs:
             problems += desired_dir_problems(d, discover([d])[0] if files else [])
+        if self.config.state_dir.is_dir():
+            # Root's records, locks and mount points: whoever could change the
+            # state dir could swap them (safety rule 6).
+            problems += directory_problems(self.config.state_dir)
         return problems
 
     def run(self) -> int:

@@ -32,6 +32,7 @@ from typing import Any
 from reconciler.drivers import safepath
 from reconciler.drivers.bounded import Bounded, NoAnswer
 from reconciler.facts.parsers import parse_mountinfo
+from reconciler.state.files import open_lock
 from reconciler.state.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,7 @@ class Freezes(Registry):
 
     @contextlib.contextmanager
     def _across_processes(self) -> Iterator[None]:
-        fd = os.open(self.path.with_name("freezes.lock"),
-                     os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = open_lock(self.path.with_name("freezes.lock"))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # held for one small write only
             yield
@@ -247,10 +247,7 @@ def thaw_left(state_dir: Path, path: str) -> bool | None:
 def device_lock(state_dir: Path, rdev: tuple[int, int], wait: float) -> Iterator[None]:
     """One freeze per device at a time, across threads and processes (each
     open has its own flock). Waits up to ``wait`` s, then raises Busy."""
-    locks = state_dir / "locks"
-    locks.mkdir(mode=0o700, exist_ok=True)
-    fd = os.open(locks / f"freeze-{rdev[0]}:{rdev[1]}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
-                 0o600)
+    fd = open_lock(state_dir / "locks" / f"freeze-{rdev[0]}:{rdev[1]}")
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

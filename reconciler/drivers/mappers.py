@@ -185,7 +185,9 @@ class FuseMapper:
         argv = ["rbd-fuse", *_ceph_args(self.ceph), "-p", pool, "-r", image,
                 "-o", "attr_timeout=0", str(mnt), "-f"]
         self.runner.history.append(argv)
-        with open(logfile, "ab") as out:
+        # O_NOFOLLOW: a symlink here is never appended through (the state dir is root's).
+        with os.fdopen(os.open(logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+                               | os.O_CLOEXEC, 0o600), "ab") as out:
             # Own session: a Ctrl-C at the CLI must not kill the volume's I/O path.
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                                     start_new_session=True)

@@ -8,11 +8,10 @@ the removals pending now, never for a checkout that goes wrong tomorrow.
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from reconciler.state.files import read_json, write_json
+from reconciler.state.files import read_json, remove, write_json
 
 FILENAME = "allow-removal.json"
 
@@ -45,7 +44,7 @@ def take(state_dir: Path) -> Allowance:
     if data is None and not path.exists():
         return Allowance()
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+        remove(path)
     if not isinstance(data, dict):
         return Allowance()
     return Allowance(frozenset(str(n) for n in data.get("names", [])), bool(data.get("all")))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from reconciler.state.files import CannotWrite, write_atomic
+from reconciler.state.files import write_atomic
 
 
 class RecordsFile:
@@ -31,8 +31,4 @@ class RecordsFile:
         for name in self._lines.keys() - records.keys():
             del self._lines[name]
         body = "{\n" + ",\n".join(lines) + "\n}\n" if lines else "{}\n"
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        except OSError as exc:
-            raise CannotWrite(exc.errno, f"cannot write {self.path}: {exc.strerror}") from exc
-        write_atomic(self.path, body.encode())
+        write_atomic(self.path, body.encode(), make_dir=True)
