@@ -71,12 +71,12 @@ def _may_follow(dir_st: os.stat_result, link_st: os.stat_result) -> bool:
                  or bool(dir_st.st_mode & stat.S_ISVTX)))
 
 
-def open_dir(directory: Path, create: bool = False) -> int:
+def open_dir(directory: Path, create: bool = False, mode: int = 0o700) -> int:
     """An O_RDONLY descriptor of ``directory``, resolved one component at a
     time: a symlink is followed only as ``_may_follow`` allows (``/var/run``
     is root's and fine; one in node_exporter's directory is not). With
-    ``create``, missing components are made (0700 for the last, 0755 above)
-    through their parent's descriptor."""
+    ``create``, missing components are made (``mode`` for the last, 0755
+    above) through their parent's descriptor."""
     parts = deque(p for p in os.path.abspath(directory).split("/") if p)
     fd = os.open("/", O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     links = 0
@@ -90,7 +90,7 @@ def open_dir(directory: Path, create: bool = False) -> int:
                 if not create:
                     raise
                 with contextlib.suppress(FileExistsError):
-                    os.mkdir(part, 0o700 if not parts else 0o755, dir_fd=fd)
+                    os.mkdir(part, mode if not parts else 0o755, dir_fd=fd)
                 nfd = os.open(part, flags, dir_fd=fd)
             except OSError as exc:
                 if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
