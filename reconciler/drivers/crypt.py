@@ -65,6 +65,9 @@ def _key_pipe(key: bytes) -> Iterator[int]:
 
 
 class Cryptsetup:
+    """cryptsetup (popt): every device and mapping name after "--", so none is
+    ever read as an option (measured: ``close -- -x`` names a device -x)."""
+
     def __init__(self, runner: Runner, pbkdf: Pbkdf | None = None) -> None:
         self.runner = runner
         self.pbkdf = pbkdf or Pbkdf()
@@ -72,38 +75,38 @@ class Cryptsetup:
     def format(self, device: str, key: bytes) -> None:
         """luksFormat: the caller has proven the device blank (safety rule 1)."""
         self.runner.run(["cryptsetup", "luksFormat", "--batch-mode", "--type", "luks2",
-                         *self.pbkdf.args(), "--key-file", "-", device],
+                         *self.pbkdf.args(), "--key-file", "-", "--", device],
                         stdin=key, timeout=self.runner.long_timeout, env=_env())
 
     def is_luks(self, device: str) -> bool:
-        return self.runner.run(["cryptsetup", "isLuks", "--type", "luks2", device],
+        return self.runner.run(["cryptsetup", "isLuks", "--type", "luks2", "--", device],
                                ok_codes=(0, 1), env=_env()).returncode == 0
 
     def opens(self, device: str, key: bytes) -> bool:
         """Whether ``key`` opens a keyslot (no device is created)."""
         out = self.runner.run(["cryptsetup", "open", "--test-passphrase", "--type", "luks2",
-                               "--key-file", "-", device], stdin=key, ok_codes=(0, 1, 2),
-                              env=_env())
+                               "--key-file", "-", "--", device], stdin=key,
+                              ok_codes=(0, 1, 2), env=_env())
         return out.returncode == 0
 
     def open(self, device: str, name: str, key: bytes) -> None:
         self.runner.run(["cryptsetup", "open", "--type", "luks2", "--key-file", "-",
-                         device, name], stdin=key, timeout=self.runner.long_timeout,
+                         "--", device, name], stdin=key, timeout=self.runner.long_timeout,
                         env=_env())
 
     def close(self, name: str) -> None:
-        self.runner.run(["cryptsetup", "close", name], env=_env())
+        self.runner.run(["cryptsetup", "close", "--", name], env=_env())
 
     def resize(self, name: str, key: bytes) -> None:
         """Grow the open device to its backing device (the key: LUKS2 may keep
         the volume key in the kernel keyring, where resize needs it again)."""
-        self.runner.run(["cryptsetup", "resize", "--key-file", "-", name], stdin=key,
+        self.runner.run(["cryptsetup", "resize", "--key-file", "-", "--", name], stdin=key,
                         env=_env())
 
     def add_key(self, device: str, key: bytes, new: bytes) -> None:
         with _key_pipe(new) as fd:
             self.runner.run(["cryptsetup", "luksAddKey", "--batch-mode", *self.pbkdf.args(),
-                             "--key-file", "-", device, f"/proc/self/fd/{fd}"],
+                             "--key-file", "-", "--", device, f"/proc/self/fd/{fd}"],
                             stdin=key, pass_fds=(fd,), timeout=self.runner.long_timeout,
                             env=_env())
 
@@ -111,11 +114,11 @@ class Cryptsetup:
         """Remove the keyslot ``key`` opens (never the last one: cryptsetup
         asks, and in batch mode refuses... so the caller checks first)."""
         self.runner.run(["cryptsetup", "luksRemoveKey", "--batch-mode", "--key-file", "-",
-                         device], stdin=key, env=_env())
+                         "--", device], stdin=key, env=_env())
 
     def dump(self, device: str) -> dict:
         """The LUKS2 header's JSON metadata (keyslots, segments); no secret."""
-        out = self.runner.run(["cryptsetup", "luksDump", "--dump-json-metadata", device],
+        out = self.runner.run(["cryptsetup", "luksDump", "--dump-json-metadata", "--", device],
                               env=_env())
         try:
             return json.loads(out.stdout)

@@ -33,8 +33,10 @@ def read(runner: Runner, target: str, devices: list[str]) -> dict[str, dict[str,
         except FileNotFoundError:
             raise _no_io_max(target) from None
     try:
-        out = runner.run(["systemctl", "show", target,
-                          *(f"--property={p}" for p in SYSTEMD_IO.values())]).stdout
+        # "--" before the unit: "-.slice" is a unit, "-H..." must never be an option.
+        out = runner.run(["systemctl", "show",
+                          *(f"--property={p}" for p in SYSTEMD_IO.values()), "--",
+                          target]).stdout
     except CommandError as exc:
         raise IoLimitError(f"unit {target}: systemctl show failed ({exc}); QoS on a unit "
                            "needs systemd as PID 1") from None
@@ -60,6 +62,6 @@ def write(runner: Runner, target: str, device: str, limits: dict[str, int]) -> N
     props = [f"{prop}={device} {limits.get(key, 'infinity')}"
              for key, prop in SYSTEMD_IO.items()]
     try:
-        runner.run(["systemctl", "set-property", "--runtime", target, *props])
+        runner.run(["systemctl", "set-property", "--runtime", "--", target, *props])
     except CommandError as exc:
         raise IoLimitError(f"unit {target}: systemctl set-property failed ({exc})") from None

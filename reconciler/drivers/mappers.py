@@ -66,10 +66,20 @@ def nbd_connected(device: str | None) -> bool:
 
 
 def _ceph_args(ceph: CephConfig) -> list[str]:
-    args = ["-c", ceph.conf, "--id", ceph.user]
+    """One word each, ``--opt=VALUE``: a value can never be read as an option."""
+    args = [f"--conf={ceph.conf}", f"--id={ceph.user}"]
     if ceph.keyring:
-        args += ["--keyring", ceph.keyring]
+        args.append(f"--keyring={ceph.keyring}")
     return args
+
+
+def _device(device: str) -> str:
+    """A device node we found (rbd's listing, sysfs, our nbd records): rbd
+    hands its arguments on to rbd-nbd, which takes no "--" (measured: "unknown
+    command: --"), so a value that could be an option is refused instead."""
+    if not device.startswith("/dev/"):
+        raise ValueError(f"{device!r} is not a device node under /dev")
+    return device
 
 
 @dataclass
@@ -90,12 +100,14 @@ class KernelMapper:
         return self.kind == "krbd" and not self.udev()
 
     def map_command(self, pool: str, image: str, options: tuple[str, ...]) -> list[str]:
-        argv = ["rbd", "device", "map", *self._type(), "--pool", pool, "--image", image,
+        # --pool=/--image=, not a pool/image operand: rbd passes "--" on to
+        # rbd-nbd, which refuses it (measured).
+        argv = ["rbd", "device", "map", *self._type(), f"--pool={pool}", f"--image={image}",
                 *_ceph_args(self.ceph)]
         if self._noudev() and "noudev" not in options:
             options = (*options, "noudev")
         if options:
-            argv += ["--options", ",".join(options)]
+            argv.append("--options=" + ",".join(options))
         return argv
 
     def map(self, pool: str, image: str, options: tuple[str, ...]) -> str:
@@ -113,8 +125,9 @@ class KernelMapper:
     def unmap(self, mapping: Mapping) -> None:
         if self.kind != "nbd" or mapping.device is None or self.connected(mapping.device):
             self.runner.run(["rbd", "device", "unmap", *self._type(),
-                             *(["--options", "noudev"] if self._noudev() else []),
-                             mapping.device or f"{mapping.pool}/{mapping.image}",
+                             *(["--options=noudev"] if self._noudev() else []),
+                             *([_device(mapping.device)] if mapping.device else
+                               [f"--pool={mapping.pool}", f"--image={mapping.image}"]),
                              *_ceph_args(self.ceph)])
         # else: its rbd-nbd is gone and the kernel dropped the connection: nothing to undo
         if self.kind == "nbd" and self.records is not None and mapping.device:
@@ -171,19 +184,26 @@ class FuseMapper:
         if not _is_mounted(str(mnt)):
             self._start_fuse(pool, image, mnt)
         try:
-            out = self.runner.run(["losetup", "--find", "--show", "--direct-io=on",
+            out = self.runner.run(["losetup", "--find", "--show", "--direct-io=on", "--",
                                    str(mnt / image)])
         except CommandError:
             self._stop_fuse(mnt)
             raise
         return out.stdout.strip()
 
-    def _start_fuse(self, pool: str, image: str, mnt: Path) -> None:
-        logfile = mnt.with_suffix(".log")
+    def fuse_command(self, pool: str, image: str, mnt: Path) -> list[str]:
         # attr_timeout=0: the kernel asks rbd-fuse for the file size each time,
         # so a resize is seen by the next `losetup -c`, not a second later.
-        argv = ["rbd-fuse", *_ceph_args(self.ceph), "-p", pool, "-r", image,
+        # rbd-fuse takes no "--" before the mount point (it appends its own
+        # -o after it: measured), so that is our own absolute path, checked.
+        if not mnt.is_absolute():
+            raise ValueError(f"{mnt}: the FUSE mount point must be an absolute path")
+        return ["rbd-fuse", *_ceph_args(self.ceph), f"--poolname={pool}", f"--image={image}",
                 "-o", "attr_timeout=0", str(mnt), "-f"]
+
+    def _start_fuse(self, pool: str, image: str, mnt: Path) -> None:
+        logfile = mnt.with_suffix(".log")
+        argv = self.fuse_command(pool, image, mnt)
         self.runner.history.append(argv)
         # O_NOFOLLOW: a symlink here is never appended through (the state dir is root's).
         with os.fdopen(os.open(logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
@@ -207,7 +227,7 @@ class FuseMapper:
 
     def _stop_fuse(self, mnt: Path) -> None:
         if _is_mounted(str(mnt)):
-            _retry_busy(lambda: self.runner.run(["umount", str(mnt)]))
+            _retry_busy(lambda: self.runner.run(["umount", "--", str(mnt)]))
         proc = _fuse_children.pop(str(mnt), None)
         if proc is not None:
             try:
@@ -222,7 +242,8 @@ class FuseMapper:
         mnt = Path(mapping.fuse_mount) if mapping.fuse_mount else self.mount_point(
             mapping.pool, mapping.image)
         if mapping.device:
-            self.runner.run(["losetup", "-d", mapping.device])
+            # --detach=X: with "-d -- X", losetup takes "--" as the device (measured).
+            self.runner.run(["losetup", f"--detach={mapping.device}"])
         self._stop_fuse(mnt)
 
     def refresh(self, device: str, size: int, timeout: float = 15.0) -> None:
@@ -231,7 +252,7 @@ class FuseMapper:
         resize can read the old size: repeat until the device is ``size``."""
         deadline = time.monotonic() + timeout
         while True:
-            self.runner.run(["losetup", "-c", device])
+            self.runner.run(["losetup", f"--set-capacity={device}"])
             now = block_device_size(device)
             if now >= size:
                 return

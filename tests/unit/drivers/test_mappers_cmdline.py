@@ -24,7 +24,7 @@ from reconciler.spec.config import CephConfig
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 CEPH = CephConfig(conf="/etc/ceph/ceph.conf", user="admin", keyring="/k")
-CEPH_ARGS = ["-c", "/etc/ceph/ceph.conf", "--id", "admin", "--keyring", "/k"]
+CEPH_ARGS = ["--conf=/etc/ceph/ceph.conf", "--id=admin", "--keyring=/k"]
 RECORDED_FUSE_ROOT = "/tmp/rec.PL1R/node/state dir/fuse"
 
 
@@ -72,39 +72,38 @@ def kernel(kind: str, *replies: Result | Fail, udev: bool = True
 def test_krbd_map_command_line() -> None:
     m, runner = kernel("krbd", ok(data("krbd_map_ok.stdout")))
     assert m.map("rbd", "pgdata", ()) == "/dev/rbd0"
-    assert runner.history == [["rbd", "device", "map", "--pool", "rbd", "--image", "pgdata",
+    assert runner.history == [["rbd", "device", "map", "--pool=rbd", "--image=pgdata",
                                *CEPH_ARGS]]
 
 
 def test_krbd_map_with_options() -> None:
     m, runner = kernel("krbd", ok("/dev/rbd3\n"))
     assert m.map("fast", "metrics-xfs", ("noshare", "queue_depth=128")) == "/dev/rbd3"
-    assert runner.history == [["rbd", "device", "map", "--pool", "fast", "--image",
-                               "metrics-xfs", *CEPH_ARGS,
-                               "--options", "noshare,queue_depth=128"]]
+    assert runner.history == [["rbd", "device", "map", "--pool=fast", "--image=metrics-xfs",
+                               *CEPH_ARGS, "--options=noshare,queue_depth=128"]]
 
 
 def test_nbd_map_command_line() -> None:
     m, runner = kernel("nbd", ok(data("nbd_map_ok.stdout")))
     assert m.map("rbd", "pgdata", ()) == "/dev/nbd0"
-    assert runner.history == [["rbd", "device", "map", "-t", "nbd", "--pool", "rbd",
-                               "--image", "pgdata", *CEPH_ARGS]]
+    assert runner.history == [["rbd", "device", "map", "-t", "nbd", "--pool=rbd",
+                               "--image=pgdata", *CEPH_ARGS]]
 
 
 def test_nbd_map_with_options() -> None:
     m, runner = kernel("nbd", ok("/dev/nbd2\n"))
     assert m.map("rbd", "pgdata", ("try-netlink", "timeout=120")) == "/dev/nbd2"
-    assert runner.history == [["rbd", "device", "map", "-t", "nbd", "--pool", "rbd",
-                               "--image", "pgdata", *CEPH_ARGS,
-                               "--options", "try-netlink,timeout=120"]]
+    assert runner.history == [["rbd", "device", "map", "-t", "nbd", "--pool=rbd",
+                               "--image=pgdata", *CEPH_ARGS,
+                               "--options=try-netlink,timeout=120"]]
 
 
 def test_map_command_without_keyring_leaves_it_to_ceph_conf() -> None:
     m = KernelMapper("krbd", CephConfig("/etc/ceph/ceph.conf", "client-a", None),
                      RecordingRunner(), udev=lambda: True)
-    assert m.map_command("rbd", "x", ()) == ["rbd", "device", "map", "--pool", "rbd",
-                                             "--image", "x", "-c", "/etc/ceph/ceph.conf",
-                                             "--id", "client-a"]
+    assert m.map_command("rbd", "x", ()) == ["rbd", "device", "map", "--pool=rbd",
+                                             "--image=x", "--conf=/etc/ceph/ceph.conf",
+                                             "--id=client-a"]
 
 
 def test_map_command_matches_what_map_runs() -> None:
@@ -176,11 +175,12 @@ def test_map_error_is_not_a_command_error() -> None:
     ("krbd", Mapping("krbd", "rbd", "pgdata", "/dev/rbd0"),
      ["rbd", "device", "unmap", "/dev/rbd0", *CEPH_ARGS]),
     ("krbd", Mapping("krbd", "rbd", "pgdata", None),
-     ["rbd", "device", "unmap", "rbd/pgdata", *CEPH_ARGS]),
+     ["rbd", "device", "unmap", "--pool=rbd", "--image=pgdata", *CEPH_ARGS]),
     ("nbd", Mapping("nbd", "rbd", "pgdata", "/dev/nbd0"),
      ["rbd", "device", "unmap", "-t", "nbd", "/dev/nbd0", *CEPH_ARGS]),
     ("nbd", Mapping("nbd", "fast", "metrics-xfs", None),
-     ["rbd", "device", "unmap", "-t", "nbd", "fast/metrics-xfs", *CEPH_ARGS]),
+     ["rbd", "device", "unmap", "-t", "nbd", "--pool=fast", "--image=metrics-xfs",
+      *CEPH_ARGS]),
 ])
 def test_unmap_command_line(kind: str, mapping: Mapping, argv: list[str]) -> None:
     m, runner = kernel(kind)
@@ -194,9 +194,9 @@ def test_krbd_without_udev_maps_and_unmaps_with_noudev() -> None:
     m.map("rbd", "pgdata", ("exclusive",))
     m.unmap(Mapping("krbd", "rbd", "pgdata", "/dev/rbd0"))
     assert runner.history == [
-        ["rbd", "device", "map", "--pool", "rbd", "--image", "pgdata", *CEPH_ARGS,
-         "--options", "exclusive,noudev"],
-        ["rbd", "device", "unmap", "--options", "noudev", "/dev/rbd0", *CEPH_ARGS]]
+        ["rbd", "device", "map", "--pool=rbd", "--image=pgdata", *CEPH_ARGS,
+         "--options=exclusive,noudev"],
+        ["rbd", "device", "unmap", "--options=noudev", "/dev/rbd0", *CEPH_ARGS]]
     n, runner = kernel("nbd", ok("/dev/nbd0\n"), udev=False)
     n.map("rbd", "pgdata", ())
     assert "noudev" not in " ".join(runner.history[0])
@@ -406,7 +406,7 @@ def test_fuse_refresh_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mappers, "block_device_size", lambda dev: 512 * 2**20)
     m, runner = fuse()
     m.refresh("/dev/loop0", 512 * 2**20)
-    assert runner.history == [["losetup", "-c", "/dev/loop0"]]
+    assert runner.history == [["losetup", "--set-capacity=/dev/loop0"]]
 
 
 def test_fuse_refresh_repeats_until_the_loop_device_has_grown(
@@ -417,7 +417,7 @@ def test_fuse_refresh_repeats_until_the_loop_device_has_grown(
     monkeypatch.setattr(mappers.time, "sleep", lambda s: None)
     m, runner = fuse()
     m.refresh("/dev/loop0", 512 * 2**20)
-    assert runner.history == [["losetup", "-c", "/dev/loop0"]] * 3
+    assert runner.history == [["losetup", "--set-capacity=/dev/loop0"]] * 3
 
 
 def test_fuse_mount_point() -> None:
@@ -461,9 +461,9 @@ def test_fuse_map_command_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     try:
         assert m.map("rbd", "pgdata", ()) == "/dev/loop3"
         assert runner.history == [
-            ["rbd-fuse", *CEPH_ARGS, "-p", "rbd", "-r", "pgdata", "-o", "attr_timeout=0",
+            ["rbd-fuse", *CEPH_ARGS, "--poolname=rbd", "--image=pgdata", "-o", "attr_timeout=0",
              str(mnt), "-f"],
-            ["losetup", "--find", "--show", "--direct-io=on", str(mnt / "pgdata")],
+            ["losetup", "--find", "--show", "--direct-io=on", "--", str(mnt / "pgdata")],
         ]
         assert [p.argv for p in started] == [runner.history[0]]
         assert mappers.fuse_pids() == {str(mnt): 4242}
@@ -485,8 +485,8 @@ def test_fuse_map_undoes_the_fuse_mount_when_losetup_fails(
     with pytest.raises(CommandError):
         m.map("rbd", "pgdata", ())
     assert runner.history == [
-        ["losetup", "--find", "--show", "--direct-io=on", str(mnt / "pgdata")],
-        ["umount", str(mnt)],
+        ["losetup", "--find", "--show", "--direct-io=on", "--", str(mnt / "pgdata")],
+        ["umount", "--", str(mnt)],
     ]
     assert not mnt.exists()
 
@@ -499,7 +499,7 @@ def test_fuse_unmap_order_loop_then_fuse(tmp_path: Path,
     monkeypatch.setattr(mappers, "_is_mounted", lambda p: p in mounted)
     m, runner = fuse(tmp_path / "fuse")
     m.unmap(Mapping("fuse", "rbd", "pgdata", "/dev/loop0", fuse_mount=str(mnt)))
-    assert runner.history == [["losetup", "-d", "/dev/loop0"], ["umount", str(mnt)]]
+    assert runner.history == [["losetup", "--detach=/dev/loop0"], ["umount", "--", str(mnt)]]
     assert not mnt.exists()
 
 
@@ -510,7 +510,7 @@ def test_fuse_unmap_half_mapped_only_unmounts(tmp_path: Path,
     monkeypatch.setattr(mappers, "_is_mounted", lambda p: p == str(mnt))
     m, runner = fuse(tmp_path / "fuse")
     m.unmap(Mapping("fuse", "rbd", "orphan", None, fuse_mount=None))
-    assert runner.history == [["umount", str(mnt)]]
+    assert runner.history == [["umount", "--", str(mnt)]]
 
 
 def test_fuse_unmount_retries_while_busy(tmp_path: Path,
@@ -520,8 +520,8 @@ def test_fuse_unmount_retries_while_busy(tmp_path: Path,
     busy = Fail(32, f"umount: {mnt}: target is busy.")
     m, runner = fuse(tmp_path / "fuse", ok(), busy, ok())
     m.unmap(Mapping("fuse", "rbd", "pgdata", "/dev/loop0", fuse_mount=str(mnt)))
-    assert runner.history == [["losetup", "-d", "/dev/loop0"],
-                              ["umount", str(mnt)], ["umount", str(mnt)]]
+    assert runner.history == [["losetup", "--detach=/dev/loop0"],
+                              ["umount", "--", str(mnt)], ["umount", "--", str(mnt)]]
 
 
 def test_nbd_mapping_whose_rbd_nbd_died_is_listed_dead(tmp_path: Path) -> None:

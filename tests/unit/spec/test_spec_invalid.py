@@ -125,6 +125,10 @@ CASES: list[tuple[str, str, str, int, str]] = [
      "spec.qos.maxIops", 10, "iopsPerGiB"),
     ("qos-unit-not-a-unit", with_lines({"  map: {}\n": "  map: {}\n  qos: {unit: ../x}\n"}),
      "spec.qos.unit", 10, "../x"),
+    # A leading "-" (other than the root slice -.slice) is an option to systemctl.
+    ("qos-unit-an-option", with_lines({"  map: {}\n": "  map: {}\n  qos: {unit: "
+                                       "'-Hnobody@host.service'}\n"}),
+     "spec.qos.unit", 10, "-Hnobody"),
     # librbd holds a limit as an int64: more is refused at its line, before
     # anything is set (issue 24: a half-applied change).
     ("qos-bps-beyond-librbd", with_lines({"  map: {}\n": "  map: {}\n  qos:\n    iops: 100\n"
