@@ -93,10 +93,12 @@ def start_csi_fixture(node: NodeUnderTest) -> Iterator[Callable[..., CsiNode]]:
     started: list[CsiNode] = []
     sock = node.root / "csi" / "csi.sock"
 
-    def _start(config: str = "", **kw: object) -> CsiNode:
+    def _start(config: str = "", args: tuple[str, ...] = (), **kw: object) -> CsiNode:
+        """``args``: more daemon arguments (``-v``: every command logged)."""
         if not started:
             csi_config(node, config)
-        d = Daemon(node, args=("--csi-endpoint", f"unix://{sock}"), **kw)  # type: ignore[arg-type]
+        d = Daemon(node, args=(*args, "--csi-endpoint", f"unix://{sock}"),
+                   **kw)  # type: ignore[arg-type]
         c = connect(node, d, sock)
         started.append(c)
         return c
