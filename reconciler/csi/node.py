@@ -311,9 +311,10 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
 
     def _block_stats(self, path: str) -> pb.NodeGetVolumeStatsResponse:
         try:
-            if not stat.S_ISBLK(os.stat(path).st_mode):
+            # The node itself (a symlink is never followed), checked before it is opened.
+            if not stat.S_ISBLK(os.lstat(path).st_mode):
                 raise OSError(f"{path} is not a block device node")
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
                 size = os.lseek(fd, 0, os.SEEK_END)
             finally:
