@@ -89,8 +89,10 @@ class PrivateSocket:
             try:
                 self._bind_in(server, pfd, private)
             finally:
+                with contextlib.suppress(OSError):  # there only if it never moved out
+                    os.unlink(f"{private}/{self.path.name}", dir_fd=pfd)
                 with contextlib.suppress(OSError):
-                    os.rmdir(private, dir_fd=pfd)  # empty once the socket moved out
+                    os.rmdir(private, dir_fd=pfd)
         except BaseException:
             os.close(pfd)
             raise
