@@ -13,7 +13,8 @@ A wrapped passphrase is AES-256-GCM under a key derived from the node key
 with scrypt and a random salt, both stored beside it: nothing names the
 image, so a clone's copy unwraps too. Key files are read from one
 descriptor that was checked (root's, no access for group or others, a
-regular file under the configured key root, reached without symlinks).
+regular file) and opened below the key root's own descriptor (no ``..``,
+no symlink).
 Key bytes go to cryptsetup on its stdin, never on a command line, and are
 never logged or written to status.
 """
@@ -28,6 +29,7 @@ import secrets
 import stat
 
 from reconciler.drivers import safepath
+from reconciler.spec.security import key_path_problem
 
 WRAP_VERSION = 1
 # scrypt as ceph-csi uses it (N=2^15, r=8, p=1): ~32 MiB and ~0.1 s an unwrap.
@@ -41,32 +43,37 @@ class KeyProblem(Exception):
 
 
 def read_key_file(path: str, root: str) -> bytes:
-    """The bytes of a key file under ``root``: opened without following any
-    symlink, and refused unless it is a regular file of root's that group and
-    others cannot read or write (the same rule as ssh's private keys)."""
-    if not (path == root or path.startswith(root.rstrip("/") + "/")):
-        raise KeyProblem(f"key file {path} is not under the key root {root} "
-                        "(encryption.keyRoot)")
+    """The bytes of a key file under ``root``: opened below the root's
+    descriptor without following any symlink, and refused unless it is a
+    regular file of root's that group and others cannot read or write (the
+    same rule as ssh's private keys)."""
+    if (why := key_path_problem(path, root)) is not None:
+        raise KeyProblem(f"key file {path} {why} (encryption.keyRoot)")
+    rel = path[len(root.rstrip("/")) + 1:]
     try:
-        with safepath.opened(path, os.O_RDONLY | os.O_CLOEXEC) as fd:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise KeyProblem(f"key file {path} is not a regular file")
-            if st.st_uid != 0:
-                raise KeyProblem(f"key file {path} is owned by uid {st.st_uid}, not root")
-            if st.st_mode & 0o077:
-                raise KeyProblem(f"key file {path} is open to group or others (mode "
-                                f"{stat.filemode(st.st_mode)}); chmod 600 it")
-            if st.st_size == 0:
-                raise KeyProblem(f"key file {path} is empty")
-            if st.st_size > MAX_KEY_FILE:
-                raise KeyProblem(f"key file {path} is larger than {MAX_KEY_FILE} bytes")
-            data = os.read(fd, MAX_KEY_FILE + 1)
+        fd = safepath.open_beneath(root.rstrip("/") or "/", rel, os.O_RDONLY)
     except safepath.UnsafePath as exc:
         raise KeyProblem(f"key file {path}: {exc}") from None
     except OSError as exc:
         raise KeyProblem(f"key file {path}: {exc.strerror or exc}") from None
-    return data
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise KeyProblem(f"key file {path} is not a regular file")
+        if st.st_uid != 0:
+            raise KeyProblem(f"key file {path} is owned by uid {st.st_uid}, not root")
+        if st.st_mode & 0o077:
+            raise KeyProblem(f"key file {path} is open to group or others (mode "
+                            f"{stat.filemode(st.st_mode)}); chmod 600 it")
+        if st.st_size == 0:
+            raise KeyProblem(f"key file {path} is empty")
+        if st.st_size > MAX_KEY_FILE:
+            raise KeyProblem(f"key file {path} is larger than {MAX_KEY_FILE} bytes")
+        return os.read(fd, MAX_KEY_FILE + 1)
+    except OSError as exc:
+        raise KeyProblem(f"key file {path}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
 
 
 def new_passphrase() -> bytes:

@@ -2,7 +2,7 @@
 and the header need no device-mapper; opening does: see tests/kernel).
 
 Key files are trusted only as root's, closed to group and others, under the
-key root, reached without a symlink; a sealed passphrase opens only with the
+key root (opened below its descriptor: no '..', no symlink); a sealed passphrase opens only with the
 node key that sealed it, and its record cannot choose the scrypt cost."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.drivers import keys
+from reconciler.drivers import keys, safepath
 from reconciler.drivers.crypt import Cryptsetup, Pbkdf, describe, keyslots
 from reconciler.drivers.run import Runner
 from reconciler.facts import luks
@@ -61,6 +61,40 @@ def test_key_file_rules(keyroot: Path, tmp_path: Path) -> None:
         keys.read_key_file(str(empty), str(keyroot))
     with pytest.raises(keys.KeyProblem, match="No such file"):
         keys.read_key_file(str(keyroot / "missing.key"), str(keyroot))
+
+
+def test_key_files_stay_below_the_key_root(keyroot: Path, tmp_path: Path) -> None:
+    """A text prefix is not a place: ROOT/../x starts with ROOT/ and leads
+    out of it; so does a symlinked directory inside the root."""
+    outside = tmp_path / "etc"
+    outside.mkdir()
+    secret = key_file(outside, "host.key")  # root's, 0600: a key file in every other way
+    escape = f"{keyroot}/../etc/host.key"
+    assert os.path.exists(escape)
+    with pytest.raises(keys.KeyProblem, match="not a clean absolute path"):
+        keys.read_key_file(escape, str(keyroot))
+    with pytest.raises(keys.KeyProblem, match="not a clean absolute path"):
+        keys.read_key_file(f"{keyroot}/./node.key", str(keyroot))
+    with pytest.raises(keys.KeyProblem, match="not a clean absolute path"):
+        keys.read_key_file(f"{keyroot}//node.key", str(keyroot))
+    (keyroot / "sub").symlink_to(outside)  # a symlink component, not the last one
+    with pytest.raises(keys.KeyProblem, match="sub is a symlink"):
+        keys.read_key_file(f"{keyroot}/sub/host.key", str(keyroot))
+    with pytest.raises(keys.KeyProblem, match="not under the key root"):
+        keys.read_key_file(str(secret), str(keyroot))
+    with pytest.raises(keys.KeyProblem, match="not under the key root"):
+        keys.read_key_file(str(keyroot), str(keyroot))  # the root itself names no file
+    # The walk without openat2 (older kernels) refuses the same.
+    old = safepath._HAVE_OPENAT2
+    safepath._HAVE_OPENAT2 = False
+    try:
+        with pytest.raises(keys.KeyProblem, match="sub is a symlink"):
+            keys.read_key_file(f"{keyroot}/sub/host.key", str(keyroot))
+        assert keys.read_key_file(str(key_file(keyroot)), str(keyroot)) == b"k" * 64
+    finally:
+        safepath._HAVE_OPENAT2 = old
+    with pytest.raises(safepath.UnsafePath, match="leads out"):
+        safepath.open_beneath(str(keyroot), "../etc/host.key")
 
 
 def test_sealed_passphrase_opens_only_with_its_node_key() -> None:
