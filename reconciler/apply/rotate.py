@@ -20,13 +20,14 @@ from dataclasses import dataclass
 
 import rados
 
+from reconciler.apply.sealing import ImageSeals
 from reconciler.drivers import ceph, keys
 from reconciler.drivers.crypt import Cryptsetup, keyslots
 from reconciler.facts import meta
 from reconciler.spec.model import Volume
 
-NEXT = meta.LUKS_KEY + "-next"
-PREV = meta.LUKS_KEY + "-prev"
+NEXT = meta.LUKS_KEY_NEXT
+PREV = meta.LUKS_KEY_PREV
 
 
 class RotateRefused(Exception):
@@ -41,6 +42,7 @@ class Rotation:
     cluster: rados.Rados
     key_root: str
     say: Callable[[str], None]
+    accept_unbound: bool = True
 
     def run(self, new_key_file: str | None) -> None:
         enc = self.vol.encryption
@@ -63,18 +65,19 @@ class Rotation:
                                 "--new-key-file is for key: file")
         node_key = self._read(enc.key_path)
         pool, image = self.vol.image.pool, self.vol.image.name
-        what = f"{pool}/{image} (node key {enc.key_path})"
+        seals = ImageSeals(self.cluster, pool, image, self.accept_unbound)
         m = ceph.get_meta(self.cluster, pool, image)
         if PREV in m:  # killed after the switch: finish removing the old slot
-            old = keys.unwrap(m[PREV], node_key, what)
-            new = keys.unwrap(m[meta.LUKS_KEY], node_key, what)
+            old = seals.unwrap(m[PREV], node_key, enc.key_path).passphrase
+            new = seals.unwrap(m[meta.LUKS_KEY], node_key, enc.key_path).passphrase
         else:
             if meta.LUKS_KEY not in m:
                 raise RotateRefused(f"{pool}/{image} has no sealed passphrase in image-meta")
-            old = keys.unwrap(m[meta.LUKS_KEY], node_key, what)
+            old = seals.unwrap(m[meta.LUKS_KEY], node_key, enc.key_path).passphrase
             sealed = ceph.set_meta_once(self.cluster, pool, image, NEXT,
-                                        keys.wrap(keys.new_passphrase(), node_key))
-            new = keys.unwrap(sealed, node_key, what)
+                                        seals.wrap(keys.new_passphrase(), node_key,
+                                                   enc.key_path))
+            new = seals.unwrap(sealed, node_key, enc.key_path).passphrase
             self._add(old, new)
             ceph.set_meta(self.cluster, pool, image, PREV, m[meta.LUKS_KEY])
             ceph.set_meta(self.cluster, pool, image, meta.LUKS_KEY, sealed)

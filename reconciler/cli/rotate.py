@@ -38,7 +38,7 @@ def cmd_rotate_key(args: argparse.Namespace, config: Config) -> int:
     try:
         with ceph.connect(config.ceph) as cluster:
             Rotation(vol, device, node.crypt, cluster, config.encryption.key_root,
-                     print).run(args.new_key_file)
+                     print, config.encryption.accept_unbound).run(args.new_key_file)
     except (RotateRefused, keys.KeyProblem, CommandError, ceph.CephError, rados.Error,
             rbd.Error) as exc:
         print(f"rbd-reconciler: rotate-key {vol.name}: {exc}", file=sys.stderr)
