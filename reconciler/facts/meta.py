@@ -32,6 +32,9 @@ CRYPT_FORMATTED = PREFIX + "luks-formatted"
 # sealed again for the clone itself.
 LUKS_KEY = PREFIX + "luks-key"
 # rotate-key (apply/rotate.py): the new sealed passphrase until it is in force,
-# then the old one until its keyslot is gone.
+# then the old one until its keyslot is gone; switched in one write op.
 LUKS_KEY_NEXT = LUKS_KEY + "-next"
 LUKS_KEY_PREV = LUKS_KEY + "-prev"
+# rotate-key of a key: file volume: {"file": the new key file, "slot": its keyslot}
+# from before its keyslot is added until the old one is gone.
+LUKS_ROTATION = PREFIX + "luks-rotation"

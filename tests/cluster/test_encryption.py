@@ -1,7 +1,7 @@
 """LUKS2 at rest on the real cluster, on this host: luksFormat under the mkfs
 proofs with a passphrase sealed in image-meta (bound to the image), a second
-apply that never formats again, rotate-key (with a kill between its
-steps), clones, copies and flattens that keep their key, records
+apply that never formats again, rotate-key (killed at every boundary, under
+the node's lock), clones, copies and flattens that keep their key, records
 copied from another image refused, and no key in any output. Opening needs
 dm-crypt: where the kernel has none (these machines), the open fails
 cleanly, undoes the map and says why; tests/kernel opens, stages, grows and
@@ -10,9 +10,12 @@ again) before that open, so the binding is proven here either way."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import rbd
@@ -23,8 +26,11 @@ from test_snapshots import snapshot
 
 from reconciler.apply import rotate
 from reconciler.apply.sealing import ImageSeals
+from reconciler.cli import main as cli
 from reconciler.drivers import ceph, keys
-from reconciler.drivers.crypt import Cryptsetup
+from reconciler.drivers.crypt import Cryptsetup, keyslots
+from reconciler.drivers.run import Runner
+from reconciler.engine import state_lock
 from reconciler.facts import meta
 from reconciler.observe.node import Node
 from reconciler.spec.config import load_config
@@ -130,41 +136,150 @@ def test_luks_format_seals_once_and_never_formats_again(enc_node: NodeUnderTest)
 
 
 
-def test_rotate_key_survives_a_kill_between_steps(enc_node: NodeUnderTest,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+# --- rotate-key ----------------------------------------------------------------
+
+
+class Killed(BaseException):
+    """rotate-key dies here: nothing after it runs, as under SIGKILL."""
+
+
+class Boundaries:
+    """Counts every image-meta write and cryptsetup call of a rotate-key run;
+    armed with ``kill``, dies right before that one."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.armed, self.kill, self.n, self.seen = False, None, 0, []
+        real_run, real_update = Runner.run, ceph.update_meta
+
+        def run(runner: Runner, argv: Any, **kw: Any) -> Any:
+            if self.armed and argv and str(argv[0]) == "cryptsetup":
+                self.tick(" ".join(map(str, argv[:2])))
+            return real_run(runner, argv, **kw)
+
+        def update(*args: Any, **kw: Any) -> bool:
+            if self.armed:
+                self.tick("image-meta write")
+            return real_update(*args, **kw)
+
+        monkeypatch.setattr(Runner, "run", run)
+        monkeypatch.setattr(ceph, "update_meta", update)
+
+    def tick(self, what: str) -> None:
+        if self.n == self.kill:
+            raise Killed(what)
+        self.seen.append(what)
+        self.n += 1
+
+    def cli(self, n: NodeUnderTest, *args: str, kill: int | None = None) -> tuple[int | None, str]:
+        """The CLI in-process; rc None: killed."""
+        out, old = io.StringIO(), sys.stdout
+        self.armed, self.kill, self.n, self.seen = True, kill, 0, []
+        sys.stdout = out
+        try:
+            rc: int | None = cli.main(["--config", str(n.config), *args])
+        except Killed:
+            rc = None
+        finally:
+            sys.stdout, self.armed = old, False
+        return rc, out.getvalue()
+
+
+@pytest.mark.parametrize("kind", ["wrappedBy", "file"])
+def test_rotate_key_killed_at_every_boundary(enc_node: NodeUnderTest,
+                                             monkeypatch: pytest.MonkeyPatch,
+                                             kind: str) -> None:
+    """Killed before each image-meta write and each cryptsetup call, then run
+    again: finished, exactly the new passphrase opens, the old does not, one
+    keyslot, no -next/-prev/rotation record; "rotated" is never printed while
+    the old passphrase opens. The image-meta writes are the real RADOS ops."""
     n = enc_node
-    name = n.name("rot")
+    name = n.name("rot" + kind[0])
+    keyroot = n.root / "keys"
+    current = keyroot / "node.key"
+    if kind == "file":
+        current = keyroot / "k0.key"
+        current.write_bytes(os.urandom(32))
+        current.chmod(0o600)
+    formatted(n, name, f"{kind}: {current.name}")
+
+    def map_with(key: Path) -> None:  # the mapped (raw) device is what rotates
+        n.write(name, f"  image: {{pool: {n.cluster.pool}, size: 64Mi}}\n  map: {{}}\n"
+                      f"  encryption: {{type: luks2, key: {{{kind}: {key}}}}}\n")
+
+    map_with(current)
+    assert n.apply()["rc"] == 0
+    device, crypt = device_of(n, name), crypt_of(n)
+    b = Boundaries(monkeypatch)
+    rounds = [0]
+
+    def in_force() -> bytes:
+        if kind == "file":
+            return current.read_bytes()
+        return unseal(n, name).passphrase
+
+    def rotate_key(kill: int | None = None) -> tuple[int | None, str]:
+        args = ["rotate-key", name]
+        if kind == "file":
+            new = keyroot / f"k{rounds[0] + 1}.key"
+            if not new.exists():
+                new.write_bytes(os.urandom(32))
+                new.chmod(0o600)
+            args += ["--new-key-file", str(new)]
+        return b.cli(n, *args, kill=kill)
+
+    def finished(old: bytes, out: str, where: str) -> None:
+        nonlocal current
+        assert "rotated" in out, (where, out)
+        if kind == "file":  # the operator's step: point the spec at the new file
+            rounds[0] += 1
+            current = keyroot / f"k{rounds[0]}.key"
+            map_with(current)
+        new = in_force()
+        assert new != old, where
+        assert crypt.opens(device, new) and not crypt.opens(device, old), where
+        assert len(keyslots(crypt.dump(device))) == 1, (where, crypt.dump(device)["keyslots"])
+        left = {rotate.NEXT, rotate.PREV, rotate.JOURNAL} & set(image_meta(n, name))
+        assert not left, (where, left)
+
+    old = in_force()
+    rc, out = rotate_key()
+    assert rc == 0, out
+    seen = list(b.seen)
+    assert sum(s == "image-meta write" for s in seen) == (3 if kind == "wrappedBy" else 2)
+    finished(old, out, "uninterrupted")
+    for k in range(len(seen)):
+        where = f"killed before {seen[k]!r} (boundary {k} of {len(seen)})"
+        old = in_force()
+        rc, out = rotate_key(kill=k)
+        assert rc is None, (where, out)
+        if "rotated" in out:
+            assert not crypt.opens(device, old), where
+        if {rotate.NEXT, rotate.PREV, rotate.JOURNAL} & set(image_meta(n, name)):
+            assert "rotation: interrupted" in n.cli("explain", name)[1], where
+        rc, out = rotate_key()
+        assert rc == 0, (where, out)
+        finished(old, out, where)
+    assert old.decode("latin-1") not in out
+
+
+def test_rotate_key_takes_the_node_lock(enc_node: NodeUnderTest) -> None:
+    """One actor per node: with the daemon (or an apply) holding the state
+    lock, rotate-key changes nothing and says who holds it."""
+    n = enc_node
+    name = n.name("rotlock")
     formatted(n, name)
-    # Map it (the raw device) for the rotation: a map-only spec.
     n.write(name, f"  image: {{pool: {n.cluster.pool}, size: 64Mi}}\n  map: {{}}\n"
                   f"  encryption: {{type: luks2, key: {{wrappedBy: {node_key_path(n)}}}}}\n")
     assert n.apply()["rc"] == 0
-    before = unseal(n, name).passphrase
-    # Killed right after the new keyslot was added: nothing switched yet.
-    real_set = ceph.set_meta
-
-    def dies_at_switch(cluster: object, pool: str, image: str, key: str, value: str) -> None:
-        if key == rotate.PREV:
-            raise KeyboardInterrupt("killed")
-        real_set(cluster, pool, image, key, value)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(ceph, "set_meta", dies_at_switch)
-    rc, _ = n.cli("rotate-key", name)  # the CLI reports the interrupt (exit != 0)
-    assert rc != 0
-    monkeypatch.setattr(ceph, "set_meta", real_set)
-    m = image_meta(n, name)
-    assert unseal(n, name).passphrase == before  # still the old one
-    assert rotate.NEXT in m
+    before = image_meta(n, name)
+    err = io.StringIO()
+    with state_lock(load_config(n.config)), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "stderr", err)
+        rc, out = n.cli("rotate-key", name)
+    assert rc == 1 and "in use by another rbd-reconciler" in err.getvalue(), err.getvalue()
+    assert image_meta(n, name) == before
     rc, out = n.cli("rotate-key", name)
-    assert rc == 0, out
-    assert "rotated" in out and before.decode() not in out
-    m = image_meta(n, name)
-    after = unseal(n, name).passphrase
-    assert after != before and rotate.NEXT not in m and rotate.PREV not in m
-    crypt = crypt_of(n)
-    device = device_of(n, name)
-    assert crypt.opens(device, after) and not crypt.opens(device, before)
-    assert keys.parse(m[meta.LUKS_KEY]).bound == image_ref(n, name)
+    assert rc == 0 and "rotated" in out
 
 
 # --- the seal is bound to its image ----------------------------------------------
