@@ -37,7 +37,8 @@ class GroupFreezeExpired(Exception):
 
 def run_group_step(step: GroupStep, cluster: Callable[[], rados.Rados], node_name: str,
                    state_dir: Path, freeze_limit: float,
-                   owner_meta: Callable[[], dict[str, str]]) -> tuple[str, str]:
+                   owner_meta: Callable[[], dict[str, str]],
+                   seal: rbdgroups.Seal | None = None) -> tuple[str, str]:
     match step:
         case CreateGroup():
             if rbdgroups.create_group(cluster(), step.pool, step.group, node_name) == "ok":
@@ -57,7 +58,7 @@ def run_group_step(step: GroupStep, cluster: Callable[[], rados.Rados], node_nam
             if not rbdgroups.remove_group(cluster(), step.pool, step.group):
                 return "ok", "already gone"
         case CopyFromGroupSnapshot():
-            _copy(step, cluster(), node_name, state_dir, owner_meta())
+            _copy(step, cluster(), node_name, state_dir, owner_meta(), seal)
         case _:
             raise NotImplementedError(type(step).__name__)
     return "changed", ""
@@ -92,7 +93,7 @@ def _snapshot(step: CreateGroupSnapshot, cluster: rados.Rados, node_name: str,
 
 
 def _copy(step: CopyFromGroupSnapshot, cluster: rados.Rados, node_name: str,
-          state_dir: Path, meta: dict[str, str]) -> None:
+          state_dir: Path, meta: dict[str, str], seal: rbdgroups.Seal | None) -> None:
     """The intent is recorded first: a copy cut short (crash, kill) leaves a
     partial image the next run knows to be its own, removes and copies again."""
     intents = Intents(state_dir)
@@ -101,5 +102,5 @@ def _copy(step: CopyFromGroupSnapshot, cluster: rados.Rados, node_name: str,
     intents.record(key, {"node": node_name})
     rbdgroups.copy_member(cluster, (step.pool, step.group, step.snap, step.member),
                           step.image_pool, step.image, step.features, step.size, meta,
-                          redo=redo)
+                          redo=redo, seal=seal)
     intents.forget(key)

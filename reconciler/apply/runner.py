@@ -24,6 +24,7 @@ import rbd
 from reconciler.apply import claims
 from reconciler.apply.groups import run_group_step
 from reconciler.apply.logfmt import log_not_run, log_step
+from reconciler.apply.sealing import ImageSeals
 from reconciler.drivers import ceph, freeze, iolimits, keys, safepath
 from reconciler.drivers.bounded import NoAnswer
 from reconciler.drivers.fs import OnlineGrowRefused, block_device_size, is_ours
@@ -327,8 +328,7 @@ class _VolumeRun:
             case CloneImage():
                 self.clone(step)
             case FlattenImage():
-                if not ceph.flatten_image(self.need_cluster(), step.pool, step.image):
-                    return "ok", "already independent"
+                return self.flatten(step)
             case DeleteSnapshot():
                 return self.delete_snapshot(step)
             case Thaw():
@@ -341,7 +341,7 @@ class _VolumeRun:
                 return run_group_step(step, self.need_cluster, node.config.node_name,
                                       node.config.state_dir,
                                       node.config.snapshots.freeze_timeout_seconds,
-                                      self.owner_meta)
+                                      self.owner_meta, self.seal_copy)
             case _:
                 raise NotImplementedError(type(step).__name__)
         return "changed", ""
@@ -561,13 +561,16 @@ class _VolumeRun:
     # -- LUKS2 ------------------------------------------------------------------
     def key(self, kind: str, path: str, pool: str, image: str, seal: bool = False) -> bytes:
         """The volume's LUKS2 passphrase. ``wrappedBy``: unsealed from image-meta
-        with the node key; ``seal``: made and sealed first when there is none
-        (only ever before our own luksFormat)."""
+        with the node key (the record bound to this image, or to a parent Ceph
+        lists for it: then sealed again for this image); ``seal``: made and
+        sealed first when there is none (only ever before our own luksFormat)."""
+        enc = self.node.config.encryption
         try:
-            key = keys.read_key_file(path, self.node.config.encryption.key_root)
+            key = keys.read_key_file(path, enc.key_root)
             if kind == "file":
                 return key
             cluster = self.need_cluster()
+            seals = ImageSeals(cluster, pool, image, enc.accept_unbound)
             sealed = ceph.get_meta(cluster, pool, image).get(meta.LUKS_KEY)
             if sealed is None:
                 if not seal:
@@ -576,10 +579,42 @@ class _VolumeRun:
                         "it was not formatted with key wrappedBy; see README, Encryption "
                         "at rest, recovery")
                 sealed = ceph.set_meta_once(cluster, pool, image, meta.LUKS_KEY,
-                                            keys.wrap(keys.new_passphrase(), key))
-            return keys.unwrap(sealed, key, f"{pool}/{image} (node key {path})")
+                                            seals.wrap(keys.new_passphrase(), key, path))
+            got = seals.unwrap(sealed, key, path)
+            seals.reseal(sealed, got, key, path)
+            return got.passphrase
         except keys.KeyProblem as exc:
             raise StepRefused(str(exc)) from None
+
+    def seal_candidates(self) -> list[str]:
+        """Node key files that may open a clone's inherited record: the
+        volume's own (wrappedBy); the records name theirs too."""
+        enc = self.volume.encryption if self.volume else None
+        return [enc.key_path] if enc is not None and enc.key_kind == "wrappedBy" else []
+
+    def flatten(self, step: FlattenImage) -> tuple[str, str]:
+        """A flatten drops the parent link a clone's inherited passphrase
+        record opens through: sealed again for the clone first, or refused."""
+        cluster, enc = self.need_cluster(), self.node.config.encryption
+        try:
+            note = ImageSeals(cluster, step.pool, step.image, enc.accept_unbound).bind_all(
+                self.seal_candidates(), enc.key_root)
+        except keys.KeyProblem as exc:
+            raise StepRefused(f"not flattened: {exc}") from None
+        if not ceph.flatten_image(cluster, step.pool, step.image):
+            return "ok", note or "already independent"
+        return "changed", note or ""
+
+    def seal_copy(self, pool: str, image: str, source: tuple[str, str]) -> None:
+        """A group-snapshot copy (no parent link): its records, sealed for
+        its source (``source``: pool, image), sealed for the copy before it
+        gets its name. KeyProblem: no node key here opens them."""
+        cluster, enc = self.need_cluster(), self.node.config.encryption
+        if not any(k in ImageSeals.RECORDS for k in ceph.get_meta(cluster, pool, image)):
+            return
+        also = [ceph.image_ref(cluster, *source), *ceph.lineage(cluster, *source)]
+        ImageSeals(cluster, pool, image, enc.accept_unbound, also=also).bind_all(
+            self.seal_candidates(), enc.key_root)
 
     def format_crypt(self, step: FormatCrypt) -> tuple[str, str]:
         """luksFormat under the same proofs as mkfs (safety rule 1): the device

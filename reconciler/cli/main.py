@@ -31,6 +31,9 @@ EXIT_INTERRUPTED = 130
 UNPRIVILEGED = ("validate",)
 # Commands whose path logs only through spec.lazylog (an internal error).
 LAZY_LOGGING = ("validate",)
+# Commands that read node keys or unseal passphrases (the daemon: through its
+# passes and CSI calls): made non-dumpable before anything is read.
+HOLDS_KEYS = ("apply", "release", "run", "rotate-key")
 
 
 def _columns() -> int:
@@ -318,6 +321,16 @@ def _setup_logging(verbose: bool) -> None:
                         format="%(levelname)s %(name)s: %(message)s")
 
 
+def _no_core_dumps(command: str) -> None:
+    from reconciler.drivers.nodump import forbid_core_dumps
+
+    try:
+        forbid_core_dumps()
+    except OSError as exc:  # a seccomp filter that forbids prctl: the unit's LimitCORE=0 stands
+        print(f"rbd-reconciler {command}: warning: cannot forbid core dumps ({exc})",
+              file=sys.stderr)
+
+
 def _run(args: argparse.Namespace) -> int:
     from reconciler.spec.config import ConfigError, load_config
 
@@ -326,6 +339,8 @@ def _run(args: argparse.Namespace) -> int:
               "Ceph keyring, and maps and mounts volumes); only `validate` runs as any user",
               file=sys.stderr)
         return EXIT_FAILED
+    if args.command in HOLDS_KEYS:
+        _no_core_dumps(args.command)
     if args.command in LAZY_LOGGING and not args.verbose:
         # Nothing on its path logs but an internal error: logging is loaded
         # (and set up, the same way) only then.

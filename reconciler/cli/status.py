@@ -221,6 +221,9 @@ def _print_actual(actual: dict[str, Any], holders: list[str], claim: dict | None
         print(f"  encryption: {enc['type']}, key {enc['key'] or '(none in the spec)'}; "
               f"container {enc['container'] or 'not mapped'}; "
               + (f"open at {enc['open']}" if enc["open"] else "closed"))
+        if enc.get("rotationInterrupted"):
+            print(f"  rotation: interrupted; run `rbd-reconciler rotate-key {actual['name']}` "
+                  "again to finish it (both passphrases may open the container until then)")
     if actual.get("qos"):
         print("  QoS:      " + ", ".join(f"{k} {v}" for k, v in actual["qos"].items())
               + " (librbd's limits in the image's metadata)")

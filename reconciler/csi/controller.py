@@ -4,7 +4,6 @@ volume file's image section; the engine creates, grows and deletes."""
 from __future__ import annotations
 
 import logging
-import os
 import re
 from typing import Any
 
@@ -27,6 +26,7 @@ from reconciler.csi.snapshots import SnapshotRpcs, content_source_of, source_ima
 from reconciler.csi.volumes import Volumes
 from reconciler.drivers.ceph import CephError
 from reconciler.spec.model import DEFAULT_FEATURES
+from reconciler.spec.security import key_path_problem
 from reconciler.spec.units import MAX_OBJECT_MAP_SIZE, format_size
 
 log = logging.getLogger("rbd-reconciler.csi")
@@ -108,7 +108,7 @@ def _encryption(params: dict[str, str], key_root: str) -> str | None:
     root = key_root.rstrip("/")
     source = params.get("encryptionKey") or f"wrappedBy:{root}/node.key"
     path = source.partition(":")[2]
-    if os.path.normpath(path) != path or not path.startswith(root + "/"):
+    if key_path_problem(path, root) is not None:
         raise invalid(f"parameter encryptionKey {quoted(source)}: the key file must lie under "
                       f"{root} (encryption.keyRoot of the node config)")
     return source

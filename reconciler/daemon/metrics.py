@@ -70,8 +70,8 @@ REFUSAL_REASONS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("foreign_mount", r"already has a mount of something else|someone else's mount"),
         ("staging_not_mounted", r"staging path .* is not"),
         ("encryption", r"LUKS2|luksFormat|encryption is never added|the node key does not "
-                       r"open|key file |sealed passphrase|refusing to open it twice|"
-                       r"refusing to close it"),
+                       r"open|key file |sealed passphrase|wrapped passphrase|^not flattened: |"
+                       r"refusing to open it twice|refusing to close it"),
         ("qos", r"^QoS: "),
         ("unknown", r"unknown, not absent"),
     ))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 import rados
 import rbd
 
+from reconciler.drivers.keys import ImageRef
 from reconciler.facts import meta as metakeys
 from reconciler.facts.observed import ImageState, SnapState
 from reconciler.spec.config import CephConfig
@@ -364,6 +366,76 @@ def set_meta_once(cluster: rados.Rados, pool: str, name: str, key: str, value: s
     if stands is None:
         raise CephError(f"image-meta {key} of {pool}/{name} could not be set; try again")
     return stands
+
+
+def update_meta(cluster: rados.Rados, pool: str, name: str, expect: dict[str, str | None],
+                changes: dict[str, str | None]) -> bool:
+    """Several of our image-meta keys changed in one RADOS write op on the
+    header object, atomic in the OSD: every key of ``expect`` still holds its
+    value (None: absent) and all of ``changes`` are made (None: removed), or
+    nothing is. False when a compare failed (someone changed a key since it
+    was read). librbd keeps image-meta as these ``metadata_<key>`` omap keys
+    and reads them from the OSD on every get: nothing of it is cached."""
+    with cluster.open_ioctx(pool) as ioctx:
+        oid = header_oid(ioctx, name)
+        if oid is None:
+            raise CephError(f"{pool}/{name} has no header object (RBD format 1?): image-meta "
+                            "cannot be changed atomically")
+        with rados.WriteOpCtx() as op:
+            for key, value in expect.items():
+                # An absent key compares equal to "": ours are never empty.
+                op.omap_cmp(META_PREFIX + key, value or "", rados.LIBRADOS_CMPXATTR_OP_EQ)
+            sets = {META_PREFIX + k: v.encode() for k, v in changes.items() if v is not None}
+            gone = [META_PREFIX + k for k, v in changes.items() if v is None]
+            if sets:
+                ioctx.set_omap(op, tuple(sets), tuple(sets.values()))
+            if gone:
+                ioctx.remove_omap_keys(op, tuple(gone))
+            try:
+                ioctx.operate_write_op(op, oid)
+            except rados.ObjectNotFound:
+                raise rbd.ImageNotFound(f"{pool}/{name} is gone") from None
+            except rados.Error as exc:
+                if getattr(exc, "errno", None) == errno.ECANCELED:
+                    return False
+                raise
+    return True
+
+
+def image_ref(cluster: rados.Rados, pool: str, name: str) -> ImageRef:
+    """The image's lasting identity (pool id, image id), from its id object:
+    one read, no open."""
+    with cluster.open_ioctx(pool) as ioctx:
+        oid = header_oid(ioctx, name)
+        if oid is None:
+            raise CephError(f"{pool}/{name} has no image id (RBD format 1, or gone)")
+        return ImageRef(ioctx.get_pool_id(), oid.removeprefix("rbd_header."))
+
+
+def lineage(cluster: rados.Rados, pool: str, name: str) -> list[ImageRef]:
+    """The image's parents as Ceph's own parent links name them, nearest
+    first (at most MAX_DEPTH_WALK). Image-meta never enters into it: a record
+    claiming a parent proves nothing, the header's parent link does."""
+    out: list[ImageRef] = []
+    pool_name, namespace, name_, id_ = pool, "", name, None
+    while len(out) < MAX_DEPTH_WALK:
+        with cluster.open_ioctx(pool_name) as ioctx:
+            if namespace:
+                ioctx.set_namespace(namespace)
+            OPENS[0] += 1
+            with rbd.Image(ioctx, name_, image_id=id_, read_only=True) as img:
+                try:
+                    spec, parent_id = img.get_parent_image_spec(), img.parent_id()
+                except rbd.ImageNotFound:  # no parent
+                    return out
+        # By id: a parent renamed (or moved to the trash) is still the parent.
+        pool_name, namespace = spec["pool_name"], spec.get("pool_namespace") or ""
+        name_, id_ = None, parent_id
+        pool_id = cluster.pool_lookup(pool_name)
+        if pool_id is None:
+            break
+        out.append(ImageRef(pool_id, parent_id))
+    return out
 
 
 def remove_meta(cluster: rados.Rados, pool: str, name: str, key: str) -> None:

@@ -82,10 +82,11 @@ class Cryptsetup:
         return self.runner.run(["cryptsetup", "isLuks", "--type", "luks2", "--", device],
                                ok_codes=(0, 1), env=_env()).returncode == 0
 
-    def opens(self, device: str, key: bytes) -> bool:
-        """Whether ``key`` opens a keyslot (no device is created)."""
+    def opens(self, device: str, key: bytes, slot: int | None = None) -> bool:
+        """Whether ``key`` opens a keyslot (that one: ``slot``); no device is created."""
+        only = [] if slot is None else ["--key-slot", str(slot)]
         out = self.runner.run(["cryptsetup", "open", "--test-passphrase", "--type", "luks2",
-                               "--key-file", "-", "--", device], stdin=key,
+                               *only, "--key-file", "-", "--", device], stdin=key,
                               ok_codes=(0, 1, 2), env=_env())
         return out.returncode == 0
 
@@ -103,10 +104,12 @@ class Cryptsetup:
         self.runner.run(["cryptsetup", "resize", "--key-file", "-", "--", name], stdin=key,
                         env=_env())
 
-    def add_key(self, device: str, key: bytes, new: bytes) -> None:
+    def add_key(self, device: str, key: bytes, new: bytes, slot: int | None = None) -> None:
+        """A keyslot for ``new`` (at ``slot``), unlocked with ``key``."""
+        at = [] if slot is None else ["--key-slot", str(slot)]  # the new key's slot
         with _key_pipe(new) as fd:
             self.runner.run(["cryptsetup", "luksAddKey", "--batch-mode", *self.pbkdf.args(),
-                             "--key-file", "-", "--", device, f"/proc/self/fd/{fd}"],
+                             *at, "--key-file", "-", "--", device, f"/proc/self/fd/{fd}"],
                             stdin=key, pass_fds=(fd,), timeout=self.runner.long_timeout,
                             env=_env())
 
@@ -115,6 +118,12 @@ class Cryptsetup:
         asks, and in batch mode refuses... so the caller checks first)."""
         self.runner.run(["cryptsetup", "luksRemoveKey", "--batch-mode", "--key-file", "-",
                          "--", device], stdin=key, env=_env())
+
+    def kill_slot(self, device: str, slot: int, key: bytes) -> None:
+        """Remove keyslot ``slot``, proving with ``key`` (which opens another
+        one) that this is no blind wipe; cryptsetup refuses when it does not."""
+        self.runner.run(["cryptsetup", "luksKillSlot", "--batch-mode", "--key-file", "-",
+                         "--", device, str(slot)], stdin=key, env=_env())
 
     def dump(self, device: str) -> dict:
         """The LUKS2 header's JSON metadata (keyslots, segments); no secret."""

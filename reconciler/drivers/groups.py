@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable
 
 import rados
 import rbd
@@ -178,9 +179,14 @@ def _group_snap_id(img: rbd.Image, pool_id: int, group: str, snap: str) -> int |
     return None
 
 
+# Seals a copy's wrapped-passphrase records for the copy: (pool, image of the
+# copy, (pool, image) of its source); raises when it cannot.
+Seal = Callable[[str, str, tuple[str, str]], None]
+
+
 def copy_member(cluster: rados.Rados, source: tuple[str, str, str, str], pool: str,
                 name: str, features: tuple[str, ...], size: int | None,
-                meta: dict[str, str], redo: bool) -> None:
+                meta: dict[str, str], redo: bool, seal: Seal | None = None) -> None:
     """A full copy of member ``image`` as it was at group snapshot
     ``pool/group@snap`` (``source``: pool, group, snap, image). Pacific's
     clone takes a snapshot *name*, and a group snapshot's per-image snapshots
@@ -189,7 +195,9 @@ def copy_member(cluster: rados.Rados, source: tuple[str, str, str, str], pool: s
     Written as ``partial_name(name)`` and renamed when complete. ``redo``: an
     earlier copy of ours was interrupted (its intent is recorded), so a
     partial image left behind is removed; otherwise a partial image is
-    someone else's and the copy is refused."""
+    someone else's and the copy is refused. ``seal``: the copy's passphrase
+    records sealed for it before the rename (a crash before leaves only the
+    partial image, removed and copied again)."""
     spool, group, snap, simage = source
     tmp = partial_name(name)
     with cluster.open_ioctx(pool) as ioctx:
@@ -214,6 +222,8 @@ def copy_member(cluster: rados.Rados, source: tuple[str, str, str, str], pool: s
         try:
             with open_image(ioctx, tmp) as img:
                 make_own(img, meta, size)  # as for a clone
+            if seal is not None:
+                seal(pool, tmp, (spool, simage))
             rbd.RBD().rename(ioctx, tmp, name)
         except Exception:
             with contextlib.suppress(rbd.Error):

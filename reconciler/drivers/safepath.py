@@ -22,6 +22,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _SYS_OPENAT2 = 437  # same number on every architecture (new syscall table)
 _RESOLVE_NO_SYMLINKS = 0x04
 _RESOLVE_NO_MAGICLINKS = 0x02
+_RESOLVE_BENEATH = 0x08
 O_PATH = getattr(os, "O_PATH", 0o10000000)
 AT_FDCWD = -100
 
@@ -30,9 +31,9 @@ class UnsafePath(Exception):
     """A path we must not act on: a symlink in it, or not what it should be."""
 
 
-def _openat2(dirfd: int, path: str, flags: int) -> int:
+def _openat2(dirfd: int, path: str, flags: int, resolve: int = 0) -> int:
     how = ctypes.create_string_buffer(
-        struct.pack("QQQ", flags, 0, _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS))
+        struct.pack("QQQ", flags, 0, _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS | resolve))
     fd = _libc.syscall(_SYS_OPENAT2, dirfd, os.fsencode(path), how, 24)
     if fd < 0:
         err = ctypes.get_errno()
@@ -40,11 +41,15 @@ def _openat2(dirfd: int, path: str, flags: int) -> int:
     return int(fd)
 
 
-def _walk_open(path: str, flags: int) -> int:
-    """Fallback for kernels without openat2: one component at a time, O_NOFOLLOW."""
-    fd = os.open("/", O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+def _walk_open(path: str, flags: int, dirfd: int | None = None) -> int:
+    """Fallback for kernels without openat2: one component at a time, O_NOFOLLOW
+    (from ``dirfd``, never above it: ``..`` is refused)."""
+    fd = os.open("/" if dirfd is None else ".", O_PATH | os.O_DIRECTORY | os.O_CLOEXEC,
+                 dir_fd=dirfd)
     try:
         parts = [p for p in path.split("/") if p]
+        if dirfd is not None and ".." in parts:
+            raise OSError(errno.EXDEV, "'..' leads out of the directory", path)
         for i, part in enumerate(parts):
             last = i == len(parts) - 1
             nfd = os.open(part, (flags if last else O_PATH | os.O_DIRECTORY)
@@ -99,6 +104,39 @@ def open_nofollow(path: str, flags: int = O_PATH) -> int:
                 raise UnsafePath(f"{path}: {link} is a symlink; refusing to follow it "
                                  "(paths are used exactly as written)") from None
         raise
+
+
+def open_beneath(root: str, rel: str, flags: int = O_PATH) -> int:
+    """``rel`` opened below the directory ``root`` (absolute, itself opened
+    without following a symlink): no symlink in ``rel``, and no way out of
+    the root (``..`` or an absolute path: openat2's RESOLVE_BENEATH). What
+    is checked against the root is then what was opened, not a text."""
+    global _HAVE_OPENAT2
+    full = root.rstrip("/") + "/" + rel
+    if rel.startswith("/") or ".." in rel.split("/"):
+        raise UnsafePath(f"{full} leads out of {root}")
+    flags |= os.O_CLOEXEC
+    with opened(root, O_PATH | os.O_DIRECTORY) as rfd:
+        try:
+            if _HAVE_OPENAT2 is not False:
+                try:
+                    fd = _openat2(rfd, rel, flags, _RESOLVE_BENEATH)
+                    _HAVE_OPENAT2 = True
+                    return fd
+                except OSError as exc:
+                    if exc.errno != errno.ENOSYS:
+                        raise
+                    _HAVE_OPENAT2 = False
+            return _walk_open(rel, flags, rfd)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.EXDEV, errno.ENOTDIR):
+                link = _first_symlink(full)
+                if link is not None:
+                    raise UnsafePath(f"{full}: {link} is a symlink; refusing to follow it "
+                                     "(paths are used exactly as written)") from None
+                if exc.errno == errno.EXDEV:
+                    raise UnsafePath(f"{full} leads out of {root}") from None
+            raise
 
 
 @contextlib.contextmanager

@@ -26,6 +26,15 @@ def snap_owner(snap: str) -> str:
 # of ours may be redone; a finished one is never formatted over again.
 CRYPT_FORMATTING = PREFIX + "luks-formatting"
 CRYPT_FORMATTED = PREFIX + "luks-formatted"
-# A random per-volume passphrase sealed under a node key (key: wrappedBy).
-# Copied into a clone with the rest of the image-meta: the clone opens with it.
+# A random per-volume passphrase sealed under a node key (key: wrappedBy),
+# bound to the image (keys.WRAP_VERSION 2). Copied into a clone with the rest
+# of the image-meta: it opens there through Ceph's parent link, and is then
+# sealed again for the clone itself.
 LUKS_KEY = PREFIX + "luks-key"
+# rotate-key (apply/rotate.py): the new sealed passphrase until it is in force,
+# then the old one until its keyslot is gone; switched in one write op.
+LUKS_KEY_NEXT = LUKS_KEY + "-next"
+LUKS_KEY_PREV = LUKS_KEY + "-prev"
+# rotate-key of a key: file volume: {"file": the new key file, "slot": its keyslot}
+# from before its keyslot is added until the old one is gone.
+LUKS_ROTATION = PREFIX + "luks-rotation"

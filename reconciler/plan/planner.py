@@ -741,11 +741,15 @@ def _encryption_state(vol: Volume, p: _VolumePlanner) -> dict[str, object] | Non
     if vol.encryption is None and p.crypt is None:
         return None
     enc = vol.encryption
+    img_meta = p.img.meta if p.img else {}
     return {"type": enc.type if enc else "luks2",
             "key": f"{enc.key_kind} {enc.key_path}" if enc else None,
             "open": p.crypt.path if p.crypt else None,
             "container": ("LUKS2" if p.raw and p.raw.fs_type == "crypto_LUKS" else
-                          None if p.raw is None else "none")}
+                          None if p.raw is None else "none"),
+            # A rotate-key cut short: its records say so until a rerun finishes it.
+            "rotationInterrupted": any(k in img_meta for k in (
+                meta.LUKS_KEY_NEXT, meta.LUKS_KEY_PREV, meta.LUKS_ROTATION))}
 
 
 def snapshot_state(p: _VolumePlanner) -> dict[str, object]:

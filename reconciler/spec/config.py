@@ -89,6 +89,10 @@ class EncryptionConfig:
     iter_time_ms: int = 2000  # cryptsetup benchmarks the node for this long a keyslot
     iterations: int | None = None  # fixed instead of benchmarked (no ~3 s benchmark)
     memory_kib: int | None = None  # argon2id's memory, with fixed iterations
+    # Version-1 wrapped passphrases (bound to no image, from before 0.x):
+    # read, and sealed again bound to their image when used. False once every
+    # volume has been opened or rotated since the upgrade (README).
+    accept_unbound: bool = True
 
 
 @dataclass(frozen=True)
@@ -184,7 +188,8 @@ def _build(data: dict, source: Path | None) -> Config:
             pbkdf=enc.get("pbkdf", "argon2id"),
             iter_time_ms=int(enc.get("iterTimeMs", 2000)),
             iterations=int(enc["iterations"]) if enc.get("iterations") is not None else None,
-            memory_kib=int(enc["memoryKiB"]) if enc.get("memoryKiB") is not None else None),
+            memory_kib=int(enc["memoryKiB"]) if enc.get("memoryKiB") is not None else None,
+            accept_unbound=bool(enc.get("acceptUnbound", True))),
     )
 
 

@@ -414,13 +414,10 @@ class _VolumeBuilder:
                        "to open LUKS2 on)")
         (kind, path), = enc["key"].items()
         field = ("spec", "encryption", "key", kind)
-        root = self.config.encryption.key_root.rstrip("/") or "/"
-        if os.path.normpath(path) != path:
-            self.error(field, f"{excerpt(path)} is not a clean absolute path "
-                       f"(expected {excerpt(os.path.normpath(path))})")
-        elif not _under(path, root):
-            self.error(field, f"{excerpt(path)} is not under the key root {root} "
-                       "(encryption.keyRoot in the node config)")
+        # The same check as the key reader's (keys.read_key_file), which then
+        # opens the file below the root's descriptor.
+        if (why := security.key_path_problem(path, self.config.encryption.key_root)) is not None:
+            self.error(field, f"{excerpt(path)} {why} (encryption.keyRoot in the node config)")
         return EncryptionSpec(type=enc["type"], key_kind=kind, key_path=path)
 
 

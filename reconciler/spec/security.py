@@ -91,3 +91,24 @@ def desired_dir_problems(desired: Path, files: list[Path]) -> list[str]:
         if (p := unsafe(target, target.stat(), "file")) is not None:
             problems.append(p)
     return problems
+
+
+def key_path_problem(path: str, root: str) -> str | None:
+    """Why ``path`` may not name a key file under the key ``root`` (to follow
+    the path in a message), or None.
+
+    A text check that means what it says: the path is absolute, every
+    component is a plain name (no ``.``, ``..`` or empty one, which a
+    prefix test lets through: ``ROOT/../../etc/x``), and it lies strictly
+    below the root. The loader, the CSI adapter and the key reader all
+    apply it; the reader then opens the rest of the path relative to the
+    root's descriptor, so a symlink cannot take it out either."""
+    root = root.rstrip("/") or "/"
+    if not path.startswith("/"):
+        return "is not an absolute path"
+    parts = path.split("/")[1:]
+    if any(p in ("", ".", "..") for p in parts):
+        return "is not a clean absolute path (no '.', '..' or '//' in it)"
+    if not path.startswith(root.rstrip("/") + "/") or len(path) <= len(root.rstrip("/")) + 1:
+        return f"is not under the key root {root}"
+    return None

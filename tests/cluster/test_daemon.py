@@ -318,6 +318,18 @@ def test_one_instance_per_state_dir(node: NodeUnderTest, start: Callable[..., Da
     assert d.stop() == 0
 
 
+def test_the_daemon_dumps_no_core(node: NodeUnderTest, start: Callable[..., Daemon]) -> None:
+    """It holds node keys and unsealed passphrases: RLIMIT_CORE 0 (and
+    non-dumpable, which tests/unit/cli/test_nodump.py reads with
+    PR_GET_DUMPABLE on the same start-up path), whatever the unit says."""
+    d = start()
+    wait_for(lambda: d.saw("READY=1"), "READY=1")
+    limits = Path(f"/proc/{d.proc.pid}/limits").read_text()
+    core = next(line for line in limits.splitlines() if line.startswith("Max core file size"))
+    assert core.split()[4:6] == ["0", "0"], core
+    assert d.stop() == 0
+
+
 def test_unit_files_verify(tmp_path: Path) -> None:
     unit = (ROOT / "systemd" / "rbd-reconciler.service").read_text()
     exe = shutil.which("rbd-reconciler") or str(ROOT / ".venv" / "bin" / "rbd-reconciler")

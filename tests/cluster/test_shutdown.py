@@ -92,6 +92,17 @@ def test_unit_exposure_and_no_mount_namespace(unit: Path, tmp_path: Path) -> Non
     assert opts["NoNewPrivileges"] == ["yes"] and opts["UMask"] == ["0077"]
 
 
+def test_every_unit_that_runs_us_dumps_no_core() -> None:
+    """Our processes hold node keys and unsealed passphrases: no core file of
+    them (they also make themselves non-dumpable: tests/unit/cli/test_nodump.py)."""
+    units = sorted(UNITS.glob("*.service"))
+    assert {DAEMON_UNIT, SHUTDOWN_UNIT} <= set(units)
+    for unit in units:
+        opts = unit_options(unit)
+        if any(INSTALLED in v for k in ("ExecStart", "ExecStop") for v in opts.get(k, [])):
+            assert opts.get("LimitCORE") == ["0"], unit.name
+
+
 def test_shutdown_ordering() -> None:
     """rbdmap's ordering, and the daemon stops before the release runs (stop
     order is the reverse of After=); a plain daemon stop never releases."""

@@ -76,7 +76,12 @@ def test_converged_encrypted_plans_nothing() -> None:
     state = actual_state(vol, obs, CTX)
     assert state["phase"] == "PUBLISHED"
     assert state["encryption"] == {"type": "luks2", "key": f"wrappedBy {KEY.key_path}",
-                                   "open": DM, "container": "LUKS2"}
+                                   "open": DM, "container": "LUKS2",
+                                   "rotationInterrupted": False}
+    # A rotate-key cut short shows until a rerun finishes it.
+    for record in (meta.LUKS_KEY_NEXT, meta.LUKS_KEY_PREV, meta.LUKS_ROTATION):
+        cut = with_crypt(converged(vol, image_meta={**luks_meta(vol), record: "{}"}))
+        assert actual_state(vol, cut, CTX)["encryption"]["rotationInterrupted"] is True
 
 
 def test_closed_container_is_opened_not_formatted() -> None:
