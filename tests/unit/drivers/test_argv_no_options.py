@@ -111,6 +111,7 @@ def calls(tmp_path: Path, mounted: Path) -> dict[str, Callable[[], object]]:
         "cryptsetup resize": lambda: crypt.resize(NAME, b"k"),
         "cryptsetup luksAddKey": lambda: crypt.add_key(DEV, b"k", b"n"),
         "cryptsetup luksRemoveKey": lambda: crypt.remove_key(DEV, b"k"),
+        "cryptsetup luksKillSlot": lambda: crypt.kill_slot(DEV, 1, b"k"),
         "cryptsetup luksDump": lambda: crypt.dump(DEV),
         "systemctl show": lambda: iolimits.read(Capture(), UNIT, []),
         "systemctl set-property": lambda: iolimits.write(Capture(), UNIT, DEV, {"riops": 5}),
