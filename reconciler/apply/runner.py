@@ -673,7 +673,7 @@ class _VolumeRun:
                                          self.volume.image.name, meta.GROW_PENDING)
                 message = "grew ext4 offline before mounting"
             fs.mount(dev, step.path, step.fs_type, step.options)
-        self.acquired.append((f"unstage {step.path}", lambda: fs.unmount(step.path)))
+        self.acquired.append((f"unstage {step.path}", lambda: fs.unmount(step.path, None)))
         return "changed", message if step.mode != "block" else ""
 
     def check_staged(self, staging: str, mode: str) -> tuple[int, int]:
