@@ -92,6 +92,17 @@ class EncryptionConfig:
 
 
 @dataclass(frozen=True)
+class MountPrivileges:
+    """Where a desired file may ask for ``suid`` or ``dev`` on a stage or a
+    publish (README: Mount options): the node's decision, never a file's.
+    A mount at or under one of these roots may ask; elsewhere the loader
+    refuses. Empty (the default): every mount is nosuid,nodev."""
+
+    suid_roots: tuple[str, ...] = ()
+    dev_roots: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Config:
     desired_dir: Path
     state_dir: Path
@@ -113,6 +124,7 @@ class Config:
     snapshots: SnapshotsConfig = SnapshotsConfig()
     events: EventsConfig = EventsConfig()
     encryption: EncryptionConfig = EncryptionConfig()
+    mount_privileges: MountPrivileges = MountPrivileges()
 
     @property
     def staging_root(self) -> Path:
@@ -139,6 +151,7 @@ def _build(data: dict, source: Path | None) -> Config:
     snapshots = data.get("snapshots", {})
     events = data.get("events", {})
     enc = data.get("encryption", {})
+    privileges = data.get("mountPrivileges", {})
     return Config(
         desired_dir=Path(data.get("desiredDir", "/etc/rbd-reconciler/volumes.d")),
         state_dir=Path(data.get("stateDir", "/var/lib/rbd-reconciler")),
@@ -185,6 +198,9 @@ def _build(data: dict, source: Path | None) -> Config:
             iter_time_ms=int(enc.get("iterTimeMs", 2000)),
             iterations=int(enc["iterations"]) if enc.get("iterations") is not None else None,
             memory_kib=int(enc["memoryKiB"]) if enc.get("memoryKiB") is not None else None),
+        mount_privileges=MountPrivileges(
+            suid_roots=tuple(privileges.get("suidRoots", ())),
+            dev_roots=tuple(privileges.get("devRoots", ()))),
     )
 
 
@@ -253,6 +269,15 @@ def _load_config(path: Path, explicit: bool) -> Config:
             diags.append(Diagnostic(path, line, col, f"allowedRoots[{i}]",
                                     f"{excerpt(root)} must be a normalised absolute path "
                                     "other than /"))
+    privileges = (doc.data.get("mountPrivileges") or {}) if not diags else {}
+    for key in ("suidRoots", "devRoots"):
+        for i, root in enumerate(privileges.get(key, ())):
+            if os.path.normpath(root) != root or root == "/":
+                line, col = doc.where(("mountPrivileges", key, i))
+                diags.append(Diagnostic(path, line, col, f"mountPrivileges.{key}[{i}]",
+                                        f"{excerpt(root)} must be a normalised absolute path "
+                                        "other than / (a privilege for the whole node is "
+                                        "never given)"))
     csi_dir = (doc.data.get("csi") or {}).get("dir") if not diags else None
     desired = os.path.normpath(doc.data.get("desiredDir", "/etc/rbd-reconciler/volumes.d"))
     if csi_dir and (os.path.normpath(csi_dir) + "/").startswith(desired + "/"):
