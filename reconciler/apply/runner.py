@@ -656,7 +656,7 @@ class _VolumeRun:
         dev = self.data_dev(step.device)
         fs = self.node.fs
         if step.mode == "block":
-            fs.expose_device(dev, step.path)
+            fs.expose_device(dev, step.path, step.options)
         else:
             assert step.fs_type is not None
             message = ""
