@@ -691,7 +691,7 @@ class _VolumeRun:
         dev = self.data_dev(step.device)
         fs = self.node.fs
         if step.mode == "block":
-            fs.expose_device(dev, step.path)
+            fs.expose_device(dev, step.path, step.options)
         else:
             assert step.fs_type is not None
             message = ""
@@ -708,7 +708,7 @@ class _VolumeRun:
                                          self.volume.image.name, meta.GROW_PENDING)
                 message = "grew ext4 offline before mounting"
             fs.mount(dev, step.path, step.fs_type, step.options)
-        self.acquired.append((f"unstage {step.path}", lambda: fs.unmount(step.path)))
+        self.acquired.append((f"unstage {step.path}", lambda: fs.unmount(step.path, None)))
         return "changed", message if step.mode != "block" else ""
 
     def check_staged(self, staging: str, mode: str) -> tuple[int, int]:

@@ -30,6 +30,8 @@ from reconciler.csi.files import (
 from reconciler.csi.volumes import Volumes
 from reconciler.facts.observed import Mount, top_mounts
 from reconciler.facts.parsers import parse_mountinfo
+from reconciler.spec.config import MountPrivileges
+from reconciler.spec.mountopts import check_mount_options
 
 BLOCK_DEVICE_FILE = "rbd-device"  # the device node's bind inside kubelet's staging dir
 NAME_MAX = 255  # bytes in one path component (Linux)
@@ -95,6 +97,18 @@ def _foreign_mount(target: str, source: str) -> Mount | None:
     return there
 
 
+def _check_mount_flags(access: capability.Access, fs_type: str, staging: str,
+                       privileges: MountPrivileges) -> None:
+    """The capability's mount flags become the stage's mountOptions: the same
+    allow-list as an operator's file (and suid/dev only where the node config
+    allows), refused before anything is written."""
+    problems = check_mount_options(access.mount_options, fs_type=fs_type, publish=False,
+                                   block=False, path=staging, privileges=privileges)
+    if problems:
+        raise invalid("volume_capability.mount.mount_flags: "
+                      + "; ".join(msg for _, msg in problems))
+
+
 def _staged_at(stage: dict[str, Any] | None, staging: str) -> bool:
     if not stage:
         return False
@@ -150,6 +164,8 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                 want = {"mode": "filesystem",
                         "fsType": access.fs_type or labels.get(L_FSTYPE) or "ext4",
                         "path": staging}
+                _check_mount_flags(access, want["fsType"], staging,
+                                   self.volumes.config.mount_privileges)
                 if access.mount_options:
                     want["mountOptions"] = list(access.mount_options)
             spec = doc["spec"]
@@ -229,6 +245,11 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                 raise invalid(f"volume {name} is staged as "
                               f"{spec['stage'].get('mode', 'filesystem')}; the capability asks "
                               f"for {'block' if access.block else 'mount'}")
+            if not access.block:
+                # The flags took effect at the stage (the bind carries its flags);
+                # still, a flag the stage would refuse is refused here too.
+                _check_mount_flags(access, spec["stage"].get("fsType") or "ext4", staging,
+                                   self.volumes.config.mount_privileges)
             read_only = request.readonly or access.read_only
             publish = spec.setdefault("publish", [])
             for entry in publish:

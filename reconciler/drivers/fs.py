@@ -170,12 +170,19 @@ class Filesystems:
                 argv += ["-o", ",".join(options)]
             self.runner.run([*argv, "--", device, fd_path(fd)], pass_fds=(fd,))
 
-    def expose_device(self, device: str, path: str) -> None:
-        """Block mode: bind the device node onto a file at ``path``."""
+    def expose_device(self, device: str, path: str, options: tuple[str, ...] = ()) -> None:
+        """Block mode: bind the device node onto a file at ``path`` (with
+        ``options``: nosuid, never nodev, which would stop it opening)."""
         self._mountpoint(path, "file")
         with opened(path) as fd:
             self.runner.run(["mount", "--no-canonicalize", "--bind", "--", device, fd_path(fd)],
                             pass_fds=(fd,))
+        if options:
+            try:
+                self.remount_bind(path, False, options)
+            except CommandError:
+                self.unmount(path, None)
+                raise
 
     def bind(self, source: str, path: str, block: bool, read_only: bool,
              options: tuple[str, ...], rdev: tuple[int, int] | None = None) -> None:
@@ -185,8 +192,9 @@ class Filesystems:
         with opened(source) as sfd, opened(path) as tfd:
             self.runner.run(["mount", "--no-canonicalize", "--bind", "--", fd_path(sfd),
                              fd_path(tfd)], pass_fds=(sfd, tfd))
-        # A bind inherits the source's flags; ro (and options) need a remount.
-        # If that fails the target must not stay mounted with the wrong mode.
+        # A bind inherits the source's flags; ro and options (nosuid,nodev at
+        # least: the planner always gives them) need a remount. If that fails
+        # the target must not stay mounted with the wrong mode or flags.
         if read_only or options:
             try:
                 self.remount_bind(path, read_only, options)
@@ -195,12 +203,16 @@ class Filesystems:
                 raise
 
     def remount_bind(self, path: str, read_only: bool, options: tuple[str, ...]) -> None:
+        """Every per-mount flag not in ``options`` (nosuid, nodev, noexec) is
+        cleared: the kernel sets them anew, and mount(8) adds nothing of the
+        old ones for a /proc/self/fd target. The caller says them all."""
         opts = ["remount", "bind", "ro" if read_only else "rw", *options]
         with opened(path) as fd:
             self.runner.run(["mount", "--no-canonicalize", "-o", ",".join(opts), "--", fd_path(fd)],
                             pass_fds=(fd,))
 
     def remount(self, path: str, options: tuple[str, ...]) -> None:
+        """As remount_bind: the mount's flags are those in ``options`` after it."""
         with opened(path) as fd:
             self.runner.run(["mount", "--no-canonicalize", "-o",
                              ",".join(["remount", *options]), "--", fd_path(fd)],

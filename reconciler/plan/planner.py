@@ -43,7 +43,7 @@ from reconciler.plan.steps import (
     Unstage,
 )
 from reconciler.plan.types import Context, Refused, VolumePlan, Waiting
-from reconciler.spec import qos
+from reconciler.spec import mountflags, qos
 from reconciler.spec.model import (
     Phase,
     Volume,
@@ -53,8 +53,6 @@ from reconciler.spec.units import format_size
 
 # A filesystem this much smaller than its device is grown; less is alignment slack.
 GROW_SLACK = 16 * 2**20
-# Options the kernel adds or implies; they never make a mount "different".
-_IMPLIED_OPTIONS = frozenset({"rw", "relatime", "seclabel"})
 
 
 __all__ = ["Context", "Refused", "VolumePlan", "actual_state", "plan"]
@@ -69,9 +67,10 @@ def _device_node_at(obs: Observed, path: str, dev: Device | None) -> bool:
     return dev is not None and obs.path_rdev.get(path) == (dev.major, dev.minor)
 
 
-def _missing_options(mount: Mount, wanted: Iterable[str]) -> tuple[str, ...]:
-    have = mount.options | mount.super_options
-    return tuple(o for o in wanted if o not in have and o not in _IMPLIED_OPTIONS)
+def _missing_options(mount: Mount, wanted: Iterable[str], fs_type: str | None
+                     ) -> tuple[str, ...]:
+    """What mountinfo shows is not in force (a default it hides is not missing)."""
+    return mountflags.missing(wanted, mount.options | mount.super_options, fs_type)
 
 
 class _VolumePlanner(SnapshotRules, GroupRules):
@@ -526,9 +525,15 @@ class _VolumePlanner(SnapshotRules, GroupRules):
         img_meta = self.img.meta if self.img else {}
         encrypted = v.encryption is not None
         if st.mode == "block":
+            want = mountflags.stage_options((), block=True)
             if not self.is_staged():
                 self._check_path_free(st.path, "staging")
-                self.add(MountStaging(v.name, device, st.path, "block", None, (), False))
+                self.add(MountStaging(v.name, device, st.path, "block", None, want, False))
+            elif (m := self.obs.mounts_by_point.get(st.path)) is not None and \
+                    _missing_options(m, want, None):
+                # Made by an older version (or by hand) without nosuid.
+                self.add(Remount(v.name, st.path, tuple(sorted(m.options)),
+                                 ("ro" if m.read_only else "rw", *want), bind=True))
             return
         assert st.fs_type is not None
         formatted = img_meta.get(meta.FORMATTED)
@@ -561,18 +566,16 @@ class _VolumePlanner(SnapshotRules, GroupRules):
         smaller = fs_size is not None and size_after is not None and (
             size_after - fs_size > GROW_SLACK)
         mount = self.staged_mount()
+        want = mountflags.stage_options(st.mount_options)
         if mount is None:
             self._check_path_free(st.path, "staging")
             self.add(MountStaging(v.name, device, st.path, "filesystem", st.fs_type,
-                                  st.mount_options, smaller and st.fs_type == "ext4"))
+                                  want, smaller and st.fs_type == "ext4"))
             if smaller and st.fs_type == "xfs":
                 self.add(GrowFilesystem(v.name, device, st.path, "xfs", fs_size,
                                         size_after or 0))
             return
-        missing = _missing_options(mount, st.mount_options)
-        if missing:
-            self.add(Remount(v.name, st.path, tuple(sorted(mount.options)),
-                             st.mount_options, bind=False))
+        self.remount_staging(mount, want)
         if smaller:
             if st.fs_type == "ext4" and img_meta.get(meta.GROW_PENDING):
                 self.plan.notes.append(
@@ -582,6 +585,24 @@ class _VolumePlanner(SnapshotRules, GroupRules):
             else:
                 self.add(GrowFilesystem(v.name, device, st.path, st.fs_type, fs_size,
                                         size_after or 0))
+
+    def remount_staging(self, mount: Mount, want: tuple[str, ...]) -> None:
+        """A staging mount without what the spec (and nosuid,nodev) asks:
+        remounted. A remount sets the mount's flags anew, so it says every
+        option a remount can change; one it cannot (ext4 data=, most of xfs's)
+        waits for the next stage, noted, never remounted for in vain."""
+        st = self.v.stage
+        assert st is not None
+        missing = _missing_options(mount, want, st.fs_type)
+        later = [o for o in missing if not mountflags.remountable(o, st.fs_type)]
+        if later:
+            self.plan.notes.append(
+                f"{st.path} is mounted without {', '.join(later)}: a remount does not change "
+                "that; it takes effect the next time the volume is staged")
+        if len(later) < len(missing):
+            self.add(Remount(self.v.name, st.path, tuple(sorted(mount.options)),
+                             tuple(o for o in want if mountflags.remountable(o, st.fs_type)),
+                             bind=False))
 
     def _check_path_free(self, path: str, what: str) -> None:
         other = self.obs.mounts_by_point.get(path)
@@ -595,14 +616,14 @@ class _VolumePlanner(SnapshotRules, GroupRules):
         ours = {m.mount_point: m for m in self.published_targets()}
         for p in v.publish:
             m = ours.get(p.path)
+            want = mountflags.bind_options(st.mount_options, p.mount_options, st.mode == "block")
             if m is None:
                 self._check_path_free(p.path, "publish")
-                self.add(Publish(v.name, st.path, p.path, st.mode, p.read_only,
-                                 p.mount_options))
+                self.add(Publish(v.name, st.path, p.path, st.mode, p.read_only, want))
                 continue
-            if m.read_only != p.read_only or _missing_options(m, p.mount_options):
-                want = ("ro" if p.read_only else "rw", *p.mount_options)
-                self.add(Remount(v.name, p.path, tuple(sorted(m.options)), want, bind=True))
+            if m.read_only != p.read_only or _missing_options(m, want, None):
+                self.add(Remount(v.name, p.path, tuple(sorted(m.options)),
+                                 ("ro" if p.read_only else "rw", *want), bind=True))
 
     def teardown(self, wanted: Phase) -> None:
         """Steps that take the volume down to ``wanted`` (reverse order)."""

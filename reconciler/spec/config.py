@@ -96,6 +96,17 @@ class EncryptionConfig:
 
 
 @dataclass(frozen=True)
+class MountPrivileges:
+    """Where a desired file may ask for ``suid`` or ``dev`` on a stage or a
+    publish (README: Mount options): the node's decision, never a file's.
+    A mount at or under one of these roots may ask; elsewhere the loader
+    refuses. Empty (the default): every mount is nosuid,nodev."""
+
+    suid_roots: tuple[str, ...] = ()
+    dev_roots: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Config:
     desired_dir: Path
     state_dir: Path
@@ -117,6 +128,7 @@ class Config:
     snapshots: SnapshotsConfig = SnapshotsConfig()
     events: EventsConfig = EventsConfig()
     encryption: EncryptionConfig = EncryptionConfig()
+    mount_privileges: MountPrivileges = MountPrivileges()
 
     @property
     def staging_root(self) -> Path:
@@ -143,6 +155,7 @@ def _build(data: dict, source: Path | None) -> Config:
     snapshots = data.get("snapshots", {})
     events = data.get("events", {})
     enc = data.get("encryption", {})
+    privileges = data.get("mountPrivileges", {})
     return Config(
         desired_dir=Path(data.get("desiredDir", "/etc/rbd-reconciler/volumes.d")),
         state_dir=Path(data.get("stateDir", "/var/lib/rbd-reconciler")),
@@ -190,6 +203,9 @@ def _build(data: dict, source: Path | None) -> Config:
             iterations=int(enc["iterations"]) if enc.get("iterations") is not None else None,
             memory_kib=int(enc["memoryKiB"]) if enc.get("memoryKiB") is not None else None,
             accept_unbound=bool(enc.get("acceptUnbound", True))),
+        mount_privileges=MountPrivileges(
+            suid_roots=tuple(privileges.get("suidRoots", ())),
+            dev_roots=tuple(privileges.get("devRoots", ()))),
     )
 
 
@@ -258,6 +274,15 @@ def _load_config(path: Path, explicit: bool) -> Config:
             diags.append(Diagnostic(path, line, col, f"allowedRoots[{i}]",
                                     f"{excerpt(root)} must be a normalised absolute path "
                                     "other than /"))
+    privileges = (doc.data.get("mountPrivileges") or {}) if not diags else {}
+    for key in ("suidRoots", "devRoots"):
+        for i, root in enumerate(privileges.get(key, ())):
+            if os.path.normpath(root) != root or root == "/":
+                line, col = doc.where(("mountPrivileges", key, i))
+                diags.append(Diagnostic(path, line, col, f"mountPrivileges.{key}[{i}]",
+                                        f"{excerpt(root)} must be a normalised absolute path "
+                                        "other than / (a privilege for the whole node is "
+                                        "never given)"))
     csi_dir = (doc.data.get("csi") or {}).get("dir") if not diags else None
     desired = os.path.normpath(doc.data.get("desiredDir", "/etc/rbd-reconciler/volumes.d"))
     if csi_dir and (os.path.normpath(csi_dir) + "/").startswith(desired + "/"):

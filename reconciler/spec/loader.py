@@ -38,6 +38,7 @@ from reconciler.spec.model import (
     StageSpec,
     Volume,
 )
+from reconciler.spec.mountopts import check_mount_options
 from reconciler.spec.qos import MAX_LIMIT, QosSpec, too_large
 from reconciler.spec.schemas import schema_errors
 from reconciler.spec.units import MAX_OBJECT_MAP_SIZE, MAX_SIZE, MiB, format_size, parse_size
@@ -325,6 +326,11 @@ class _VolumeBuilder:
             if s.get("path"):
                 self.check_path(("spec", "stage", "path"), staging, "staging path",
                                 (str(self.config.staging_root),))
+            if mode != "block":
+                for i, msg in check_mount_options(
+                        s.get("mountOptions", ()), fs_type=fs_type, publish=False, block=False,
+                        path=staging, privileges=self.config.mount_privileges):
+                    self.error(("spec", "stage", "mountOptions", i), msg)
             stage = StageSpec(
                 mode=mode, fs_type=fs_type, mkfs_options=tuple(s.get("mkfsOptions", ())),
                 mount_options=tuple(s.get("mountOptions", ())), path=staging,
@@ -333,6 +339,11 @@ class _VolumeBuilder:
         publish = []
         for i, p in enumerate(spec.get("publish", [])):
             self.check_path(("spec", "publish", i, "path"), p["path"], "publish path")
+            for j, msg in check_mount_options(
+                    p.get("mountOptions", ()), fs_type=None, publish=True,
+                    block=stage is not None and stage.mode == "block", path=p["path"],
+                    privileges=self.config.mount_privileges):
+                self.error(("spec", "publish", i, "mountOptions", j), msg)
             if stage is not None and (p["path"] == stage.path or _under(p["path"], stage.path)):
                 self.error(("spec", "publish", i, "path"),
                            "publish path is inside the staging path")

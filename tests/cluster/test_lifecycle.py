@@ -109,6 +109,10 @@ def test_block_mode_exposes_the_device(node: NodeUnderTest) -> None:
     assert node.plan()[0] == 0
     st = status_of(node, name)
     assert st["phase"] == "PUBLISHED"
+    # nosuid, never nodev: a bind of a device node on a nodev mount cannot open.
+    for path in (target, Path(st["staging"])):
+        opts = node.mounts()[str(path)].options  # type: ignore[attr-defined]
+        assert "nosuid" in opts and "nodev" not in opts, (path, opts)
     payload = os.urandom(4096)
     fd = os.open(target, os.O_WRONLY)
     try:

@@ -293,3 +293,48 @@ def test_a_very_long_id_is_quoted_briefly(start_csi: Callable[..., CsiNode]) -> 
     assert not c.files()
     assert "Traceback" not in c.daemon.log.read_text()
     assert c.stop() == 0
+
+
+def flags_cap(*flags: str) -> pb.VolumeCapability:
+    return pb.VolumeCapability(mount=pb.VolumeCapability.MountVolume(fs_type="ext4",
+                                                                     mount_flags=list(flags)),
+                               access_mode=pb.VolumeCapability.AccessMode(
+                                   mode=pb.VolumeCapability.AccessMode.SINGLE_NODE_WRITER))
+
+
+def test_mount_flags_are_allow_listed(start_csi: Callable[..., CsiNode]) -> None:
+    """Issue 25.2: a capability's mount flags meet the allow-list of a file's
+    mountOptions: a refused flag is INVALID_ARGUMENT naming it, and changes
+    nothing; what is allowed mounts with nosuid,nodev as well."""
+    c = start_csi()
+    vol = c.create("pvc-Mount-Flags", size=16 * MiB)
+    staging, target = c.kubelet_paths("pv-mount-flags")
+    before = identity(c, vol)
+    for flags, words in ((["errors=panic"], "'errors=panic' is not allowed"),
+                         (["noatime,suid"], "'suid' is allowed only at or under"),
+                         (["dev"], "mountPrivileges.devRoots"),
+                         (["logdev=/dev/vda"], "names another device"),
+                         (["noatime", "X-mount.mkdir"], "'X-mount.mkdir'")):
+        got, msg = error(lambda f=flags: c.nodes.NodeStageVolume(  # type: ignore[misc]
+            stage_req(vol, staging, flags_cap(*f)), timeout=T))
+        assert got == Code.INVALID_ARGUMENT and words in msg, (flags, got, msg)
+        assert "mount_flags" in msg
+        assert identity(c, vol) == before, flags  # not even rewritten
+        assert str(staging) not in c.node.mounts()
+    c.nodes.NodeStageVolume(stage_req(vol, staging, flags_cap("noatime,noexec")), timeout=T)
+    assert {"noatime", "noexec", "nosuid", "nodev"} <= c.node.mounts()[str(staging)].options
+    staged = raw(c, vol)
+    got, msg = error(lambda: c.nodes.NodePublishVolume(
+        publish_req(vol, staging, target, cap=flags_cap("errors=panic")), timeout=T))
+    assert got == Code.INVALID_ARGUMENT and "'errors=panic'" in msg, (got, msg)
+    assert raw(c, vol) == staged and str(target) not in c.node.mounts()
+    c.nodes.NodePublishVolume(publish_req(vol, staging, target,
+                                          cap=flags_cap("noatime,noexec")), timeout=T)
+    # The bind states the staging mount's per-mount flags again, and its own.
+    assert {"noatime", "noexec", "nosuid", "nodev"} <= c.node.mounts()[str(target)].options
+    unpublish(c, vol, target)
+    unstage(c, vol, staging)
+    delete(c, vol)
+    assert not c.files()
+    assert "Traceback" not in c.daemon.log.read_text()
+    assert c.stop() == 0

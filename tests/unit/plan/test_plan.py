@@ -35,6 +35,7 @@ from reconciler.plan.steps import (
     Unpublish,
     Unstage,
 )
+from reconciler.spec import mountflags
 from reconciler.spec.config import default_config
 from reconciler.spec.loader import load
 from reconciler.spec.model import (
@@ -58,6 +59,8 @@ STG = f"{STAGING_ROOT}/pgdata"
 LOOP = "/dev/loop0"
 LOOP_RDEV = (7, 0)
 DEVTMPFS = (0, 6)
+# What a default volume's mounts get: its noatime, then nosuid,nodev.
+OPTS = ("noatime", "nosuid", "nodev")
 
 
 # --- desired volumes ---------------------------------------------------------------
@@ -177,13 +180,16 @@ def converged(vol: Volume, *, kind: str = "fuse", device: str = LOOP, size: int 
             for p in vol.publish:
                 w.path_rdev[p.path] = LOOP_RDEV
                 w.mount(p.path, rdev=DEVTMPFS, fs="devtmpfs", source="devtmpfs",
-                        root=f"/{name}", options=("ro" if p.read_only else "rw", "relatime"))
+                        root=f"/{name}",
+                        options=("ro" if p.read_only else "rw", "nosuid", "relatime"))
         return w
-    w.mount(st.path, fs=fs or "ext4", options=("rw", *st.mount_options))
+    w.mount(st.path, fs=fs or "ext4",
+            options=("rw", *mountflags.stage_options(st.mount_options)))
     if published:
         for p in vol.publish:
-            w.mount(p.path, fs=fs or "ext4",
-                    options=("ro" if p.read_only else "rw", *st.mount_options))
+            w.mount(p.path, fs=fs or "ext4", options=(
+                "ro" if p.read_only else "rw",
+                *mountflags.bind_options(st.mount_options, p.mount_options, False)))
     return w
 
 
@@ -216,9 +222,9 @@ def test_absent_gets_the_full_forward_chain_in_order() -> None:
         CreateImage("pgdata", "rbd", "pgdata", 256 * MiB, DEFAULT_FEATURES),
         MapImage("pgdata", "rbd", "pgdata", "fuse", ()),
         FormatDevice("pgdata", None, "ext4", (), "rbd", "pgdata"),
-        MountStaging("pgdata", None, STG, "filesystem", "ext4", ("noatime",), False),
-        Publish("pgdata", STG, RW, "filesystem", False, ()),
-        Publish("pgdata", STG, RO, "filesystem", True, ()),
+        MountStaging("pgdata", None, STG, "filesystem", "ext4", OPTS, False),
+        Publish("pgdata", STG, RW, "filesystem", False, OPTS),
+        Publish("pgdata", STG, RO, "filesystem", True, OPTS),
     ]
     assert p.refusal is None and p.notes == []
     assert (p.phase, p.wanted) == (Phase.ABSENT, Phase.PUBLISHED)
@@ -232,7 +238,7 @@ def test_absent_options_reach_the_steps() -> None:
     assert p.steps[1] == MapImage("pgdata", "rbd", "pgdata", "nbd", ("timeout=120",))
     assert p.steps[2] == FormatDevice("pgdata", None, "ext4", ("-E", "nodiscard"), "rbd",
                                       "pgdata")
-    assert p.steps[3].options == ("noatime", "discard")
+    assert p.steps[3].options == ("noatime", "discard", "nosuid", "nodev")
 
 
 @pytest.mark.parametrize(("available", "expected"), [
@@ -274,8 +280,10 @@ def test_absent_block_mode_chain() -> None:
     assert p.steps == [
         CreateImage("scratch", "rbd", "scratch", 256 * MiB, DEFAULT_FEATURES),
         MapImage("scratch", "rbd", "scratch", "fuse", ()),
-        MountStaging("scratch", None, f"{STAGING_ROOT}/scratch", "block", None, (), False),
-        Publish("scratch", f"{STAGING_ROOT}/scratch", "/srv/scratch.dev", "block", False, ()),
+        MountStaging("scratch", None, f"{STAGING_ROOT}/scratch", "block", None, ("nosuid",),
+                     False),
+        Publish("scratch", f"{STAGING_ROOT}/scratch", "/srv/scratch.dev", "block", False,
+                ("nosuid",)),
     ]
 
 
@@ -304,9 +312,9 @@ spec:
         CreateImage("pgdata", "rbd", "pgdata", 512 * MiB, ("layering", "exclusive-lock")),
         MapImage("pgdata", "rbd", "pgdata", "krbd", ()),
         FormatDevice("pgdata", None, "xfs", (), "rbd", "pgdata"),
-        MountStaging("pgdata", None, stg, "filesystem", "xfs", ("noatime",), False),
-        Publish("pgdata", stg, "/srv/rbd-demo/pgdata", "filesystem", False, ()),
-        Publish("pgdata", stg, "/srv/rbd-demo/pgdata-view", "filesystem", True, ()),
+        MountStaging("pgdata", None, stg, "filesystem", "xfs", OPTS, False),
+        Publish("pgdata", stg, "/srv/rbd-demo/pgdata", "filesystem", False, OPTS),
+        Publish("pgdata", stg, "/srv/rbd-demo/pgdata-view", "filesystem", True, OPTS),
     ]
     # Once converged, the loader's volume plans nothing.
     assert plan([vol], converged(vol).observed(), ctx)[0].steps == []
@@ -359,8 +367,25 @@ def test_stale_spec_hash_on_an_owned_image_is_rewritten() -> None:
 
 
 def test_implied_mount_options_are_not_drift() -> None:
-    vol = volume(mount_options=("rw", "relatime", "noatime"))
-    assert plan_one(vol, converged(vol)).steps == []
+    vol = volume(mount_options=("rw", "noatime"))
+    w = converged(vol)
+    w.mounts = [replace(m, options=m.options - {"rw"}) for m in w.mounts]
+    assert plan_one(vol, w).steps == []
+
+
+@pytest.mark.parametrize(("wanted", "shown"), [
+    (("commit=5",), set()),  # the kernel hides a default value
+    (("errors=continue",), set()),  # its default comes from the superblock: cannot tell
+    (("barrier",), set()),
+    (("strictatime",), set()),
+    (("data=ordered",), {"data=ordered"}),
+])
+def test_option_mountinfo_hides_is_not_drift(wanted: tuple[str, ...], shown: set[str]) -> None:
+    vol = volume(mount_options=wanted, publish=())
+    w = converged(vol)
+    w.mounts = [replace(m, options=frozenset({"rw", "nosuid", "nodev"}),
+                        super_options=frozenset({"rw", *shown})) for m in w.mounts]
+    assert plan_one(vol, w).steps == []
 
 
 def test_option_in_super_options_is_not_drift() -> None:
@@ -378,7 +403,7 @@ def test_missing_publish_target_gets_only_a_publish() -> None:
     w = converged(vol)
     w.mounts = [m for m in w.mounts if m.mount_point != RO]
     p = plan_one(vol, w)
-    assert p.steps == [Publish("pgdata", STG, RO, "filesystem", True, ())]
+    assert p.steps == [Publish("pgdata", STG, RO, "filesystem", True, OPTS)]
     assert p.phase is Phase.PUBLISHED  # one wanted target is there
 
 
@@ -386,8 +411,8 @@ def test_no_publish_target_left() -> None:
     vol = volume()
     p = plan_one(vol, converged(vol, published=False))
     assert p.phase is Phase.STAGED
-    assert p.steps == [Publish("pgdata", STG, RW, "filesystem", False, ()),
-                       Publish("pgdata", STG, RO, "filesystem", True, ())]
+    assert p.steps == [Publish("pgdata", STG, RW, "filesystem", False, OPTS),
+                       Publish("pgdata", STG, RO, "filesystem", True, OPTS)]
 
 
 def test_mapping_gone_maps_stages_and_publishes_again() -> None:
@@ -398,9 +423,9 @@ def test_mapping_gone_maps_stages_and_publishes_again() -> None:
     assert p.phase is Phase.CREATED
     assert p.steps == [
         MapImage("pgdata", "rbd", "pgdata", "fuse", ()),
-        MountStaging("pgdata", None, STG, "filesystem", "ext4", ("noatime",), False),
-        Publish("pgdata", STG, RW, "filesystem", False, ()),
-        Publish("pgdata", STG, RO, "filesystem", True, ()),
+        MountStaging("pgdata", None, STG, "filesystem", "ext4", OPTS, False),
+        Publish("pgdata", STG, RW, "filesystem", False, OPTS),
+        Publish("pgdata", STG, RO, "filesystem", True, OPTS),
     ]
 
 
@@ -409,9 +434,9 @@ def test_staging_gone_stages_and_publishes() -> None:
     p = plan_one(vol, converged(vol, staged=False))
     assert p.phase is Phase.MAPPED
     assert p.steps == [
-        MountStaging("pgdata", LOOP, STG, "filesystem", "ext4", ("noatime",), False),
-        Publish("pgdata", STG, RW, "filesystem", False, ()),
-        Publish("pgdata", STG, RO, "filesystem", True, ()),
+        MountStaging("pgdata", LOOP, STG, "filesystem", "ext4", OPTS, False),
+        Publish("pgdata", STG, RW, "filesystem", False, OPTS),
+        Publish("pgdata", STG, RO, "filesystem", True, OPTS),
     ]
 
 
@@ -436,7 +461,7 @@ def test_read_only_target_mounted_rw_is_remounted() -> None:
     w.mounts = [replace(m, options=frozenset({"rw", "noatime"})) if m.mount_point == RO else m
                 for m in w.mounts]
     assert plan_one(vol, w).steps == [
-        Remount("pgdata", RO, ("noatime", "rw"), ("ro",), bind=True)]
+        Remount("pgdata", RO, ("noatime", "rw"), ("ro", *OPTS), bind=True)]
 
 
 def test_rw_target_mounted_ro_is_remounted() -> None:
@@ -445,16 +470,16 @@ def test_rw_target_mounted_ro_is_remounted() -> None:
     w.mounts = [replace(m, options=frozenset({"ro", "noatime"})) if m.mount_point == RW else m
                 for m in w.mounts]
     assert plan_one(vol, w).steps == [
-        Remount("pgdata", RW, ("noatime", "ro"), ("rw",), bind=True)]
+        Remount("pgdata", RW, ("noatime", "ro"), ("rw", *OPTS), bind=True)]
 
 
 def test_publish_mount_option_missing_is_remounted() -> None:
-    vol = replace(volume(), publish=(PublishSpec(RW, False, ("nosuid", "nodev")),))
+    vol = replace(volume(), publish=(PublishSpec(RW, False, ("noexec",)),))
     w = converged(volume(publish=((RW, False),)))
     w.image("pgdata", 256 * MiB, meta=owned_meta(vol))
     p = plan_one(vol, w)
-    assert p.steps == [Remount("pgdata", RW, ("noatime", "rw"), ("rw", "nosuid", "nodev"),
-                               bind=True)]
+    assert p.steps == [Remount("pgdata", RW, ("noatime", "nodev", "nosuid", "rw"),
+                               ("rw", "noexec", "noatime", "nosuid", "nodev"), bind=True)]
 
 
 def test_staging_mount_option_missing_is_remounted() -> None:
@@ -462,7 +487,64 @@ def test_staging_mount_option_missing_is_remounted() -> None:
     w = converged(volume())  # mounted with noatime only
     w.image("pgdata", 256 * MiB, meta=owned_meta(vol))
     assert plan_one(vol, w).steps == [
-        Remount("pgdata", STG, ("noatime", "rw"), ("noatime", "discard"), bind=False)]
+        Remount("pgdata", STG, ("noatime", "nodev", "nosuid", "rw"),
+                ("noatime", "discard", "nosuid", "nodev"), bind=False)]
+
+
+def test_mounts_without_nosuid_nodev_are_remounted_with_them() -> None:
+    """Adopted mounts, or made by a version before nosuid,nodev: a volume's
+    content must not be host privilege, so each is remounted, every flag
+    said again (a bind remount clears what it does not say)."""
+    vol = volume()
+    w = converged(vol)
+    w.mounts = [replace(m, options=frozenset({"ro" if m.mount_point == RO else "rw", "noatime"}))
+                for m in w.mounts]
+    assert plan_one(vol, w).steps == [
+        Remount("pgdata", STG, ("noatime", "rw"), OPTS, bind=False),
+        Remount("pgdata", RW, ("noatime", "rw"), ("rw", *OPTS), bind=True),
+        Remount("pgdata", RO, ("noatime", "ro"), ("ro", *OPTS), bind=True),
+    ]
+
+
+def test_block_binds_without_nosuid_are_remounted_never_nodev() -> None:
+    vol = volume("scratch", mode="block", publish=(("/srv/scratch.dev", False),))
+    w = converged(vol)
+    w.mounts = [replace(m, options=frozenset({"rw", "relatime"})) for m in w.mounts]
+    stg = f"{STAGING_ROOT}/scratch"
+    assert plan_one(vol, w).steps == [
+        Remount("scratch", stg, ("relatime", "rw"), ("rw", "nosuid"), bind=True),
+        Remount("scratch", "/srv/scratch.dev", ("relatime", "rw"), ("rw", "nosuid"), bind=True),
+    ]
+
+
+def test_an_option_a_remount_cannot_change_is_a_note() -> None:
+    """ext4 refuses a new data= on a remount, xfs ignores most of its options:
+    remounting for them would fail or repeat every pass."""
+    vol = volume(mount_options=("noatime", "data=journal"), publish=())
+    w = converged(volume(publish=()))  # mounted data=ordered
+    w.image("pgdata", 256 * MiB, meta=owned_meta(vol))
+    p = plan_one(vol, w)
+    assert p.steps == [] and any("data=journal" in n and "next time" in n for n in p.notes)
+    # Remounted for something else, it leaves data= out.
+    w.mounts = [replace(m, options=frozenset({"rw", "noatime"})) for m in w.mounts]
+    assert plan_one(vol, w).steps == [
+        Remount("pgdata", STG, ("noatime", "rw"), OPTS, bind=False)]
+    xfs = volume(fs="xfs", mount_options=("discard",), publish=())
+    w = converged(volume(fs="xfs", mount_options=(), publish=()))
+    w.image("pgdata", 256 * MiB, meta=owned_meta(xfs))
+    p = plan_one(xfs, w)
+    assert p.steps == [] and any("discard" in n for n in p.notes)
+
+
+def test_staging_per_mount_flags_reach_the_binds_but_never_suid() -> None:
+    vol = replace(volume(mount_options=("noexec", "suid")),
+                  publish=(PublishSpec(RW, False, ()), PublishSpec(RO, True, ("suid",))))
+    p = plan_one(vol, World())
+    assert [s.options for s in p.steps if isinstance(s, (MountStaging, Publish))] == [
+        ("noexec", "suid", "nodev"),
+        ("noexec", "nosuid", "nodev"),
+        ("suid", "noexec", "nodev"),
+    ]
 
 
 def test_dropped_publish_target_is_unpublished() -> None:
@@ -549,9 +631,9 @@ def test_grow_ext4_offline_when_not_staged() -> None:
     w = converged(vol, size=512 * MiB, fs_size=256 * MiB, staged=False)
     p = plan_one(vol, w)
     assert p.steps == [
-        MountStaging("pgdata", LOOP, STG, "filesystem", "ext4", ("noatime",), True),
-        Publish("pgdata", STG, RW, "filesystem", False, ()),
-        Publish("pgdata", STG, RO, "filesystem", True, ()),
+        MountStaging("pgdata", LOOP, STG, "filesystem", "ext4", OPTS, True),
+        Publish("pgdata", STG, RW, "filesystem", False, OPTS),
+        Publish("pgdata", STG, RO, "filesystem", True, OPTS),
     ]
 
 
