@@ -37,6 +37,13 @@ class VolumePlan:
     # Set: it starts from another desired object not there yet; no steps, no
     # failure (a later pass, once that one converged, plans it).
     waiting: str | None = None
+    # Set: its mapped device's I/O does not complete (why, since when); no
+    # steps but a release by hand's, which still tries.
+    stalled: str | None = None
+    # Set: this node's mapping is fenced (taken over, or its client
+    # blocklisted); no steps but a release's (or ``recover``).
+    fenced: str | None = None
+    fence_reason: str | None = None  # TakenOver | Blocklisted
 
     @property
     def changes(self) -> bool:
@@ -44,7 +51,8 @@ class VolumePlan:
 
     @property
     def phase_name(self) -> str:
-        return "UNKNOWN" if self.unknown else self.phase.name
+        return ("FENCED" if self.fenced else "STALLED" if self.stalled
+                else "UNKNOWN" if self.unknown else self.phase.name)
 
     @property
     def refused(self) -> str | None:
