@@ -218,15 +218,11 @@ class _VolumePlanner(SnapshotRules, GroupRules):
             return self.run_snapshot_plan(release)
         self.plan.phase = self.observed_phase()
         try:
+            # Nothing is probed, unmounted, unmapped, remapped or formatted
+            # while its I/O hangs (it would hang too); a release by hand still
+            # tries, each command under its deadline (the daemon never does).
             if (stall := self.stall()) is not None:
-                # Nothing is probed, unmounted, unmapped, remapped or formatted
-                # while it hangs (it would hang too); a release by hand still
-                # tries, each command under its deadline (the daemon never does).
                 self.plan.stalled = stall_reason(stall)
-                if not release:
-                    self.plan.unknown = self.image_unknown()  # Ceph may be away too
-                    raise Refused(f"{self.plan.stalled}: nothing that touches it is done "
-                                  "until it completes")
             if release:
                 # Give the node's resources back; the image is never touched.
                 # A filesystem a dead run left frozen is thawed first: its
@@ -241,11 +237,16 @@ class _VolumePlanner(SnapshotRules, GroupRules):
                 self.teardown(Phase.CREATED)
                 return self.plan
             self.plan.unknown = self.image_unknown()
+            # Before the devices: a fenced node's mapping does not answer (its
+            # client is blocklisted; its I/O may hang), and the fence is what
+            # to act on. It takes Ceph to see one: a stall is seen without.
+            if self.plan.unknown is None:
+                self.check_not_fenced()
+            if self.plan.stalled:
+                raise Refused(f"{self.plan.stalled}: nothing that touches it is done until it "
+                              "completes")
             if self.plan.unknown:
                 raise Refused(self.plan.unknown)
-            # Before the devices: a fenced node's mapping does not answer
-            # (its client is blocklisted), and the fence is what to act on.
-            self.check_not_fenced()
             self.plan.unknown = self.unknown()
             if self.plan.unknown:
                 raise Refused(self.plan.unknown)

@@ -123,3 +123,14 @@ def test_a_blocklist_that_was_not_seen_fences_nothing_of_our_own() -> None:
                                    meta.HOLDER: Claim(NODE, (OURS,)).encode()})
     p = plan_one(vol, replace(w.observed(), blocklist=None))
     assert p.fenced is None and p.phase_name == "PUBLISHED"
+
+
+def test_fenced_and_stalled_names_the_fence() -> None:
+    """A fenced client's I/O may hang too (an rbd-fuse helper retrying for
+    ever): the fence is what to act on, and it is what the refusal names."""
+    vol = volume()
+    obs = stalled(converged(vol, image_meta=taken_over(owned_meta(vol))).observed())
+    p = plan_one(vol, obs)
+    assert p.phase_name == "FENCED" and p.stalled is not None and p.steps == []
+    assert "claimed by node node-b" in (p.refusal or "")
+    assert actual_state(vol, obs, CTX)["phase"] == "FENCED"
