@@ -140,7 +140,9 @@ def cmd_explain(args: argparse.Namespace, config: Config) -> int:
         print(f"rbd-reconciler: no volume {args.name!r} in {config.desired_dir}", file=sys.stderr)
         return EXIT_FAILED
     doc = _explanation(args.name, p, config, node, daemon)
-    rc = EXIT_FAILED if doc["unknown"] else EXIT_OK
+    actual = doc["actual"] or {}
+    rc = EXIT_FAILED if doc["unknown"] or actual.get("stalled") or actual.get("fence") \
+        else EXIT_OK
     if args.output == "json":
         json.dump(doc, sys.stdout, indent=2)
         print()
