@@ -5,6 +5,12 @@ Reading that file never touches the device: the kernel adds up its own
 counters. So it answers even while every request to the device hangs (a
 Ceph cluster out of reach), which is when it matters: requests in flight and
 a completion count that does not move are I/O that does not complete.
+
+A flush is the exception: blk-mq issues it as a request of the queue's own,
+which the in-flight count leaves out (measured on 6.1 with rbd-nbd, whose
+librbd acknowledges writes from its cache: an fdatasync hung for the whole
+partition while the count said 0). blk-mq's debugfs lists every request the
+driver holds (``/sys/kernel/debug/block/NAME/hctx*/busy``), flushes too.
 """
 
 from __future__ import annotations
@@ -34,3 +40,9 @@ def parse_stat(text: str) -> IoCounters | None:
         if len(fields) > i:
             done += fields[i]
     return IoCounters(done, fields[_IN_FLIGHT])
+
+
+def parse_busy(text: str) -> int:
+    """Requests the driver holds, from one ``hctx*/busy`` file of blk-mq's
+    debugfs (one line per request: ``ADDR {.op=FLUSH, ..., .state=in_flight, ...}``)."""
+    return sum(".state=in_flight" in line for line in text.splitlines())

@@ -5,20 +5,22 @@ rbd-nbd wait, by default, for as long as it takes) hangs whatever touches
 it: a probe, a ``blkid``, an unmount, an unmap. Its counters in
 ``/sys/dev/block/MAJ:MIN/stat`` still answer, so they are sampled and
 compared: requests in flight and a completion count that has not moved for
-a while is I/O that does not complete. The daemon samples every mapped
+a while is I/O that does not complete (a flush, which that count leaves
+out, from blk-mq's debugfs: facts/iostat.py). The daemon samples every mapped
 device of its volumes every ``events.ioPollSeconds`` and keeps the history;
 a CLI samples twice, ``WINDOW_S`` apart, where something is in flight.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from reconciler.facts.iostat import IoCounters, parse_stat
+from reconciler.facts.iostat import IoCounters, parse_busy, parse_stat
 from reconciler.facts.observed import IoStall
 
 # Watched at least this long before "nothing completed" means anything: a
@@ -29,14 +31,34 @@ Reader = Callable[[str], tuple[int, IoCounters] | None]
 
 
 def read_counters(device: str, sys_root: str = "/sys") -> tuple[int, IoCounters] | None:
-    """(rdev, counters) of a device node; None when it is gone or unreadable."""
+    """(rdev, counters) of a device node; None when it is gone or unreadable.
+    Nothing in flight by the count: blk-mq's debugfs, where it is mounted
+    (systemd does), may still list a flush the driver holds."""
     try:
         rdev = os.stat(device).st_rdev
-        with open(f"{sys_root}/dev/block/{os.major(rdev)}:{os.minor(rdev)}/stat") as f:
+        block = f"{sys_root}/dev/block/{os.major(rdev)}:{os.minor(rdev)}"
+        with open(f"{block}/stat") as f:
             counters = parse_stat(f.read())
     except OSError:
         return None
-    return (rdev, counters) if counters is not None else None
+    if counters is None:
+        return None
+    if counters.in_flight == 0:
+        held = _driver_busy(f"{sys_root}/kernel/debug/block/"
+                            f"{os.path.basename(os.path.realpath(block))}")
+        counters = IoCounters(counters.completed, held)
+    return rdev, counters
+
+
+def _driver_busy(debugfs: str) -> int:
+    """Requests blk-mq's driver holds (0: none, or no debugfs to tell)."""
+    held = 0
+    with contextlib.suppress(OSError):
+        for hctx in os.listdir(debugfs):
+            if hctx.startswith("hctx"):
+                with contextlib.suppress(OSError), open(f"{debugfs}/{hctx}/busy") as f:
+                    held += parse_busy(f.read())
+    return held
 
 
 @dataclass

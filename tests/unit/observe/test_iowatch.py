@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from reconciler.facts.iostat import IoCounters
 from reconciler.observe.iowatch import WINDOW_S, IoWatch
 
@@ -123,3 +125,25 @@ def test_forget_drops_what_the_sampler_no_longer_names() -> None:
     assert w.stall(DEV) is not None
     w.sample([], forget=True)
     assert w.stall(DEV) is None
+
+
+def test_read_counters_adds_what_blk_mq_debugfs_says_the_driver_holds(tmp_path: Path) -> None:
+    """The stat line says nothing in flight (a flush is not counted there);
+    debugfs lists the flush rbd-nbd has not answered. /dev/null stands for
+    the device node (only its number is used)."""
+    import os
+
+    from reconciler.observe.iowatch import read_counters
+
+    rdev = os.stat("/dev/null").st_rdev
+    disk = tmp_path / "devices" / "virtual" / "block" / "nbd0"
+    disk.mkdir(parents=True)
+    (disk / "stat").write_text("10 0 80 1 20 0 160 2 0 3 3 0 0 0 0 7 1\n")
+    (tmp_path / "dev" / "block").mkdir(parents=True)
+    (tmp_path / "dev" / "block" / f"{os.major(rdev)}:{os.minor(rdev)}").symlink_to(disk)
+    assert read_counters("/dev/null", str(tmp_path)) == (rdev, IoCounters(37, 0))  # no debugfs
+    hctx = tmp_path / "kernel" / "debug" / "block" / "nbd0" / "hctx0"
+    hctx.mkdir(parents=True)
+    (hctx / "busy").write_text("00000000b5a1e2c4 {.op=FLUSH, .cmd_flags=, .rq_flags=FLUSH_SEQ, "
+                               ".state=in_flight, .tag=5, .internal_tag=-1}\n")
+    assert read_counters("/dev/null", str(tmp_path)) == (rdev, IoCounters(37, 1))
