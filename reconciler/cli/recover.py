@@ -125,7 +125,13 @@ def _users(vp: VolumePlan, observed: Observed) -> list[User | str]:
     for dev in raw:
         with contextlib.suppress(OSError):
             rdevs.add(os.stat(dev).st_rdev)  # the node on devtmpfs, not the device
-    found: list[User | str] = list(users(points, {m.mount_id for m in mounts}, rdevs))
+    # The mapping's own helper holds its device open (rbd-nbd): not a user.
+    helpers = set()
+    for dev in raw:
+        with contextlib.suppress(OSError, ValueError):
+            helpers.add(int(Path(f"/sys/block/{Path(dev).name}/pid").read_text()))
+    found: list[User | str] = [u for u in users(points, {m.mount_id for m in mounts}, rdevs)
+                               if u.pid not in helpers]
     for dev in raw:
         holders = Path(f"/sys/class/block/{Path(dev).name}/holders")
         for h in sorted(p.name for p in holders.glob("*")):
