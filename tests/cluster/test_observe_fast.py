@@ -50,7 +50,7 @@ def test_noop_plan_of_a_published_volume_forks_no_probe(node: NodeUnderTest, fs:
     assert d.fs_size is not None and 0 <= d.size - d.fs_size < 1 << 20
     # The unmounted one is probed (blkid), once; the next pass uses the cache.
     assert [a for a in probes(n) if dev_mapped in a] == [
-        ["blkid", "-p", "-o", "export", dev_mapped]]
+        ["blkid", "-p", "-o", "export", "--", dev_mapped]]
     n.runner.history.clear()
     p = plan_pass([node.desired], config, n)
     assert probes(n) == [] and p.observed.devices[dev_mapped].signature is None
