@@ -149,6 +149,7 @@ def _explanation(name: str, p: Pass, config: Config, node: Node,
         "unknown": vp.unknown if vp else None,
         "refusal": vp.refused if vp else None,
         "notes": vp.notes if vp else [],
+        "problems": vp.problems if vp else {},
         "nextSteps": [s.as_dict() for s in vp.steps] if vp else [],
         "claim": _claim_doc(config, actual),
     }
@@ -175,7 +176,8 @@ def _print_explanation(doc: dict[str, Any]) -> None:
     for s in doc["nextSteps"]:
         print(f"  next:     {s['action']} {s['target']}: {s['from']} -> {s['to']}")
     if not doc["nextSteps"] and not doc["refusal"]:
-        print("  next:     nothing; it is where it should be")
+        print("  next:     nothing a step can do: see PROBLEM above" if doc["problems"]
+              else "  next:     nothing; it is where it should be")
 
 
 UNKNOWN = "unknown"
