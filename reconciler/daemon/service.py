@@ -815,8 +815,9 @@ class Daemon:
             if released and vol.name in self.records:
                 del self.records[vol.name]
                 self._save_records()
-        actual = actual_state(vol, observed, context(self.config, self.node))  # type: ignore[arg-type]
         problems = {} if released else vp.problems
+        actual = actual_state(vol, observed, context(self.config, self.node),  # type: ignore[arg-type]
+                              problems)
         self._write_status(vol.name, VolumeStatus(
             # A clone whose source is still on its way is pending, not absent;
             # one with a problem no step can fix is not what it looks like.

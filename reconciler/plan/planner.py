@@ -764,8 +764,10 @@ def plan(desired: Iterable[Volume], observed: Observed, ctx: Context,
     return [plans[n] for n in sorted(plans)]
 
 
-def actual_state(vol: Volume, observed: Observed, ctx: Context) -> dict[str, object]:
-    """What is there for one desired volume, in the planner's own terms."""
+def actual_state(vol: Volume, observed: Observed, ctx: Context,
+                 found: dict[str, str] | None = None) -> dict[str, object]:
+    """What is there for one desired volume, in the planner's own terms.
+    ``found``: its plan's problems, when the caller has planned it already."""
     p = _VolumePlanner(vol, observed, ctx)
     if vol.group is not None:
         return group_row(vol, observed)
@@ -777,7 +779,9 @@ def actual_state(vol: Volume, observed: Observed, ctx: Context) -> dict[str, obj
     problem = (p.mapping.problem if p.mapping and p.mapping.problem else
                p.dev.problem if p.dev and p.dev.problem else None)
     if problem is None and not unknown:
-        problem = "; ".join(problems(vol, observed, ctx).values()) or None
+        if found is None:
+            found = problems(vol, observed, ctx)
+        problem = "; ".join(found.values()) or None
     return {
         "name": vol.name,
         # Unknown first: what could not be seen is never reported as a phase.
