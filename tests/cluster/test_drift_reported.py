@@ -7,6 +7,7 @@ daemon ran no pass until its resync."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -177,10 +178,14 @@ def test_a_fenced_node_learns_it_on_its_first_failed_write(
             str(s.get("refusal")), s
     finally:
         os.kill(pid, signal.SIGCONT)
-        assert d.stop() == 0
-        os.kill(pid, signal.SIGKILL)  # a fenced helper never finishes its writes
-        wait_for(lambda: (reap_zombies(), not Path(f"/proc/{pid}").exists())[1],
-                 "the fenced helper gone")
+        try:
+            stopped = d.stop()
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # it never finishes its writes
+                os.kill(pid, signal.SIGKILL)
+            wait_for(lambda: (reap_zombies(), not Path(f"/proc/{pid}").exists())[1],
+                     "the fenced helper gone")
+    assert stopped == 0
     rc, out = node.cli("release")
     assert rc == 0, out
     assert b.cli("release")[0] == 0
