@@ -138,7 +138,9 @@ class _VolumePlanner(SnapshotRules, GroupRules):
         (None: it reaches ``m``): one mounted on top of it, or over a
         directory above it. Such a publish serves nobody."""
         seen = self.obs.visible_mount(m.mount_point)
-        return seen if seen is not None and seen.mount_id != m.mount_id else None
+        if seen is None or seen.mount_id == m.mount_id or self._is_our_mount(seen):
+            return None  # ours on ours (a bind made twice) still serves the volume
+        return seen
 
     def publish_mode(self, m: Mount) -> str:
         """What an application at the bind gets: rw, ro, or nothing (shadowed)."""

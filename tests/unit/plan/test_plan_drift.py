@@ -79,6 +79,16 @@ def test_a_mount_over_a_directory_above_shadows_too() -> None:
     assert not any(isinstance(s, Unpublish) for s in p.steps)
 
 
+def test_our_own_bind_on_top_of_ours_is_no_shadow() -> None:
+    vol = volume(publish=((RW, False),))
+    w = rooted(converged(vol))
+    lower = bind_at(w, RW)
+    w.mounts.append(replace(lower, mount_id=950, parent_id=lower.mount_id))
+    p = plan_one(vol, w)
+    assert p.problems == {} and p.phase == Phase.PUBLISHED
+    assert actual_state(vol, w.observed(), CTX)["published"] == [(RW, "rw"), (RW, "rw")]
+
+
 def test_no_root_seen_means_nothing_is_called_shadowed() -> None:
     vol = volume()
     w = converged(vol)  # no "/" among the mounts: what a path reaches is not known
