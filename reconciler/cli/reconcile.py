@@ -54,6 +54,8 @@ def _print_plans(plans: list[VolumePlan]) -> None:
             print(f"  {_marker(s)} {s.action:<16} {s.target}: {s.before} -> {s.after}{flag}")
         for why in vp.withheld:
             print(f"  REFUSED: {why}")
+        for kind, why in vp.problems.items():  # no step can put these right
+            print(f"  PROBLEM ({kind}): {why}")
         for note in vp.notes:
             print(f"  note: {note}")
 
@@ -100,6 +102,7 @@ def cmd_plan(args: argparse.Namespace, config: Config) -> int:
                          "phase": vp.phase_name, "unknown": vp.unknown,
                          "wanted": vp.wanted.name if vp.wanted is not None else None,
                          "refusal": vp.refused, "notes": vp.notes,
+                         "problems": vp.problems,
                          "steps": [s.as_dict() for s in vp.steps]} for vp in p.plans],
         }, sys.stdout, indent=2)
         print()

@@ -54,7 +54,7 @@ from reconciler.spec.security import desired_dir_problems, directory_problems
 from reconciler.state import allowance
 from reconciler.state.files import CannotWrite, read_json, write_json
 from reconciler.state.records import RecordsFile
-from reconciler.state.status import VolumeStatus
+from reconciler.state.status import UNSET, VolumeStatus, converged_conditions
 
 log = logging.getLogger("rbd-reconciler")
 
@@ -815,17 +815,21 @@ class Daemon:
             if released and vol.name in self.records:
                 del self.records[vol.name]
                 self._save_records()
-        actual = actual_state(vol, observed, context(self.config, self.node))  # type: ignore[arg-type]
+        problems = {} if released else vp.problems
+        actual = actual_state(vol, observed, context(self.config, self.node),  # type: ignore[arg-type]
+                              problems)
         self._write_status(vol.name, VolumeStatus(
-            # A clone whose source is still on its way is pending, not absent.
+            # A clone whose source is still on its way is pending, not absent;
+            # one with a problem no step can fix is not what it looks like.
             "Released" if released else "Pending" if vp.waiting else
-            PHASE_NAMES[vp.phase.name],
+            "Degraded" if problems else PHASE_NAMES[vp.phase.name],
+            reason=next(iter(problems), UNSET),
+            message="; ".join(problems.values()) or UNSET,
             observed_generation=vol.spec_hash,
             notes=vp.notes,
             device=actual["device"], staging=actual["staging"],
             published=actual["published"], size=actual["size"],
-            conditions=[{"type": "Converged", "status": True, "reason": "UpToDate",
-                         "message": "", "lastTransitionTime": _now()}],
+            conditions=converged_conditions(problems, _now()),
         ))
 
     def _write_status(self, name: str, status: VolumeStatus) -> None:
