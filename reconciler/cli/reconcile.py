@@ -207,6 +207,7 @@ def cmd_release(args: argparse.Namespace, config: Config) -> int:
               file=sys.stderr)
         return EXIT_FAILED
     from reconciler.cli.release import Released, release_all, report_at_deadline
+    from reconciler.cli.unwedge import unwedge
     from reconciler.engine import Busy
 
     progress = Released()
@@ -229,6 +230,11 @@ def cmd_release(args: argparse.Namespace, config: Config) -> int:
         _report_release(args, report_at_deadline(progress, args.deadline))
         sys.stdout.flush()
         sys.stderr.flush()
+        # A thread stuck in the kernel on an rbd-fuse helper that does not
+        # answer would hold even os._exit: end that connection first.
+        for line in unwedge(config, set()):
+            print(f"forced: {line}", file=sys.stderr)
+        sys.stderr.flush()
         os._exit(EXIT_FAILED)  # not sys.exit: it would wait for the stuck threads
     if isinstance(result[0], Busy):
         print(f"rbd-reconciler: {result[0]}; nothing released", file=sys.stderr)
@@ -246,7 +252,7 @@ def _report_release(args: argparse.Namespace, done: Released) -> int:
               "(--deadline)", file=sys.stderr)
     if args.output == "json":
         json.dump({"sync": done.sync, "thawed": done.thawed, "deadline": done.late,
-                   "notReleased": done.left,
+                   "forced": done.forced, "notReleased": done.left,
                    "volumes": [o.as_dict() for o in done.outcomes]}, sys.stdout, indent=2)
         print()
     else:
@@ -258,9 +264,13 @@ def _report_release(args: argparse.Namespace, done: Released) -> int:
                 print(f"  {s.status:<7} {s.step.action:<16} {s.step.target}{msg}")
         if done.sync:
             print(f"warning: {done.sync}", file=sys.stderr)
+        for line in done.forced:
+            print(f"forced: {line}", file=sys.stderr)
         for line in done.left:
             print(f"not released: {line}", file=sys.stderr)
-        released = sum(bool(o.steps) and o.status in ("ok", "changed") for o in done.outcomes)
+        # A volume released in a second round (after forcing) counts once.
+        released = len({o.name for o in done.outcomes
+                        if o.steps and o.status in ("ok", "changed")})
         print(f"released: {released} volume(s); "
               f"{len(done.left)} thing(s) still held")
     return EXIT_OK if done.ok else EXIT_FAILED

@@ -5,6 +5,10 @@ that command exits. Under systemd it is reaped; in a container whose PID 1
 does not reap, it would linger as a zombie after its mount goes away. A long
 running parent (the daemon, the demo runner, the test session) can declare
 itself a child subreaper so such orphans come back to it, and reap them.
+
+A child we killed that is stuck in the kernel (D state) cannot be reaped
+until the kernel lets go, maybe never: it is reaped from a thread instead
+(``reap_later``), never waited for on the caller's.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import subprocess
+import threading
 from pathlib import Path
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -72,3 +78,17 @@ def reap_group(pgid: int) -> list[int]:
                 os.waitpid(pid, os.WNOHANG)
                 reaped.append(pid)
     return reaped
+
+
+def reap_later(proc: subprocess.Popen[bytes], wait: float = 0.0) -> bool:
+    """Wait up to ``wait`` s for a child we killed; if it has not gone by then
+    (stuck in the kernel, D state: SIGKILL takes effect only when the kernel
+    lets go), reap it from a daemon thread instead. Never waits longer: a
+    thread blocked in ``waitpid`` does not hold the process's exit, a wait on
+    the caller's thread would. True when it was reaped here."""
+    try:
+        proc.wait(timeout=wait)
+        return True
+    except subprocess.TimeoutExpired:
+        threading.Thread(target=proc.wait, daemon=True, name=f"reap:{proc.pid}").start()
+        return False
