@@ -144,8 +144,6 @@ def setup(style: str, verbose: bool) -> None:
     root = logging.getLogger()
     root.handlers[:] = [make_handler(style)]
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
-    # watchdog's inotify chatter is never what an operator needs
-    logging.getLogger("watchdog").setLevel(logging.WARNING)
 
 
 def step_kind(action: str) -> str:
