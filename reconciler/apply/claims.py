@@ -139,6 +139,24 @@ def release(cluster: rados.Rados, pool: str, image: str, node: str) -> bool:
     raise CephError(f"{pool}/{image}: the claim kept changing; try again")
 
 
+def add_fenced(cluster: rados.Rados, pool: str, image: str, node: str,
+               addrs: tuple[str, ...]) -> Claim | None:
+    """Add ``addrs`` to the ``fenced`` list of ``node``'s claim (what explain
+    shows); None when the claim is not ``node``'s any more."""
+    with cluster.open_ioctx(pool) as ioctx:
+        oid = header_object(ioctx, image)
+        for _ in range(CAS_ATTEMPTS):
+            raw = read_raw(ioctx, oid)
+            held = parse(raw)
+            if held is None or held.node != node:
+                return None
+            fenced = tuple(dict.fromkeys((*held.fenced, *addrs)))
+            mine = Claim(node, held.clients, held.taken_from, fenced)
+            if mine == held or _cas(ioctx, oid, raw, mine.encode()):
+                return mine
+    raise CephError(f"{pool}/{image}: the claim kept changing; try again")
+
+
 def replace(cluster: rados.Rados, pool: str, image: str, expected: Claim,
             new: Claim) -> bool:
     """The takeover's last step: ``new`` if the claim is still ``expected``."""
