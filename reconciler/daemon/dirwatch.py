@@ -129,11 +129,13 @@ class DirWatcher:
                 wd = _libc.inotify_add_watch(self.fd, os.fsencode(path), mask)
                 if wd < 0:
                     log.debug("not watching %s: %s", path, os.strerror(ctypes.get_errno()))
-                    self._wd_of.pop(path, None)
+                    if (gone := self._wd_of.pop(path, None)) is not None:
+                        self._by_wd.pop(gone, None)
                     continue
                 old = self._wd_of.get(path)
                 if old is not None and old != wd:  # the directory was replaced meanwhile
                     self._by_wd.pop(old, None)
+                    _libc.inotify_rm_watch(self.fd, old)  # the old one, wherever it went
                 self._wd_of[path] = int(wd)
                 self._by_wd[int(wd)] = (path, want)
 

@@ -116,11 +116,41 @@ def test_the_kernels_overflow_is_reported(tmp_path: Path) -> None:
         queued = int(Path("/proc/sys/fs/inotify/max_queued_events").read_text())
         for i in range(queued + 16):
             os.utime(drops[i % 2])
-        while True:
-            try:
-                w.handle(os.read(w.fd, dirwatch.READ_SIZE))
-            except BlockingIOError:
-                break
+        drain(w)
         assert seen.overflows.is_set()
+    finally:
+        w.stop()
+
+
+
+def drain(w: DirWatcher) -> None:
+    """Act on every event queued so far (the kernel queues them as the calls
+    that make them return: no waiting)."""
+    while True:
+        try:
+            w.handle(os.read(w.fd, dirwatch.READ_SIZE))
+        except BlockingIOError:
+            return
+
+
+def test_a_directory_replaced_at_its_path_is_watched_anew(tmp_path: Path) -> None:
+    desired = tmp_path / "desired"
+    desired.mkdir()
+    seen = Seen()
+    w = seen.watcher()
+    try:
+        w.watch(plan([desired]))
+        desired.rename(tmp_path / "old")
+        desired.mkdir()
+        drain(w)
+        assert seen.changes.is_set(), "the directory replaced was not seen"
+        w.watch(plan([desired]))  # the daemon's next pass
+        seen.changes.clear()
+        (tmp_path / "old" / "stale.yaml").write_text("x")  # the old one: not ours any more
+        drain(w)
+        assert not seen.changes.is_set()
+        (desired / "new.yaml").write_text("x")
+        drain(w)
+        assert seen.changes.is_set(), "a file in the new directory was not seen"
     finally:
         w.stop()
