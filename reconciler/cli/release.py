@@ -53,6 +53,7 @@ DEFAULT_DEADLINE_S = 240.0
 # the report is written.
 WIND_DOWN_S = STOP_CHECK_S + KILL_WAIT_S + 1.5
 MIN_BUDGET_S = 0.1
+REPORT_S = 0.5  # kept at the very end for printing the report
 
 
 @dataclass
@@ -213,6 +214,10 @@ class Deadline:
         self.end = time.monotonic() + seconds
         self.wind_down = min(WIND_DOWN_S, seconds / 4)
 
+    def until_end(self) -> float:
+        """Seconds until the deadline itself, less a moment for the report."""
+        return self.end - time.monotonic() - REPORT_S
+
     def left(self) -> float:
         """Seconds until the chains must stop (negative: past that)."""
         return self.end - self.wind_down - time.monotonic()
@@ -262,7 +267,7 @@ def release_all(config: Config, step_timeout: float, deadline: float = DEFAULT_D
     out.left = [*skipped, *_still_held(again)]
     # That look may itself have got stuck on a device nobody answers for:
     # the process could not end (cli/unwedge.py).
-    out.forced += unwedge(config, set())
+    out.forced += unwedge(config, set(), limit.until_end())
     out.phase = "done"
     return out
 
@@ -283,15 +288,18 @@ def _release_round(config: Config, step_timeout: float, limit: Deadline,
         out.outcomes += outcomes
     finally:
         timer.cancel()
-    halted = node.runner.halt.stopping
-    out.phase = "ending the FUSE connections that do not answer"
-    out.forced += unwedge(config, ran_into_deadline(outcomes, volumes, step_timeout))
-    if halted:
+    stuck = ran_into_deadline(outcomes, volumes, step_timeout)
+    if node.runner.halt.stopping:
         # Stopped at the deadline: no time to look again. What the chains
-        # did not do is still held.
+        # did not do is still held; what hangs on a dead helper is ended
+        # with the little time left, so that this process can end.
         out.late = f"deadline of {limit.seconds:g} s reached while releasing"
         out.left = [*skipped, *_not_done(plans, out.outcomes)]
-    return halted
+        out.forced += unwedge(config, stuck, limit.until_end())
+        return True
+    out.phase = "ending the FUSE connections that do not answer"
+    out.forced += unwedge(config, stuck, limit.left())
+    return False
 
 
 def _still_held(plans: Iterable[VolumePlan]) -> list[str]:

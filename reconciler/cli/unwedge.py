@@ -20,8 +20,8 @@ from pathlib import Path
 
 from reconciler.apply.runner import VolumeOutcome
 from reconciler.drivers import fuseforce
+from reconciler.drivers.mappers import FuseMapper
 from reconciler.drivers.run import Runner
-from reconciler.observe.node import Node
 from reconciler.spec.config import Config
 from reconciler.spec.model import Volume
 
@@ -59,23 +59,26 @@ def ran_into_deadline(outcomes: Iterable[VolumeOutcome], volumes: dict[str, Volu
     return out
 
 
-def unwedge(config: Config, images: set[Image] | None) -> list[str]:
+def unwedge(config: Config, images: set[Image] | None,
+            budget: float = fuseforce.UNMOUNT_TIMEOUT_S) -> list[str]:
     """End the connections of the FUSE mounts of ``images`` (None: of every
     image) that have requests waiting, and kill their helpers; also of every
     such mount while a thread of ours is stuck in the kernel (the process
     could not end otherwise). The mounts stay: a release unmounts them in
     order (a lazy unmount under the loop device and the filesystem on it
-    would hide those from every later look). One line per mount forced."""
+    would hide those from every later look). Each command gets at most
+    ``budget`` s (the deadline's). One line per mount forced."""
     if stuck_threads():
         images = None
-    runner = Runner(timeout=fuseforce.UNMOUNT_TIMEOUT_S)  # not the halted one
-    node = Node.from_config(config, runner)
+    if (images is not None and not images) or budget <= 0:
+        return []  # nothing ran into a deadline, nothing is stuck: nothing to touch
+    runner = Runner(timeout=min(fuseforce.UNMOUNT_TIMEOUT_S, budget))  # not the halted one
+    fuse = FuseMapper(config.ceph, config.state_dir / "fuse", runner)
     lines = []
-    for m in node.fuse.list():
+    for m in fuse.list():
         if m.fuse_mount is None or (images is not None and (m.pool, m.image) not in images):
             continue
-        forced = node.fuse.force_off(m.fuse_mount, runner, only_if_waiting=True,
-                                     unmount=False)
+        forced = fuse.force_off(m.fuse_mount, runner, only_if_waiting=True, unmount=False)
         if forced is not None:
             line = f"{m.pool}/{m.image}: its rbd-fuse helper does not answer: {forced.describe()}"
             log.warning("forced: %s", line)

@@ -20,6 +20,7 @@ still holds its file). I/O in flight to it fails: it could not reach Ceph.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import select
 import signal
@@ -37,7 +38,7 @@ CONNECTIONS = Path("/sys/fs/fuse/connections")
 FUSECTL = "fusectl"
 KILL_WAIT_S = 2.0  # a SIGKILLed helper is gone this soon (it is in no D state of its own)
 SETTLE_S = 2.0  # an umount killed in D state finishes once the connection is aborted
-UNMOUNT_TIMEOUT_S = 10.0
+UNMOUNT_TIMEOUT_S = 10.0  # fusectl's mount and umount, a forced unmount: at most this long
 
 
 def connection_id(mount: Mount) -> int:
@@ -53,23 +54,22 @@ def _mounts() -> tuple[Mount, ...]:
 _CONTROL_LOCK = threading.Lock()
 _control_users = 0  # threads inside control() now (chains force in parallel)
 _control_made: Mount | None = None  # the fusectl mount we made, while it has users
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 @contextlib.contextmanager
-def control(runner: Runner, at: Path = CONNECTIONS) -> Iterator[Path | None]:
+def control(at: Path = CONNECTIONS) -> Iterator[Path | None]:
     """fusectl at ``at``: there already (systemd mounts it), or mounted now
     and unmounted when the last thread of ours using it is done (only that
     mount, only if still on top). None when it cannot be had: a killed
-    helper ends its connection all the same."""
+    helper ends its connection all the same. System calls, not mount(8):
+    neither blocks, and no command is started when time is short."""
     global _control_users, _control_made
     with _CONTROL_LOCK:
         if _control_users == 0 and not _mounted_at(at):
-            try:
-                runner.run(["mount", "-t", FUSECTL, "--", FUSECTL, str(at)],
-                           timeout=UNMOUNT_TIMEOUT_S)
+            _control_made = None
+            if _libc.mount(FUSECTL.encode(), os.fsencode(at), FUSECTL.encode(), 0, None) == 0:
                 _control_made = top_mounts(_mounts()).get(str(at))
-            except (CommandError, Aborted, OSError):
-                _control_made = None
         usable = _mounted_at(at)
         _control_users += 1
     try:
@@ -81,8 +81,7 @@ def control(runner: Runner, at: Path = CONNECTIONS) -> Iterator[Path | None]:
             if _control_users == 0 and made is not None:
                 _control_made = None
                 if made.fs_type == FUSECTL and top == made:
-                    with contextlib.suppress(CommandError, Aborted, OSError):
-                        runner.run(["umount", "--", str(at)], timeout=UNMOUNT_TIMEOUT_S)
+                    _libc.umount2(os.fsencode(at), 0)
 
 
 def _mounted_at(at: Path) -> bool:
@@ -172,15 +171,17 @@ def force_off(mount: Mount, helpers: Iterable[int], is_ours: Callable[[int], boo
     """Abort ``mount``'s connection, kill its helpers (each checked by
     ``is_ours``), and unmount it: plainly, else lazily (``unmount``).
     ``only_if_waiting``: None, doing nothing, unless requests of that
-    connection are waiting for an answer. ``runner`` must not be one a
-    deadline has halted (its commands would be refused)."""
+    connection are waiting for an answer. ``runner``'s timeout bounds each
+    command (and the wait for a kill); it must not be one a deadline has
+    halted (its commands would be refused)."""
     conn = connection_id(mount)
-    with control(runner) as ctl:
+    with control() as ctl:
         pending = waiting(ctl, conn) if ctl is not None else None
         if only_if_waiting and not pending:
             return None
         aborted = ctl is not None and pending is not None and abort(ctl, conn)
-    killed = tuple(pid for pid in sorted(set(helpers)) if kill_verified(pid, is_ours))
+    wait = min(KILL_WAIT_S, runner.timeout)
+    killed = tuple(pid for pid in sorted(set(helpers)) if kill_verified(pid, is_ours, wait))
     left = _unmount(mount, runner) if unmount else "left it mounted"
     return Forced(mount.mount_point, conn, aborted, killed, left)
 
@@ -203,7 +204,7 @@ def _unmount(mount: Mount, runner: Runner) -> str | None:
         if top is None or top.mount_id != mount.mount_id:
             return "left it mounted: another mount is on top of it"
         try:
-            runner.run(["umount", *flags, "--", mount.mount_point], timeout=UNMOUNT_TIMEOUT_S)
+            runner.run(["umount", *flags, "--", mount.mount_point])
         except (CommandError, Aborted) as exc:
             errors.append(str(exc))
         if not _still_there(mount):
