@@ -38,7 +38,7 @@ CONNECTIONS = Path("/sys/fs/fuse/connections")
 FUSECTL = "fusectl"
 KILL_WAIT_S = 2.0  # a SIGKILLed helper is gone this soon (it is in no D state of its own)
 SETTLE_S = 2.0  # an umount killed in D state finishes once the connection is aborted
-UNMOUNT_TIMEOUT_S = 10.0  # fusectl's mount and umount, a forced unmount: at most this long
+UNMOUNT_TIMEOUT_S = 10.0  # a command of the last resort (a forced umount): at most this long
 
 
 def connection_id(mount: Mount) -> int:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""P15: a symlink swapped above desiredDir -> the daemon acting on the new files.
+"""P16: a symlink swapped above desiredDir -> the daemon acting on the new files.
 
 What is measured: one `rbd-reconciler run --log-format json` process on a
 disposable local Ceph cluster, resyncSeconds 3600 (only events can make it
@@ -23,7 +23,7 @@ Printed: p50, p99 and max of both. At the end (and on failure or Ctrl-C):
 the daemon is stopped, the images removed, the cluster stopped and the
 temporary directory deleted.
 
-Usage: .venv/bin/python benchmarks/p15_link_swap.py [--trials N]   (default 20)
+Usage: .venv/bin/python benchmarks/p16_link_swap.py [--trials N]   (default 20)
 Needs root.
 """
 
@@ -71,7 +71,7 @@ spec:
 CONFIG = """\
 desiredDir: {desired}
 stateDir: {state}
-nodeName: p15-bench
+nodeName: p16-bench
 ceph:
   conf: {conf}
   user: {user}
@@ -98,7 +98,7 @@ def swap(gitops: Path, n: int) -> float:
 
 def trial(d: DaemonProc, gitops: Path, state: Path, pool: str, n: int,
           names: list[str]) -> tuple[float, float]:
-    name = f"p15-{n}"
+    name = f"p16-{n}"
     names.append(name)
     release(gitops, n, pool, names)
     d.new_lines()
@@ -126,9 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=20, help="timed swaps (default 20)")
     args = p.parse_args(argv)
     if os.geteuid() != 0:
-        print("p15_link_swap: needs root", file=sys.stderr)
+        print("p16_link_swap: needs root", file=sys.stderr)
         return 2
-    root = Path(tempfile.mkdtemp(prefix="rbd-bench-p15-"))
+    root = Path(tempfile.mkdtemp(prefix="rbd-bench-p16-"))
     cluster: DevCluster | None = None
     daemon: DaemonProc | None = None
     names: list[str] = []
@@ -162,9 +162,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{GOAL_S * 1000:.0f} ms {'met' if ok else 'NOT met'}")
             rc = 0
         except (BenchError, subprocess.TimeoutExpired, OSError) as e:
-            print(f"p15_link_swap: {e}", file=sys.stderr)
+            print(f"p16_link_swap: {e}", file=sys.stderr)
         except KeyboardInterrupt:
-            print("\np15_link_swap: interrupted; cleaning up", file=sys.stderr)
+            print("\np16_link_swap: interrupted; cleaning up", file=sys.stderr)
             rc = 130
         finally:
             with signals_ignored():
