@@ -31,8 +31,9 @@ Image = tuple[str, str]
 
 
 def stuck_threads(task_dir: Path = Path("/proc/self/task")) -> list[int]:
-    """Our threads in uninterruptible sleep (D): while one is, the process
-    cannot end, whatever it calls (exit included)."""
+    """Our threads in uninterruptible sleep (D), each waiting on something
+    that has not answered (a read of a device above a dead helper); one
+    whose wait outlasts our exit holds the process, whatever it calls."""
     out = []
     for stat in task_dir.glob("[0-9]*/stat"):
         try:
