@@ -738,6 +738,9 @@ class _VolumeRun:
             (step.pool, step.image))
         if found is None:
             return
+        if bad := sorted(k for k in found.unreadable if meta.ours(k)):
+            raise StepRefused(f"{step.pool}/{step.image}: image-meta {', '.join(bad)} is not "
+                              "UTF-8 text; unknown, not absent")
         owner = found.meta.get(meta.OWNER)
         if owner != self.node.config.node_name:
             raise StepRefused(f"{step.pool}/{step.image} is owned by {owner or 'nobody'}")
