@@ -25,7 +25,7 @@ from reconciler.apply import claims
 from reconciler.apply.groups import run_group_step
 from reconciler.apply.logfmt import log_not_run, log_step
 from reconciler.apply.sealing import ImageSeals
-from reconciler.drivers import ceph, freeze, iolimits, keys, safepath
+from reconciler.drivers import ceph, freeze, iolimits, keys, procfs, safepath
 from reconciler.drivers.bounded import NoAnswer
 from reconciler.drivers.fs import OnlineGrowRefused, block_device_size, is_ours
 from reconciler.drivers.run import Aborted
@@ -721,7 +721,7 @@ class _VolumeRun:
         with safepath.opened(staging) as fd:
             st, mid = os.fstat(fd), safepath.mount_id(fd)
         top = {m.mount_id: m for m in parse_mountinfo(
-            Path("/proc/self/mountinfo").read_text())}.get(mid)
+            procfs.mountinfo())}.get(mid)
         if mode == "block":
             if not stat.S_ISBLK(st.st_mode) or (os.major(st.st_rdev),
                                                 os.minor(st.st_rdev)) != want:

@@ -276,6 +276,10 @@ def _command_of(argv: Sequence[str]) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # A path or name that is not UTF-8 (a foreign mount point) is printed
+    # escaped, as stderr prints it, never a UnicodeEncodeError.
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="backslashreplace")
     try:
         try:
             return _main(argv)

@@ -29,9 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reconciler.drivers import safepath
+from reconciler.drivers import procfs, safepath
 from reconciler.drivers.bounded import Bounded, NoAnswer
-from reconciler.facts.parsers import parse_mountinfo
 from reconciler.state.files import open_lock
 from reconciler.state.registry import Registry
 
@@ -130,8 +129,7 @@ class Record:
 def _start_time(pid: int) -> int | None:
     """When ``pid`` started (clock ticks since boot): a reused pid differs."""
     try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-        return int(text[text.rindex(")") + 2:].split()[19])
+        return int(procfs.stat_fields(f"/proc/{pid}/stat")[1][19])
     except (OSError, ValueError, IndexError):
         return None
 
@@ -166,7 +164,7 @@ def _thaw_device(path: str, rdev: tuple[int, int] | None) -> bool:
     False: it was not frozen. NotMounted: it is mounted nowhere."""
     candidates = [path]
     if rdev is not None:
-        mounts = parse_mountinfo(Path("/proc/self/mountinfo").read_text())
+        mounts = procfs.mounts()
         candidates += [m.mount_point for m in mounts
                        if (m.major, m.minor) == rdev and m.mount_point != path]
     for where in candidates:

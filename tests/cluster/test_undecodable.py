@@ -151,3 +151,53 @@ def test_an_image_name_that_is_not_text_hides_no_other_image(
                 contextlib.suppress(rbd.ImageNotFound):
             rbd.RBD().remove(io, stray)
 
+
+# -- the node: a mount point that is not UTF-8 -----------------------------------
+# Made in a mount namespace of its own (unshare), where the commands run too:
+# the helpers and daemons running beside this test on the host never see it.
+IN_NAMESPACE = r"""
+import contextlib, io, json, os, subprocess, sys
+from reconciler.cli import main as cli
+config, name, foreign = sys.argv[1], sys.argv[2], os.fsencode(sys.argv[3]) + b"-\xff\xfe"
+os.mkdir(foreign)
+subprocess.run([b"mount", b"-t", b"tmpfs", b"not-ours", foreign], check=True)
+out = {}
+try:
+    for cmd in (["apply", "-o", "json"], ["status", "-o", "json"], ["plan"],
+                ["explain", name], ["release"]):
+        buf, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
+            rc = cli.main(["--config", config, *cmd])
+        out[cmd[0]] = [rc, buf.getvalue(), err.getvalue()]
+    out["foreign kept"] = foreign in open("/proc/self/mountinfo", "rb").read()
+finally:
+    subprocess.run([b"umount", foreign], check=False)
+    os.rmdir(foreign)
+print(json.dumps(out))
+"""
+
+
+def test_a_mount_point_that_is_not_text_stops_nothing(node: NodeUnderTest) -> None:
+    """Anyone may mount something at a path that is not UTF-8: it is not
+    ours (never unmounted), and every volume converges beside it."""
+    import json
+    import subprocess
+    import sys
+
+    name = node.name("beside")
+    node.write(name, spec(node, target="beside"))
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "--", sys.executable, "-c",
+         IN_NAMESPACE, str(node.config), name, str(node.srv / "foreign")],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = json.loads(done.stdout.splitlines()[-1])
+    kept = out.pop("foreign kept")
+    for cmd, (_, stdout, stderr) in out.items():
+        assert "internal error" not in stdout + stderr, (cmd, stdout, stderr)
+    rc, applied, _ = out["apply"]
+    assert rc == 0 and json.loads(applied)["recap"]["failed"] == 0, applied
+    rc, status, _ = out["status"]
+    assert rc == 0 and json.loads(status)["volumes"][0]["phase"] == "PUBLISHED", status
+    assert out["plan"][0] == 0 and out["explain"][0] == 0 and out["release"][0] == 0, out
+    assert kept, "a mount that is not ours was unmounted"
