@@ -156,6 +156,9 @@ def provably_ours(v: Volume, observed: Observed, node_name: str) -> str | None:
         why = observed.image_errors.get(key) or observed.pool_errors.get(v.image.pool)
         return (f"{v.name}: mapped here by {v.map.mapper} but its image-meta could not be "
                 f"read ({why or 'not found'}); not provably ours, left alone")
+    if meta.HOLDER in img.unreadable:
+        return (f"{v.name}: mapped here by {v.map.mapper}, but its claim is "
+                f"{img.unreadable[meta.HOLDER]}; not provably ours, left alone")
     held = parse_claim(img.meta.get(meta.HOLDER))
     if held is None or held.node != node_name:
         return (f"{v.name}: mapped here by {v.map.mapper}, claimed by "

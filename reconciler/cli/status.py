@@ -185,6 +185,7 @@ UNKNOWN = "unknown"
 
 
 def _print_actual(actual: dict[str, Any], holders: list[str], claim: dict | None) -> None:
+    from reconciler.facts.meta import HOLDER
     from reconciler.spec.units import format_size
 
     print(f"  phase:    {actual['phase']} (wanted {actual['wanted']})")
@@ -218,7 +219,13 @@ def _print_actual(actual: dict[str, Any], holders: list[str], claim: dict | None
     else:
         print(f"  watchers: {', '.join(actual['watchers']) or 'none'}"
               + (f" (mapped by {actual['holder']})" if actual.get("holder") else ""))
-        _print_claim(claim)
+        unreadable = actual.get("unreadableMeta") or {}
+        if HOLDER in unreadable:
+            print(f"  claim:    {UNKNOWN} (image-meta {HOLDER} is {unreadable[HOLDER]})")
+        else:
+            _print_claim(claim)
+        for key, why in unreadable.items():
+            print(f"  image-meta: {key} is {why}")
     print(f"  mapping:  {actual['mapper'] or '-'} {actual['device'] or ''}")
     if enc := actual.get("encryption"):
         print(f"  encryption: {enc['type']}, key {enc['key'] or '(none in the spec)'}; "

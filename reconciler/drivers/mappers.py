@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from reconciler.drivers import fuseforce
+from reconciler.drivers import fuseforce, procfs
 from reconciler.drivers.fs import block_device_size
 from reconciler.drivers.reaper import reap_later
 from reconciler.drivers.run import TIMED_OUT, CommandError, Runner
@@ -148,10 +148,15 @@ class KernelMapper:
             time.sleep(0.05)
 
     def list(self) -> list[Mapping]:
-        out = self.runner.run(["rbd", "device", "list", *self._type(), "--format", "json",
-                               *_ceph_args(self.ceph)])
+        argv = ["rbd", "device", "list", *self._type(), "--format", "json",
+                *_ceph_args(self.ceph)]
+        out = self.runner.run(argv)
+        try:
+            listed = parse_rbd_device_list(out.stdout)
+        except ValueError as exc:  # as if the command had failed: the caller says so
+            raise CommandError(argv, 0, f"output that is not rbd's JSON ({exc})") from None
         live = [Mapping(self.kind, d.pool, d.image, d.device)
-                for d in parse_rbd_device_list(out.stdout) if d.snap is None and not d.namespace]
+                for d in listed if d.snap is None and not d.namespace]
         if self.kind != "nbd" or self.records is None:
             return live
         here = {m.device: m for m in live}
@@ -294,8 +299,7 @@ class FuseMapper:
 
     def list(self, mountinfo: str | None = None, losetup_json: str | None = None,
              helpers: set[str] | None = None) -> list[Mapping]:
-        mounts = parse_mountinfo(mountinfo if mountinfo is not None else
-                                 Path("/proc/self/mountinfo").read_text())
+        mounts = parse_mountinfo(mountinfo if mountinfo is not None else procfs.mountinfo())
         found = (parse_losetup_json(losetup_json) if losetup_json is not None
                  else loop_devices())
         loops = {lo.back_file: lo.name for lo in found}
@@ -356,10 +360,10 @@ def _helper_args(pid_dir: Path) -> set[str]:
         args = (pid_dir / "cmdline").read_bytes().split(b"\0")
         if not args or not args[0].endswith(b"rbd-fuse"):
             return set()
-        state = (pid_dir / "stat").read_text()
-    except OSError:
+        state = procfs.stat_fields(pid_dir / "stat")[1][0]
+    except (OSError, ValueError, IndexError):
         return set()
-    if state[state.rindex(")") + 2:][:1] in ("Z", "X"):
+    if state in ("Z", "X"):
         return set()  # exited, not yet reaped: it serves nothing
     return {os.fsdecode(a) for a in args[1:] if a.startswith(b"/")}
 
@@ -373,14 +377,14 @@ def loop_devices(sys_block: Path = Path("/sys/block")) -> tuple[LoopDevice, ...]
     out = []
     for backing in sorted(sys_block.glob("loop*/loop/backing_file")):
         with contextlib.suppress(OSError):
-            path = backing.read_text().rstrip("\n").removesuffix(" (deleted)")
+            path = procfs.read_text(backing).rstrip("\n").removesuffix(" (deleted)")
             out.append(LoopDevice(name=f"/dev/{backing.parent.parent.name}", back_file=path))
     return tuple(out)
 
 
 def _is_mounted(path: str) -> bool:
     return any(m.mount_point == path
-               for m in parse_mountinfo(Path("/proc/self/mountinfo").read_text()))
+               for m in procfs.mounts())
 
 
 def _retry_busy(fn: Callable[[], object], timeout: float = 10.0) -> None:

@@ -20,6 +20,8 @@ import subprocess
 import threading
 from pathlib import Path
 
+from reconciler.drivers import procfs
+
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -53,9 +55,8 @@ def reap_zombies(names: tuple[str, ...] = ("rbd-fuse", "rbd-nbd")) -> list[int]:
     reaped = []
     for stat_path in _children_stats():
         with contextlib.suppress(OSError, ValueError, IndexError):
-            text = stat_path.read_text()
-            comm = text[text.index("(") + 1: text.rindex(")")]
-            state, ppid = text[text.rindex(")") + 2:].split()[:2]
+            comm, rest = procfs.stat_fields(stat_path)
+            state, ppid = rest[:2]
             if state == "Z" and int(ppid) == me and comm in names:
                 pid = int(stat_path.parent.name)
                 os.waitpid(pid, os.WNOHANG)
@@ -71,8 +72,7 @@ def reap_group(pgid: int) -> list[int]:
     reaped = []
     for stat_path in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
-            text = stat_path.read_text()
-            state, ppid, pgrp = text[text.rindex(")") + 2:].split()[:3]
+            state, ppid, pgrp = procfs.stat_fields(stat_path)[1][:3]
             pid = int(stat_path.parent.name)
             if state == "Z" and int(ppid) == me and int(pgrp) == pgid and pid != pgid:
                 os.waitpid(pid, os.WNOHANG)

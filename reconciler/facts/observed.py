@@ -31,6 +31,8 @@ class ImageState:
     snaps: tuple[SnapState, ...] = ()
     parent: str | None = None  # "pool/image@snap" while it is an unflattened clone
     depth: int = 0  # clone depth: how many ancestors it still reads through
+    # Image-meta keys whose value is not UTF-8 text (not in ``meta``): key -> why.
+    unreadable: dict[str, str] = field(default_factory=dict, hash=False, compare=True)
 
     def snap(self, name: str) -> SnapState | None:
         return next((s for s in self.snaps if s.name == name), None)

@@ -177,10 +177,28 @@ class _VolumePlanner(SnapshotRules, GroupRules):
         """Why the volume's state cannot be known, if it cannot (safety rule 7)."""
         if (why := self.image_unknown()) is not None:
             return why
+        if (why := self.meta_unreadable()) is not None:
+            return why
         for dev in (self.raw, self.dev):
             if dev is not None and dev.unknown:
                 return f"cannot read {dev.path}: {dev.unknown}"
         return None
+
+    def meta_unreadable(self) -> str | None:
+        """A value of ours (or a QoS limit) in the image's image-meta that is
+        not text: what it records (the claim, the owner, a format) is unknown,
+        never absent. Another tool's key that is not text is none of ours."""
+        img = self.img
+        bad = sorted(k for k in img.unreadable if meta.ours(k) or k in qos.QOS_KEYS) \
+            if img is not None else []
+        if not bad:
+            return None
+        assert img is not None
+        spec = self.v.image.spec
+        return (f"image-meta {'; '.join(f'{k} of {spec} is {img.unreadable[k]}' for k in bad)}"
+                f": what it records is unknown, not absent. Nothing is done to the volume "
+                f"until it is set right or removed by hand (`rbd image-meta get {spec} "
+                f"{bad[0]}`)")
 
     def claimed_elsewhere(self) -> Claim | None:
         """The claim of another node, if another node holds it."""
@@ -809,6 +827,8 @@ def actual_state(vol: Volume, observed: Observed, ctx: Context,
         "watchers": None if image_unknown else list(p.img.watchers) if p.img else [],
         "holder": p.claim.node if p.claim else None,
         "claim": p.claim.as_dict() if p.claim else None,
+        # Image-meta values that are not text (the claim among them: then unknown).
+        "unreadableMeta": dict(sorted(p.img.unreadable.items())) if p.img else {},
         "kind": "Volume",
         "clonedFrom": p.img.parent if p.img else None,
         "cloneDepth": p.img.depth if p.img else 0,
