@@ -25,7 +25,7 @@ _rbd_reconciler() {
     done
     local opts paths
     case $cmd in
-        "") COMPREPLY=($(compgen -W "-h --help --version -c --config -v --verbose validate plan apply release run allow-removal explain takeover rotate-key status" -- "$cur"))
+        "") COMPREPLY=($(compgen -W "-h --help --version -c --config -v --verbose validate plan apply release run allow-removal explain takeover recover rotate-key status" -- "$cur"))
             return ;;
         validate) opts="-h --help -o --output -c --config -v --verbose"; paths=1 ;;
         plan) opts="-h --help -o --output -c --config -v --verbose"; paths=1 ;;
@@ -35,6 +35,7 @@ _rbd_reconciler() {
         allow-removal) opts="-h --help --all -c --config -v --verbose"; paths=0 ;;
         explain) opts="-h --help -o --output -c --config -v --verbose"; paths=0 ;;
         takeover) opts="-h --help --yes-i-am-sure -c --config -v --verbose"; paths=0 ;;
+        recover) opts="-h --help --leave --reclaim --yes-i-am-sure -c --config -v --verbose"; paths=0 ;;
         rotate-key) opts="-h --help --new-key-file -c --config -v --verbose"; paths=0 ;;
         status) opts="-h --help -o --output -c --config -v --verbose"; paths=1 ;;
         *) return ;;

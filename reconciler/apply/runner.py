@@ -317,7 +317,8 @@ class _VolumeRun:
                     return "ok", "already not mounted"
             case Unmap():
                 node.mapper(step.mapper).unmap(
-                    Mapping(step.mapper, step.pool, step.image, step.device, step.fuse_mount))
+                    Mapping(step.mapper, step.pool, step.image, step.device, step.fuse_mount),
+                    force=step.force)
                 self.device = None
                 if step.release_claim and not self.claims_after:
                     return "changed", self.release_claim(step.pool, step.image)

@@ -33,7 +33,7 @@ UNPRIVILEGED = ("validate",)
 LAZY_LOGGING = ("validate",)
 # Commands that read node keys or unseal passphrases (the daemon: through its
 # passes and CSI calls): made non-dumpable before anything is read.
-HOLDS_KEYS = ("apply", "release", "run", "rotate-key")
+HOLDS_KEYS = ("apply", "release", "run", "rotate-key", "recover")
 
 
 def _columns() -> int:
@@ -220,6 +220,28 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                        help="really blocklist the holder's clients and take the claim")
         p.set_defaults(func=_Command("takeover", "cmd_takeover"))
 
+    if only in (None, "recover"):
+        p = sub.add_parser("recover", help="take a fenced volume down here; leave or reclaim it",
+                           description="For a volume whose mapping here is fenced (another node "
+                                       "took it over, or Ceph blocklisted this node's client): "
+                                       "refuse while any process still uses its mounts or "
+                                       "device (stopping them is yours); then unmount, close, "
+                                       "unmap (krbd: -o force), and leave the image to its new "
+                                       "holder (--leave) or claim it back for this node "
+                                       "(--reclaim --yes-i-am-sure, as takeover). Under the "
+                                       "node's lock: stop the daemon first.")
+        p.add_argument("name", help="volume name (metadata.name)")
+        how = p.add_mutually_exclusive_group()
+        how.add_argument("--leave", action="store_true",
+                         help="leave the image to the node that holds it (release this "
+                              "node's claim, if it still has one)")
+        how.add_argument("--reclaim", action="store_true",
+                         help="claim the image back for this node (fencing the holder's "
+                              "clients, as takeover does); apply maps it here afresh")
+        p.add_argument("--yes-i-am-sure", dest="sure", action="store_true",
+                       help="with --reclaim: really fence the node that holds the claim")
+        p.set_defaults(func=_Command("recover", "cmd_recover"))
+
     if only in (None, "rotate-key"):
         p = sub.add_parser("rotate-key", help="give an encrypted volume a new LUKS2 passphrase",
                            description="For a volume with spec.encryption, mapped on this node: "
@@ -256,7 +278,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 COMMANDS = ("validate", "plan", "apply", "release", "run", "allow-removal", "explain",
-            "takeover", "rotate-key", "status")
+            "takeover", "recover", "rotate-key", "status")
 
 
 def _command_of(argv: Sequence[str]) -> str | None:

@@ -35,6 +35,10 @@ def _marker(step: Step) -> str:
 
 def _print_plans(plans: list[VolumePlan]) -> None:
     for vp in plans:
+        if vp.stalled and not vp.steps:
+            print(f"{vp.kind} {vp.name}: STALLED: {vp.stalled}"
+                  + (f"; UNKNOWN: {vp.unknown}" if vp.unknown else ""))
+            continue
         if vp.unknown:
             print(f"{vp.kind} {vp.name}: UNKNOWN: {vp.unknown}")
             continue
@@ -100,6 +104,7 @@ def cmd_plan(args: argparse.Namespace, config: Config) -> int:
             "leftFrozen": [r.path for r in left],
             "volumes": [{"name": vp.name, "kind": vp.kind, "waiting": vp.waiting,
                          "phase": vp.phase_name, "unknown": vp.unknown,
+                         "stalled": vp.stalled, "fenced": vp.fenced,
                          "wanted": vp.wanted.name if vp.wanted is not None else None,
                          "refusal": vp.refused, "notes": vp.notes,
                          "problems": vp.problems,

@@ -32,9 +32,11 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
     rows = [actual_state(v, p.observed, ctx, found.get(v.name)) for v in p.loaded.volumes]
     for r in rows:
         r["daemon"] = _daemon_status(config, str(r["name"]))
+        _daemon_stall(r)
     full = _state_dir_full(config, rows)
-    # Unknown is not absent: what could not be seen fails the command.
-    bad = any(r["unknown"] or r["problem"] for r in rows)
+    # Unknown is not absent: what could not be seen fails the command, as
+    # do I/O that does not complete and a fence.
+    bad = any(r["unknown"] or r["problem"] or r.get("stalled") or r.get("fence") for r in rows)
     rc = EXIT_FAILED if p.loaded.diagnostics or bad or full else EXIT_OK
     if args.output == "json":
         json.dump({"volumes": rows, "frozen": sorted(p.loaded.frozen_names),
@@ -64,6 +66,10 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
             mounts.append("QoS " + " ".join(f"{k}={v}" for k, v in r["qos"].items()))  # type: ignore[union-attr]
         print(f"{r['name']:<16} {r['phase']:<10} {r['wanted']:<10} {size:>7}  "
               f"{r['device'] or '-':<11} {', '.join(mounts) or '-'}")
+        if r.get("fenceReason"):
+            print(f"{'':<16} fenced: {r['fenceReason']}")
+        if r.get("stallReason"):
+            print(f"{'':<16} stalled: {r['stallReason']}")
         if r["unknown"]:
             print(f"{'':<16} unknown: {r['unknown']}")
         if r.get("notConverged"):
@@ -74,6 +80,26 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
         if r["problem"]:
             print(f"{r['name']}: {r['phase']}: {r['problem']}", file=sys.stderr)
     return rc
+
+
+def _daemon_stall(row: dict[str, Any]) -> None:
+    """A CLI watches a device for a second; the daemon has watched it all
+    along: where both see it stalled, the daemon's start of the stall and
+    last completion are the ones to tell."""
+    mine, theirs = row.get("stalled"), (row.get("daemon") or {}).get("stalled")
+    if not mine or not isinstance(theirs, dict) or theirs.get("device") != mine["device"]:
+        return
+    if (row.get("daemon") or {}).get("phase") != "Stalled":
+        return
+    for key in ("since", "lastCompleted"):
+        if isinstance(theirs.get(key), str) and (mine[key] is None or theirs[key] < mine[key]):
+            mine[key] = theirs[key]
+    mine["seenByDaemon"] = True
+    last = (f"the last I/O completed at {mine['lastCompleted']}" if mine["lastCompleted"]
+            else f"none completed since {mine['since']}")
+    row["stallReason"] = (f"I/O to {mine['device']} is not completing: {mine['inFlight']} "
+                          f"request(s) in flight; {last} (the daemon has seen it stalled "
+                          f"since {mine['since']})")
 
 
 def _state_dir_full(config: Config, rows: list[dict[str, Any]]) -> str | None:
@@ -88,7 +114,7 @@ def _state_dir_full(config: Config, rows: list[dict[str, Any]]) -> str | None:
     full = f"stateDir {config.state_dir} cannot take a write ({why})"
     for r in rows:
         if (r.get("kind", "Volume") == "Volume" and r["phase"] != r["wanted"]
-                and r["phase"] not in ("UNKNOWN", "DEGRADED")):
+                and r["phase"] not in ("UNKNOWN", "DEGRADED", "STALLED", "FENCED")):
             r["observedPhase"], r["phase"] = r["phase"], "PENDING"
             r["notConverged"] = full
     return full
@@ -115,7 +141,9 @@ def cmd_explain(args: argparse.Namespace, config: Config) -> int:
         print(f"rbd-reconciler: no volume {args.name!r} in {config.desired_dir}", file=sys.stderr)
         return EXIT_FAILED
     doc = _explanation(args.name, p, config, node, daemon)
-    rc = EXIT_FAILED if doc["unknown"] else EXIT_OK
+    actual = doc["actual"] or {}
+    rc = EXIT_FAILED if doc["unknown"] or actual.get("stalled") or actual.get("fence") \
+        else EXIT_OK
     if args.output == "json":
         json.dump(doc, sys.stdout, indent=2)
         print()
@@ -170,7 +198,8 @@ def _print_explanation(doc: dict[str, Any]) -> None:
         print(f"  daemon:   {daemon.get('phase')} at {daemon.get('updated')}"
               + (f" ({daemon['message']})" if daemon.get("message") else "")
               + (f"; last error: {daemon['lastError']}" if daemon.get("lastError") else ""))
-    if doc["refusal"] and doc["refusal"] != doc["unknown"]:
+    shown = {doc["unknown"], (actual or {}).get("fenceReason")}
+    if doc["refusal"] and doc["refusal"] not in shown and "is not completing" not in doc["refusal"]:
         print(f"  REFUSED:  {doc['refusal']}")
     for n in doc["notes"]:
         print(f"  note:     {n}")
@@ -189,6 +218,10 @@ def _print_actual(actual: dict[str, Any], holders: list[str], claim: dict | None
     from reconciler.spec.units import format_size
 
     print(f"  phase:    {actual['phase']} (wanted {actual['wanted']})")
+    if actual.get("fenceReason"):
+        print(f"  FENCED:   {actual['fenceReason']}")
+    if actual.get("stallReason"):
+        print(f"  STALLED:  {actual['stallReason']}")
     if actual["unknown"]:
         print(f"  unknown:  {actual['unknown']}")
     if actual["problem"]:

@@ -19,6 +19,11 @@ event. Every source here is a file descriptor polled by one thread:
   later (the kernel may flip the flag after its message), at most once a
   second while messages keep coming.
 
+I/O that stops completing (a Ceph out of reach) makes no event at all: the
+mapped devices' counters are read from sysfs every ``events.ioPollSeconds``
+(observe/iowatch.py), and a volume whose device starts or stops stalling is
+looked at again.
+
 An image resized elsewhere reaches no kernel object when it is mapped through
 rbd-fuse, and a librbd or rados watch would be a *watcher* of the image, which
 the one-writer claim and other nodes count as a user. So the mapped images'
@@ -43,6 +48,7 @@ from dataclasses import dataclass, field
 from reconciler.facts.kmsg import names_for_message, parse_kmsg
 from reconciler.facts.parsers import parse_mountinfo
 from reconciler.facts.uevent import Uevent, parse_uevent
+from reconciler.observe.iowatch import IoWatch
 
 log = logging.getLogger("rbd-reconciler")
 
@@ -119,10 +125,14 @@ class EventHub:
     the volumes an event concerns (None: all of them, when events were lost)."""
 
     def __init__(self, mark: Mark, read_sizes: SizeReader | None = None,
-                 image_poll_seconds: float = 0.0) -> None:
+                 image_poll_seconds: float = 0.0,
+                 io_watch: Callable[[], IoWatch] | None = None,
+                 io_poll_seconds: float = 0.0) -> None:
         self.mark = mark
         self.read_sizes = read_sizes
         self.image_poll_seconds = image_poll_seconds
+        self.io_watch = io_watch  # the current Node's (a reload makes a new one)
+        self.io_poll_seconds = io_poll_seconds
         self._lock = threading.Lock()
         self._interest = Interest()
         self._stop = threading.Event()
@@ -148,6 +158,9 @@ class EventHub:
         if self.read_sizes is not None and self.image_poll_seconds > 0:
             self._threads.append(threading.Thread(target=self._poll_images,
                                                   name="image-poll", daemon=True))
+        if self.io_watch is not None and self.io_poll_seconds > 0:
+            self._threads.append(threading.Thread(target=self._poll_io, name="io-poll",
+                                                  daemon=True))
         for t in self._threads:
             t.start()
 
@@ -352,6 +365,29 @@ class EventHub:
                 del seen[key]
             if changed:
                 self.mark(changed, "image resized elsewhere")
+
+
+    # -- the I/O poll -------------------------------------------------------------
+    def _poll_io(self) -> None:
+        """Sample every mapped device of ours (sysfs only: never blocks on the
+        device); a volume whose device starts or stops stalling is marked."""
+        assert self.io_watch is not None
+        stalled: set[str] = set()
+        while not self._stop.wait(self.io_poll_seconds):
+            with self._lock:
+                devices = {f"/dev/{d}": name for d, name in self._interest.devices.items()}
+            try:
+                watch = self.io_watch()
+                watch.sample(devices, forget=True)
+                now = {name for dev, name in devices.items() if watch.stall(dev) is not None}
+            except Exception:  # one bad read must not end the watching
+                log.exception("events: I/O poll failed")
+                continue
+            if now - stalled:
+                self.mark(now - stalled, "I/O not completing")
+            if stalled - now:
+                self.mark(stalled - now, "I/O completing again")
+            stalled = now
 
 
 def _kmsg_reader() -> int | None:

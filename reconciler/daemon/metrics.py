@@ -41,7 +41,7 @@ log = logging.getLogger("rbd-reconciler")
 NS = "rbd_reconciler"
 # What a status file's "phase" can say (daemon.py); other values count as Other.
 STATUS_PHASES = ("Pending", "Absent", "Created", "Mapped", "Staged", "Published", "Degraded",
-                 "Deleting", "Released", "Failed", "Frozen", "Unknown")
+                 "Deleting", "Released", "Failed", "Frozen", "Unknown", "Stalled", "Fenced")
 # What is wrong with a volume that no step may put right (a plan's problems):
 # one series per volume and condition, 1 while it holds.
 VOLUME_CONDITIONS = ("Shadowed", "FilesystemReadOnly")
@@ -66,6 +66,8 @@ REFUSAL_REASONS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("no_source", r"clone source .*does not exist|cannot see the clone source|"
                       r"its source image .* does not exist|cannot see the restore source|"
                       r"group snapshot .* does not exist|member image .* does not exist"),
+        ("stalled", r"nothing that touches it is done until it completes"),
+        ("fenced", r"is mapped here but is claimed by node|Ceph has blocklisted the client"),
         ("claimed", r"is claimed by node"),
         ("in_use", r"is open by|still open by"),
         ("foreign_filesystem", r"refusing to format|refusing to mkfs|\(image-meta\), not|"
@@ -123,12 +125,13 @@ class _VolumeStates(Collector):
         self.wanted: dict[str, str] = {}
         self.conditions: dict[str, frozenset[str]] = {}
         self.ceph_up: bool | None = None
+        self.stall_since: dict[str, float] = {}  # Stalled volumes: nothing completed since
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         with self.lock:
             status, observed, wanted = dict(self.status), dict(self.observed), dict(self.wanted)
             conditions = dict(self.conditions)
-            ceph_up = self.ceph_up
+            ceph_up, stall_since = self.ceph_up, dict(self.stall_since)
         for name, doc, states in (
                 ("volume_phase", "The phase the volume's status reports (1 = current).", status),
                 ("volume_observed_phase", "The lifecycle phase last observed on the node "
@@ -152,6 +155,13 @@ class _VolumeStates(Collector):
         for phase in STATUS_PHASES:
             counts.add_metric([phase], sum(1 for p in status.values() if p == phase))
         yield counts
+        since = GaugeMetricFamily(f"{NS}_volume_io_stalled_since_timestamp_seconds",
+                                  "Stalled volumes: unix time from which no I/O to the mapped "
+                                  "device has completed (one series per stalled volume).",
+                                  labels=["volume"])
+        for vol, t in sorted(stall_since.items()):
+            since.add_metric([vol], t)
+        yield since
         up = GaugeMetricFamily(f"{NS}_ceph_up", "1 when the last observation that needed Ceph "
                                                 "reached it, 0 when it could not connect.")
         if ceph_up is not None:  # never asked yet: no sample rather than a guess
@@ -241,9 +251,13 @@ class Metrics:
         self.csi_seconds.labels(method).observe(seconds)
 
     # -- per-volume state -------------------------------------------------------
-    def set_phase(self, name: str, phase: str) -> None:
+    def set_phase(self, name: str, phase: str, stalled_since: float | None = None) -> None:
         with self.states.lock:
             self.states.status[name] = phase if phase in STATUS_PHASES else "Other"
+            if stalled_since is not None:
+                self.states.stall_since[name] = stalled_since
+            else:
+                self.states.stall_since.pop(name, None)
 
     def observed(self, plans: Iterable[VolumePlan], volumes: Iterable[Volume],
                  ceph_up: bool | None) -> None:
@@ -263,7 +277,7 @@ class Metrics:
         with self.states.lock:
             tables: tuple[dict[str, Any], ...] = (
                 self.states.status, self.states.observed, self.states.wanted,
-                self.states.conditions)
+                self.states.conditions, self.states.stall_since)
             for d in tables:
                 for name in [n for n in d if n not in names]:
                     del d[name]

@@ -459,7 +459,9 @@ class Daemon:
 
     def _start_events(self) -> None:
         poll = self.config.events.image_poll_seconds
-        self.events = EventHub(self.mark_dirty, self._image_sizes, poll)
+        self.events = EventHub(self.mark_dirty, self._image_sizes, poll,
+                               io_watch=lambda: self.node.io_watch,
+                               io_poll_seconds=self.config.events.io_poll_seconds)
         try:
             self.events.start()
         except OSError as exc:  # no /proc/self/mountinfo to poll: the resync still runs
@@ -546,8 +548,14 @@ class Daemon:
         again = {vp.name for vp in plans if vp.unknown or vp.waiting}
         with self.lock:
             self.dirty |= again
+        held_io: dict[str, str] = {}
         for vp in plans:
             vol = by_name[vp.name]
+            if vp.fenced or vp.stalled:
+                # Never touched automatically, a release included: a fence
+                # waits for `recover`, a stall for I/O to complete again.
+                held_io[vol.name] = self._hold(vol, vp, observed)
+                continue
             if vp.unknown and vol not in release:
                 # Unknown is not absent: report it, act on nothing, look again.
                 unknown[vol.name] = f"{vol.name}: unknown: {vp.unknown}"
@@ -564,6 +572,9 @@ class Daemon:
         still = {n: m for n, m in self.conditions.active("unknown").items()
                  if n in current and n not in by_name}
         self.conditions.update("unknown", {**still, **unknown}, level=logging.WARNING)
+        held = {n: m for n, m in self.conditions.active("io").items()
+                if n in current and n not in by_name}
+        self.conditions.update("io", {**held, **held_io}, level=logging.WARNING)
         self.metrics.retain({*current, *frozen, *held, *(v.name for v in release)})
         self.metrics.frozen_files.set(len(failed_files))
         self.metrics.unknown.set(len(still) + len(unknown))
@@ -579,6 +590,27 @@ class Daemon:
                  len(frozen),
                  len(release), len(held), t_obs * 1e3, (time.monotonic() - t0) * 1e3)
         return True
+
+    def _hold(self, vol: Volume, vp: VolumePlan, observed: Observed) -> str:
+        """Report a fenced or stalled volume (its status says what is known:
+        the holder and the blocklist entries, or since when I/O is stuck) and
+        leave it as it is; it is looked at again (a stall's end marks it)."""
+        actual = actual_state(vol, observed, context(self.config, self.node))
+        if vp.fenced:
+            self._write_status(vol.name, VolumeStatus(
+                "Fenced", reason=vp.fence_reason or "Fenced", message=vp.fenced,
+                observed_generation=vol.spec_hash, fence=actual.get("fence")))
+            return f"{vol.name}: fenced: {vp.fenced}"
+        message = vp.stalled or ""
+        if vp.unknown:
+            message += f"; {vp.unknown}"
+        stall = observed.stalled.get(str(actual.get("device")))
+        self._write_status(vol.name, VolumeStatus(
+            "Stalled", reason="IoStalled", message=message, observed_generation=vol.spec_hash,
+            stalled=actual.get("stalled")), stall.since if stall else None)
+        with self.lock:
+            self.dirty.add(vol.name)  # Ceph answering again comes with no event of ours
+        return f"{vol.name}: stalled: {vp.stalled}"
 
     def _take_dirty(self, current: dict[str, Volume], release: list[Volume]
                     ) -> tuple[set[str], list[str]]:
@@ -805,9 +837,10 @@ class Daemon:
             conditions=converged_conditions(problems, _now()),
         ))
 
-    def _write_status(self, name: str, status: VolumeStatus) -> None:
+    def _write_status(self, name: str, status: VolumeStatus,
+                      stalled_since: float | None = None) -> None:
         data = status.to_json()
-        self.metrics.set_phase(name, status.phase)
+        self.metrics.set_phase(name, status.phase, stalled_since)
         key = tuple(data.get(k) for k in STATUS_KEYS)
         if "steps" not in data and self.written.get(name) == key:
             return  # unchanged since we wrote it: no read, no write

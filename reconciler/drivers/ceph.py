@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ import rbd
 from reconciler.drivers import omap
 from reconciler.drivers.keys import ImageRef
 from reconciler.facts import meta as metakeys
+from reconciler.facts.claim import parse_blocklist
 from reconciler.facts.observed import ImageState, SnapState
 from reconciler.spec.config import CephConfig
 
@@ -706,3 +708,12 @@ def flatten_image(cluster: rados.Rados, pool: str, name: str) -> bool:
             return False
         img.flatten()
     return True
+
+
+def blocklist(cluster: rados.Rados, timeout: float = OP_TIMEOUT_S) -> dict[str, str]:
+    """Ceph's blocklist: client address -> until (one mon command)."""
+    rc, out, err = cluster.mon_command(
+        json.dumps({"prefix": "osd blocklist ls", "format": "json"}), b"", timeout=int(timeout))
+    if rc != 0:
+        raise CephError(f"ceph osd blocklist ls: {err or rc}")
+    return parse_blocklist(out.decode(errors="replace"))

@@ -36,6 +36,17 @@ from reconciler.state.registry import NbdMappings
 
 log = logging.getLogger(__name__)
 
+# rbd-nbd's kernel request timeout, set on purpose: none. Measured on Debian
+# 12 (rbd-nbd 16.2, kernel 6.1): rbd-nbd sets none by itself either, and a
+# request then waits for Ceph as long as a partition lasts (the kernel logs
+# "Possible stuck request" every 30 s) and completes once it heals; with
+# io-timeout=30 a 45 s partition failed the requests at 30 s, ext4 went
+# read-only and the device was lost. librbd inside rbd-nbd waits without a
+# limit as well (rados_osd_op_timeout 0), as krbd does (osd_request_timeout
+# 0). map.options may set another (io-timeout=N). --reattach-timeout applies
+# only to devices attached through netlink (try-netlink), which is not how
+# they are mapped here: a dead rbd-nbd ends its device at once (DEGRADED).
+NBD_IO_TIMEOUT = "io-timeout=0"
 FUSE_FSTYPE = "fuse.rbd-fuse"
 FUSE_START_TIMEOUT = 30.0
 HELPER_EXIT_S = 30.0  # after its unmount, an rbd-fuse helper exits by itself this soon
@@ -109,6 +120,9 @@ class KernelMapper:
                 *_ceph_args(self.ceph)]
         if self._noudev() and "noudev" not in options:
             options = (*options, "noudev")
+        if self.kind == "nbd" and not any(o.partition("=")[0] in ("io-timeout", "timeout")
+                                          for o in options):
+            options = (*options, NBD_IO_TIMEOUT)
         if options:
             argv.append("--options=" + ",".join(options))
         return argv
@@ -125,10 +139,14 @@ class KernelMapper:
             self.records.record(device, {"pool": pool, "image": image})
         return device
 
-    def unmap(self, mapping: Mapping) -> None:
+    def unmap(self, mapping: Mapping, force: bool = False) -> None:
+        """``force``: krbd's ``-o force`` (a fenced device: its client is
+        blocklisted; recover makes sure nothing uses it first)."""
+        options = [o for o, on in (("force", force and self.kind == "krbd"),
+                                   ("noudev", self._noudev())) if on]
         if self.kind != "nbd" or mapping.device is None or self.connected(mapping.device):
             self.runner.run(["rbd", "device", "unmap", *self._type(),
-                             *(["--options=noudev"] if self._noudev() else []),
+                             *([f"--options={','.join(options)}"] if options else []),
                              *([_device(mapping.device)] if mapping.device else
                                [f"--pool={mapping.pool}", f"--image={mapping.image}"]),
                              *_ceph_args(self.ceph)])
@@ -274,7 +292,7 @@ class FuseMapper:
             lambda pid: mount_point in _helper_args(Path(f"/proc/{pid}")),
             runner or self.runner, only_if_waiting=only_if_waiting, unmount=unmount)
 
-    def unmap(self, mapping: Mapping) -> None:
+    def unmap(self, mapping: Mapping, force: bool = False) -> None:
         mnt = Path(mapping.fuse_mount) if mapping.fuse_mount else self.mount_point(
             mapping.pool, mapping.image)
         if mapping.device:

@@ -54,3 +54,21 @@ def parse(raw: str | None) -> Claim | None:
 
 def _addrs(value: object) -> tuple[str, ...]:
     return tuple(str(a) for a in value) if isinstance(value, list) else ()
+
+
+def parse_blocklist(text: str) -> dict[str, str]:
+    """``ceph osd blocklist ls -f json`` -> {client address: until}. 16.2
+    prints two JSON lists back to back (addresses, then ranges): the first."""
+    try:
+        entries, _ = json.JSONDecoder().raw_decode(text.strip() or "[]")
+    except ValueError:
+        return {}
+    if not isinstance(entries, list):
+        return {}
+    return {str(e["addr"]): str(e.get("until", "")) for e in entries
+            if isinstance(e, dict) and "addr" in e}
+
+
+def fenced_addresses(clients: tuple[str, ...], blocklist: dict[str, str]) -> dict[str, str]:
+    """Which of ``clients`` Ceph has blocklisted, with until when."""
+    return {a: blocklist[a] for a in sorted(clients) if a in blocklist}

@@ -91,6 +91,18 @@ class Device:
 
 
 @dataclass(frozen=True)
+class IoStall:
+    """A mapped device with I/O in flight that has completed none for a while
+    (observe/iowatch.py): stuck, typically on a Ceph that does not answer."""
+
+    device: str
+    in_flight: int  # requests issued and not completed
+    seconds: float  # nothing completed for at least this long
+    since: float  # unix time: from then on nothing completed (or watching began)
+    last_completed: float | None  # unix time a completion was last seen; None: none seen
+
+
+@dataclass(frozen=True)
 class CryptDevice:
     """An open LUKS2 (dm-crypt) device over one of our mapped devices."""
 
@@ -214,6 +226,12 @@ class Observed:
     # those that exist, and those that did not answer in time (unknown).
     groups: dict[tuple[str, str], GroupState] = field(default_factory=dict)
     group_errors: dict[tuple[str, str], str] = field(default_factory=dict)
+    # Mapped devices whose I/O does not complete, by device path: nothing that
+    # touches them is planned (a probe, an unmount, an unmap would hang too).
+    stalled: dict[str, IoStall] = field(default_factory=dict)
+    # Ceph's blocklist (client address -> until), when it was asked for (an
+    # image of ours is mapped here); None: not asked, or no answer.
+    blocklist: dict[str, str] | None = None
 
     @cached_property
     def top_mounts(self) -> dict[str, Mount]:

@@ -46,6 +46,8 @@ class CephView:
     image_errors: dict[tuple[str, str], str] = field(default_factory=dict)
     groups: dict[tuple[str, str], GroupState] = field(default_factory=dict)
     group_errors: dict[tuple[str, str], str] = field(default_factory=dict)
+    # Ceph's blocklist, when asked for: client address -> until (None: no answer).
+    blocklist: dict[str, str] | None = None
 
 
 class _Handle:
@@ -147,10 +149,12 @@ def _drop_all(kept: list[_Handle], lock: threading.Lock) -> None:
 def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
                    timeout: float, watchers_for: set[tuple[str, str]] | None = None,
                    session: Session | None = None,
-                   groups: Iterable[tuple[str, str]] = ()) -> CephView:
+                   groups: Iterable[tuple[str, str]] = (),
+                   blocklist: bool = False) -> CephView:
     """``watchers_for``: the images whose watchers are needed (None: all). The
     others are read from their header in one rados read, without librbd.
-    ``groups``: RBD groups (pool, name) read too, each in its own bounded call."""
+    ``groups``: RBD groups (pool, name) read too, each in its own bounded call.
+    ``blocklist``: Ceph's blocklist too (is a client of ours fenced?)."""
     by_pool: dict[str, set[str]] = {}
     for pool, name in wanted:
         by_pool.setdefault(pool, set()).add(name)
@@ -188,6 +192,11 @@ def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
                 lambda c, pool=pool, name=name: rbdgroups.group_state(c, pool, name))
         except NoAnswer as exc:
             out.group_errors[(pool, name)] = str(exc)
+    fences: Task[dict[str, str]] | None = None
+    if blocklist:
+        with contextlib.suppress(NoAnswer):  # still stuck from a pass before: unknown
+            fences = handle.submit(("blocklist", cfg.conf),
+                                   lambda c: ceph.blocklist(c, timeout))
     # Open the images of each pool as soon as its listing is in.
     images: dict[tuple[str, str], Task[ImageState | None]] = {}
     batches: list[_Headers] = []  # the header reads of a pool's images, together
@@ -244,6 +253,9 @@ def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
             continue
         if group is not None:
             out.groups[key] = group
+    if fences is not None:
+        with contextlib.suppress(NoAnswer, ceph.CephError, rados.Error):
+            out.blocklist = handle.wait(fences, timeout, image_deadline)
     if session is not None and (out.errors or out.image_errors or out.group_errors):
         session.discard()  # something did not answer: never reuse this connection
     handle.drop()

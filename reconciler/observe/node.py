@@ -24,8 +24,10 @@ from reconciler.drivers.safepath import first_symlink
 from reconciler.facts.luks import CRYPT_UUID_PREFIX
 from reconciler.facts.observed import CryptDevice, Device, Mapping, Mount, Observed
 from reconciler.facts.parsers import parse_mountinfo
+from reconciler.facts.stall import stall_reason
 from reconciler.observe.ceph import CephView, Session, observe_images
 from reconciler.observe.devprobe import ProbeCache, Probed, probe_full, probe_mounted
+from reconciler.observe.iowatch import IoWatch
 from reconciler.spec.config import Config
 from reconciler.spec.model import Volume, resolve_mapper
 from reconciler.state.registry import CreatedPaths, Intents, NbdMappings
@@ -49,6 +51,8 @@ class Node:
     # and the librados connection (replaced when it stops answering).
     probes: ProbeCache = field(default_factory=ProbeCache)
     ceph_session: Session = field(default_factory=Session)
+    # Whether each mapped device's I/O completes (the daemon's sampler feeds it).
+    io_watch: IoWatch = field(default_factory=lambda: IoWatch(10.0))
 
     @classmethod
     def from_config(cls, config: Config, runner: Runner | None = None,
@@ -70,6 +74,7 @@ class Node:
                                            config.encryption.iterations,
                                            config.encryption.memory_kib)),
             mappers_available=available_mappers(),
+            io_watch=IoWatch(config.events.io_stall_seconds),
         )
 
     def mapper(self, kind: str) -> FuseMapper | KernelMapper:
@@ -96,12 +101,17 @@ def _probe(node: Node, path: str, major: int, minor: int, size: int,
 
 def _devices(node: Node, paths: Iterable[str],
              mounts: dict[tuple[int, int], list[tuple[str, str, str]]],
-             expected: dict[str, tuple[str, str]], timeout: float) -> dict[str, Device]:
+             expected: dict[str, tuple[str, str]], timeout: float,
+             stalled: dict[str, str] | None = None) -> dict[str, Device]:
     """Probe each device in its own bounded call. One that fails is a device
-    with a problem, one that does not answer is *unknown*: neither is blank."""
+    with a problem, one that does not answer is *unknown*: neither is blank.
+    ``stalled``: devices whose I/O does not complete (path -> why): never
+    opened nor probed (that would hang too), unknown."""
+    stalled = stalled or {}
     found: dict[str, tuple[int, int, int]] = {}
+    out: dict[str, Device] = {}
     for path in paths:
-        if path in found:
+        if path in found or path in out:
             continue
         try:
             st = os.stat(path)
@@ -109,13 +119,18 @@ def _devices(node: Node, paths: Iterable[str],
             continue
         if not stat.S_ISBLK(st.st_mode):
             continue
+        major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
+        if path in stalled:
+            out[path] = _unknown(path, major, minor, _sysfs_size(major, minor), "I/O stalled",
+                                 stalled[path])
+            continue
         try:
             size = block_device_size(path)
         except (OSError, ValueError):
             size = 0
-        found[path] = (os.major(st.st_rdev), os.minor(st.st_rdev), size)
+        found[path] = (major, minor, size)
     deadline = time.monotonic() + 2 * timeout
-    tasks, out = [], {}
+    tasks = []
     for path, (major, minor, size) in found.items():
         try:
             tasks.append(_PROBES.submit((path, major, minor),
@@ -139,6 +154,14 @@ def _devices(node: Node, paths: Iterable[str],
             out[path] = Device(path, major, minor, size, p.fs_type, p.uuid, p.signature,
                                p.fs_size, luks_offset=p.luks_offset)
     return out
+
+
+def _sysfs_size(major: int, minor: int) -> int:
+    """A device's size from sysfs (512-byte sectors): no open of the device."""
+    try:
+        return int(Path(f"/sys/dev/block/{major}:{minor}/size").read_text()) * 512
+    except (OSError, ValueError):
+        return 0
 
 
 def _unknown(path: str, major: int, minor: int, size: int, what: str, why: str) -> Device:
@@ -177,20 +200,29 @@ def observe(node: Node, volumes: Iterable[Volume], all_watchers: bool = False,
                 log.warning("listing %s mappings failed: %s", kind, exc)
     watchers_for = None if all_watchers else _watchers_needed(
         volumes, mappings, node.mappers_available)
-    # Ceph answers in the background while the devices are looked at.
+    # Only the devices of wanted images: a stuck probe of another costs nothing.
+    ours = [m for m in mappings if m.device and (m.pool, m.image) in wanted]
+    raw = [m.device for m in ours if m.device]
+    node.io_watch.sample(raw)
+    # Ceph answers in the background while the devices are looked at; with
+    # something of ours mapped here, its blocklist too (a fenced client).
     ceph_pass = _Background(
         lambda: observe_images(node.config.ceph, wanted, timeout, watchers_for,
-                               node.ceph_session, groups)) if ceph else None
+                               node.ceph_session, groups, blocklist=bool(ours))) if ceph else None
+    if (wait := node.io_watch.wait_needed(raw)) > 0:  # a CLI: is what is in flight moving?
+        time.sleep(wait)
+        node.io_watch.sample(raw)
+    stalled = node.io_watch.stalled(raw)
 
     mounted: dict[tuple[int, int], list[tuple[str, str, str]]] = {}
     for m in mounts:
         mounted.setdefault((m.major, m.minor), []).append((m.mount_point, m.fs_type, m.root))
-    # Only the devices of wanted images: a stuck probe of another costs nothing.
-    ours = [m for m in mappings if m.device and (m.pool, m.image) in wanted]
-    crypts = open_crypts([m.device for m in ours if m.device])
-    devices = _devices(node, [m.device for m in ours if m.device]
-                       + [c.path for c in crypts.values()], mounted,
-                       _expected_mounts(volumes, ours, crypts), timeout)
+    crypts = open_crypts(raw)
+    # A stalled device is never probed, nor is what is open over it.
+    why = {d: stall_reason(s) for d, s in stalled.items()}
+    why |= {c.path: why[r] for r, c in crypts.items() if r in why}
+    devices = _devices(node, raw + [c.path for c in crypts.values()], mounted,
+                       _expected_mounts(volumes, ours, crypts), timeout, why)
     node.probes.retain(devices)
 
     path_rdev = _device_node_binds(mounts, devices.values())
@@ -218,7 +250,8 @@ def observe(node: Node, volumes: Iterable[Volume], all_watchers: bool = False,
                     mappings=tuple(mappings), devices=devices, mounts=mounts,
                     path_rdev=path_rdev, symlinks=symlinks, intents=intents,
                     freezes=freezes, crypts=crypts, io_limits=io_limits, io_errors=io_errors,
-                    groups=imgs.groups, group_errors=imgs.group_errors)
+                    groups=imgs.groups, group_errors=imgs.group_errors, stalled=stalled,
+                    blocklist=imgs.blocklist)
 
 
 def _io_limits(node: Node, volumes: list[Volume], ours: list[Mapping]

@@ -14,7 +14,17 @@ from collections.abc import Iterable
 from reconciler.facts import meta
 from reconciler.facts.claim import Claim, parse
 from reconciler.facts.luks import crypt_name
-from reconciler.facts.observed import CryptDevice, Device, ImageState, Mapping, Mount, Observed
+from reconciler.facts.observed import (
+    CryptDevice,
+    Device,
+    ImageState,
+    IoStall,
+    Mapping,
+    Mount,
+    Observed,
+)
+from reconciler.facts.stall import stall_doc, stall_reason
+from reconciler.plan.fence import Fence, fence_of
 from reconciler.plan.groups import GroupRules, group_row
 from reconciler.plan.snapshots import SnapshotRules
 from reconciler.plan.steps import (
@@ -205,19 +215,29 @@ class _VolumePlanner(SnapshotRules, GroupRules):
         c = self.claim
         return c if c is not None and c.node != self.ctx.node_name else None
 
+    def stall(self) -> IoStall | None:
+        """The mapped device's I/O does not complete (Ceph out of reach)."""
+        if self.mapping is None or self.mapping.device is None:
+            return None
+        return self.obs.stalled.get(self.mapping.device)
+
+    def fence(self) -> Fence | None:
+        """Mapped here, but another node holds the claim (it took over, and
+        blocklisted our client; or the image was mapped twice before claims),
+        or Ceph blocklisted the client doing our I/O."""
+        if self.mapping is None:
+            return None
+        return fence_of(self.claim, self.ctx.node_name, self.obs.blocklist, self.staged_mount()
+                        or self.obs.mounts_by_point.get(self.staging_path))
+
     def check_not_fenced(self) -> None:
-        """Mapped here, but another node holds the claim: it took over (and
-        blocklisted our client), or the image was mapped twice before claims.
-        Nothing but a release may touch it."""
-        other = self.claimed_elsewhere()
-        if other is None or self.mapping is None:
+        """Fenced: nothing but a release (or ``recover``) may touch it."""
+        fence = self.fence()
+        if fence is None:
             return
-        how = (f"took it over from {other.taken_from}" if other.taken_from
-               else "holds it")
-        raise Refused(f"{self.v.image.spec} is mapped here but is claimed by node "
-                      f"{other.node}, which {how}: this node must not write to it (its "
-                      "client may be blocklisted). Stop what uses it, then "
-                      "`rbd-reconciler release` this volume's file")
+        self.plan.fenced = fence.message(self.v.image.spec, self.v.name)
+        self.plan.fence_reason = fence.reason
+        raise Refused(self.plan.fenced)
 
     def foreign_watchers(self) -> int:
         assert self.img is not None
@@ -233,21 +253,35 @@ class _VolumePlanner(SnapshotRules, GroupRules):
             return self.run_snapshot_plan(release)
         self.plan.phase = self.observed_phase()
         try:
+            # Nothing is probed, unmounted, unmapped, remapped or formatted
+            # while its I/O hangs (it would hang too); a release by hand still
+            # tries, each command under its deadline (the daemon never does).
+            if (stall := self.stall()) is not None:
+                self.plan.stalled = stall_reason(stall)
             if release:
                 # Give the node's resources back; the image is never touched.
                 # A filesystem a dead run left frozen is thawed first: its
                 # writers hold the mounts, and a frozen filesystem unmounted
                 # lives on frozen in the kernel (mounted again, still frozen).
+                # A fenced one is released by hand only (the daemon waits).
+                if (fence := self.fence()) is not None:
+                    self.plan.fenced = fence.message(self.v.image.spec, self.v.name)
+                    self.plan.fence_reason = fence.reason
                 self.plan.wanted = min(self.plan.phase, Phase.CREATED)
                 self.thaw_left_frozen()
                 self.teardown(Phase.CREATED)
                 return self.plan
             self.plan.unknown = self.image_unknown()
+            # Before the devices: a fenced node's mapping does not answer (its
+            # client is blocklisted; its I/O may hang), and the fence is what
+            # to act on. It takes Ceph to see one: a stall is seen without.
+            if self.plan.unknown is None:
+                self.check_not_fenced()
+            if self.plan.stalled:
+                raise Refused(f"{self.plan.stalled}: nothing that touches it is done until it "
+                              "completes")
             if self.plan.unknown:
                 raise Refused(self.plan.unknown)
-            # Before the devices: a fenced node's mapping does not answer
-            # (its client is blocklisted), and the fence is what to act on.
-            self.check_not_fenced()
             self.plan.unknown = self.unknown()
             if self.plan.unknown:
                 raise Refused(self.plan.unknown)
@@ -802,14 +836,21 @@ def actual_state(vol: Volume, observed: Observed, ctx: Context,
         if found is None:
             found = problems(vol, observed, ctx)
         problem = "; ".join(found.values()) or None
+    stall = p.stall()
+    fence = p.fence()
     return {
         "name": vol.name,
-        # Unknown first: what could not be seen is never reported as a phase.
-        # A mapping that no longer answers is not "PUBLISHED", whatever is mounted.
-        "phase": ("UNKNOWN" if unknown else "DEGRADED" if problem
-                  else p.observed_phase().name),
+        # What to act on first: a fence, I/O that hangs; then what could not
+        # be seen, never reported as a phase. A mapping that no longer
+        # answers is not "PUBLISHED", whatever is mounted.
+        "phase": ("FENCED" if fence else "STALLED" if stall else "UNKNOWN" if unknown
+                  else "DEGRADED" if problem else p.observed_phase().name),
         "unknown": unknown,
         "problem": problem,
+        "stalled": stall_doc(stall) if stall else None,
+        "stallReason": stall_reason(stall) if stall else None,
+        "fence": fence.as_dict() if fence else None,
+        "fenceReason": fence.message(vol.image.spec, vol.name) if fence else None,
         "wanted": vol.wanted_phase.name,
         "image": vol.image.spec,
         "size": p.img.size if p.img else None,

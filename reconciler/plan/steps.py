@@ -351,6 +351,8 @@ class Unmap(Step):
     fuse_mount: str | None
     # False: it is mapped again in the same chain (a remap): the claim stays.
     release_claim: bool = True
+    # krbd: `unmap -o force` (recover: a fenced device, its users gone).
+    force: bool = False
     disruptive: ClassVar[bool] = True
     action: ClassVar[str] = "unmap"
 

@@ -41,6 +41,13 @@ class VolumePlan:
     # a publish, a filesystem gone read-only): condition type -> why. Reported,
     # never acted on; the rest of the plan goes ahead.
     problems: dict[str, str] = field(default_factory=dict)
+    # Set: its mapped device's I/O does not complete (why, since when); no
+    # steps but a release by hand's, which still tries.
+    stalled: str | None = None
+    # Set: this node's mapping is fenced (taken over, or its client
+    # blocklisted); no steps but a release's (or ``recover``).
+    fenced: str | None = None
+    fence_reason: str | None = None  # TakenOver | Blocklisted
 
     @property
     def changes(self) -> bool:
@@ -48,7 +55,8 @@ class VolumePlan:
 
     @property
     def phase_name(self) -> str:
-        return "UNKNOWN" if self.unknown else self.phase.name
+        return ("FENCED" if self.fenced else "STALLED" if self.stalled
+                else "UNKNOWN" if self.unknown else self.phase.name)
 
     @property
     def refused(self) -> str | None:

@@ -78,6 +78,10 @@ class EventsConfig:
     # Images mapped through rbd-fuse: their size is read from the header this
     # often (no open, no watch) to see a resize made elsewhere; 0: off.
     image_poll_seconds: float = 0.5
+    # Mapped devices: their I/O counters (sysfs) are read this often; 0: off.
+    io_poll_seconds: float = 1.0
+    # I/O in flight and none completed for this long: the volume is Stalled.
+    io_stall_seconds: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -195,7 +199,9 @@ def _build(data: dict, source: Path | None) -> Config:
         ),
         snapshots=SnapshotsConfig(
             freeze_timeout_seconds=float(snapshots.get("freezeTimeoutSeconds", 5))),
-        events=EventsConfig(image_poll_seconds=float(events.get("imagePollSeconds", 0.5))),
+        events=EventsConfig(image_poll_seconds=float(events.get("imagePollSeconds", 0.5)),
+                            io_poll_seconds=float(events.get("ioPollSeconds", 1)),
+                            io_stall_seconds=float(events.get("ioStallSeconds", 10))),
         encryption=EncryptionConfig(
             key_root=enc.get("keyRoot", "/etc/rbd-reconciler/keys"),
             pbkdf=enc.get("pbkdf", "argon2id"),

@@ -49,6 +49,10 @@ KRBD: dict[str, Check | None] = {
     "cephx_sign_messages": None, "nocephx_sign_messages": None,
     "tcp_nodelay": None, "notcp_nodelay": None, "abort_on_full": None, "rxbounce": None,
     "mount_timeout": INT, "osdkeepalive": INT, "osd_idle_ttl": INT,
+    # Off (0) unless asked: with N, an OSD request unanswered for N s fails
+    # (EIO: a filesystem on it goes read-only) instead of waiting out a
+    # partition (README: When Ceph is unreachable).
+    "osd_request_timeout": INT,
     "noudev": None, "udev": None,
 }
 NBD: dict[str, Check | None] = {

@@ -5,9 +5,12 @@ adapter (through the engine) and whoever monitors the node.
 The keys, once (camelCase in the file; a field left unset is not written):
 
 - ``phase``: Pending, Mapped, Staged, Published, Degraded, Deleting,
-  Released, Failed, Frozen or Unknown.
+  Released, Failed, Frozen, Unknown, Stalled or Fenced.
 - ``reason``, ``message``: why, for Frozen, Unknown, Interrupted, Degraded
   (the first of its conditions: Shadowed, FilesystemReadOnly), ...
+- ``stalled``: I/O not completing (device, inFlight, seconds, since,
+  lastCompleted); ``fence``: taken over or blocklisted (reason, holder,
+  takenFrom, blocklisted, readOnly).
 - ``observedGeneration``: the spec hash the status is about.
 - ``lastResult`` (changed, ok, failed, aborted), ``lastError``, ``refusal``.
 - ``notes``, ``undone``, ``steps``: what the last chain said, undid, ran.
@@ -49,6 +52,8 @@ class VolumeStatus:
     published: Any = UNSET
     size: Any = UNSET
     conditions: list[dict[str, Any]] | _Unset = UNSET
+    stalled: Any = UNSET  # Stalled: device, inFlight, seconds, since, lastCompleted
+    fence: Any = UNSET  # Fenced: reason, holder, takenFrom, blocklisted, readOnly
 
     def to_json(self) -> dict[str, Any]:
         return {_camel(f.name): value for f in fields(self)

@@ -98,7 +98,7 @@ def test_a_command_alone_parses_and_helps_as_with_all(command: str,
     assert _subparsers(alone)[command].format_help() == _subparsers(full)[command].format_help()
     assert alone.format_usage() == full.format_usage()
     argv = ["-c", "c.yaml", command, *(["NAME"] if command in (
-        "explain", "takeover", "rotate-key") else [])]
+        "explain", "takeover", "recover", "rotate-key") else [])]
     a, b = vars(full.parse_args(argv)), vars(alone.parse_args(argv))
     assert {k: v for k, v in a.items() if k != "func"} == {
         k: v for k, v in b.items() if k != "func"}

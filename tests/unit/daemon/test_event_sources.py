@@ -279,3 +279,25 @@ def test_a_filesystem_error_marks_its_volume_and_again_later(
         with marks.cond:
             marks.cond.wait(0.1)
     assert not any(names and "vol-x" in names for names, _ in marks.seen)
+
+
+def test_the_io_poll_marks_a_volume_when_its_io_stops_and_when_it_completes_again() -> None:
+    """No event comes when I/O stops completing: the poll reads the devices'
+    counters (here a fake sysfs) and marks the volume on each transition."""
+    from reconciler.facts.iostat import IoCounters
+    from reconciler.observe.iowatch import IoWatch
+
+    counters = {"/dev/rbd0": IoCounters(10, 0)}
+    watch = IoWatch(0.2, read=lambda d: (0xFC00, counters[d]) if d in counters else None)
+    marks = Marks()
+    hub = EventHub(marks, io_watch=lambda: watch, io_poll_seconds=0.02)
+    hub.start()
+    try:
+        hub.update(Interest(devices={"rbd0": "vol-io"}))
+        counters["/dev/rbd0"] = IoCounters(10, 2)  # two requests that never complete
+        assert marks.wait_for("vol-io") == "I/O not completing"
+        marks.seen.clear()
+        counters["/dev/rbd0"] = IoCounters(12, 0)
+        assert marks.wait_for("vol-io") == "I/O completing again"
+    finally:
+        hub.stop(timeout=5)

@@ -297,3 +297,19 @@ def test_promtool_checks_and_tests_the_rules() -> None:
         proc = subprocess.run([PROMTOOL, *args], cwd=MONITORING, capture_output=True,
                               text=True, timeout=60)
         assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_stalled_volume_exports_since_when_and_loses_it_once_it_moves() -> None:
+    m = Metrics()
+    m.set_phase("s", "Stalled", stalled_since=1_800_000_000.0)
+    m.set_phase("f", "Fenced")
+    fams = {f.name: f for f in text_string_to_metric_families(
+        generate_latest(m.registry).decode())}
+    [since] = fams["rbd_reconciler_volume_io_stalled_since_timestamp_seconds"].samples
+    assert since.labels == {"volume": "s"} and since.value == 1_800_000_000.0
+    counts = {s.labels["phase"]: s.value for s in fams["rbd_reconciler_volumes"].samples}
+    assert counts["Stalled"] == 1 and counts["Fenced"] == 1
+    m.set_phase("s", "Published")
+    fams = {f.name: f for f in text_string_to_metric_families(
+        generate_latest(m.registry).decode())}
+    assert not fams["rbd_reconciler_volume_io_stalled_since_timestamp_seconds"].samples

@@ -87,7 +87,19 @@ def test_nbd_map_command_line() -> None:
     m, runner = kernel("nbd", ok(data("nbd_map_ok.stdout")))
     assert m.map("rbd", "pgdata", ()) == "/dev/nbd0"
     assert runner.history == [["rbd", "device", "map", "-t", "nbd", "--pool=rbd",
-                               "--image=pgdata", *CEPH_ARGS]]
+                               "--image=pgdata", *CEPH_ARGS, "--options=io-timeout=0"]]
+
+
+@pytest.mark.parametrize("given", ["io-timeout=60", "timeout=60"])
+def test_nbd_io_timeout_is_none_unless_the_spec_sets_one(given: str) -> None:
+    """rbd-nbd's kernel timeout: none, on purpose (a partition longer than it
+    fails the requests and loses the device); a spec's own value stands alone."""
+    m, _ = kernel("nbd")
+    assert m.map_command("rbd", "pgdata", ())[-1] == "--options=io-timeout=0"
+    assert m.map_command("rbd", "pgdata", ("exclusive", given))[-1] == \
+        f"--options=exclusive,{given}"
+    krbd, _ = kernel("krbd")
+    assert "io-timeout" not in " ".join(krbd.map_command("rbd", "pgdata", ()))
 
 
 def test_nbd_map_with_options() -> None:
@@ -200,6 +212,17 @@ def test_krbd_without_udev_maps_and_unmaps_with_noudev() -> None:
     n, runner = kernel("nbd", ok("/dev/nbd0\n"), udev=False)
     n.map("rbd", "pgdata", ())
     assert "noudev" not in " ".join(runner.history[0])
+
+
+def test_force_unmap_is_krbd_only() -> None:
+    """recover unmaps a fenced krbd device with -o force; rbd-nbd has no such option."""
+    m, runner = kernel("krbd", ok(""), udev=False)
+    m.unmap(Mapping("krbd", "rbd", "pgdata", "/dev/rbd0"), force=True)
+    assert runner.history == [["rbd", "device", "unmap", "--options=force,noudev",
+                               "/dev/rbd0", *CEPH_ARGS]]
+    n, runner = kernel("nbd", ok(""))
+    n.unmap(Mapping("nbd", "rbd", "pgdata", "/dev/nbd0"), force=True)
+    assert runner.history == [["rbd", "device", "unmap", "-t", "nbd", "/dev/nbd0", *CEPH_ARGS]]
 
 
 def test_unmap_failure_propagates() -> None:

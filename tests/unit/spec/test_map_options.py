@@ -14,7 +14,8 @@ from reconciler.spec.mapopts import check_map_options
 
 @pytest.mark.parametrize(("mapper", "options"), [
     ("krbd", ("exclusive", "ms_mode=secure", "alloc_size=65536", "queue_depth=256",
-              "read_from_replica=balance", "compression_hint=compressible", "notrim")),
+              "read_from_replica=balance", "compression_hint=compressible", "notrim",
+              "osd_request_timeout=60")),
     ("nbd", ("try-netlink", "io-timeout=60", "exclusive", "notrim")),
     ("auto", ("exclusive", "ms_mode=prefer-crc", "io-timeout=30")),
     ("fuse", ()),
@@ -29,6 +30,9 @@ def test_allowed(mapper: str, options: tuple[str, ...]) -> None:
     ("krbd", "ms_mode=plain", "needs a valid value"),
     ("krbd", "alloc_size=3000", "needs a valid value"),
     ("krbd", "exclusive=1", "takes no value"),
+    ("krbd", "osd_request_timeout", "needs a valid value"),
+    ("krbd", "osd_request_timeout=-1", "needs a valid value"),
+    ("nbd", "osd_request_timeout=60", "not known for mapper nbd"),
     ("krbd", "ro", "publish with readOnly"),
     ("nbd", "quiesce-hook=/tmp/x", "runs a program"),
     ("nbd", "encryption-format=luks2", "spec.encryption"),
