@@ -291,7 +291,8 @@ def _release_round(config: Config, step_timeout: float, limit: Deadline,
         out.outcomes += outcomes
     finally:
         timer.cancel()
-    stuck = ran_into_deadline(outcomes, volumes, step_timeout)
+    stuck = ran_into_deadline(outcomes, volumes, step_timeout,
+                              frozenset(vp.name for vp in plans if vp.stalled))
     if node.runner.halt.stopping:
         # Stopped at the deadline: no time to look again. What the chains
         # did not do is still held; what hangs on a dead helper is ended

@@ -46,16 +46,19 @@ def stuck_threads(task_dir: Path = Path("/proc/self/task")) -> list[int]:
 
 
 def ran_into_deadline(outcomes: Iterable[VolumeOutcome], volumes: dict[str, Volume],
-                      step_timeout: float) -> set[Image]:
+                      step_timeout: float, stalled: frozenset[str] = frozenset()) -> set[Image]:
     """Images whose chain was stopped at the deadline, or failed in a step that
-    lasted a whole command deadline (a command killed at its step timeout)."""
+    lasted a whole command deadline (a command killed at its step timeout), or
+    failed at all while its device's I/O does not complete (``stalled``, by
+    volume name: an umount refused as busy by a writer stuck in D state on
+    that device fails at once, long before any deadline)."""
     out = set()
     for o in outcomes:
         vol = volumes.get(o.name)
         if vol is None:
             continue
-        if o.status == "aborted" or any(s.status == "failed" and s.seconds >= step_timeout
-                                        for s in o.steps):
+        if o.status == "aborted" or any(s.status == "failed" and (
+                s.seconds >= step_timeout or o.name in stalled) for s in o.steps):
             out.add((vol.image.pool, vol.image.name))
     return out
 

@@ -160,7 +160,8 @@ def test_a_fenced_node_learns_it_on_its_first_failed_write(
     """Node A's daemon runs; node B takes the image over (A's client is
     blocklisted). A's next write fails in the kernel, and the kernel's
     message wakes A's daemon: its pass reads the claim and reports the
-    volume Failed, claimed by B, instead of Published until the resync."""
+    volume Fenced, claimed by B (with the blocklist entry), instead of
+    Published until the resync."""
     d, name, target = _published(node, start, "fen")
     b = second_node(node, tmp_path)
     (b.root / "desired" / f"{name}.yaml").write_text(map_only(node.cluster.pool, name))
@@ -173,9 +174,10 @@ def test_a_fenced_node_learns_it_on_its_first_failed_write(
         dd = subprocess.run(["dd", "if=/dev/zero", f"of={target}/f", "bs=64k", "count=4",
                              "conv=fsync"], capture_output=True, timeout=120)
         assert dd.returncode != 0, dd.stderr
-        s = d.wait_phase(name, "Failed", timeout=EVENT_DEADLINE)
+        s = d.wait_phase(name, "Fenced", timeout=EVENT_DEADLINE)
         assert "claimed by node node-b, which took it over from test-node" in \
-            str(s.get("refusal")), s
+            str(s.get("message")), s
+        assert s["fence"]["holder"] == "node-b" and old[0] in s["fence"]["blocklisted"], s
     finally:
         os.kill(pid, signal.SIGCONT)
         try:

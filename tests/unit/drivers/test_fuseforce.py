@@ -98,3 +98,7 @@ def test_ran_into_deadline_means_aborted_or_a_step_as_long_as_a_command_deadline
     ]
     volumes = {n: vol(n) for n in "abcd"}
     assert ran_into_deadline(outcomes, volumes, 5.0) == {("rbd", "a"), ("rbd", "c")}
+    # A busy umount fails at once; on a device whose I/O does not complete
+    # (a writer stuck in D state holds the mount) it counts too.
+    assert ran_into_deadline(outcomes, volumes, 5.0, frozenset({"b", "d"})) == {
+        ("rbd", "a"), ("rbd", "b"), ("rbd", "c")}
