@@ -6,6 +6,11 @@
 #   scripts/kernel-tests.sh [--timeout S] [PYTEST ARGS...]
 #   scripts/kernel-tests.sh [--timeout S] --bench [--trials N]   (benchmarks/p14)
 #
+# PYTEST ARGS go to pytest in the guest, after `-m kernel tests/kernel`: a
+# subset is `-k partition` (or `-k "lifecycle and krbd"`), output `-s`.
+# RBD_KT_LONG_PARTITION_S (default 300) is the long partition of
+# tests/kernel/test_partition.py; 0 leaves it out.
+#
 # 1. Outside any namespace: install what it needs (QEMU, the kernel package,
 #    virtme-ng in its own venv, the project's venv), idempotently, under a
 #    lock. Cache: ~/.cache/rbd-reconciler/kernel-tests (not under /run or
@@ -45,7 +50,10 @@ if [[ ${1:-} == --vm ]]; then
     printf 'exec </dev/null >>%q 2>>%q\n' "$RUN/stdout" "$RUN/stderr"
     printf 'export PATH=%q RUN_IN_VM=1 HOME=/root LANG=C.UTF-8 PYTHONDONTWRITEBYTECODE=1\n' \
       "$GUEST_PATH"
-    printf 'export KERNEL_TESTS_BOOT=%q RBD_RECONCILER_KT_STATE=%q\n' "$BOOT" "$RUN/state"
+    printf 'export KERNEL_TESTS_BOOT=%q RBD_RECONCILER_KT_STATE=%q KERNEL_TESTS_AGENT=%q\n' \
+      "$BOOT" "$RUN/state" "$RUN/agent"
+    # The partition tests' long cut (tests/kernel/test_partition.py); 0: none.
+    printf 'export RBD_KT_LONG_PARTITION_S=%q\n' "${RBD_KT_LONG_PARTITION_S:-300}"
     # No udevd in the guest: libdevmapper makes /dev/mapper nodes itself.
     echo 'export DM_DISABLE_UDEV=1'
     for v in CEPH_CONF RBD_RECONCILER_CEPH_CONF RBD_RECONCILER_CEPH_KEYRING \
@@ -115,12 +123,18 @@ fi
 if [[ ${1:-} == --boots ]]; then
   shift
   RUN=$1 KIMG=$2 VM_TIMEOUT=$3; shift 3
-  mkdir -p "$RUN/state"; chmod 700 "$RUN/state"
+  mkdir -p "$RUN/state" "$RUN/agent"; chmod 700 "$RUN/state" "$RUN/agent"
   end=$((SECONDS + VM_TIMEOUT))
+  # What the partition tests need done on Ceph while the VM is cut off from it
+  # (another node's takeover, a blocklist entry): tests/kernel/hostagent.py.
+  .venv/bin/python tests/kernel/hostagent.py "$RUN/agent" "$RUN" &
+  AGENT=$!
+  trap 'touch "$RUN/agent/stop"; kill "$AGENT" 2>/dev/null; wait "$AGENT" 2>/dev/null' EXIT
   if [[ ${1:-} == --bench ]]; then
     shift
     log "one boot: benchmarks/p14_kernel_paths.py $*"
-    exec bash "$SELF" --vm "$RUN" "$KIMG" "$VM_TIMEOUT" 1 @bench "$@"
+    bash "$SELF" --vm "$RUN" "$KIMG" "$VM_TIMEOUT" 1 @bench "$@"
+    exit
   fi
   set +e
   log "boot 1: pytest -m kernel $*"
@@ -165,7 +179,7 @@ TIMEOUT=900
 while (($#)); do
   case $1 in
     --timeout) TIMEOUT=$2; shift 2 ;;
-    -h|--help) sed -n '2,25p' "$SELF" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,31p' "$SELF" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) break ;;
   esac
 done
