@@ -207,3 +207,17 @@ def test_qos_example_loads_with_its_limits() -> None:
     assert wal.qos.unit == "tenant.slice"
     assert qos.io_max(wal.qos, wal.image.size) == {
         "riops": 2000, "wiops": 2000, "rbps": 200 << 20, "wbps": 200 << 20}
+
+
+def test_the_io_watch_keys(tmp_path: Path) -> None:
+    """events.ioPollSeconds and ioStallSeconds (When Ceph is unreachable)."""
+    assert (default_config().events.io_poll_seconds,
+            default_config().events.io_stall_seconds) == (1.0, 10.0)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("events:\n  ioPollSeconds: 0\n  ioStallSeconds: 2.5\n")
+    c = load_config(cfg)
+    assert (c.events.io_poll_seconds, c.events.io_stall_seconds) == (0.0, 2.5)
+    for bad in ("ioStallSeconds: 0", "ioPollSeconds: -1", "ioStallSeconds: soon"):
+        cfg.write_text(f"events:\n  {bad}\n")
+        with pytest.raises(ConfigError):
+            load_config(cfg)
