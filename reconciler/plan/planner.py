@@ -24,7 +24,7 @@ from reconciler.facts.observed import (
     Observed,
 )
 from reconciler.facts.stall import stall_doc, stall_reason
-from reconciler.plan.fence import Fence, fence_of
+from reconciler.plan.fence import BLOCKLISTED, Fence, fence_of
 from reconciler.plan.groups import GroupRules, group_row
 from reconciler.plan.snapshots import SnapshotRules
 from reconciler.plan.steps import (
@@ -227,8 +227,15 @@ class _VolumePlanner(SnapshotRules, GroupRules):
         or Ceph blocklisted the client doing our I/O."""
         if self.mapping is None:
             return None
-        return fence_of(self.claim, self.ctx.node_name, self.obs.blocklist, self.staged_mount()
-                        or self.obs.mounts_by_point.get(self.staging_path))
+        fence = fence_of(self.claim, self.ctx.node_name, self.obs.blocklist, self.staged_mount()
+                         or self.obs.mounts_by_point.get(self.staging_path))
+        if fence is not None and fence.reason == BLOCKLISTED and self.mapping.problem:
+            # Our own claim, and the blocklisted client is the one whose helper
+            # is gone: nothing writes through it any more. The dead mapping is
+            # what to act on (a remap fences that client itself, and records
+            # the new one), as for any dead helper.
+            return None
+        return fence
 
     def check_not_fenced(self) -> None:
         """Fenced: nothing but a release (or ``recover``) may touch it."""
