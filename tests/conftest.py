@@ -124,7 +124,7 @@ class NodeUnderTest:
         return self.cli_json("plan")
 
     def mounts(self) -> dict[str, object]:
-        return {m.mount_point: m for m in parse_mountinfo(Path("/proc/self/mountinfo").read_text())
+        return {m.mount_point: m for m in parse_mountinfo(Path("/proc/self/mountinfo").read_bytes())
                 if m.mount_point.startswith(str(self.root))}
 
     def image_exists(self, name: str) -> bool:
@@ -233,7 +233,7 @@ def _thaw_detached(loop: str) -> None:
     dev = Path(loop).name
     if not any(Path(f"/sys/fs/{fs}/{dev}").exists() for fs in ("ext4", "xfs")):
         return
-    if any(m.source == loop for m in parse_mountinfo(Path("/proc/self/mountinfo").read_text())):
+    if any(m.source == loop for m in parse_mountinfo(Path("/proc/self/mountinfo").read_bytes())):
         return  # mounted: the lazy unmount above lets it go
     with tempfile.TemporaryDirectory(prefix="thaw-") as mnt:
         if subprocess.run(["mount", "--", loop, mnt], check=False, timeout=30).returncode:

@@ -17,7 +17,8 @@ import time
 import rados
 import rbd
 
-from reconciler.drivers.ceph import CephError, header_oid, open_image
+from reconciler.drivers import omap
+from reconciler.drivers.ceph import CephError, UnreadableMeta, header_oid, open_image
 from reconciler.facts import meta
 from reconciler.facts.claim import Claim, parse
 
@@ -49,12 +50,20 @@ def header_object(ioctx: rados.Ioctx, image: str) -> str:
 
 
 def read_raw(ioctx: rados.Ioctx, oid: str) -> str | None:
+    """The claim as stored; UnreadableMeta when it is not UTF-8 text: it is
+    then nobody's to take, change or drop (it may be another node's)."""
     with rados.ReadOpCtx() as op:
         it, _ = ioctx.get_omap_vals_by_keys(op, (KEY,))
         ioctx.operate_read_op(op, oid)
-        vals = dict(it)
+        vals, _ = omap.entries(it)
     raw = vals.get(KEY)
-    return raw.decode() if raw is not None else None
+    if raw is None:
+        return None
+    try:
+        return meta.text(meta.HOLDER, raw)
+    except meta.Unreadable as exc:
+        raise UnreadableMeta(f"the claim cannot be read: {exc}; left as it is (see "
+                             f"`rbd image-meta get IMAGE {meta.HOLDER}`)") from None
 
 
 def _cas(ioctx: rados.Ioctx, oid: str, old: str | None, new: str | None) -> bool:
@@ -123,19 +132,41 @@ def record_clients(cluster: rados.Rados, pool: str, image: str, node: str,
 
 
 def release(cluster: rados.Rados, pool: str, image: str, node: str) -> bool:
-    """Drop ``node``'s claim; False when it held none (never drops another's)."""
+    """Drop ``node``'s claim; False when it held none (never drops another's,
+    nor one that cannot be read)."""
     with cluster.open_ioctx(pool) as ioctx:
         try:
             oid = header_object(ioctx, image)
         except CephError:
             return False  # the image is gone, and its claim with it
         for _ in range(CAS_ATTEMPTS):
-            raw = read_raw(ioctx, oid)
+            try:
+                raw = read_raw(ioctx, oid)
+            except UnreadableMeta:
+                return False
             held = parse(raw)
             if held is None or held.node != node:
                 return False
             if _cas(ioctx, oid, raw, None):
                 return True
+    raise CephError(f"{pool}/{image}: the claim kept changing; try again")
+
+
+def add_fenced(cluster: rados.Rados, pool: str, image: str, node: str,
+               addrs: tuple[str, ...]) -> Claim | None:
+    """Add ``addrs`` to the ``fenced`` list of ``node``'s claim (what explain
+    shows); None when the claim is not ``node``'s any more."""
+    with cluster.open_ioctx(pool) as ioctx:
+        oid = header_object(ioctx, image)
+        for _ in range(CAS_ATTEMPTS):
+            raw = read_raw(ioctx, oid)
+            held = parse(raw)
+            if held is None or held.node != node:
+                return None
+            fenced = tuple(dict.fromkeys((*held.fenced, *addrs)))
+            mine = Claim(node, held.clients, held.taken_from, fenced)
+            if mine == held or _cas(ioctx, oid, raw, mine.encode()):
+                return mine
     raise CephError(f"{pool}/{image}: the claim kept changing; try again")
 
 

@@ -101,13 +101,19 @@ class JournalHandler(logging.Handler):
             message = record.getMessage()
             if record.exc_info:
                 message += "\n" + logging.Formatter().formatException(record.exc_info)
-            extra = {FIELDS[k]: str(v) for k, v in fields(record).items()}
-            self.send(MESSAGE=message, PRIORITY=str(priority(record.levelno)),
+            extra = {FIELDS[k]: _utf8(str(v)) for k, v in fields(record).items()}
+            self.send(MESSAGE=_utf8(message), PRIORITY=str(priority(record.levelno)),
                       SYSLOG_IDENTIFIER=IDENTIFIER, LOGGER=record.name,
                       THREAD_NAME=record.threadName or "", CODE_FILE=record.pathname,
                       CODE_LINE=record.lineno, CODE_FUNC=record.funcName, **extra)
         except Exception:
             self.handleError(record)
+
+
+def _utf8(text: str) -> str:
+    """The binding encodes strictly: a byte that was not UTF-8 (kept as a
+    surrogate, in a foreign path) is sent escaped."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def journal_send() -> Callable[..., object] | None:
@@ -144,8 +150,6 @@ def setup(style: str, verbose: bool) -> None:
     root = logging.getLogger()
     root.handlers[:] = [make_handler(style)]
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
-    # watchdog's inotify chatter is never what an operator needs
-    logging.getLogger("watchdog").setLevel(logging.WARNING)
 
 
 def step_kind(action: str) -> str:

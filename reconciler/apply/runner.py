@@ -25,7 +25,7 @@ from reconciler.apply import claims
 from reconciler.apply.groups import run_group_step
 from reconciler.apply.logfmt import log_not_run, log_step
 from reconciler.apply.sealing import ImageSeals
-from reconciler.drivers import ceph, freeze, iolimits, keys, safepath
+from reconciler.drivers import ceph, freeze, iolimits, keys, procfs, safepath
 from reconciler.drivers.bounded import NoAnswer
 from reconciler.drivers.fs import OnlineGrowRefused, block_device_size, is_ours
 from reconciler.drivers.run import Aborted
@@ -722,7 +722,7 @@ class _VolumeRun:
         with safepath.opened(staging) as fd:
             st, mid = os.fstat(fd), safepath.mount_id(fd)
         top = {m.mount_id: m for m in parse_mountinfo(
-            Path("/proc/self/mountinfo").read_text())}.get(mid)
+            procfs.mountinfo())}.get(mid)
         if mode == "block":
             if not stat.S_ISBLK(st.st_mode) or (os.major(st.st_rdev),
                                                 os.minor(st.st_rdev)) != want:
@@ -739,6 +739,9 @@ class _VolumeRun:
             (step.pool, step.image))
         if found is None:
             return
+        if bad := sorted(k for k in found.unreadable if meta.ours(k)):
+            raise StepRefused(f"{step.pool}/{step.image}: image-meta {', '.join(bad)} is not "
+                              "UTF-8 text; unknown, not absent")
         owner = found.meta.get(meta.OWNER)
         if owner != self.node.config.node_name:
             raise StepRefused(f"{step.pool}/{step.image} is owned by {owner or 'nobody'}")

@@ -259,7 +259,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser("status", help="show the observed state of every desired volume",
                            description="Phase (ABSENT, CREATED, MAPPED, STAGED, PUBLISHED; "
                                        "DEGRADED, or UNKNOWN with the reason when its pool, image "
-                                       "or device did not answer within observeTimeoutSeconds), "
+                                       "or device did not answer within observeTimeoutSeconds or "
+                                       "an image-meta value of ours is not UTF-8 text), "
                                        "device, mounts and size of each desired volume; PENDING "
                                        "(not converged) for one not at its wanted phase while "
                                        "stateDir cannot take a write. Exit 1 on load errors, any "
@@ -298,6 +299,10 @@ def _command_of(argv: Sequence[str]) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # A path or name that is not UTF-8 (a foreign mount point) is printed
+    # escaped, as stderr prints it, never a UnicodeEncodeError.
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="backslashreplace")
     try:
         try:
             return _main(argv)

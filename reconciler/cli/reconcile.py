@@ -58,6 +58,8 @@ def _print_plans(plans: list[VolumePlan]) -> None:
             print(f"  {_marker(s)} {s.action:<16} {s.target}: {s.before} -> {s.after}{flag}")
         for why in vp.withheld:
             print(f"  REFUSED: {why}")
+        for kind, why in vp.problems.items():  # no step can put these right
+            print(f"  PROBLEM ({kind}): {why}")
         for note in vp.notes:
             print(f"  note: {note}")
 
@@ -105,6 +107,7 @@ def cmd_plan(args: argparse.Namespace, config: Config) -> int:
                          "stalled": vp.stalled, "fenced": vp.fenced,
                          "wanted": vp.wanted.name if vp.wanted is not None else None,
                          "refusal": vp.refused, "notes": vp.notes,
+                         "problems": vp.problems,
                          "steps": [s.as_dict() for s in vp.steps]} for vp in p.plans],
         }, sys.stdout, indent=2)
         print()
@@ -209,6 +212,7 @@ def cmd_release(args: argparse.Namespace, config: Config) -> int:
               file=sys.stderr)
         return EXIT_FAILED
     from reconciler.cli.release import Released, release_all, report_at_deadline
+    from reconciler.cli.unwedge import unwedge
     from reconciler.engine import Busy
 
     progress = Released()
@@ -231,6 +235,11 @@ def cmd_release(args: argparse.Namespace, config: Config) -> int:
         _report_release(args, report_at_deadline(progress, args.deadline))
         sys.stdout.flush()
         sys.stderr.flush()
+        # A thread stuck in the kernel on an rbd-fuse helper that does not
+        # answer would hold even os._exit: end that connection first.
+        for line in unwedge(config, set()):
+            print(f"forced: {line}", file=sys.stderr)
+        sys.stderr.flush()
         os._exit(EXIT_FAILED)  # not sys.exit: it would wait for the stuck threads
     if isinstance(result[0], Busy):
         print(f"rbd-reconciler: {result[0]}; nothing released", file=sys.stderr)
@@ -248,7 +257,7 @@ def _report_release(args: argparse.Namespace, done: Released) -> int:
               "(--deadline)", file=sys.stderr)
     if args.output == "json":
         json.dump({"sync": done.sync, "thawed": done.thawed, "deadline": done.late,
-                   "notReleased": done.left,
+                   "forced": done.forced, "notReleased": done.left,
                    "volumes": [o.as_dict() for o in done.outcomes]}, sys.stdout, indent=2)
         print()
     else:
@@ -260,9 +269,13 @@ def _report_release(args: argparse.Namespace, done: Released) -> int:
                 print(f"  {s.status:<7} {s.step.action:<16} {s.step.target}{msg}")
         if done.sync:
             print(f"warning: {done.sync}", file=sys.stderr)
+        for line in done.forced:
+            print(f"forced: {line}", file=sys.stderr)
         for line in done.left:
             print(f"not released: {line}", file=sys.stderr)
-        released = sum(bool(o.steps) and o.status in ("ok", "changed") for o in done.outcomes)
+        # A volume released in a second round (after forcing) counts once.
+        released = len({o.name for o in done.outcomes
+                        if o.steps and o.status in ("ok", "changed")})
         print(f"released: {released} volume(s); "
               f"{len(done.left)} thing(s) still held")
     return EXIT_OK if done.ok else EXIT_FAILED

@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from reconciler.apply.runner import VolumeOutcome, apply
+from reconciler.cli.unwedge import ran_into_deadline, unwedge
 from reconciler.drivers.freeze import THAW_WAIT_S, thaw_recorded
+from reconciler.drivers.reaper import reap_later
 from reconciler.drivers.run import KILL_WAIT_S, STOP_CHECK_S, Runner
 from reconciler.engine import Busy, context, state_lock
 from reconciler.facts import meta
@@ -51,6 +53,7 @@ DEFAULT_DEADLINE_S = 240.0
 # the report is written.
 WIND_DOWN_S = STOP_CHECK_S + KILL_WAIT_S + 1.5
 MIN_BUDGET_S = 0.1
+REPORT_S = 0.5  # kept at the very end for printing the report
 
 
 @dataclass
@@ -60,6 +63,7 @@ class Released:
     sync: str | None = None  # why sync did not finish, if it did not
     thawed: list[str] = field(default_factory=list)  # freezes a dead run left, one line each
     late: str | None = None  # the overall deadline passed: while doing what
+    forced: list[str] = field(default_factory=list)  # FUSE connections ended, one line each
     # Progress, for a report at the deadline: what it does now, what it planned.
     phase: str = "starting"
     plans: list[VolumePlan] = field(default_factory=list)
@@ -67,7 +71,7 @@ class Released:
 
     @property
     def ok(self) -> bool:
-        return (self.late is None and not self.left
+        return (self.late is None and not self.left and not self.forced
                 and not any(o.status in ("failed", "aborted") for o in self.outcomes))
 
 
@@ -75,11 +79,15 @@ def sync_all(timeout: float) -> str | None:
     """sync(1) within ``timeout``. A sync stuck on a dead cluster (D state,
     unkillable) is left behind rather than waited for: the unmounts that
     follow flush each filesystem anyway, each under its own deadline."""
-    proc = subprocess.Popen(["sync"], stdin=subprocess.DEVNULL)
+    # No output of ours handed to it: one stuck for good would hold the
+    # journal stream (or a caller's pipe) open after we exit.
+    proc = subprocess.Popen(["sync"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
+        reap_later(proc)  # in D state it is not gone yet, maybe never
         return f"sync did not finish within {timeout:g} s; releasing anyway"
     return None if proc.returncode == 0 else f"sync exited {proc.returncode}"
 
@@ -148,6 +156,9 @@ def provably_ours(v: Volume, observed: Observed, node_name: str) -> str | None:
         why = observed.image_errors.get(key) or observed.pool_errors.get(v.image.pool)
         return (f"{v.name}: mapped here by {v.map.mapper} but its image-meta could not be "
                 f"read ({why or 'not found'}); not provably ours, left alone")
+    if meta.HOLDER in img.unreadable:
+        return (f"{v.name}: mapped here by {v.map.mapper}, but its claim is "
+                f"{img.unreadable[meta.HOLDER]}; not provably ours, left alone")
     held = parse_claim(img.meta.get(meta.HOLDER))
     if held is None or held.node != node_name:
         return (f"{v.name}: mapped here by {v.map.mapper}, claimed by "
@@ -206,9 +217,17 @@ class Deadline:
         self.end = time.monotonic() + seconds
         self.wind_down = min(WIND_DOWN_S, seconds / 4)
 
+    def until_end(self) -> float:
+        """Seconds until the deadline itself, less a moment for the report."""
+        return self.end - time.monotonic() - REPORT_S
+
+    def left(self) -> float:
+        """Seconds until the chains must stop (negative: past that)."""
+        return self.end - self.wind_down - time.monotonic()
+
     def budget(self, limit: float) -> float:
         """``limit``, or less: what is left before the chains must stop."""
-        return max(MIN_BUDGET_S, min(limit, self.end - self.wind_down - time.monotonic()))
+        return max(MIN_BUDGET_S, min(limit, self.left()))
 
     def stop_chains_in_time(self, node: Node) -> threading.Timer:
         why = f"release --all deadline ({self.seconds:g} s) reached"
@@ -227,40 +246,64 @@ def release_all(config: Config, step_timeout: float, deadline: float = DEFAULT_D
     lock (the daemon must not map while we unmap). All of it within
     ``deadline`` s; ``out`` shows the progress while it runs (``phase``,
     ``plans``), for a caller that must report at the deadline whatever
-    happens here."""
+    happens here. A volume whose release ran into a deadline on an rbd-fuse
+    helper that does not answer has that helper's connection ended
+    (cli/unwedge.py), and is released once more with the time left."""
     out = out if out is not None else Released()
     limit = Deadline(deadline)
     out.phase = "thawing what a killed snapshot run left frozen"
     out.thawed = thaw_first(config, limit.budget(THAW_WAIT_S))
     out.phase = "syncing"
     out.sync = sync_all(limit.budget(step_timeout))
+    out.phase = "waiting for the state lock"
+    with lock_within(config, limit.budget(step_timeout)):
+        for _ in range(2):  # once more only after forcing off what did not answer
+            if _release_round(config, step_timeout, limit, out):
+                return out
+            if not out.forced or limit.left() <= 0:
+                break
+        out.phase = "looking again"
+        # Its own runner: the deadline's halt, had it come now, must not
+        # refuse the listing commands of this last look.
+        again, _, _, skipped = _plan_release(
+            config, Node.from_config(config, Runner(timeout=step_timeout)))
+    out.left = [*skipped, *_still_held(again)]
+    # That look may itself have got stuck on a device nobody answers for:
+    # the process could not end (cli/unwedge.py).
+    out.forced += unwedge(config, set(), limit.until_end())
+    out.phase = "done"
+    return out
+
+
+def _release_round(config: Config, step_timeout: float, limit: Deadline,
+                   out: Released) -> bool:
+    """Plan and release what is ours, then end the FUSE connections of the
+    volumes that ran into a deadline. True when the overall deadline stopped
+    the chains (``out`` then says what was not done)."""
     node = Node.from_config(config, Runner(timeout=step_timeout))
     timer = limit.stop_chains_in_time(node)
     try:
-        out.phase = "waiting for the state lock"
-        with lock_within(config, limit.budget(step_timeout)):
-            out.phase = "looking at what is ours"
-            plans, volumes, observed, skipped = _plan_release(config, node)
-            out.plans, out.skipped = plans, skipped
-            out.phase = "releasing"
-            out.outcomes = apply(plans, volumes, observed, node)
-            timer.cancel()
-            if node.runner.halt.stopping:
-                # Stopped at the deadline: no time to look again. What the
-                # chains did not do is still held.
-                out.late = f"deadline of {deadline:g} s reached while releasing"
-                out.left = [*skipped, *_not_done(plans, out.outcomes)]
-                return out
-            out.phase = "looking again"
-            # Its own runner: the deadline's halt, had it come now, must not
-            # refuse the listing commands of this last look.
-            again, _, _, skipped = _plan_release(
-                config, Node.from_config(config, Runner(timeout=step_timeout)))
+        out.phase = "looking at what is ours"
+        plans, volumes, observed, skipped = _plan_release(config, node)
+        out.plans, out.skipped = plans, skipped
+        out.phase = "releasing"
+        outcomes = apply(plans, volumes, observed, node)
+        out.outcomes += outcomes
     finally:
         timer.cancel()
-    out.left = [*skipped, *_still_held(again)]
-    out.phase = "done"
-    return out
+    stuck = ran_into_deadline(outcomes, volumes, step_timeout,
+                              frozenset(vp.name for vp in plans if vp.stalled))
+    if node.runner.halt.stopping:
+        # Stopped at the deadline: no time to look again. What the chains
+        # did not do is still held; what hangs on a dead helper is ended
+        # with the little time left, so that this process can end.
+        out.late = f"deadline of {limit.seconds:g} s reached while releasing"
+        out.left = [*skipped, *_not_done(plans, out.outcomes)]
+        out.forced += unwedge(config, stuck, limit.until_end())
+        return True
+    out.phase = "ending the FUSE connections that do not answer"
+    out.forced += unwedge(config, stuck, limit.left())
+    return False
 
 
 def _still_held(plans: Iterable[VolumePlan]) -> list[str]:
@@ -291,7 +334,8 @@ def report_at_deadline(out: Released, deadline: float) -> Released:
     command: the kernel, a Ceph call): what it had done is all there is to
     report, and everything it set out to do that is not known done is held."""
     late = Released(outcomes=list(out.outcomes), sync=out.sync, thawed=list(out.thawed),
-                    plans=list(out.plans), skipped=list(out.skipped), phase=out.phase)
+                    plans=list(out.plans), skipped=list(out.skipped), phase=out.phase,
+                    forced=list(out.forced))
     late.late = f"deadline of {deadline:g} s reached while {out.phase}"
     late.left = [*late.skipped, *_not_done(late.plans, late.outcomes)]
     if not late.plans:

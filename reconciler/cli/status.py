@@ -28,7 +28,8 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
     node = Node.from_config(config)
     p = plan_pass(paths_of(args, config), config, node, all_watchers=True)
     ctx = context(config, node)
-    rows = [actual_state(v, p.observed, ctx) for v in p.loaded.volumes]
+    found = {vp.name: vp.problems for vp in p.plans}  # planned already: not again
+    rows = [actual_state(v, p.observed, ctx, found.get(v.name)) for v in p.loaded.volumes]
     for r in rows:
         r["daemon"] = _daemon_status(config, str(r["name"]))
         _daemon_stall(r)
@@ -159,8 +160,8 @@ def _explanation(name: str, p: Pass, config: Config, node: Node,
 
     vols = {v.name: v for v in p.loaded.volumes}
     vp = next((x for x in p.plans if x.name == name), None)
-    actual = actual_state(vols[name], p.observed, context(config, node)) \
-        if name in vols else None
+    actual = actual_state(vols[name], p.observed, context(config, node),
+                          vp.problems if vp else None) if name in vols else None
     holders: list[str] = []
     if actual and actual["device"]:
         dev = Path(str(actual["device"])).name
@@ -177,6 +178,7 @@ def _explanation(name: str, p: Pass, config: Config, node: Node,
         "unknown": vp.unknown if vp else None,
         "refusal": vp.refused if vp else None,
         "notes": vp.notes if vp else [],
+        "problems": vp.problems if vp else {},
         "nextSteps": [s.as_dict() for s in vp.steps] if vp else [],
         "claim": _claim_doc(config, actual),
     }
@@ -204,13 +206,15 @@ def _print_explanation(doc: dict[str, Any]) -> None:
     for s in doc["nextSteps"]:
         print(f"  next:     {s['action']} {s['target']}: {s['from']} -> {s['to']}")
     if not doc["nextSteps"] and not doc["refusal"]:
-        print("  next:     nothing; it is where it should be")
+        print("  next:     nothing a step can do: see PROBLEM above" if doc["problems"]
+              else "  next:     nothing; it is where it should be")
 
 
 UNKNOWN = "unknown"
 
 
 def _print_actual(actual: dict[str, Any], holders: list[str], claim: dict | None) -> None:
+    from reconciler.facts.meta import HOLDER
     from reconciler.spec.units import format_size
 
     print(f"  phase:    {actual['phase']} (wanted {actual['wanted']})")
@@ -248,7 +252,13 @@ def _print_actual(actual: dict[str, Any], holders: list[str], claim: dict | None
     else:
         print(f"  watchers: {', '.join(actual['watchers']) or 'none'}"
               + (f" (mapped by {actual['holder']})" if actual.get("holder") else ""))
-        _print_claim(claim)
+        unreadable = actual.get("unreadableMeta") or {}
+        if HOLDER in unreadable:
+            print(f"  claim:    {UNKNOWN} (image-meta {HOLDER} is {unreadable[HOLDER]})")
+        else:
+            _print_claim(claim)
+        for key, why in unreadable.items():
+            print(f"  image-meta: {key} is {why}")
     print(f"  mapping:  {actual['mapper'] or '-'} {actual['device'] or ''}")
     if enc := actual.get("encryption"):
         print(f"  encryption: {enc['type']}, key {enc['key'] or '(none in the spec)'}; "

@@ -18,8 +18,8 @@ def cmd_takeover(args: argparse.Namespace, config: Config) -> int:
     import rbd
 
     from reconciler.apply import claims
+    from reconciler.apply.takeover import take_over
     from reconciler.drivers import ceph
-    from reconciler.facts.claim import Claim
     from reconciler.spec.loader import load
 
     vol = next((v for v in load(default_paths(config), config).volumes
@@ -45,21 +45,19 @@ def cmd_takeover(args: argparse.Namespace, config: Config) -> int:
                     else f"blocklist nothing (node {held.node} recorded no client and "
                          "nothing has the image open)")
             if not args.sure:
-                print(f"would {what}, then claim {pool}/{image} for {me}. "
+                print(f"would {what}, then claim {pool}/{image} for {me} (fencing too any "
+                      f"client node {held.node} maps meanwhile). "
                       "Only do this when that node is gone for good: its writes will fail. "
                       "Re-run with --yes-i-am-sure to do it.")
                 return EXIT_FAILED
-            for addr in fence:
-                print(claims.blocklist_add(cluster, addr))
-            left = claims.wait_watchers_gone(cluster, pool, image, set(fence))
-            if left:
-                print(f"rbd-reconciler: {', '.join(left)} still watch {pool}/{image} after "
-                      "being blocklisted; the claim was not taken", file=sys.stderr)
-                return EXIT_FAILED
-            new = Claim(me, (), held.node, tuple(fence))
-            if not claims.replace(cluster, pool, image, held, new):
-                print(f"rbd-reconciler: the claim of {pool}/{image} changed meanwhile; "
-                      "nothing taken (run takeover again to see it)", file=sys.stderr)
+            done = take_over(cluster, pool, image, me, held)
+            for said in done.said:
+                print(said)
+            if done.late:
+                print(f"fenced after the claim was swapped: {', '.join(done.late)} (a map "
+                      f"node {held.node} began before it)")
+            if done.error is not None:
+                print(f"rbd-reconciler: {done.error}", file=sys.stderr)
                 return EXIT_FAILED
     except (ceph.CephError, rados.Error, rbd.Error) as exc:
         print(f"rbd-reconciler: {pool}/{image}: {exc}", file=sys.stderr)

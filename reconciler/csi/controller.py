@@ -41,7 +41,7 @@ _TOKEN = re.compile(r"csi-(x|snap-)?[0-9a-f]{32}")
 # The answer's capacity_bytes is an int64, and so is the size a mapped device
 # (loff_t) can have: the largest whole-MiB size below 2^63.
 MAX_REPLY_SIZE = ((1 << 63) - 1) // MiB * MiB
-IN_USE_PHASES = ("Mapped", "Staged", "Published")  # the daemon's status phases
+IN_USE_PHASES = ("Mapped", "Staged", "Published", "Degraded")  # the daemon's status phases
 
 
 def max_size(features: list[str] | tuple[str, ...] | None) -> int:

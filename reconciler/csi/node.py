@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import stat
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -28,6 +27,7 @@ from reconciler.csi.files import (
     new_document,
 )
 from reconciler.csi.volumes import Volumes
+from reconciler.drivers import procfs
 from reconciler.facts.observed import Mount, top_mounts
 from reconciler.facts.parsers import parse_mountinfo
 from reconciler.spec.config import MountPrivileges
@@ -88,7 +88,7 @@ def _foreign_mount(target: str, source: str) -> Mount | None:
     ``source`` (the volume's staging mount or device node): something else is
     mounted there. With nothing at ``source`` to compare, None: the engine
     decides (by the device) and a refusal puts the file back."""
-    tops = top_mounts(parse_mountinfo(Path("/proc/self/mountinfo").read_text()))
+    tops = top_mounts(procfs.mounts())
     there, ours = tops.get(target), tops.get(source)
     if there is None or ours is None:
         return None
@@ -349,7 +349,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
 
     def _fs_stats(self, path: str) -> pb.NodeGetVolumeStatsResponse:
         mounted = {m.mount_point for m in parse_mountinfo(
-            Path("/proc/self/mountinfo").read_text())}
+            procfs.mountinfo())}
         if path not in mounted:
             return pb.NodeGetVolumeStatsResponse(volume_condition=pb.VolumeCondition(
                 abnormal=True, message=f"nothing is mounted at {path}"))

@@ -41,6 +41,7 @@ import rados
 
 from reconciler.csi.cephinfo import CephInfo
 from reconciler.csi.errors import CsiError
+from reconciler.drivers import omap
 from reconciler.spec.diagnostics import excerpt
 
 log = logging.getLogger("rbd-reconciler.csi")
@@ -97,6 +98,8 @@ def decode(raw: bytes, pool: str, key: str) -> Record:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad(f"not JSON: {excerpt(str(exc))}") from None
+    except RecursionError:
+        raise bad("not JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise bad("not a JSON object")
     doc, state, by, at = data.get("doc"), data.get("state"), data.get("by"), data.get("at")
@@ -192,24 +195,20 @@ class Records:
         """Every readable record; one that does not decode is skipped (and
         logged): it concerns its own name, never the listing."""
         out: dict[str, Record] = {}
-        after = ""
         with self.ceph.client() as c, c.open_ioctx(self.pool) as io:
-            while True:
-                with rados.ReadOpCtx() as op:
-                    it, _ = io.get_omap_vals(op, after, PREFIX, PAGE)
-                    try:
-                        io.operate_read_op(op, OBJECT)
-                    except rados.ObjectNotFound:
-                        return out
-                    page = list(it)
-                for key, raw in page:
-                    try:
-                        out[key[len(PREFIX):]] = decode(raw, self.pool, key)
-                    except Unreadable as exc:
-                        log.warning("%s", exc.message)
-                if len(page) < PAGE:
-                    return out
-                after = page[-1][0]
+            try:
+                found, bad = omap.scan(io, OBJECT, PREFIX, PAGE)
+            except rados.ObjectNotFound:
+                return out
+        for key in bad:  # no name of ours: it concerns no volume
+            log.warning("a controller record key in %s/%s is not UTF-8 text (%r); skipped",
+                        self.pool, OBJECT, key[:64])
+        for key, raw in found.items():
+            try:
+                out[key[len(PREFIX):]] = decode(raw, self.pool, key)
+            except Unreadable as exc:
+                log.warning("%s", exc.message)
+        return out
 
     def stale(self, rec: Record) -> bool:
         return rec.state == "creating" and time.time() - rec.at > self.stale_s

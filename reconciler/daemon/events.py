@@ -5,12 +5,19 @@ pass that follows observes them afresh and acts on what it sees, never on the
 event. Every source here is a file descriptor polled by one thread:
 
 - the mount table: ``/proc/self/mountinfo`` signals POLLPRI/POLLERR on any
-  mount or unmount in our namespace; a re-read and a diff name the mount
-  points that changed;
+  mount, unmount or remount in our namespace; a re-read and a diff of what
+  the planner reads of each mount (options, the filesystem's too, source,
+  type) name the mount points that changed; a volume is woken for a change
+  at one of its paths or above it (a mount over a parent directory hides it);
 - block devices: the kernel's uevents (a NETLINK_KOBJECT_UEVENT socket), for
   a device of ours removed or changed (krbd and rbd-nbd announce a resize
   this way);
-- helpers: a pidfd per rbd-fuse helper, readable once the helper exits.
+- helpers: a pidfd per rbd-fuse helper, readable once the helper exits;
+- the kernel log (``/dev/kmsg``): a warning or error naming a device of ours
+  (an I/O error, ``EXT4-fs error``, a filesystem going read-only, which no
+  mount event announces). It wakes the volume at once and once more a moment
+  later (the kernel may flip the flag after its message), at most once a
+  second while messages keep coming.
 
 I/O that stops completing (a Ceph out of reach) makes no event at all: the
 mapped devices' counters are read from sysfs every ``events.ioPollSeconds``
@@ -33,9 +40,12 @@ import os
 import select
 import socket
 import threading
+import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from reconciler.facts.kmsg import names_for_message, parse_kmsg
 from reconciler.facts.parsers import parse_mountinfo
 from reconciler.facts.uevent import Uevent, parse_uevent
 from reconciler.observe.iowatch import IoWatch
@@ -43,6 +53,8 @@ from reconciler.observe.iowatch import IoWatch
 log = logging.getLogger("rbd-reconciler")
 
 MOUNTINFO = "/proc/self/mountinfo"
+KMSG = "/dev/kmsg"
+KMSG_AGAIN_S = 1.0  # a volume a kernel message named is looked at again this much later
 NETLINK_KOBJECT_UEVENT = 15
 UEVENT_KERNEL_GROUP = 1
 UEVENT_ACTIONS = frozenset({"add", "remove", "change", "offline", "online"})
@@ -64,19 +76,41 @@ class Interest:
     images: Mapping[tuple[str, str], tuple[str, int]] = field(default_factory=dict)
 
 
-def mount_keys(mountinfo: str) -> frozenset[tuple[int, str]]:
-    """(mount id, mount point) of every mount: a remount under the same
-    point gets a new id, so it shows up as a change too."""
-    return frozenset((m.mount_id, m.mount_point) for m in parse_mountinfo(mountinfo))
+# What the planner reads of one mount: point first (what a change names).
+MountState = tuple[str, int, int, int, str, frozenset[str], str, str, frozenset[str]]
 
 
-def changed_points(before: frozenset[tuple[int, str]],
-                   after: frozenset[tuple[int, str]]) -> set[str]:
-    return {point for _, point in before ^ after}
+def mount_keys(mountinfo: str) -> dict[int, MountState]:
+    """Mount id -> what the planner acts on of that mount. A remount keeps
+    the id and the point (``remount,bind,ro``), so its options, the
+    filesystem's options (read-only after an error), the source and the
+    type are compared too; mountinfo's optional fields (propagation) are not."""
+    return {m.mount_id: (m.mount_point, m.parent_id, m.major, m.minor, m.root, m.options,
+                         m.fs_type, m.source, m.super_options)
+            for m in parse_mountinfo(mountinfo)}
+
+
+def changed_points(before: Mapping[int, MountState], after: Mapping[int, MountState]
+                   ) -> set[str]:
+    """Mount points where a mount came, went or changed."""
+    return ({v[0] for k, v in before.items() if after.get(k) != v}
+            | {v[0] for k, v in after.items() if before.get(k) != v})
 
 
 def names_for_points(points: Iterable[str], paths: Mapping[str, str]) -> set[str]:
-    return {paths[p] for p in points if p in paths}
+    """Volumes with a path at a changed point, or below one: a mount over a
+    directory above a publish hides the publish as surely as one on top."""
+    ordered = sorted(paths)
+    names = set()
+    for point in points:
+        if point in paths:
+            names.add(paths[point])
+        below = point.rstrip("/") + "/"
+        for p in ordered[bisect_left(ordered, below):]:
+            if not p.startswith(below):
+                break
+            names.add(paths[p])
+    return names
 
 
 def names_for_uevent(ev: Uevent, devices: Mapping[str, str]) -> set[str]:
@@ -107,16 +141,19 @@ class EventHub:
         # Helpers already reported gone: the interest names them until their
         # volume is looked at again, which must not mark it again and again.
         self._gone: set[int] = set()
-        self._mounts: frozenset[tuple[int, str]] = frozenset()
+        self._mounts: dict[int, MountState] = {}
         self._threads: list[threading.Thread] = []
         self._mountinfo = None
         self._netlink: socket.socket | None = None
+        self._kmsg: int | None = None
+        self._again: dict[str, float] = {}  # volume -> when to look again (kernel log)
 
     # -- the daemon's side --------------------------------------------------------
     def start(self) -> None:
         self._mountinfo = open(MOUNTINFO, "rb", buffering=0)  # noqa: SIM115 (held open)
         self._mounts = mount_keys(self._read_mountinfo())
         self._netlink = _uevent_socket()
+        self._kmsg = _kmsg_reader()
         self._threads.append(threading.Thread(target=self._run, name="events", daemon=True))
         if self.read_sizes is not None and self.image_poll_seconds > 0:
             self._threads.append(threading.Thread(target=self._poll_images,
@@ -146,6 +183,8 @@ class EventHub:
             self._mountinfo.close()
         if self._netlink is not None:
             self._netlink.close()
+        if self._kmsg is not None:
+            os.close(self._kmsg)
         os.close(self._wake_r)
         os.close(self._wake_w)
 
@@ -161,12 +200,15 @@ class EventHub:
         poller.register(self._mountinfo.fileno(), select.POLLPRI | select.POLLERR)
         if self._netlink is not None:
             poller.register(self._netlink.fileno(), select.POLLIN)
+        if self._kmsg is not None:
+            poller.register(self._kmsg, select.POLLIN)
         self._sync_pidfds(poller)
         while not self._stop.is_set():
             try:
-                ready = poller.poll()
+                ready = poller.poll(self._again_in_ms())
             except InterruptedError:
                 continue
+            self._look_again()
             for fd, _ in ready:
                 try:
                     self._handle(poller, fd)
@@ -182,6 +224,8 @@ class EventHub:
             self._mounts_changed()
         elif self._netlink is not None and fd == self._netlink.fileno():
             self._uevents()
+        elif fd == self._kmsg:
+            self._kernel_log()
         elif fd in self._pidfds:
             pid, name = self._pidfds.pop(fd)
             poller.unregister(fd)
@@ -205,7 +249,49 @@ class EventHub:
             paths = self._interest.paths
         names = names_for_points(points, paths)
         if names:
-            self.mark(names, f"mounts changed at {', '.join(sorted(points & set(paths)))}")
+            shown = sorted(points & set(paths)) or sorted(points)[:3]
+            self.mark(names, f"mounts changed at {', '.join(shown)}")
+
+    def _kernel_log(self) -> None:
+        assert self._kmsg is not None
+        with self._lock:
+            devices = self._interest.devices
+        names: set[str] = set()
+        first = ""
+        while True:
+            try:
+                record = os.read(self._kmsg, 8192)
+            except BlockingIOError:
+                break
+            except BrokenPipeError:  # overwritten before we read them: on with the next
+                continue
+            if not record:
+                break
+            msg = parse_kmsg(record)
+            hit = names_for_message(msg, devices) if msg is not None else set()
+            if hit and msg is not None:
+                names |= hit
+                first = first or msg.text[:120]
+        now = time.monotonic()
+        fresh = {n for n in names if n not in self._again}
+        for n in names:
+            self._again.setdefault(n, now + KMSG_AGAIN_S)
+        if fresh:
+            self.mark(fresh, f"kernel: {first}")
+
+    def _again_in_ms(self) -> int | None:
+        """poll(2)'s timeout: until the next look again (None: none due)."""
+        if not self._again:
+            return None
+        return max(0, int((min(self._again.values()) - time.monotonic()) * 1000) + 1)
+
+    def _look_again(self) -> None:
+        now = time.monotonic()
+        due = {n for n, t in self._again.items() if t <= now}
+        for n in due:
+            del self._again[n]
+        if due:
+            self.mark(due, "kernel: looking again after its message")
 
     def _uevents(self) -> None:
         assert self._netlink is not None
@@ -302,6 +388,22 @@ class EventHub:
             if stalled - now:
                 self.mark(stalled - now, "I/O completing again")
             stalled = now
+
+
+def _kmsg_reader() -> int | None:
+    """/dev/kmsg, from its end: only what the kernel says from now on."""
+    try:
+        fd = os.open(KMSG, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:  # no CAP_SYSLOG (dmesg_restrict), a container without it
+        log.info("events: no kernel log (%s); I/O errors and filesystems gone read-only "
+                 "are seen at the resync", exc)
+        return None
+    try:
+        os.lseek(fd, 0, os.SEEK_END)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _uevent_socket() -> socket.socket | None:

@@ -19,7 +19,7 @@ from reconciler.spec.model import Volume
 @dataclass(frozen=True)
 class VolumeInterest:
     paths: frozenset[str] = frozenset()
-    devices: frozenset[str] = frozenset()  # basenames: "loop3", "rbd0"
+    devices: frozenset[str] = frozenset()  # kernel names: "loop3", "rbd0", "dm-2"
     pids: frozenset[int] = frozenset()
     images: frozenset[tuple[str, str, int]] = frozenset()  # fuse-mapped: pool, image, size
 
@@ -43,6 +43,11 @@ def volume_interest(v: Volume, observed: Observed,
             dev = observed.devices.get(m.device)
             if dev is not None:
                 rdevs.add((dev.major, dev.minor))
+            # An open LUKS2 device over it holds the filesystem: the kernel
+            # names it "dm-MINOR" in its messages.
+            if (crypt := observed.crypts.get(m.device)) is not None:
+                devices.add(f"dm-{crypt.minor}")
+                rdevs.add((crypt.major, crypt.minor))
         if m.kind == "fuse" and m.fuse_mount:
             paths.add(m.fuse_mount)
             if (pid := helpers.get(m.fuse_mount)) is not None:

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -40,8 +40,11 @@ log = logging.getLogger("rbd-reconciler")
 
 NS = "rbd_reconciler"
 # What a status file's "phase" can say (daemon.py); other values count as Other.
-STATUS_PHASES = ("Pending", "Absent", "Created", "Mapped", "Staged", "Published", "Deleting",
-                 "Released", "Failed", "Frozen", "Unknown", "Stalled", "Fenced")
+STATUS_PHASES = ("Pending", "Absent", "Created", "Mapped", "Staged", "Published", "Degraded",
+                 "Deleting", "Released", "Failed", "Frozen", "Unknown", "Stalled", "Fenced")
+# What is wrong with a volume that no step may put right (a plan's problems):
+# one series per volume and condition, 1 while it holds.
+VOLUME_CONDITIONS = ("Shadowed", "FilesystemReadOnly")
 LIFECYCLE = {"ABSENT": "Absent", "CREATED": "Created", "MAPPED": "Mapped", "STAGED": "Staged",
              "PUBLISHED": "Published"}
 
@@ -120,12 +123,14 @@ class _VolumeStates(Collector):
         self.status: dict[str, str] = {}
         self.observed: dict[str, str] = {}
         self.wanted: dict[str, str] = {}
+        self.conditions: dict[str, frozenset[str]] = {}
         self.ceph_up: bool | None = None
         self.stall_since: dict[str, float] = {}  # Stalled volumes: nothing completed since
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         with self.lock:
             status, observed, wanted = dict(self.status), dict(self.observed), dict(self.wanted)
+            conditions = dict(self.conditions)
             ceph_up, stall_since = self.ceph_up, dict(self.stall_since)
         for name, doc, states in (
                 ("volume_phase", "The phase the volume's status reports (1 = current).", status),
@@ -137,6 +142,14 @@ class _VolumeStates(Collector):
             for vol, phase in sorted(states.items()):
                 g.add_metric([vol, phase], 1)
             yield g
+        cond = GaugeMetricFamily(f"{NS}_volume_condition", "1 while the condition holds for the "
+                                 "volume (Shadowed: a publish with someone else's mount on "
+                                 "top; FilesystemReadOnly: its filesystem refuses writes).",
+                                 labels=["volume", "condition"])
+        for vol, active in sorted(conditions.items()):
+            for c in VOLUME_CONDITIONS:
+                cond.add_metric([vol, c], 1 if c in active else 0)
+        yield cond
         counts = GaugeMetricFamily(f"{NS}_volumes", "Volumes by the phase their status reports.",
                                    labels=["phase"])
         for phase in STATUS_PHASES:
@@ -252,6 +265,8 @@ class Metrics:
             for vp in plans:
                 self.states.observed[vp.name] = ("Unknown" if vp.unknown
                                                  else LIFECYCLE[vp.phase.name])
+                if vp.kind == "volume":
+                    self.states.conditions[vp.name] = frozenset(vp.problems)
             for v in volumes:
                 self.states.wanted[v.name] = LIFECYCLE[v.wanted_phase.name]
             if ceph_up is not None:
@@ -260,8 +275,10 @@ class Metrics:
     def retain(self, names: set[str]) -> None:
         """Forget volumes no longer managed (released, or never ours)."""
         with self.states.lock:
-            for d in (self.states.status, self.states.observed, self.states.wanted,
-                      self.states.stall_since):
+            tables: tuple[dict[str, Any], ...] = (
+                self.states.status, self.states.observed, self.states.wanted,
+                self.states.conditions, self.states.stall_since)
+            for d in tables:
                 for name in [n for n in d if n not in names]:
                     del d[name]
 

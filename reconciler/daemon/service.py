@@ -29,12 +29,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from watchdog.events import FileSystemEvent, FileSystemEventHandler
-from watchdog.observers import Observer
-
 from reconciler.apply.runner import LEFT, VolumeOutcome, apply
 from reconciler.daemon import sdnotify
 from reconciler.daemon.conditions import Conditions
+from reconciler.daemon.dirwatch import DirWatcher
+from reconciler.daemon.dirwatch import plan as watch_plan
 from reconciler.daemon.events import EventHub
 from reconciler.daemon.interest import VolumeInterest, combine, forget, volume_interest
 from reconciler.daemon.metrics import Metrics, ceph_reachable
@@ -48,13 +47,13 @@ from reconciler.observe.node import Node, observe
 from reconciler.plan.planner import VolumePlan, actual_state, plan
 from reconciler.spec.config import Config, ConfigError, load_config
 from reconciler.spec.desired import claims, forgettable, load_desired
-from reconciler.spec.loader import LoadCache, discover, is_ignored
+from reconciler.spec.loader import LoadCache, discover
 from reconciler.spec.model import Volume, volume_from_dict, volume_to_dict
 from reconciler.spec.security import desired_dir_problems, directory_problems
 from reconciler.state import allowance
 from reconciler.state.files import CannotWrite, read_json, write_json
 from reconciler.state.records import RecordsFile
-from reconciler.state.status import VolumeStatus
+from reconciler.state.status import UNSET, VolumeStatus, converged_conditions
 
 log = logging.getLogger("rbd-reconciler")
 
@@ -90,28 +89,6 @@ class Backoff:
     spec_hash: str
 
 
-class _Wake(FileSystemEventHandler):
-    """Wake the loop for events that can change the desired set: files in the
-    directory (not editor droppings), or, in the parent, the directory entry
-    itself being replaced. Other traffic in the parent (logs, state) is noise
-    that would otherwise wake the loop forever."""
-
-    def __init__(self, wake: Callable[[], None], only: Path | None = None) -> None:
-        self.wake = wake
-        self.only = only
-
-    def on_any_event(self, event: FileSystemEvent) -> None:
-        if event.event_type in ("opened", "closed", "closed_no_write"):
-            return
-        paths = [Path(str(p)) for p in (event.src_path, getattr(event, "dest_path", "")) if p]
-        if self.only is not None:
-            if self.only in paths:
-                self.wake()
-            return
-        if any(not is_ignored(p.name) for p in paths):
-            self.wake()
-
-
 class Daemon:
     def __init__(self, config: Config, config_path: Path | None,
                  allow_mass_removal: bool = False, csi_endpoint: str | None = None,
@@ -137,8 +114,7 @@ class Daemon:
         self.load_cache = LoadCache()
         self.pool = ThreadPoolExecutor(max_workers=config.parallel,
                                        thread_name_prefix="volume")
-        self.observer: Observer | None = None
-        self.watched: tuple[Path, Path] | None = None
+        self.dirwatch: DirWatcher | None = None  # inotify on the desired files' paths
         self.conditions = Conditions(log)
         self.busy_since: float | None = None  # the pass thread is inside a pass
         # Hooks for the CSI adapter (reconciler/csi): a wake that skips the
@@ -358,9 +334,8 @@ class Daemon:
         sdnotify.notify("STOPPING=1")
         deadline = time.monotonic() + self.config.timeouts.stop_seconds - STOP_RESERVE_S
         self._stop_chains(worker, deadline)
-        if self.observer is not None:
-            self.observer.stop()
-            self.observer.join(timeout=max(0.1, min(5.0, deadline + 1 - time.monotonic())))
+        if self.dirwatch is not None:
+            self.dirwatch.stop(timeout=max(0.1, min(2.0, deadline + 1 - time.monotonic())))
         if self.events is not None:
             self.events.stop(timeout=max(0.1, min(2.0, deadline + 1 - time.monotonic())))
         reap_zombies()
@@ -464,25 +439,23 @@ class Daemon:
         self.mark_dirty(None, "config reloaded")
 
     def _watch(self) -> None:
-        """Watch the directory (through its symlink, re-resolved each time) and
-        its parent, where git-sync and ConfigMaps swap the link atomically."""
-        desired = self.config.desired_dir
-        target = desired.resolve()
-        want = (target, desired.parent)
-        if self.watched == want:
-            return
-        if self.observer is not None:
-            self.observer.stop()
-            self.observer.join(timeout=5)
-        observer = Observer()
-        if target.is_dir():
-            observer.schedule(_Wake(self.wake), str(target), recursive=False)
-        if desired.parent.is_dir() and desired.parent != target:
-            observer.schedule(_Wake(self.wake, only=desired), str(desired.parent),
-                              recursive=False)
-        observer.daemon = True
-        observer.start()
-        self.observer, self.watched = observer, want
+        """Watch what can change the desired files (daemon/dirwatch.py): the
+        paths are resolved again every pass, so the watches follow a link
+        swapped anywhere on the way (git-sync, a deploy keeping releases)."""
+        if self.dirwatch is None:
+            try:
+                self.dirwatch = DirWatcher(self.wake, self._events_lost)
+            except OSError as exc:  # no inotify left (fs.inotify.max_user_instances)
+                log.warning("events: not watching the desired files (%s); they are looked "
+                            "at every %g s", exc, self.config.resync_seconds)
+                return
+            self.dirwatch.start()
+        self.dirwatch.watch(watch_plan([self.config.desired_dir], [self.config.csi_dir]))
+
+    def _events_lost(self) -> None:
+        """The kernel dropped file events (its queue overflowed): what changed
+        is unknown, so the next pass looks at every volume."""
+        self.mark_dirty(None, "file events lost (inotify queue overflow)")
 
     def _start_events(self) -> None:
         poll = self.config.events.image_poll_seconds
@@ -847,17 +820,21 @@ class Daemon:
             if released and vol.name in self.records:
                 del self.records[vol.name]
                 self._save_records()
-        actual = actual_state(vol, observed, context(self.config, self.node))  # type: ignore[arg-type]
+        problems = {} if released else vp.problems
+        actual = actual_state(vol, observed, context(self.config, self.node),  # type: ignore[arg-type]
+                              problems)
         self._write_status(vol.name, VolumeStatus(
-            # A clone whose source is still on its way is pending, not absent.
+            # A clone whose source is still on its way is pending, not absent;
+            # one with a problem no step can fix is not what it looks like.
             "Released" if released else "Pending" if vp.waiting else
-            PHASE_NAMES[vp.phase.name],
+            "Degraded" if problems else PHASE_NAMES[vp.phase.name],
+            reason=next(iter(problems), UNSET),
+            message="; ".join(problems.values()) or UNSET,
             observed_generation=vol.spec_hash,
             notes=vp.notes,
             device=actual["device"], staging=actual["staging"],
             published=actual["published"], size=actual["size"],
-            conditions=[{"type": "Converged", "status": True, "reason": "UpToDate",
-                         "message": "", "lastTransitionTime": _now()}],
+            conditions=converged_conditions(problems, _now()),
         ))
 
     def _write_status(self, name: str, status: VolumeStatus,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import rados
 import rbd
 
+from reconciler.drivers import omap
 from reconciler.drivers.keys import ImageRef
 from reconciler.facts import meta as metakeys
 from reconciler.facts.claim import parse_blocklist
@@ -35,6 +36,11 @@ OP_TIMEOUT_S = 30
 
 class CephError(Exception):
     pass
+
+
+class UnreadableMeta(CephError):
+    """One of our image-meta values is not UTF-8 text: never read as absent,
+    never compared or overwritten."""
 
 
 class ImageExists(CephError):
@@ -153,11 +159,30 @@ def observe_pool(cluster: rados.Rados, pool: str,
 def list_images(cluster: rados.Rados, pool: str) -> set[str]:
     try:
         with cluster.open_ioctx(pool) as ioctx:
-            return set(rbd.RBD().list(ioctx))
+            return image_names(ioctx)
     except rados.ObjectNotFound:
         raise CephError("pool does not exist") from None
     except (rados.Error, rbd.Error) as exc:
         raise CephError(str(exc)) from exc
+
+
+def image_names(ioctx: rados.Ioctx) -> set[str]:
+    """The pool's images. librbd's listing fails as a whole on one name that
+    is not UTF-8 (anyone may create one): then the directory is read
+    directly, and such a name, never ours, is left out."""
+    try:
+        return set(rbd.RBD().list(ioctx))
+    except UnicodeDecodeError:
+        pass
+    if ioctx.stat("rbd_directory")[0]:
+        # Format-1 images are listed in the object's data, which only librbd reads.
+        raise CephError("an image name that is not UTF-8 text beside format-1 images: "
+                        "the pool cannot be listed")
+    try:
+        found, _ = omap.scan(ioctx, "rbd_directory", "name_")
+    except omap.Unpageable as exc:
+        raise CephError(str(exc)) from None
+    return {k[len("name_"):] for k in found}
 
 
 def image_state(cluster: rados.Rados, pool: str, name: str) -> ImageState | None:
@@ -167,6 +192,11 @@ def image_state(cluster: rados.Rados, pool: str, name: str) -> ImageState | None
             return _image_state(cluster, ioctx, pool, name)
     except (rados.Error, rbd.Error) as exc:
         raise CephError(f"{pool}/{name}: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        # A snapshot, parent or clone name librbd's binding cannot decode:
+        # this image is unknown, no other.
+        raise CephError(f"{pool}/{name}: Ceph returned a name that is not UTF-8 text "
+                        f"({metakeys.preview(exc.object)})") from None
 
 
 def _image_state(cluster: rados.Rados, ioctx: rados.Ioctx, pool: str,
@@ -176,13 +206,29 @@ def _image_state(cluster: rados.Rados, ioctx: rados.Ioctx, pool: str,
         with open_image(ioctx, name, read_only=True) as img:
             watchers = tuple(sorted(w["addr"] for w in img.watchers_list()))
             parent = _parent(img)
+            values, unreadable = image_meta(ioctx, img)
             return ImageState(pool=pool, name=name, size=img.size(),
                               features=feature_names(img.features()),
-                              meta=dict(img.metadata_list()), watchers=watchers,
+                              meta=values, unreadable=unreadable, watchers=watchers,
                               snaps=_snaps(img), parent=parent,
                               depth=_depth(cluster, parent) if parent else 0)
     except rbd.ImageNotFound:  # removed between list and open
         return None
+
+
+def image_meta(ioctx: rados.Ioctx, img: rbd.Image) -> tuple[dict[str, str], dict[str, str]]:
+    """An open image's image-meta as ``meta.decode`` gives it. librbd's
+    listing fails as a whole on one value that is not UTF-8: then the header
+    omap, where librbd keeps it, is read directly."""
+    try:
+        return dict(img.metadata_list()), {}
+    except UnicodeDecodeError:
+        pass
+    try:
+        found, _ = omap.scan(ioctx, f"rbd_header.{img.id()}", META_PREFIX)
+    except omap.Unpageable as exc:
+        raise CephError(str(exc)) from None
+    return metakeys.decode({k[len(META_PREFIX):]: v for k, v in found.items()})
 
 
 def _parent(img: rbd.Image) -> str | None:
@@ -261,7 +307,7 @@ def remove_unlisted(cluster: rados.Rados, pool: str, name: str) -> bool:
     no data was ever written to it). False, touching nothing, for a real
     image (listed, with its header)."""
     with cluster.open_ioctx(pool) as ioctx:
-        if name in rbd.RBD().list(ioctx):
+        if name in image_names(ioctx):
             oid = header_oid(ioctx, name)
             if oid is None:
                 return False
@@ -302,7 +348,11 @@ def header_oid(ioctx: rados.Ioctx, name: str) -> str | None:
         return None
     if len(raw) < 5 or int.from_bytes(raw[:4], "little") != len(raw) - 4:
         return None
-    return f"rbd_header.{raw[4:].decode()}"
+    try:
+        return f"rbd_header.{raw[4:].decode()}"
+    except UnicodeDecodeError:
+        raise CephError(f"{name}: its id (rbd_id.{name}) is not UTF-8 text "
+                        f"({metakeys.preview(raw[4:])})") from None
 
 
 def _meta_cas(ioctx: rados.Ioctx, oid: str, key: str, value: str | None) -> None:
@@ -317,9 +367,13 @@ def _meta_cas(ioctx: rados.Ioctx, oid: str, key: str, value: str | None) -> None
                 ioctx.operate_read_op(rop, oid)
             except rados.ObjectNotFound:
                 raise rbd.ImageNotFound(f"{oid} is gone") from None
-            old = dict(it).get(omap_key)
+            old = omap.entries(it)[0].get(omap_key)
+        try:
+            expect = metakeys.text(key, old or b"")
+        except metakeys.Unreadable as exc:
+            raise UnreadableMeta(f"{oid}: {exc}; not changed") from None
         with rados.WriteOpCtx() as op:
-            op.omap_cmp(omap_key, (old or b"").decode(), rados.LIBRADOS_CMPXATTR_OP_EQ)
+            op.omap_cmp(omap_key, expect, rados.LIBRADOS_CMPXATTR_OP_EQ)
             if value is None:
                 ioctx.remove_omap_keys(op, (omap_key,))
             else:
@@ -456,7 +510,11 @@ def set_qos(cluster: rados.Rados, pool: str, name: str, keys: tuple[str, ...],
     one open. Through librbd, not the header omap: it checks each value and
     tells every client with the image open (their limits change live)."""
     with cluster.open_ioctx(pool) as ioctx, open_image(ioctx, name) as img:
-        have = {k: v for k, v in img.metadata_list() if k in keys}
+        values, unreadable = image_meta(ioctx, img)
+        if bad := sorted(k for k in unreadable if k in keys):
+            raise UnreadableMeta(f"{pool}/{name}: image-meta {', '.join(bad)} is not UTF-8 "
+                                 "text; not changed")
+        have = {k: v for k, v in values.items() if k in keys}
         done: list[str] = []
         try:
             for key in keys:
@@ -480,7 +538,8 @@ def set_qos(cluster: rados.Rados, pool: str, name: str, keys: tuple[str, ...],
 
 
 def get_meta(cluster: rados.Rados, pool: str, name: str) -> dict[str, str]:
-    """Every image-meta key, in one read."""
+    """Every image-meta key, in one read. UnreadableMeta when one of ours
+    is not UTF-8 text."""
     with cluster.open_ioctx(pool) as ioctx:
         oid = header_oid(ioctx, name)
         if oid is not None:
@@ -490,12 +549,23 @@ def get_meta(cluster: rados.Rados, pool: str, name: str) -> dict[str, str]:
                     ioctx.operate_read_op(rop, oid)
                 except rados.ObjectNotFound:
                     raise rbd.ImageNotFound(f"{pool}/{name} is gone") from None
-                vals = dict(it)
-            if len(vals) < MAX_META:
-                return {k[len(META_PREFIX):]: v.decode(errors="replace")
-                        for k, v in vals.items()}
+                vals, skipped = omap.entries(it)
+            if len(vals) + len(skipped) < MAX_META:
+                return _ours_readable(pool, name, metakeys.decode(
+                    {k[len(META_PREFIX):]: v for k, v in vals.items()}))
         with open_image(ioctx, name, read_only=True) as img:
-            return dict(img.metadata_list())
+            return _ours_readable(pool, name, image_meta(ioctx, img))
+
+
+def _ours_readable(pool: str, name: str, decoded: tuple[dict[str, str], dict[str, str]]
+                   ) -> dict[str, str]:
+    """The values; UnreadableMeta when one of our keys is not text (another
+    tool's key that is not is left out: we never read it)."""
+    values, unreadable = decoded
+    if bad := sorted(k for k in unreadable if metakeys.ours(k)):
+        raise UnreadableMeta(f"{pool}/{name}: image-meta {', '.join(bad)} is not UTF-8 "
+                             f"text ({unreadable[bad[0]]})")
+    return values
 
 
 # Every librbd open of an image in this process, for the benchmark and tests
@@ -546,7 +616,11 @@ def create_snapshot(cluster: rados.Rados, pool: str, image: str, snap: str,
     crash never leaves a snapshot we made but cannot prove ours."""
     key = metakeys.snap_owner(snap)
     with cluster.open_ioctx(pool) as ioctx, open_image(ioctx, image) as img:
-        had = dict(img.metadata_list()).get(key)
+        values, unreadable = image_meta(ioctx, img)
+        if key in unreadable:
+            raise UnreadableMeta(f"{pool}/{image}: image-meta {key} is not UTF-8 text "
+                                 f"({unreadable[key]})")
+        had = values.get(key)
         exists = any(s["name"] == snap for s in img.list_snaps())
         if exists:
             if had == owner:
@@ -587,11 +661,13 @@ def snapshot_children(cluster: rados.Rados, pool: str, image: str, snap: str) ->
                       if not c.get("trash"))
 
 
-def make_own(img: rbd.Image, meta: dict[str, str], size: int | None) -> None:
+def make_own(ioctx: rados.Ioctx, img: rbd.Image, meta: dict[str, str],
+             size: int | None) -> None:
     """A new clone or copy: librbd copied its source's image-meta, and what
     described the source goes (the filesystem and LUKS records stay true);
     ``meta`` is set and the image grown to ``size``."""
-    for k, _ in list(img.metadata_list()):
+    values, unreadable = image_meta(ioctx, img)
+    for k in [*values, *unreadable]:
         if k in metakeys.PARENT_ONLY or k.startswith(metakeys.SNAP_PREFIX):
             img.metadata_remove(k)
     for k, v in meta.items():
@@ -618,7 +694,7 @@ def clone_image(cluster: rados.Rados, parent: tuple[str, str, str], pool: str, n
                               "since it was observed)") from None
         try:
             with open_image(ioctx, name) as img:
-                make_own(img, meta, size)
+                make_own(ioctx, img, meta, size)
         except Exception:
             rbd.RBD().remove(ioctx, name)  # never leak a clone nobody owns
             raise

@@ -6,7 +6,9 @@ made and forgotten only after the thaw. A record names its owner (pid, the
 process's start time, and a token per chain): ``thaw_recorded`` thaws what a
 dead owner left behind from the record alone, before anything talks to Ceph
 (a Ceph outage must not keep an application's writes hanging), and never
-thaws a freeze a live chain still holds.
+thaws a freeze a live chain still holds. A record carries the boot's id: one
+of an earlier boot is forgotten, never thawed (the reboot thawed it, and its
+device numbers may now be another filesystem's, or its pid another process's).
 
 While held, a freeze is bounded: a watchdog thaws at the deadline even when
 the snapshot call hangs (a monitor that does not answer). And one freeze per
@@ -29,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reconciler.drivers import safepath
+from reconciler.drivers import procfs, safepath
 from reconciler.drivers.bounded import Bounded, NoAnswer
-from reconciler.facts.parsers import parse_mountinfo
+from reconciler.state import boot
 from reconciler.state.files import open_lock
 from reconciler.state.registry import Registry
 
@@ -99,16 +101,18 @@ class Record:
     dev: tuple[int, int] | None  # None: a record written before devices were recorded
     pid: int | None
     start: int | None  # the owner's start time (/proc/PID/stat field 22)
+    earlier_boot: bool = False  # made before the last reboot: nothing is frozen
 
     @classmethod
-    def parse(cls, key: str, value: Any) -> Record:
+    def parse(cls, key: str, value: Any, boot_now: str | None = None) -> Record:
         v = value if isinstance(value, dict) else {}
         dev = v.get("dev")
         ok_dev = isinstance(dev, list) and len(dev) == 2 and all(isinstance(x, int) for x in dev)
         pid, start = v.get("pid"), v.get("start")
         return cls(key, str(v.get("path", key)), (dev[0], dev[1]) if ok_dev else None,
                    pid if isinstance(pid, int) else None,
-                   start if isinstance(start, int) else None)
+                   start if isinstance(start, int) else None,
+                   boot.of_another_boot(v.get("boot"), boot_now))
 
     @property
     def owner(self) -> str:
@@ -130,8 +134,7 @@ class Record:
 def _start_time(pid: int) -> int | None:
     """When ``pid`` started (clock ticks since boot): a reused pid differs."""
     try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-        return int(text[text.rindex(")") + 2:].split()[19])
+        return int(procfs.stat_fields(f"/proc/{pid}/stat")[1][19])
     except (OSError, ValueError, IndexError):
         return None
 
@@ -166,7 +169,7 @@ def _thaw_device(path: str, rdev: tuple[int, int] | None) -> bool:
     False: it was not frozen. NotMounted: it is mounted nowhere."""
     candidates = [path]
     if rdev is not None:
-        mounts = parse_mountinfo(Path("/proc/self/mountinfo").read_text())
+        mounts = procfs.mounts()
         candidates += [m.mount_point for m in mounts
                        if (m.major, m.minor) == rdev and m.mount_point != path]
     for where in candidates:
@@ -184,10 +187,14 @@ def _thaw_device(path: str, rdev: tuple[int, int] | None) -> bool:
 
 
 # -- what a dead owner left ----------------------------------------------------
+def recorded(state_dir: Path) -> list[Record]:
+    now = boot.boot_id()
+    return [Record.parse(k, v, now) for k, v in Freezes(state_dir).all().items()]
+
+
 def left_frozen(state_dir: Path) -> list[Record]:
-    """Recorded freezes whose owner is gone (no Ceph, no ioctl)."""
-    return [r for k, v in Freezes(state_dir).all().items()
-            if not (r := Record.parse(k, v)).owner_alive()]
+    """Recorded freezes of this boot whose owner is gone (no Ceph, no ioctl)."""
+    return [r for r in recorded(state_dir) if not r.earlier_boot and not r.owner_alive()]
 
 
 def thaw_recorded(state_dir: Path, wait: float = THAW_WAIT_S) -> list[str]:
@@ -197,6 +204,14 @@ def thaw_recorded(state_dir: Path, wait: float = THAW_WAIT_S) -> list[str]:
     Returns one line per record handled, for the operator."""
     records = Freezes(state_dir)
     out = []
+    for rec in recorded(state_dir):
+        if rec.earlier_boot:
+            out.append(f"{rec.path}: recorded frozen by {rec.owner} in an earlier boot, which "
+                       "thawed it; record dropped")
+            try:
+                records.forget(rec.key)
+            except OSError as exc:
+                out[-1] += f" (not yet: {exc})"
     deadline = time.monotonic() + wait  # for all of them: stuck thaws do not add up
     for rec in left_frozen(state_dir):
         try:
@@ -233,7 +248,7 @@ def thaw_left(state_dir: Path, path: str) -> bool | None:
     if not recs:
         # Already handled (thaw_recorded at start-up), or a live chain's:
         # without a record, what is at ``path`` now is not ours to thaw.
-        held = any(Record.parse(k, v).path == path for k, v in Freezes(state_dir).all().items())
+        held = any(r.path == path and not r.earlier_boot for r in recorded(state_dir))
         return None if held else False
     thawed = False
     for rec in recs:
@@ -291,7 +306,7 @@ class Hold:
             _live.add(self.token)
         pid = os.getpid()
         self.records.record(self.token, {"path": self.path, "dev": list(self.rdev), "pid": pid,
-                                         "start": _start_time(pid)})
+                                         "start": _start_time(pid), "boot": boot.boot_id()})
         try:
             _ioctl(self.path, FIFREEZE, self.rdev)
         except BaseException:

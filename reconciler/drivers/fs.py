@@ -15,6 +15,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from reconciler.drivers import procfs
 from reconciler.drivers.run import CommandError, Runner
 from reconciler.drivers.safepath import (
     O_PATH,
@@ -241,7 +242,7 @@ class Filesystems:
             if stat.S_ISLNK(st.st_mode):
                 raise UnsafePath(f"{path} is a symlink; refusing to follow it")
             top = {m.mount_id: m for m in parse_mountinfo(
-                Path("/proc/self/mountinfo").read_text())}.get(mid)
+                procfs.mountinfo())}.get(mid)
             if top is None or top.mount_point != path:
                 self._remove_created(pfd, name, path)
                 return False

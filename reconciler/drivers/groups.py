@@ -18,7 +18,14 @@ from collections.abc import Callable
 import rados
 import rbd
 
-from reconciler.drivers.ceph import CephError, ImageExists, feature_bits, make_own, open_image
+from reconciler.drivers.ceph import (
+    CephError,
+    ImageExists,
+    feature_bits,
+    image_names,
+    make_own,
+    open_image,
+)
 from reconciler.facts.observed import GroupSnapState, GroupState
 
 RECORD_PREFIX = "rbd-reconciler.group."
@@ -46,7 +53,7 @@ def _read_record(ioctx: rados.Ioctx, group: str) -> dict[str, str]:
         return {}
     try:
         data = json.loads(raw.decode() or "{}")
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         return {}
     return {k: v for k, v in data.items() if isinstance(v, str)} if isinstance(data, dict) else {}
 
@@ -77,6 +84,9 @@ def group_state(cluster: rados.Rados, pool: str, name: str) -> GroupState | None
         raise CephError(f"pool {pool} does not exist") from None
     except (rados.Error, rbd.Error) as exc:
         raise CephError(f"group {pool}/{name}: {exc}") from exc
+    except UnicodeDecodeError as exc:  # a group, member or snapshot name: this group only
+        raise CephError(f"group {pool}/{name}: Ceph returned a name that is not UTF-8 text "
+                        f"({exc.object[:24]!r})") from None
     return GroupState(pool, name, tuple(sorted(images)), snaps, record.get("owner"),
                       record.get("snap"))
 
@@ -201,7 +211,7 @@ def copy_member(cluster: rados.Rados, source: tuple[str, str, str, str], pool: s
     spool, group, snap, simage = source
     tmp = partial_name(name)
     with cluster.open_ioctx(pool) as ioctx:
-        existing = set(rbd.RBD().list(ioctx))
+        existing = image_names(ioctx)
         if name in existing:
             raise ImageExists(f"{pool}/{name} already exists (created by someone else since "
                               "it was observed)")
@@ -221,7 +231,7 @@ def copy_member(cluster: rados.Rados, source: tuple[str, str, str, str], pool: s
             src.copy(ioctx, tmp, features=feature_bits(features))
         try:
             with open_image(ioctx, tmp) as img:
-                make_own(img, meta, size)  # as for a clone
+                make_own(ioctx, img, meta, size)  # as for a clone
             if seal is not None:
                 seal(pool, tmp, (spool, simage))
             rbd.RBD().rename(ioctx, tmp, name)

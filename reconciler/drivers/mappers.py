@@ -19,8 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from reconciler.drivers import fuseforce, procfs
 from reconciler.drivers.fs import block_device_size
-from reconciler.drivers.run import CommandError, Runner
+from reconciler.drivers.reaper import reap_later
+from reconciler.drivers.run import TIMED_OUT, CommandError, Runner
 from reconciler.facts.observed import Mapping
 from reconciler.facts.parsers import (
     LoopDevice,
@@ -47,6 +49,7 @@ log = logging.getLogger(__name__)
 NBD_IO_TIMEOUT = "io-timeout=0"
 FUSE_FSTYPE = "fuse.rbd-fuse"
 FUSE_START_TIMEOUT = 30.0
+HELPER_EXIT_S = 30.0  # after its unmount, an rbd-fuse helper exits by itself this soon
 RESIZE_WAIT_S = 30.0  # krbd / rbd-nbd: a resize reaches the device this soon
 # rbd-fuse children we started, by mount point, so we can reap them.
 _fuse_children: dict[str, subprocess.Popen[bytes]] = {}
@@ -163,10 +166,15 @@ class KernelMapper:
             time.sleep(0.05)
 
     def list(self) -> list[Mapping]:
-        out = self.runner.run(["rbd", "device", "list", *self._type(), "--format", "json",
-                               *_ceph_args(self.ceph)])
+        argv = ["rbd", "device", "list", *self._type(), "--format", "json",
+                *_ceph_args(self.ceph)]
+        out = self.runner.run(argv)
+        try:
+            listed = parse_rbd_device_list(out.stdout)
+        except ValueError as exc:  # as if the command had failed: the caller says so
+            raise CommandError(argv, 0, f"output that is not rbd's JSON ({exc})") from None
         live = [Mapping(self.kind, d.pool, d.image, d.device)
-                for d in parse_rbd_device_list(out.stdout) if d.snap is None and not d.namespace]
+                for d in listed if d.snap is None and not d.namespace]
         if self.kind != "nbd" or self.records is None:
             return live
         here = {m.device: m for m in live}
@@ -237,7 +245,7 @@ class FuseMapper:
                 raise CommandError(argv, proc.returncode, _tail(logfile))
             if time.monotonic() > deadline:
                 proc.kill()
-                proc.wait()
+                reap_later(proc, 1.0)  # one stuck mounting in the kernel is not waited for
                 _fuse_children.pop(str(mnt), None)
                 raise CommandError(argv, 124, "rbd-fuse did not mount in time; "
                                    + _tail(logfile))
@@ -245,16 +253,44 @@ class FuseMapper:
 
     def _stop_fuse(self, mnt: Path) -> None:
         if _is_mounted(str(mnt)):
-            _retry_busy(lambda: self.runner.run(["umount", "--", str(mnt)]))
-        proc = _fuse_children.pop(str(mnt), None)
-        if proc is not None:
             try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                _retry_busy(lambda: self.runner.run(["umount", "--", str(mnt)]))
+            except CommandError as exc:
+                if exc.returncode != TIMED_OUT:
+                    raise
+                # Its umount ran into its deadline: the helper does not answer,
+                # and that umount (killed, in D state) waits on it for ever.
+                forced = self.force_off(str(mnt))
+                if forced is None:
+                    raise
+                if forced.left is None:
+                    with contextlib.suppress(OSError):
+                        mnt.rmdir()
+                raise fuseforce.ForcedOff(f"{exc}; its rbd-fuse helper does not answer: "
+                                          f"{forced.describe()}") from None
+        proc = _fuse_children.pop(str(mnt), None)
+        if proc is not None and not reap_later(proc, HELPER_EXIT_S):
+            proc.kill()  # reaped by the thread reap_later started
         with contextlib.suppress(FileNotFoundError):
             mnt.rmdir()
+
+    def force_off(self, mount_point: str, runner: Runner | None = None, *,
+                  only_if_waiting: bool = False, unmount: bool = True
+                  ) -> fuseforce.Forced | None:
+        """End the FUSE connection of our mount at ``mount_point`` whose helper
+        does not answer (drivers/fuseforce.py). None when no mount there is
+        provably ours (an rbd-fuse mount in our own directory), or, with
+        ``only_if_waiting``, when none of its requests waits for an answer.
+        ``runner``: one a deadline has not halted, if ``self.runner``'s has."""
+        if not mount_point.startswith(str(self.root) + "/"):
+            return None
+        top = fuseforce.top_mount(mount_point)
+        if top is None or top.fs_type != FUSE_FSTYPE:
+            return None
+        return fuseforce.force_off(
+            top, helpers_serving(mount_point),
+            lambda pid: mount_point in _helper_args(Path(f"/proc/{pid}")),
+            runner or self.runner, only_if_waiting=only_if_waiting, unmount=unmount)
 
     def unmap(self, mapping: Mapping, force: bool = False) -> None:
         mnt = Path(mapping.fuse_mount) if mapping.fuse_mount else self.mount_point(
@@ -281,8 +317,7 @@ class FuseMapper:
 
     def list(self, mountinfo: str | None = None, losetup_json: str | None = None,
              helpers: set[str] | None = None) -> list[Mapping]:
-        mounts = parse_mountinfo(mountinfo if mountinfo is not None else
-                                 Path("/proc/self/mountinfo").read_text())
+        mounts = parse_mountinfo(mountinfo if mountinfo is not None else procfs.mountinfo())
         found = (parse_losetup_json(losetup_json) if losetup_json is not None
                  else loop_devices())
         loops = {lo.back_file: lo.name for lo in found}
@@ -332,16 +367,21 @@ class FuseMapper:
                 found[mnt] = int(pid_dir.name)
         self._helpers = found
 
+def helpers_serving(mount_point: str, proc: Path = Path("/proc")) -> list[int]:
+    """Every live rbd-fuse process serving ``mount_point`` (by its arguments)."""
+    return sorted(int(d.name) for d in proc.glob("[0-9]*") if mount_point in _helper_args(d))
+
+
 def _helper_args(pid_dir: Path) -> set[str]:
     """The path arguments of a live (not zombie) rbd-fuse process, else empty."""
     try:
         args = (pid_dir / "cmdline").read_bytes().split(b"\0")
         if not args or not args[0].endswith(b"rbd-fuse"):
             return set()
-        state = (pid_dir / "stat").read_text()
-    except OSError:
+        state = procfs.stat_fields(pid_dir / "stat")[1][0]
+    except (OSError, ValueError, IndexError):
         return set()
-    if state[state.rindex(")") + 2:][:1] in ("Z", "X"):
+    if state in ("Z", "X"):
         return set()  # exited, not yet reaped: it serves nothing
     return {os.fsdecode(a) for a in args[1:] if a.startswith(b"/")}
 
@@ -355,14 +395,14 @@ def loop_devices(sys_block: Path = Path("/sys/block")) -> tuple[LoopDevice, ...]
     out = []
     for backing in sorted(sys_block.glob("loop*/loop/backing_file")):
         with contextlib.suppress(OSError):
-            path = backing.read_text().rstrip("\n").removesuffix(" (deleted)")
+            path = procfs.read_text(backing).rstrip("\n").removesuffix(" (deleted)")
             out.append(LoopDevice(name=f"/dev/{backing.parent.parent.name}", back_file=path))
     return tuple(out)
 
 
 def _is_mounted(path: str) -> bool:
     return any(m.mount_point == path
-               for m in parse_mountinfo(Path("/proc/self/mountinfo").read_text()))
+               for m in procfs.mounts())
 
 
 def _retry_busy(fn: Callable[[], object], timeout: float = 10.0) -> None:

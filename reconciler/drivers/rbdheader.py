@@ -7,7 +7,9 @@ object's omap holds what observe needs (RBD format 2: ``size`` and
 ~0.2 ms (a pool's headers are read together: one asynchronous read each,
 issued at once). Used for observing only, for images whose watchers are not needed;
 anything unexpected (no id, a missing key, too many keys) is ``Fallback``:
-the caller opens the image with librbd as before.
+the caller opens the image with librbd as before. An image-meta value that
+is not UTF-8 is not unexpected: it is reported in ``unreadable``, for that
+key alone (librbd's binding would fail the whole image on it).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from collections.abc import Callable, Iterable
 
 import rados
 
+from reconciler.drivers import omap
 from reconciler.drivers.ceph import CephError, feature_names
+from reconciler.facts import meta as metakeys
 from reconciler.facts.observed import ImageState
 
 MAX_META = 4096
@@ -34,7 +38,10 @@ def decode_string(raw: bytes) -> str:
     """A Ceph-encoded string: u32 little-endian length, then the bytes."""
     if len(raw) < 4 or int.from_bytes(raw[:4], "little") != len(raw) - 4:
         raise Fallback("not an encoded string")
-    return raw[4:].decode()
+    try:
+        return raw[4:].decode()
+    except UnicodeDecodeError:
+        raise Fallback("an encoded string that is not UTF-8") from None
 
 
 def image_ids(cluster: rados.Rados, pool: str, names: Iterable[str]) -> dict[str, str]:
@@ -46,27 +53,31 @@ def image_ids(cluster: rados.Rados, pool: str, names: Iterable[str]) -> dict[str
         it, _ = ioctx.get_omap_vals_by_keys(op, keys)
         ioctx.operate_read_op(op, "rbd_directory")
         out = {}
-        for k, v in it:
+        for k, v in omap.entries(it)[0].items():
             try:
                 out[k[len("name_"):]] = decode_string(v)
-            except (Fallback, UnicodeDecodeError):
+            except Fallback:
                 continue
         return out
 
 
 def parse_header(pool: str, name: str, fixed: dict[str, bytes],
-                 meta: dict[str, bytes]) -> ImageState:
+                 meta: dict[str, bytes], skipped: int = 0) -> ImageState:
+    """``skipped``: image-meta keys read that are not UTF-8 (never ours)."""
     if len(fixed.get("size", b"")) != 8 or len(fixed.get("features", b"")) != 8:
         raise Fallback("header without size/features")
-    if len(meta) >= MAX_META:
+    if len(meta) + skipped >= MAX_META:
         raise Fallback("too much image-meta for one read")
-    try:
-        decoded = {k[len("metadata_"):]: v.decode() for k, v in meta.items()}
-    except UnicodeDecodeError:
-        raise Fallback("image-meta that is not text") from None
+    values, unreadable = metakeys.decode({k[len("metadata_"):]: v for k, v in meta.items()})
     return ImageState(pool=pool, name=name, size=int.from_bytes(fixed["size"], "little"),
                       features=feature_names(int.from_bytes(fixed["features"], "little")),
-                      meta=decoded)
+                      meta=values, unreadable=unreadable)
+
+
+def _parse(pool: str, name: str, fixed_it: rados.OmapIterator,
+           meta_it: rados.OmapIterator) -> ImageState:
+    meta, bad = omap.entries(meta_it)
+    return parse_header(pool, name, omap.entries(fixed_it)[0], meta, len(bad))
 
 
 def header_state(cluster: rados.Rados, pool: str, name: str, image_id: str
@@ -77,7 +88,7 @@ def header_state(cluster: rados.Rados, pool: str, name: str, image_id: str
             fixed_it, _ = ioctx.get_omap_vals_by_keys(op, ("size", "features"))
             meta_it, _ = ioctx.get_omap_vals(op, "", "metadata_", MAX_META)
             ioctx.operate_read_op(op, f"rbd_header.{image_id}")
-            return parse_header(pool, name, dict(fixed_it), dict(meta_it))
+            return _parse(pool, name, fixed_it, meta_it)
     except rados.ObjectNotFound:
         return None  # removed since it was listed
     except rados.Error as exc:
@@ -122,6 +133,6 @@ def _answer(pool: str, name: str, rc: int, fixed_it: rados.OmapIterator,
     if rc < 0:
         return CephError(f"{pool}/{name}: reading its header failed: {os.strerror(-rc)}")
     try:
-        return parse_header(pool, name, dict(fixed_it), dict(meta_it))
+        return _parse(pool, name, fixed_it, meta_it)
     except Fallback as exc:
         return exc

@@ -5,6 +5,10 @@ that command exits. Under systemd it is reaped; in a container whose PID 1
 does not reap, it would linger as a zombie after its mount goes away. A long
 running parent (the daemon, the demo runner, the test session) can declare
 itself a child subreaper so such orphans come back to it, and reap them.
+
+A child we killed that is stuck in the kernel (D state) cannot be reaped
+until the kernel lets go, maybe never: it is reaped from a thread instead
+(``reap_later``), never waited for on the caller's.
 """
 
 from __future__ import annotations
@@ -12,7 +16,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import subprocess
+import threading
 from pathlib import Path
+
+from reconciler.drivers import procfs
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -47,9 +55,8 @@ def reap_zombies(names: tuple[str, ...] = ("rbd-fuse", "rbd-nbd")) -> list[int]:
     reaped = []
     for stat_path in _children_stats():
         with contextlib.suppress(OSError, ValueError, IndexError):
-            text = stat_path.read_text()
-            comm = text[text.index("(") + 1: text.rindex(")")]
-            state, ppid = text[text.rindex(")") + 2:].split()[:2]
+            comm, rest = procfs.stat_fields(stat_path)
+            state, ppid = rest[:2]
             if state == "Z" and int(ppid) == me and comm in names:
                 pid = int(stat_path.parent.name)
                 os.waitpid(pid, os.WNOHANG)
@@ -65,10 +72,23 @@ def reap_group(pgid: int) -> list[int]:
     reaped = []
     for stat_path in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
-            text = stat_path.read_text()
-            state, ppid, pgrp = text[text.rindex(")") + 2:].split()[:3]
+            state, ppid, pgrp = procfs.stat_fields(stat_path)[1][:3]
             pid = int(stat_path.parent.name)
             if state == "Z" and int(ppid) == me and int(pgrp) == pgid and pid != pgid:
                 os.waitpid(pid, os.WNOHANG)
                 reaped.append(pid)
     return reaped
+
+
+def reap_later(proc: subprocess.Popen[bytes], wait: float = 0.0) -> bool:
+    """Wait up to ``wait`` s for a child we killed; if it has not gone by then
+    (stuck in the kernel, D state: SIGKILL takes effect only when the kernel
+    lets go), reap it from a daemon thread instead. Never waits longer: a
+    thread blocked in ``waitpid`` does not hold the process's exit, a wait on
+    the caller's thread would. True when it was reaped here."""
+    try:
+        proc.wait(timeout=wait)
+        return True
+    except subprocess.TimeoutExpired:
+        threading.Thread(target=proc.wait, daemon=True, name=f"reap:{proc.pid}").start()
+        return False

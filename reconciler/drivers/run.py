@@ -34,13 +34,14 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from reconciler.drivers.reaper import reap_group
+from reconciler.drivers.reaper import reap_group, reap_later
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 120.0
 DEFAULT_LONG_TIMEOUT = 600.0  # mkfs, e2fsck, offline resize2fs: whole-device work
 KILL_WAIT_S = 2.0  # after the SIGKILL: the longest wait for the group's exit and output
+TIMED_OUT = 124  # a CommandError's returncode when the command ran into its deadline
 # The waiting thread looks at the stop flag this often while a command runs
 # (a command that ends sooner costs nothing extra; no helper thread).
 STOP_CHECK_S = 0.5
@@ -173,7 +174,7 @@ class Runner:
         if stopping:
             raise Aborted(f"{self.halt.reason}: {' '.join(argv)} killed after {took:.0f} s"
                           f"{said}")
-        raise CommandError(argv, 124, f"timed out after {limit:g} s: killed (its process "
+        raise CommandError(argv, TIMED_OUT, f"timed out after {limit:g} s: killed (its process "
                            f"group){said}")
 
 
@@ -194,6 +195,9 @@ def _kill(proc: subprocess.Popen[bytes]) -> str:
         tail = _tail(exc.stderr)
         log.warning("%s (pid %d): still not gone %g s after SIGKILL; output abandoned",
                     proc.args, proc.pid, KILL_WAIT_S)
+        # Stuck in the kernel (D state), it may never exit: reaped from a
+        # thread whenever it does, so no caller waits on it.
+        reap_later(proc)
         return f"; output abandoned{tail}"
     reap_group(proc.pid)  # its orphans came back to us if we are a subreaper
     return _tail(stderr)

@@ -43,7 +43,7 @@ def parse(raw: str | None) -> Claim | None:
         return None
     try:
         doc = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested too deeply
         return Claim(raw.strip())
     if not isinstance(doc, dict) or not isinstance(doc.get("node"), str):
         return Claim(raw.strip())

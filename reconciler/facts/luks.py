@@ -42,5 +42,5 @@ def data_offset(head: bytes) -> int | None:
     try:
         segments = json.loads(area)["segments"]
         return min(int(s["offset"]) for s in segments.values())
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None

@@ -38,3 +38,51 @@ LUKS_KEY_PREV = LUKS_KEY + "-prev"
 # rotate-key of a key: file volume: {"file": the new key file, "slot": its keyslot}
 # from before its keyslot is added until the old one is gone.
 LUKS_ROTATION = PREFIX + "luks-rotation"
+
+
+# -- reading values written by anyone with write access to the pool ---------------
+# Image-meta is bytes in the header's omap: librbd's bindings decode it as
+# UTF-8 and raise on anything else, for the whole image. Here a value that is
+# not text concerns its own key only: the planner refuses a volume whose
+# image carries one under a key it reads, and every other key still reads.
+PREVIEW_BYTES = 24
+
+
+def preview(raw: bytes) -> str:
+    """The first bytes of a value, ASCII only (safe in any log or terminal)."""
+    more = "..." if len(raw) > PREVIEW_BYTES else ""
+    return repr(bytes(raw[:PREVIEW_BYTES])) + more
+
+
+class Unreadable(ValueError):
+    """A value of ``key`` that is not UTF-8 text."""
+
+    def __init__(self, key: str, raw: bytes) -> None:
+        self.key, self.raw = key, bytes(raw)
+        super().__init__(f"image-meta {key} is not UTF-8 text ({preview(raw)})")
+
+
+def text(key: str, raw: bytes) -> str:
+    """``raw`` as text; Unreadable when it is not UTF-8."""
+    try:
+        return bytes(raw).decode("utf-8")
+    except UnicodeDecodeError:
+        raise Unreadable(key, raw) from None
+
+
+def decode(raw: dict[str, bytes]) -> tuple[dict[str, str], dict[str, str]]:
+    """Image-meta as read from the header (key -> bytes): the values that are
+    text, and for each that is not, why (its key is not among the first)."""
+    values: dict[str, str] = {}
+    bad: dict[str, str] = {}
+    for key, value in raw.items():
+        try:
+            values[key] = text(key, value)
+        except Unreadable as exc:
+            bad[key] = f"not UTF-8 text ({preview(exc.raw)})"
+    return values, bad
+
+
+def ours(key: str) -> bool:
+    """A key this reconciler writes (and so reads)."""
+    return key.startswith(PREFIX)

@@ -6,7 +6,7 @@ or in memory by tests and benchmarks. Indexes make every planner lookup O(1).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -31,6 +31,8 @@ class ImageState:
     snaps: tuple[SnapState, ...] = ()
     parent: str | None = None  # "pool/image@snap" while it is an unflattened clone
     depth: int = 0  # clone depth: how many ancestors it still reads through
+    # Image-meta keys whose value is not UTF-8 text (not in ``meta``): key -> why.
+    unreadable: dict[str, str] = field(default_factory=dict, hash=False, compare=True)
 
     def snap(self, name: str) -> SnapState | None:
         return next((s for s in self.snaps if s.name == name), None)
@@ -127,7 +129,20 @@ class Mount:
 
     @property
     def read_only(self) -> bool:
+        """This mount's own flag (a bind remount changes it), not the filesystem's."""
         return "ro" in self.options
+
+    @property
+    def fs_read_only(self) -> bool:
+        """The filesystem itself refuses writes, through every mount of it,
+        whatever their own flag says: remounted read-only (by hand, or by
+        ext4 after an error on kernels before 6.x's ``emergency_ro``), read-only
+        after an error, or shut down."""
+        return not self.super_options.isdisjoint(FS_WRITES_REFUSED)
+
+
+# Superblock options (mountinfo's last field) under which no write succeeds.
+FS_WRITES_REFUSED = frozenset({"ro", "emergency_ro", "shutdown"})
 
 
 def top_mounts(mounts: Iterable[Mount]) -> dict[str, Mount]:
@@ -142,6 +157,41 @@ def top_mounts(mounts: Iterable[Mount]) -> dict[str, Mount]:
         tops = [m for m in ms if m.mount_id not in parents]
         out[point] = tops[-1] if tops else ms[-1]
     return out
+
+
+def visible_mounts(mounts: Iterable[Mount]) -> Callable[[str], Mount | None]:
+    """A lookup of the mount a process reaches at an absolute path, as path
+    resolution walks the mount tree: from the root, into whatever is mounted
+    at each component (the last one stacked there). A mount at the path with
+    another on top of it, or under a directory something else was mounted
+    over since, is not what the path reaches. None: no root mount seen."""
+    mounts = tuple(mounts)
+    children: dict[tuple[int, str], Mount] = {}
+    for m in mounts:  # later lines are later mounts: the last one stacked wins
+        children[(m.parent_id, m.mount_point)] = m
+    ids = {m.mount_id for m in mounts}
+    roots = [m for m in mounts if m.mount_point == "/"
+             and (m.parent_id not in ids or m.parent_id == m.mount_id)]
+
+    def follow(m: Mount, point: str) -> Mount:
+        seen = {m.mount_id}
+        while (up := children.get((m.mount_id, point))) is not None and up.mount_id not in seen:
+            seen.add(up.mount_id)
+            m = up
+        return m
+
+    def lookup(path: str) -> Mount | None:
+        if not roots or not path.startswith("/"):
+            return None
+        m = follow(roots[0], "/")
+        prefix = ""
+        for part in path.strip("/").split("/"):
+            if part:
+                prefix += "/" + part
+                if (under := children.get((m.mount_id, prefix))) is not None:
+                    m = follow(under, prefix)
+        return m
+    return lookup
 
 
 @dataclass(frozen=True)
@@ -186,6 +236,11 @@ class Observed:
     @cached_property
     def top_mounts(self) -> dict[str, Mount]:
         return top_mounts(self.mounts)
+
+    @cached_property
+    def visible_mount(self) -> Callable[[str], Mount | None]:
+        """The mount an application at a path reaches (None: not known)."""
+        return visible_mounts(self.mounts)
 
     @cached_property
     def mounts_by_point(self) -> dict[str, Mount]:

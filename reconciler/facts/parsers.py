@@ -19,10 +19,16 @@ def unescape_mount_path(s: str) -> str:
     return _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), s)
 
 
-def parse_mountinfo(text: str) -> tuple[Mount, ...]:
-    """Parse ``/proc/self/mountinfo`` (proc(5)). Malformed lines are skipped."""
+def parse_mountinfo(text: str | bytes) -> tuple[Mount, ...]:
+    """Parse ``/proc/self/mountinfo`` (proc(5)). Malformed lines are skipped.
+    Bytes that are not UTF-8 (a path anyone may choose) are kept as
+    surrogates, as ``os.fsdecode`` keeps them: never equal to a path of ours."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "surrogateescape")
     mounts = []
-    for line in text.splitlines():
+    # "\n" only: the kernel escapes newlines in paths, but not \v, \f, \x1c..
+    # or U+2028, which splitlines() would also split a path (and its line) at.
+    for line in text.split("\n"):
         fields = line.split(" ")
         try:
             sep = fields.index("-", 6)
@@ -52,20 +58,52 @@ class LoopDevice:
     size: int | None = None
 
 
+def _json(text: str) -> object:
+    """A command's JSON output; ValueError (never anything else) when it is not."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
+def _entries(doc: object) -> list[dict[str, object]]:
+    return [d for d in doc if isinstance(d, dict)] if isinstance(doc, list) else []
+
+
+def _str(d: dict[str, object], key: str) -> str | None:
+    v = d.get(key)
+    return v if isinstance(v, str) else None
+
+
 def parse_losetup_json(text: str) -> tuple[LoopDevice, ...]:
-    """``losetup --json --list`` (empty output when no loop device is set up)."""
+    """``losetup --json --list`` (empty output when no loop device is set up).
+    ValueError when it is not JSON; an entry that is not a loop device's is
+    left out."""
     if not text.strip():
         return ()
+    doc = _json(text)
     out = []
-    for d in json.loads(text).get("loopdevices", []):
-        back = d.get("back-file")
+    for d in _entries(doc.get("loopdevices") if isinstance(doc, dict) else None):
+        name, back = _str(d, "name"), _str(d, "back-file")
+        if name is None:
+            continue
         if back is not None:
             # losetup appends " (deleted)" when the backing file was unlinked.
             back = back.removesuffix(" (deleted)")
         size = d.get("sizelimit")
-        out.append(LoopDevice(name=d["name"], back_file=back,
-                              size=int(size) if size not in (None, "0", 0) else None))
+        out.append(LoopDevice(name=name, back_file=back, size=_positive(size)))
     return tuple(out)
+
+
+def _positive(value: object) -> int | None:
+    """A size as losetup writes it (a number or a numeric string); None for 0 or none."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        return None
+    return n if n > 0 else None
 
 
 @dataclass(frozen=True)
@@ -82,16 +120,20 @@ def parse_rbd_device_list(text: str) -> tuple[RbdDevice, ...]:
 
     krbd writes the image as "name" and the head as snap "-"; ``rbd-nbd
     list-mapped`` (what ``-t nbd`` runs) writes "image" and snap "".
+    ValueError when it is not JSON.
     """
     if not text.strip():
         return ()
     out = []
-    for d in json.loads(text):
+    for d in _entries(_json(text)):
+        pool, image, device = _str(d, "pool"), _str(d, "name") or _str(d, "image"), \
+            _str(d, "device")
+        if pool is None or image is None or device is None:
+            continue  # not a mapping as rbd writes one: none of ours
         snap = d.get("snap")
-        out.append(RbdDevice(pool=d["pool"], namespace=d.get("namespace") or "",
-                             image=d["name"] if "name" in d else d["image"],
-                             snap=None if snap in (None, "", "-") else snap,
-                             device=d["device"]))
+        out.append(RbdDevice(pool=pool, namespace=_str(d, "namespace") or "", image=image,
+                             snap=None if snap in (None, "", "-") else str(snap),
+                             device=device))
     return tuple(out)
 
 
@@ -150,7 +192,10 @@ def parse_xfs_info_size(text: str) -> int | None:
     superblock that xfs_db reads can lag behind an online grow.
     """
     m = _XFS_DATA.search(text)
-    return int(m.group(1)) * int(m.group(2)) if m else None
+    try:
+        return int(m.group(1)) * int(m.group(2)) if m else None
+    except ValueError:  # more digits than int() takes
+        return None
 
 
 class MapError(Exception):
@@ -287,8 +332,8 @@ def parse_io_max(text: str) -> dict[str, dict[str, int]]:
         limits = {}
         for item in rest.split():
             key, _, value = item.partition("=")
-            if key in IO_MAX_KEYS and value.isdigit():
-                limits[key] = int(value)
+            if key in IO_MAX_KEYS and (n := _count(value)) is not None:
+                limits[key] = n
         out[dev] = limits
     return out
 
@@ -302,7 +347,18 @@ def parse_systemd_io(text: str) -> dict[str, dict[str, int]]:
         prop, _, value = line.partition("=")
         key = by_prop.get(prop.strip())
         parts = value.split()
-        if key is None or len(parts) != 2 or not parts[1].isdigit():
+        n = _count(parts[1]) if len(parts) == 2 else None
+        if key is None or n is None:
             continue  # no entry ("IOReadIOPSMax="), or "infinity"
-        out.setdefault(parts[0], {})[key] = int(parts[1])
+        out.setdefault(parts[0], {})[key] = n
     return out
+
+
+def _count(value: str) -> int | None:
+    """A decimal count in ASCII digits ("max", "infinity", anything else: None)."""
+    if not (value.isascii() and value.isdigit()):
+        return None
+    try:
+        return int(value)
+    except ValueError:  # more digits than int() takes
+        return None

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from reconciler.drivers import iolimits
+from reconciler.drivers import iolimits, procfs
 from reconciler.drivers.bounded import Bounded, NoAnswer, StillStuck
 from reconciler.drivers.crypt import Cryptsetup, Pbkdf
 from reconciler.drivers.freeze import left_frozen
@@ -189,7 +189,7 @@ def observe(node: Node, volumes: Iterable[Volume], all_watchers: bool = False,
                if v.image.source is not None and v.image.source.pool}
     timeout = node.config.observe_timeout_seconds
 
-    mountinfo = Path("/proc/self/mountinfo").read_text()
+    mountinfo = procfs.mountinfo()
     mounts = parse_mountinfo(mountinfo)
     mappings: list[Mapping] = list(node.fuse.list(mountinfo=mountinfo))
     for kind in ("krbd", "nbd"):
@@ -339,10 +339,10 @@ def open_crypts(devices: Iterable[str], sys_root: str = "/sys") -> dict[str, Cry
         for h in holders:
             base = f"{sys_root}/block/{h}"
             try:
-                uuid = Path(f"{base}/dm/uuid").read_text().strip()
+                uuid = procfs.read_text(f"{base}/dm/uuid").strip()
                 if not uuid.startswith(CRYPT_UUID_PREFIX):
                     continue
-                name = Path(f"{base}/dm/name").read_text().strip()
+                name = procfs.read_text(f"{base}/dm/name").strip()
                 major, minor = (int(x) for x in Path(f"{base}/dev").read_text().split(":"))
                 size = int(Path(f"{base}/size").read_text()) * 512
             except (OSError, ValueError):

@@ -24,7 +24,7 @@ from reconciler.facts.observed import (
     Observed,
 )
 from reconciler.facts.stall import stall_doc, stall_reason
-from reconciler.plan.fence import Fence, fence_of
+from reconciler.plan.fence import BLOCKLISTED, Fence, fence_of
 from reconciler.plan.groups import GroupRules, group_row
 from reconciler.plan.snapshots import SnapshotRules
 from reconciler.plan.steps import (
@@ -143,6 +143,21 @@ class _VolumePlanner(SnapshotRules, GroupRules):
                   if p in self.obs.mounts_by_point]
         return [m for m in found if m.mount_point != self.staging_path]
 
+    def shadowed_by(self, m: Mount) -> Mount | None:
+        """The mount an application at ``m``'s path reaches instead of ``m``
+        (None: it reaches ``m``): one mounted on top of it, or over a
+        directory above it. Such a publish serves nobody."""
+        seen = self.obs.visible_mount(m.mount_point)
+        if seen is None or seen.mount_id == m.mount_id or self._is_our_mount(seen):
+            return None  # ours on ours (a bind made twice) still serves the volume
+        return seen
+
+    def publish_mode(self, m: Mount) -> str:
+        """What an application at the bind gets: rw, ro, or nothing (shadowed)."""
+        if self.shadowed_by(m) is not None:
+            return "shadowed"
+        return "ro" if m.read_only or m.fs_read_only else "rw"
+
     def observed_phase(self) -> Phase:
         if self.img is None:
             return Phase.ABSENT
@@ -150,7 +165,9 @@ class _VolumePlanner(SnapshotRules, GroupRules):
             return Phase.CREATED
         if self.v.stage is not None and self.is_staged():
             wanted_targets = {p.path for p in self.v.publish}
-            if any(m.mount_point in wanted_targets for m in self.published_targets()):
+            # A shadowed bind is there, but serves nobody: not published.
+            if any(m.mount_point in wanted_targets and self.shadowed_by(m) is None
+                   for m in self.published_targets()):
                 return Phase.PUBLISHED
             return Phase.STAGED
         return Phase.MAPPED
@@ -170,10 +187,28 @@ class _VolumePlanner(SnapshotRules, GroupRules):
         """Why the volume's state cannot be known, if it cannot (safety rule 7)."""
         if (why := self.image_unknown()) is not None:
             return why
+        if (why := self.meta_unreadable()) is not None:
+            return why
         for dev in (self.raw, self.dev):
             if dev is not None and dev.unknown:
                 return f"cannot read {dev.path}: {dev.unknown}"
         return None
+
+    def meta_unreadable(self) -> str | None:
+        """A value of ours (or a QoS limit) in the image's image-meta that is
+        not text: what it records (the claim, the owner, a format) is unknown,
+        never absent. Another tool's key that is not text is none of ours."""
+        img = self.img
+        bad = sorted(k for k in img.unreadable if meta.ours(k) or k in qos.QOS_KEYS) \
+            if img is not None else []
+        if not bad:
+            return None
+        assert img is not None
+        spec = self.v.image.spec
+        return (f"image-meta {'; '.join(f'{k} of {spec} is {img.unreadable[k]}' for k in bad)}"
+                f": what it records is unknown, not absent. Nothing is done to the volume "
+                f"until it is set right or removed by hand (`rbd image-meta get {spec} "
+                f"{bad[0]}`)")
 
     def claimed_elsewhere(self) -> Claim | None:
         """The claim of another node, if another node holds it."""
@@ -192,8 +227,15 @@ class _VolumePlanner(SnapshotRules, GroupRules):
         or Ceph blocklisted the client doing our I/O."""
         if self.mapping is None:
             return None
-        return fence_of(self.claim, self.ctx.node_name, self.obs.blocklist, self.staged_mount()
-                        or self.obs.mounts_by_point.get(self.staging_path))
+        fence = fence_of(self.claim, self.ctx.node_name, self.obs.blocklist, self.staged_mount()
+                         or self.obs.mounts_by_point.get(self.staging_path))
+        if fence is not None and fence.reason == BLOCKLISTED and self.mapping.problem:
+            # Our own claim, and the blocklisted client is the one whose helper
+            # is gone: nothing writes through it any more. The dead mapping is
+            # what to act on (a remap fences that client itself, and records
+            # the new one), as for any dead helper.
+            return None
+        return fence
 
     def check_not_fenced(self) -> None:
         """Fenced: nothing but a release (or ``recover``) may touch it."""
@@ -609,6 +651,8 @@ class _VolumePlanner(SnapshotRules, GroupRules):
                 self.add(GrowFilesystem(v.name, device, st.path, "xfs", fs_size,
                                         size_after or 0))
             return
+        if self.fs_refuses_writes(mount, st.mount_options):
+            return  # no remount (it could make it read-write again) and no grow
         self.remount_staging(mount, want)
         if smaller:
             if st.fs_type == "ext4" and img_meta.get(meta.GROW_PENDING):
@@ -619,6 +663,24 @@ class _VolumePlanner(SnapshotRules, GroupRules):
             else:
                 self.add(GrowFilesystem(v.name, device, st.path, st.fs_type, fs_size,
                                         size_after or 0))
+
+    def fs_refuses_writes(self, mount: Mount, options: tuple[str, ...]) -> bool:
+        """The filesystem gone read-only (errors=remount-ro after an I/O error,
+        a fenced client, or a remount by hand) while the spec wants it
+        writable: reported, never remounted read-write (over errors that
+        could make things worse; and a spec cannot ask for read-only there)."""
+        if not mount.fs_read_only or "ro" in options:
+            return False
+        how = ("shut down" if "shutdown" in mount.super_options else
+               "read-only after an error (emergency_ro)" if "emergency_ro" in mount.super_options
+               else "read-only")
+        self.plan.problems["FilesystemReadOnly"] = (
+            f"the {mount.fs_type} filesystem on {mount.source} is {how}: every write through "
+            f"{mount.mount_point} and its publishes fails. It is not remounted read-write "
+            "(after I/O errors that would make things worse): see the kernel log "
+            f"(dmesg | grep {mount.source.rsplit('/', 1)[-1]}) and `rbd-reconciler explain "
+            f"{self.v.name}`; README, RbdFilesystemReadOnly")
+        return True
 
     def remount_staging(self, mount: Mount, want: tuple[str, ...]) -> None:
         """A staging mount without what the spec (and nosuid,nodev) asks:
@@ -648,6 +710,7 @@ class _VolumePlanner(SnapshotRules, GroupRules):
         v, st = self.v, self.v.stage
         assert st is not None
         ours = {m.mount_point: m for m in self.published_targets()}
+        shadowed = []
         for p in v.publish:
             m = ours.get(p.path)
             want = mountflags.bind_options(st.mount_options, p.mount_options, st.mode == "block")
@@ -655,9 +718,22 @@ class _VolumePlanner(SnapshotRules, GroupRules):
                 self._check_path_free(p.path, "publish")
                 self.add(Publish(v.name, st.path, p.path, st.mode, p.read_only, want))
                 continue
+            if (top := self.shadowed_by(m)) is not None:
+                # Someone else's mount: never unmounted (safety rule 8), and a
+                # remount by path would act on it, not on ours.
+                where = ("on top of it" if top.mount_point == p.path
+                         else f"at {top.mount_point}, above it")
+                shadowed.append(f"{p.path} is not served: {top.fs_type} {top.source} is "
+                                f"mounted {where}")
+                continue
             if m.read_only != p.read_only or _missing_options(m, want, None):
                 self.add(Remount(v.name, p.path, tuple(sorted(m.options)),
                                  ("ro" if p.read_only else "rw", *want), bind=True))
+        if shadowed:
+            self.plan.problems["Shadowed"] = (
+                "; ".join(shadowed) + ": applications there write into that mount, not the "
+                "volume. It is someone else's and is left alone: unmount it by hand (README, "
+                "RbdPublishShadowed)")
 
     def teardown(self, wanted: Phase) -> None:
         """Steps that take the volume down to ``wanted`` (reverse order)."""
@@ -693,10 +769,13 @@ class _VolumePlanner(SnapshotRules, GroupRules):
 
     def _check_ours_on_top(self, ours: Mount) -> None:
         """Safety rule 8: only the top mount at a path is unmounted, and only ours."""
-        top = self.obs.top_mounts.get(ours.mount_point)
+        top = self.obs.visible_mount(ours.mount_point) or \
+            self.obs.top_mounts.get(ours.mount_point)
         if top is not None and top.mount_id != ours.mount_id and not self._is_our_mount(top):
+            where = ("on top of ours" if top.mount_point == ours.mount_point
+                     else f"over {top.mount_point}, above ours")
             raise Refused(f"{ours.mount_point}: someone else's mount ({top.fs_type} "
-                          f"{top.source}) sits on top of ours; refusing to unmount it "
+                          f"{top.source}) sits {where}; refusing to unmount it "
                           "(unmount it by hand first)")
 
     def _is_our_mount(self, m: Mount) -> bool:
@@ -746,8 +825,10 @@ def plan(desired: Iterable[Volume], observed: Observed, ctx: Context,
     return [plans[n] for n in sorted(plans)]
 
 
-def actual_state(vol: Volume, observed: Observed, ctx: Context) -> dict[str, object]:
-    """What is there for one desired volume, in the planner's own terms."""
+def actual_state(vol: Volume, observed: Observed, ctx: Context,
+                 found: dict[str, str] | None = None) -> dict[str, object]:
+    """What is there for one desired volume, in the planner's own terms.
+    ``found``: its plan's problems, when the caller has planned it already."""
     p = _VolumePlanner(vol, observed, ctx)
     if vol.group is not None:
         return group_row(vol, observed)
@@ -758,6 +839,10 @@ def actual_state(vol: Volume, observed: Observed, ctx: Context) -> dict[str, obj
     image_unknown = p.image_unknown()
     problem = (p.mapping.problem if p.mapping and p.mapping.problem else
                p.dev.problem if p.dev and p.dev.problem else None)
+    if problem is None and not unknown:
+        if found is None:
+            found = problems(vol, observed, ctx)
+        problem = "; ".join(found.values()) or None
     stall = p.stall()
     fence = p.fence()
     return {
@@ -784,18 +869,25 @@ def actual_state(vol: Volume, observed: Observed, ctx: Context) -> dict[str, obj
         "qos": qos.describe(p.img.meta) if p.img else {},
         "staging": (vol.stage.path if p.is_staged() and vol.stage else None),
         "stagingOptions": sorted(staged.options) if staged else None,
-        "published": sorted((m.mount_point, "ro" if m.read_only else "rw")
-                            for m in p.published_targets()),
+        "published": sorted((m.mount_point, p.publish_mode(m)) for m in p.published_targets()),
         # What only Ceph knows is null, not empty, while the image is unseen.
         "imageUnknown": image_unknown,
         "watchers": None if image_unknown else list(p.img.watchers) if p.img else [],
         "holder": p.claim.node if p.claim else None,
         "claim": p.claim.as_dict() if p.claim else None,
+        # Image-meta values that are not text (the claim among them: then unknown).
+        "unreadableMeta": dict(sorted(p.img.unreadable.items())) if p.img else {},
         "kind": "Volume",
         "clonedFrom": p.img.parent if p.img else None,
         "cloneDepth": p.img.depth if p.img else 0,
         "snapshots": [sn.name for sn in p.img.snaps] if p.img else [],
     }
+
+
+def problems(vol: Volume, observed: Observed, ctx: Context) -> dict[str, str]:
+    """What is wrong with a volume that no step may put right (the plan's
+    ``problems``), for ``status`` and ``explain``."""
+    return plan([vol], observed, ctx)[0].problems
 
 
 def _encryption_state(vol: Volume, p: _VolumePlanner) -> dict[str, object] | None:

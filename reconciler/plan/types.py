@@ -37,6 +37,10 @@ class VolumePlan:
     # Set: it starts from another desired object not there yet; no steps, no
     # failure (a later pass, once that one converged, plans it).
     waiting: str | None = None
+    # What is wrong and no step may put right (someone else's mount on top of
+    # a publish, a filesystem gone read-only): condition type -> why. Reported,
+    # never acted on; the rest of the plan goes ahead.
+    problems: dict[str, str] = field(default_factory=dict)
     # Set: its mapped device's I/O does not complete (why, since when); no
     # steps but a release by hand's, which still tries.
     stalled: str | None = None

@@ -13,6 +13,8 @@ import os
 import stat
 from pathlib import Path
 
+from reconciler.spec.linkpath import resolve
+
 
 def trusted_owners() -> frozenset[int]:
     """root, and whoever runs this: for root (the daemon, apply) that is root
@@ -34,15 +36,15 @@ def unsafe(path: Path, st: os.stat_result, what: str,
 def directory_problems(directory: Path) -> list[str]:
     """The directory, and every directory above it, must be trusted: a
     writable parent allows a swap (a sticky one such as /tmp does not: only
-    the owner may rename in it)."""
+    the owner may rename in it). So must every directory holding a symlink
+    on the way to it, and those above (spec/linkpath.py)."""
     try:
         real = directory.resolve(strict=True)
     except OSError as exc:
         return [f"directory {directory}: {exc.strerror or exc}"]
     problems = []
     chain = [real, *real.parents]
-    if directory.is_symlink():  # whoever may write beside the link may swap it
-        link_dir = directory.parent.resolve()
+    for link_dir, _ in resolve(directory).links:  # whoever may write beside a link may swap it
         chain += [d for d in (link_dir, *link_dir.parents) if d not in chain]
     for d in chain:
         try:

@@ -13,10 +13,12 @@ Atomic writes (statefiles); guarded for the daemon's worker threads.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from pathlib import Path
 from typing import Any
 
+from reconciler.state import boot
 from reconciler.state.files import read_json, write_json
 
 _locks: dict[Path, threading.Lock] = {}
@@ -87,14 +89,41 @@ class NbdMappings(Registry):
     (it finds mappings through their live process), but a filesystem may
     still be mounted from it: without this record the mapping would look
     gone, and the volume unmapped. With it, the mapping is dead (DEGRADED).
+
+    A mapping lasts until the next reboot, and so does its record: each
+    carries the boot's id, and one of an earlier boot means "not mapped"
+    (the reboot unmapped it) and is dropped, never a dead mapping. A record
+    written before there were ids is an earlier boot's when the file was
+    last written before this boot began.
     """
 
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, boot_id_path: Path = boot.BOOT_ID) -> None:
         super().__init__(state_dir / "nbd.json")
+        self.boot = boot.boot_id(boot_id_path)
+
+    def record(self, key: str, value: Any) -> None:
+        super().record(key, {**value, "boot": self.boot} if isinstance(value, dict) else value)
 
     def images(self) -> dict[str, tuple[str, str]]:
-        out = {}
+        """device -> (pool, image) of this boot's records; the others dropped."""
+        out, stale = {}, []
         for dev, rec in self.all().items():
-            if isinstance(rec, dict) and "pool" in rec and "image" in rec:
+            if not isinstance(rec, dict) or "pool" not in rec or "image" not in rec:
+                continue
+            if self._earlier_boot(rec.get("boot")):
+                stale.append(dev)
+            else:
                 out[dev] = (str(rec["pool"]), str(rec["image"]))
+        for dev in stale:
+            # Best effort: a stateDir that cannot take a write still reads right.
+            with contextlib.suppress(OSError):
+                self.forget(dev)
         return out
+
+    def _earlier_boot(self, recorded: object) -> bool:
+        if recorded is None and self.boot is not None:
+            try:
+                return self.path.stat().st_mtime < boot.started()
+            except OSError:
+                return False
+        return boot.of_another_boot(recorded, self.boot)

@@ -4,9 +4,10 @@ adapter (through the engine) and whoever monitors the node.
 
 The keys, once (camelCase in the file; a field left unset is not written):
 
-- ``phase``: Pending, Mapped, Staged, Published, Deleting, Released,
-  Failed, Frozen, Unknown, Stalled or Fenced.
-- ``reason``, ``message``: why, for Frozen, Unknown, Interrupted, ...
+- ``phase``: Pending, Mapped, Staged, Published, Degraded, Deleting,
+  Released, Failed, Frozen, Unknown, Stalled or Fenced.
+- ``reason``, ``message``: why, for Frozen, Unknown, Interrupted, Degraded
+  (the first of its conditions: Shadowed, FilesystemReadOnly), ...
 - ``stalled``: I/O not completing (device, inFlight, seconds, since,
   lastCompleted); ``fence``: taken over or blocklisted (reason, holder,
   takenFrom, blocklisted, readOnly).
@@ -14,7 +15,8 @@ The keys, once (camelCase in the file; a field left unset is not written):
 - ``lastResult`` (changed, ok, failed, aborted), ``lastError``, ``refusal``.
 - ``notes``, ``undone``, ``steps``: what the last chain said, undid, ran.
 - ``device``, ``staging``, ``published``, ``size``: where it is, once converged.
-- ``conditions``: ``[{type: Converged, status, reason, message, lastTransitionTime}]``.
+- ``conditions``: ``[{type: Converged, status, reason, message, lastTransitionTime}]``,
+  then one per problem no step can put right (``Shadowed``, ``FilesystemReadOnly``).
 
 The daemon adds ``name`` and ``updated`` when it writes the file.
 """
@@ -61,3 +63,16 @@ class VolumeStatus:
 def _camel(name: str) -> str:
     first, *rest = name.split("_")
     return first + "".join(w.title() for w in rest)
+
+
+def converged_conditions(problems: dict[str, str], now: str) -> list[dict[str, Any]]:
+    """A volume with nothing left to do: Converged, unless something no step
+    may put right is wrong (then Converged is false, and each problem is a
+    condition of its own, named for what was seen)."""
+    out: list[dict[str, Any]] = [{
+        "type": "Converged", "status": not problems,
+        "reason": "Degraded" if problems else "UpToDate",
+        "message": ", ".join(problems) if problems else "", "lastTransitionTime": now}]
+    out += [{"type": kind, "status": True, "reason": kind, "message": why,
+             "lastTransitionTime": now} for kind, why in problems.items()]
+    return out

@@ -441,7 +441,8 @@ def _log_tails(root: Path) -> str:
 
 def _mount_points() -> set[str]:
     points = set()
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+    mountinfo = Path("/proc/self/mountinfo").read_bytes().decode("utf-8", "surrogateescape")
+    for line in mountinfo.splitlines():
         fields = line.split()
         if len(fields) > 4:  # field 5 is the mount point, with \040-style escapes
             points.add(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4]))

@@ -154,7 +154,8 @@ def used_by_alerts_and_dashboard() -> set[str]:
 # Per-volume series appear with their volume; ceph_up says nothing until a
 # pass needed Ceph (a guess either way would be an alert or a lie).
 NOT_BEFORE_EVENTS = {"rbd_reconciler_volume_phase", "rbd_reconciler_volume_observed_phase",
-                     "rbd_reconciler_volume_wanted_phase", "rbd_reconciler_ceph_up",
+                     "rbd_reconciler_volume_wanted_phase", "rbd_reconciler_volume_condition",
+                     "rbd_reconciler_ceph_up",
                      "rbd_reconciler_volume_io_stalled_since_timestamp_seconds"}
 # CSI's, once CSI serves (test_csi_calls_counted_by_method_and_code).
 CSI = {"rbd_reconciler_csi_calls_total", "rbd_reconciler_csi_call_duration_seconds_bucket"}

@@ -50,7 +50,7 @@ def test_noop_plan_of_a_published_volume_forks_no_probe(node: NodeUnderTest, fs:
     assert d.fs_size is not None and 0 <= d.size - d.fs_size < 1 << 20
     # The unmounted one is probed (blkid), once; the next pass uses the cache.
     assert [a for a in probes(n) if dev_mapped in a] == [
-        ["blkid", "-p", "-o", "export", dev_mapped]]
+        ["blkid", "-p", "-o", "export", "--", dev_mapped]]
     n.runner.history.clear()
     p = plan_pass([node.desired], config, n)
     assert probes(n) == [] and p.observed.devices[dev_mapped].signature is None
@@ -256,17 +256,22 @@ def test_observe_reads_node_wide_facts_once_and_writes_nothing(
     before = tree()
     reads: list[str] = []
     scans: list[int] = []
-    real_read, real_loops = Path.read_text, mappers.loop_devices
+    real_read, real_bytes, real_loops = Path.read_text, Path.read_bytes, mappers.loop_devices
 
     def read_text(self: Path, *args: object, **kwargs: object) -> str:
         reads.append(str(self))
         return real_read(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    def read_bytes(self: Path) -> bytes:  # mountinfo is read as bytes (issue 26.4)
+        reads.append(str(self))
+        return real_bytes(self)
 
     def loops(*args: object) -> object:
         scans.append(1)
         return real_loops(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(Path, "read_text", read_text)
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
     monkeypatch.setattr(mappers, "loop_devices", loops)
     monkeypatch.setattr(n.fuse, "scan_helpers", lambda *a: scans.append(2))
     observed = observe(n, volumes)

@@ -3,7 +3,10 @@
 Boot 1: the daemon converges a krbd, an rbd-nbd and an encrypted (LUKS2,
 krbd) volume, data is written and its checksums kept on the host; then the
 VM is powered off with everything mapped, mounted and open: no clean-up at
-all. Boot 2 starts from nothing mapped: the daemon restores every volume
+all. Boot 2 starts from nothing mapped, and `status` says so: the first
+boot's record of the nbd mapping (stateDir/nbd.json, with that boot's id) is
+"not mapped", never DEGRADED (issue 26.5), and it is dropped; the daemon
+restores every volume
 (fencing the first boot's clients that still watch the images) and the data
 is the same; then the shutdown path of the systemd units (SIGTERM to the
 daemon, then `release --all --step-timeout 30`) releases everything, in
@@ -95,6 +98,24 @@ def _phase(name: str) -> str | None:
         return None
 
 
+def this_boot() -> str:
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+
+def nbd_records() -> dict[str, dict]:
+    try:
+        return json.loads((STATE / "state" / "nbd.json").read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def status() -> dict[str, dict]:
+    done = subprocess.run([*CLI, "--config", str(config()), "status", "-o", "json"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert "internal error" not in done.stderr, done.stderr
+    return {r["name"]: r for r in json.loads(done.stdout)["volumes"]}
+
+
 def mapped() -> list[str]:
     out = []
     for t in ([], ["-t", "nbd"]):
@@ -120,6 +141,7 @@ def test_boot1_converge_write_and_power_off_uncleanly() -> None:
     (STATE / "checksums.json").write_text(json.dumps(sums))
     assert Path("/dev/mapper/rbdr-boot-luks").exists()
     assert sorted(mapped()) == sorted(VOLUMES)
+    assert [r["boot"] for r in nbd_records().values()] == [this_boot()], nbd_records()
     # The daemon keeps running, everything stays mapped and mounted: the VM
     # is powered off as this boot ends.
 
@@ -129,6 +151,11 @@ def test_boot2_restores_every_volume_then_shuts_down_cleanly() -> None:
     if not (STATE / "checksums.json").exists():
         pytest.skip("the first boot's part did not run (filtered out, or it failed)")
     assert mapped() == [] and not Path("/dev/mapper/rbdr-boot-luks").exists()
+    earlier = nbd_records()
+    assert earlier and all(r["boot"] != this_boot() for r in earlier.values()), earlier
+    rows = status()  # before the daemon: what a reboot left, as an operator sees it
+    assert {n: r["phase"] for n, r in rows.items()} == {n: "CREATED" for n in VOLUMES}, rows
+    assert nbd_records() == {}  # the first boot's record: dropped
     daemon = start_daemon()
     try:
         wait_published(daemon, 420)
@@ -137,6 +164,7 @@ def test_boot2_restores_every_volume_then_shuts_down_cleanly() -> None:
             got = hashlib.sha256((SRV / name / "data.bin").read_bytes()).hexdigest()
             assert got == want, f"{name}: the data changed across the reboot"
         assert Path("/dev/mapper/rbdr-boot-luks").exists()
+        assert [r["boot"] for r in nbd_records().values()] == [this_boot()], nbd_records()
     finally:
         # The shutdown path: the daemon stops first (SIGTERM), then release --all.
         daemon.send_signal(signal.SIGTERM)
