@@ -9,6 +9,7 @@ from pathlib import Path
 from reconciler.spec.diagnostics import Diagnostic, excerpt, format_field
 from reconciler.spec.lazylog import LazyLogger
 from reconciler.spec.schemas import schema_errors
+from reconciler.spec.source import SourceConfig, build_source, source_problems
 from reconciler.spec.yamldoc import Document, YamlError, load_documents
 
 log = LazyLogger("reconciler.config")  # the name log lines have always carried
@@ -133,6 +134,14 @@ class Config:
     events: EventsConfig = EventsConfig()
     encryption: EncryptionConfig = EncryptionConfig()
     mount_privileges: MountPrivileges = MountPrivileges()
+    # A git repository followed instead of desiredDir (README: GitOps source);
+    # desired_dir is then the symlink the source switches.
+    git: SourceConfig | None = None
+
+    @property
+    def source_dir(self) -> Path:
+        """The source's mirror, revisions and state (reconciler/source/)."""
+        return self.state_dir / "source"
 
     @property
     def staging_root(self) -> Path:
@@ -160,9 +169,12 @@ def _build(data: dict, source: Path | None) -> Config:
     events = data.get("events", {})
     enc = data.get("encryption", {})
     privileges = data.get("mountPrivileges", {})
+    state_dir = Path(data.get("stateDir", "/var/lib/rbd-reconciler"))
+    git = build_source(data["source"]) if data.get("source") else None
     return Config(
-        desired_dir=Path(data.get("desiredDir", "/etc/rbd-reconciler/volumes.d")),
-        state_dir=Path(data.get("stateDir", "/var/lib/rbd-reconciler")),
+        desired_dir=(state_dir / "source" / "current" if git else
+                     Path(data.get("desiredDir", "/etc/rbd-reconciler/volumes.d"))),
+        state_dir=state_dir,
         node_name=data.get("nodeName") or os.uname().nodename,
         ceph=CephConfig(
             conf=ceph.get("conf", "/etc/ceph/ceph.conf"),
@@ -212,6 +224,7 @@ def _build(data: dict, source: Path | None) -> Config:
         mount_privileges=MountPrivileges(
             suid_roots=tuple(privileges.get("suidRoots", ())),
             dev_roots=tuple(privileges.get("devRoots", ()))),
+        git=git,
     )
 
 
@@ -289,6 +302,16 @@ def _load_config(path: Path, explicit: bool) -> Config:
                                         f"{excerpt(root)} must be a normalised absolute path "
                                         "other than / (a privilege for the whole node is "
                                         "never given)"))
+    source = doc.data.get("source") if not diags else None
+    if source is not None:
+        for where, msg in source_problems(source):
+            line, col = doc.where(("source", *where))
+            diags.append(Diagnostic(path, line, col, format_field(("source", *where)), msg))
+        if "desiredDir" in doc.data:
+            line, col = doc.where(("desiredDir",))
+            diags.append(Diagnostic(path, line, col, "desiredDir",
+                                    "not with source: the daemon then reads the revision the "
+                                    "source applied (<stateDir>/source/current)"))
     csi_dir = (doc.data.get("csi") or {}).get("dir") if not diags else None
     desired = os.path.normpath(doc.data.get("desiredDir", "/etc/rbd-reconciler/volumes.d"))
     if csi_dir and (os.path.normpath(csi_dir) + "/").startswith(desired + "/"):

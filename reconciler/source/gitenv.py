@@ -1,0 +1,112 @@
+"""git, ssh and gpg in an environment of their own, every call with a deadline.
+
+Nothing of root's or the system's configuration reaches them: their own
+``HOME``, no system or global git config, their own ``GNUPGHOME``, no ssh
+config, agent or prompt. The protocols are allow-listed (``GIT_ALLOW_PROTOCOL``:
+no ``ext::`` command URLs, not even from a submodule). Credentials come from
+files: ssh reads the deploy key and the pinned host keys itself; an https
+token is handed to git by an askpass program that reads the token file, so
+it is never on a command line, in the environment or in a log.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from reconciler.drivers.run import Result, Runner
+from reconciler.spec.source import SourceConfig
+from reconciler.state.files import write_atomic
+
+# The askpass program git runs for an https password: prints the user name or
+# the token, from files named in its environment (no secret in argv or env).
+ASKPASS = """#!/bin/sh
+case "$1" in
+  Username*) printf '%s\\n' "$RBD_RECONCILER_GIT_USER" ;;
+  *) exec cat -- "$RBD_RECONCILER_GIT_TOKEN_FILE" ;;
+esac
+"""
+
+
+@dataclass
+class Git:
+    """Runs git on the source's mirror (``<source dir>/repo.git``)."""
+
+    config: SourceConfig
+    root: Path  # <stateDir>/source
+    runner: Runner
+
+    @property
+    def repo(self) -> Path:
+        return self.root / "repo.git"
+
+    @property
+    def home(self) -> Path:
+        return self.root / "home"
+
+    @property
+    def gnupg_home(self) -> Path:
+        return self.root / "gnupg"
+
+    def prepare(self) -> None:
+        """The home, the GnuPG home and the askpass program (idempotent)."""
+        for d in (self.root, self.home, self.gnupg_home):
+            d.mkdir(mode=0o700, exist_ok=True)
+            os.chmod(d, 0o700)  # ours, made just above (or kept): no one else's
+        if self.config.credentials.token_file is not None:
+            askpass = self.home / "askpass"
+            if not askpass.exists() or askpass.read_text() != ASKPASS:
+                write_atomic(askpass, ASKPASS.encode(), mode=0o700)
+
+    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        creds = self.config.credentials
+        env = {
+            "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
+            "HOME": str(self.home),
+            "LC_ALL": "C",
+            "GIT_CONFIG_NOSYSTEM": "1",
+            "GIT_CONFIG_GLOBAL": "/dev/null",
+            "GIT_TERMINAL_PROMPT": "0",
+            "GIT_ALLOW_PROTOCOL": "file:ssh:https",
+            "GIT_NO_REPLACE_OBJECTS": "1",  # refs/replace/* never swaps a verified object
+            "GNUPGHOME": str(self.gnupg_home),
+            "SSH_AUTH_SOCK": "",
+        }
+        if self.config.scheme == "ssh":
+            opts = ["-F", "/dev/null", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+                    "-o", f"UserKnownHostsFile={creds.known_hosts}",
+                    "-o", "GlobalKnownHostsFile=/dev/null", "-o", "IdentitiesOnly=yes",
+                    "-o", "IdentityAgent=none", "-o", f"IdentityFile={creds.ssh_key}",
+                    "-o", f"ConnectTimeout={max(1, int(self.config.timeout_seconds))}",
+                    "-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=2",
+                    "-o", "UpdateHostKeys=no", "-o", "ControlMaster=no", "-o", "ControlPath=none"]
+            env["GIT_SSH_COMMAND"] = shlex.join(["ssh", *opts])
+            env["GIT_SSH_VARIANT"] = "ssh"
+        if creds.token_file is not None:
+            env["GIT_ASKPASS"] = str(self.home / "askpass")
+            env["RBD_RECONCILER_GIT_USER"] = creds.username
+            env["RBD_RECONCILER_GIT_TOKEN_FILE"] = str(creds.token_file)
+        env.update(extra or {})
+        return env
+
+    def run(self, args: Sequence[str], *, ok_codes: Sequence[int] = (0,),
+            stdin: bytes | None = None, timeout: float | None = None,
+            env: dict[str, str] | None = None) -> Result:
+        """``git --git-dir=REPO ARGS`` (the caller puts ``--`` before operands)."""
+        argv = ["git", f"--git-dir={self.repo}", "-c", "protocol.version=2",
+                "-c", "core.fsync=objects,reference", "-c", "gc.auto=0",
+                "-c", "credential.helper=", "-c", "core.hooksPath=/dev/null",
+                "-c", "transfer.fsckObjects=true", *args]
+        return self.runner.run(argv, ok_codes=ok_codes, stdin=stdin,
+                               timeout=timeout or self.config.timeout_seconds,
+                               env=self.env(env))
+
+    def init(self) -> None:
+        """The bare mirror (idempotent)."""
+        self.prepare()
+        if not (self.repo / "HEAD").exists():
+            self.runner.run(["git", "init", "--quiet", "--bare", "--", str(self.repo)],
+                            env=self.env(), timeout=self.config.timeout_seconds)
