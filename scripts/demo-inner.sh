@@ -176,3 +176,58 @@ say "release: unpublish, unstage, unmap (images are kept)"
 left=$(mounts_under "$SRV"; mounts_under "$DEMO")
 [[ -z $left ]] || die "still mounted after release: $left"
 echo "nothing of the demo is mounted or mapped any more"
+
+# --- the GitOps source: a signed commit applied, an unsigned one refused ------
+GIT=$DEMO/git
+GCONFIG=$GIT/config.yaml
+G=(.venv/bin/rbd-reconciler --config "$GCONFIG")
+STATUS=$DEMO/state-git/status
+say "a git repository signed with an ssh key; the node follows it"
+mkdir -p "$GIT" && chmod 0700 "$GIT"
+ssh-keygen -q -t ed25519 -N '' -C demo-signer -f "$GIT/signer"
+echo "demo@example.invalid namespaces=\"git\" $(cat "$GIT/signer.pub")" > "$GIT/allowed_signers"
+git init -q --bare "$GIT/fleet.git"
+cat > "$GCONFIG" <<CONF
+stateDir: $DEMO/state-git
+nodeName: demo-node
+ceph: {conf: $DEMO/ceph.conf, user: admin, keyring: $DEMO/ceph.client.admin.keyring}
+allowedRoots: [$SRV]
+source:
+  url: file://$GIT/fleet.git
+  ref: {branch: main}
+  path: nodes/{nodeName}
+  intervalSeconds: 2
+  verify: {mode: head, format: ssh, allowedSignersFile: $GIT/allowed_signers}
+CONF
+export GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null
+GW=(git -C "$GIT/work" -c user.name=Demo -c user.email=demo@example.invalid
+    -c gpg.format=ssh -c user.signingkey="$GIT/signer")
+git init -q -b main "$GIT/work"
+mkdir -p "$GIT/work/nodes/demo-node"
+sed -e 's/name: pgdata/name: gitops/' -e 's#/srv/rbd-demo/pgdata-backup-view#/srv/rbd-demo/gitops-view#' \
+    -e 's#/srv/rbd-demo/pgdata#/srv/rbd-demo/gitops#' examples/pgdata.yaml > "$GIT/work/nodes/demo-node/gitops.yaml"
+"${GW[@]}" add -A && "${GW[@]}" commit -q -S -m "gitops: a volume from git"
+"${GW[@]}" push -q "$GIT/fleet.git" main
+"${GW[@]}" log --show-signature -1 --format='  %h %s' -c gpg.ssh.allowedSignersFile="$GIT/allowed_signers" 2>&1 | sed 's/^/  /'
+"${G[@]}" run --log-format plain &
+DAEMON_PID=$!
+wait_phase gitops Published
+"${G[@]}" source status | sed 's/^/  /'
+echo "  gitops converged from $(grep -o '"sourceRevision": "[^"]*"' "$STATUS/gitops.json")"
+
+say "an unsigned commit (grow gitops to 384Mi) is refused; the signed revision stays applied"
+sed -i 's/size: 256Mi/size: 384Mi/' "$GIT/work/nodes/demo-node/gitops.yaml"
+"${GW[@]}" commit -q -a -m "grow gitops (not signed)"
+"${GW[@]}" push -q "$GIT/fleet.git" main
+rc=0; "${G[@]}" source sync || rc=$?
+[[ $rc -eq 1 ]] || die "source sync of an unsigned commit exited $rc, expected 1 (refused)"
+"${G[@]}" source status | sed 's/^/  /' || true
+status_has gitops '"size": 268435456' || die "gitops changed size although its commit was refused"
+echo "  gitops is still 256Mi: nothing of the unsigned commit was applied"
+
+say "stop the daemon; release what the source applied"
+stop_daemon
+"${G[@]}" release
+left=$(mounts_under "$SRV"; mounts_under "$DEMO")
+[[ -z $left ]] || die "still mounted after release: $left"
+echo "nothing of the demo is mounted or mapped any more"

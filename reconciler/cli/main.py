@@ -267,6 +267,23 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                                        "DEGRADED or UNKNOWN volume, or a full stateDir.")
         _add_paths_and_output(p)
         p.set_defaults(func=_Command("status", "cmd_status"))
+    if only in (None, "source"):
+        p = sub.add_parser("source", help="the git source: status, sync now, verify, rollback",
+                           description="The GitOps source (README: GitOps source). status: "
+                                       "the URL, ref, observed, attempted and applied revision, "
+                                       "signer and conditions (exit 1 unless Ready). sync: fetch, "
+                                       "verify and apply now, as the daemon would (it picks the "
+                                       "switch up at once). verify REV: verify a revision, apply "
+                                       "nothing (REV: a commit or ref of the mirror; default: the "
+                                       "remote's). rollback: back to the previous revision and "
+                                       "hold there; resume: apply new revisions again.")
+        p.add_argument("action", nargs="?", default="status",
+                       choices=("status", "sync", "verify", "rollback", "resume"),
+                       help="default: status")
+        p.add_argument("rev", nargs="?", default="", metavar="REV",
+                       help="verify: the revision (default: the remote's)")
+        _add_output(p)
+        p.set_defaults(func=_Command("source", "cmd_source"))
     for p in sub.choices.values():
         # `rbd-reconciler plan -c FILE` works like `rbd-reconciler -c FILE plan`;
         # SUPPRESS: not given here, the top-level value stands.
@@ -278,7 +295,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 COMMANDS = ("validate", "plan", "apply", "release", "run", "allow-removal", "explain",
-            "takeover", "recover", "rotate-key", "status")
+            "takeover", "recover", "rotate-key", "status", "source")
 
 
 def _command_of(argv: Sequence[str]) -> str | None:

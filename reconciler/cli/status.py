@@ -38,12 +38,24 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
     # do I/O that does not complete and a fence.
     bad = any(r["unknown"] or r["problem"] or r.get("stalled") or r.get("fence") for r in rows)
     rc = EXIT_FAILED if p.loaded.diagnostics or bad or full else EXIT_OK
+    source = None
+    if config.git is not None:  # the GitOps source: what the files came from
+        from reconciler.source.report import source_status
+
+        source = source_status(config)
     if args.output == "json":
         json.dump({"volumes": rows, "frozen": sorted(p.loaded.frozen_names),
-                   "errors": [d.as_dict() for d in p.loaded.diagnostics]}, sys.stdout, indent=2)
+                   "errors": [d.as_dict() for d in p.loaded.diagnostics],
+                   **({"source": source} if source else {})}, sys.stdout, indent=2)
         print()
         return rc
     print_load_errors(p)
+    if source is not None:
+        applied = (source["applied"] or {}).get("revision") or "no revision applied"
+        print(f"source: {source['url']} ({source['ref']}): {applied}")
+        for c in source["conditions"]:
+            if (c["type"] == "Stalled") == (c["status"] == "True"):  # what is not well
+                print(f"source: {c['type']} {c['status']} {c['reason']}: {c['message']}")
     if full:
         print(f"rbd-reconciler: {full}: new and changed volumes are not converged until it "
               "can (the daemon holds back what it cannot record)", file=sys.stderr)

@@ -218,6 +218,23 @@ class Metrics:
         # For alerts that scale with the config ("no successful pass for 3 x resync").
         self.resync = Gauge(f"{NS}_resync_interval_seconds", "The configured resyncSeconds.",
                             registry=r)
+        # The GitOps source (README: GitOps source); no series without one.
+        self.source_info = Gauge(f"{NS}_source_info", "Always 1 while a source is followed; "
+                                 "the labels name the applied revision.",
+                                 ["url", "ref", "revision"], registry=r)
+        self.source_fetch = Gauge(f"{NS}_source_last_fetch_timestamp_seconds",
+                                  "Unix time the remote last answered a fetch or a look.",
+                                  registry=r)
+        self.source_success = Gauge(f"{NS}_source_last_success_timestamp_seconds",
+                                    "Unix time of the last sync that ended with the remote's "
+                                    "revision verified and applied (or already applied).",
+                                    registry=r)
+        self.source_refusals = Counter(f"{NS}_source_failures", "Syncs that applied nothing "
+                                       "new, by reason (Unsigned, UnknownSigner, Revoked, "
+                                       "WrongFormat, NotDescendant, LoadFailed, FetchFailed, "
+                                       "...).", ["reason"], registry=r)
+        self.source_interval = Gauge(f"{NS}_source_interval_seconds",
+                                     "The configured source.intervalSeconds.", registry=r)
         self.build_info = Gauge(f"{NS}_build_info", "Always 1; the labels say which build "
                                 "runs.", ["version", "python"], registry=r)
         self.build_info.labels(__version__, platform.python_version()).set(1)

@@ -35,6 +35,7 @@ from reconciler.daemon.conditions import Conditions
 from reconciler.daemon.dirwatch import DirWatcher
 from reconciler.daemon.dirwatch import plan as watch_plan
 from reconciler.daemon.events import EventHub
+from reconciler.daemon.follow import Follower
 from reconciler.daemon.interest import VolumeInterest, combine, forget, volume_interest
 from reconciler.daemon.metrics import Metrics, ceph_reachable
 from reconciler.drivers.freeze import thaw_recorded
@@ -45,6 +46,7 @@ from reconciler.facts.observed import Observed
 from reconciler.observe.ceph import observe_images
 from reconciler.observe.node import Node, observe
 from reconciler.plan.planner import VolumePlan, actual_state, plan
+from reconciler.source.report import applied_revision
 from reconciler.spec.config import Config, ConfigError, load_config
 from reconciler.spec.desired import claims, forgettable, load_desired
 from reconciler.spec.loader import LoadCache, discover
@@ -72,7 +74,8 @@ NOTHING_OBSERVED = Observed(images={}, pools_listed=frozenset(), pool_errors={},
                             devices={}, mounts=())
 
 # A status differing from the last written in none of these is not rewritten.
-STATUS_KEYS = ("phase", "observedGeneration", "lastResult", "reason", "message")
+STATUS_KEYS = ("phase", "observedGeneration", "lastResult", "reason", "message",
+               "sourceRevision")
 
 PHASE_NAMES = {"ABSENT": "Absent", "CREATED": "Created", "MAPPED": "Mapped",
                "STAGED": "Staged", "PUBLISHED": "Published"}
@@ -135,6 +138,8 @@ class Daemon:
         self.last_pass_start = 0.0
         self.interest: dict[str, VolumeInterest] = {}
         self.events: EventHub | None = None
+        self.follower: Follower | None = None  # the GitOps source (config.git)
+        self.source_revision: str | None = None  # what the desired files came from
         # name -> the status fields compared before a write (no read per pass)
         self.written: dict[str, tuple] = {}
         # stateDir that cannot be written (full, read-only): the first failed
@@ -248,11 +253,19 @@ class Daemon:
         signal.signal(signal.SIGINT, stop)
         signal.signal(signal.SIGHUP, reload)
 
+    def _awaiting_source(self) -> bool:
+        return self.config.git is not None and not os.path.lexists(self.config.desired_dir)
+
     def preflight(self, files: bool = True) -> list[str]:
         """Why the desired directories may not be trusted. ``files=False`` (a
         pass): the directories only, since the load that follows checks every
         file as it stats it, and refuses an untrusted one the same way."""
         dirs = [self.config.desired_dir]
+        if self._awaiting_source():
+            # Nothing applied yet (the first sync runs, or fails: source status).
+            assert self.config.git is not None
+            return [f"the git source {self.config.git.url} has no revision applied yet "
+                    "(rbd-reconciler source status)"]
         if self.config.csi_dir.is_dir():  # the CSI adapter's files converge like the operator's
             dirs.append(self.config.csi_dir)
         problems = []
@@ -265,7 +278,9 @@ class Daemon:
         return problems
 
     def run(self) -> int:
-        problems = self.preflight()
+        # Waiting for the source's first revision is no reason not to start:
+        # the source thread fetches it, the passes refuse until then.
+        problems = [] if self._awaiting_source() else self.preflight()
         if problems:
             for p in problems:
                 log.error("refusing to start: %s", p)
@@ -281,6 +296,7 @@ class Daemon:
                 self.install_signals()
                 self._watch()
                 self._start_events()
+                self._start_source()
                 if self.config.metrics.listen:
                     try:
                         self.metrics.serve(self.config.metrics.listen)
@@ -338,6 +354,8 @@ class Daemon:
             self.dirwatch.stop(timeout=max(0.1, min(2.0, deadline + 1 - time.monotonic())))
         if self.events is not None:
             self.events.stop(timeout=max(0.1, min(2.0, deadline + 1 - time.monotonic())))
+        if self.follower is not None:
+            self.follower.stop(timeout=max(0.1, min(2.0, deadline + 1 - time.monotonic())))
         reap_zombies()
         return rc
 
@@ -435,6 +453,12 @@ class Daemon:
         self.config = config
         self.node = Node.from_config(config, halt=self.halt)
         log.info("config reloaded from %s", config.source or "built-in defaults")
+        self._start_source()
+        if self.follower is not None and config.git is None:
+            self.follower.stop(timeout=1.0)
+            self.follower = None
+        elif self.follower is not None:
+            self.follower.sync_now()
         self._watch()
         self.mark_dirty(None, "config reloaded")
 
@@ -469,6 +493,14 @@ class Daemon:
                         "resync, every %g s", exc, self.config.resync_seconds)
             self.events = None
 
+    def _start_source(self) -> None:
+        """Follow the git source (README: GitOps source) in a thread of its own."""
+        if self.config.git is None or self.follower is not None:
+            return
+        self.follower = Follower(lambda: self.config, self.metrics, self.halt,
+                                 lambda rev: self.mark_dirty(None, f"source applied {rev}"))
+        self.follower.start()
+
     def _image_sizes(self, images: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
         """Header reads (no open, no watch), bounded like observe's."""
         node = self.node
@@ -497,6 +529,7 @@ class Daemon:
         t0 = time.monotonic()
         self._watch()  # the link may point elsewhere now
         reap_zombies()
+        self.source_revision = applied_revision(self.config)
         problems = self.preflight(files=False)
         self.conditions.update("preflight", [f"not reconciling: {p}" for p in problems])
         if problems:
@@ -840,6 +873,8 @@ class Daemon:
     def _write_status(self, name: str, status: VolumeStatus,
                       stalled_since: float | None = None) -> None:
         data = status.to_json()
+        if self.source_revision is not None:
+            data["sourceRevision"] = self.source_revision
         self.metrics.set_phase(name, status.phase, stalled_since)
         key = tuple(data.get(k) for k in STATUS_KEYS)
         if "steps" not in data and self.written.get(name) == key:

@@ -118,6 +118,7 @@ class Result:
     returncode: int
     stdout: str
     stderr: str
+    raw: bytes = b""  # stdout as it came (a git blob is bytes, not text)
 
 
 @dataclass
@@ -167,7 +168,7 @@ class Runner:
             except subprocess.TimeoutExpired:
                 stdin = None  # handed over: a retry may not pass it again (ValueError)
                 continue
-            return Result(proc.returncode, _text(stdout), _text(stderr))
+            return Result(proc.returncode, _text(stdout), _text(stderr), stdout or b"")
         stopping = time.monotonic() < deadline  # killed for the stop, not its deadline
         said = _kill(proc)
         took = time.monotonic() - t0

@@ -102,7 +102,8 @@ def source_problems(data: dict) -> list[tuple[tuple[str | int, ...], str]]:
     plain = path.replace(NODE_NAME, "n")
     if "{" in plain or "}" in plain:
         out.append((("path",), f"the only placeholder is {NODE_NAME}"))
-    elif path.startswith("/") or os.path.normpath(plain) != plain or plain.startswith(".."):
+    elif path and (path.startswith("/") or os.path.normpath(plain) != plain
+                   or plain.startswith("..")):
         out.append((("path",), "must be a clean relative path inside the repository "
                                "(no leading /, no '.', '..' or '//')"))
     verify = data.get("verify") or {}

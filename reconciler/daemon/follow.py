@@ -1,0 +1,122 @@
+"""The daemon's side of the GitOps source: a thread that syncs every
+``source.intervalSeconds`` (backing off after failures), feeds the metrics,
+and wakes a pass over every volume when a revision is applied.
+
+A CLI's ``source sync`` takes the same lock and switches the same link; the
+daemon's file watch sees that switch like its own."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections.abc import Callable
+from datetime import datetime
+
+from reconciler.daemon.metrics import Metrics
+from reconciler.drivers.run import Aborted, Halt, Runner
+from reconciler.source.layout import SourceBusy
+from reconciler.source.report import applied_revision, revision
+from reconciler.source.sync import Outcome, Syncer
+from reconciler.spec.config import Config
+
+log = logging.getLogger("rbd-reconciler")
+
+BACKOFF_FIRST_S = 5.0
+BACKOFF_MAX_S = 300.0
+
+
+def backoff(failures: int, interval: float) -> float:
+    """After ``failures`` failed syncs in a row: 5, 10, 20 ... s, never past
+    the larger of the interval and 5 minutes, with jitter (a fleet that lost
+    its server does not come back in step)."""
+    cap = max(interval, BACKOFF_MAX_S)
+    wait = min(cap, BACKOFF_FIRST_S * 2 ** max(0, failures - 1), interval)
+    return wait * random.uniform(0.8, 1.0)
+
+
+class Follower:
+    def __init__(self, config: Callable[[], Config], metrics: Metrics, halt: Halt,
+                 applied: Callable[[str], None]) -> None:
+        self.config = config  # the current config (SIGHUP may replace it)
+        self.metrics = metrics
+        self.halt = halt
+        self.applied = applied  # called with the new revision after a switch
+        self.wake = threading.Event()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="source", daemon=True)
+        self.failures = 0
+        self.last: tuple[str, str, str | None] | None = None  # what was last logged
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout: float) -> None:
+        self.stopping.set()
+        self.wake.set()
+        self.thread.join(timeout)
+
+    def sync_now(self) -> None:
+        self.wake.set()
+
+    def _loop(self) -> None:
+        while not self.stopping.is_set():
+            config = self.config()
+            src = config.git
+            if src is None:  # a reload removed the source
+                return
+            try:
+                out = self.once(config)
+            except Aborted:
+                return
+            except SourceBusy as exc:  # a CLI sync holds the lock: its result stands
+                log.info("source: %s", exc)
+                out = Outcome("unchanged")
+            except Exception:  # the daemon never dies of a sync (a bug): say it, retry
+                log.exception("source: sync failed")
+                out = Outcome("failed", "InternalError")
+            # A refusal waits for a new push (the interval); a failure to
+            # reach the server backs off from 5 s up to the interval.
+            self.failures = self.failures + 1 if out.result == "failed" else 0
+            wait = (backoff(self.failures, src.interval_seconds) if self.failures
+                    else src.interval_seconds)
+            self.wake.wait(wait)
+            self.wake.clear()
+
+    def once(self, config: Config) -> Outcome:
+        src = config.git
+        assert src is not None
+        syncer = Syncer(config, Runner(timeout=src.timeout_seconds, halt=self.halt))
+        out = syncer.sync()
+        self._report(config, out)
+        if out.result == "applied":
+            rev = revision(src, out.commit) or ""
+            who = ", ".join(f"{s['name']} ({s['fingerprint']})" for s in out.signers)
+            log.info("source: applied %s, signed by %s", rev, who or "nobody (not verified)")
+            self.applied(rev)
+        return out
+
+    def _report(self, config: Config, out: Outcome) -> None:
+        src = config.git
+        assert src is not None
+        now = datetime.now().timestamp()
+        m = self.metrics
+        m.source_interval.set(src.interval_seconds)
+        if out.fetched:
+            m.source_fetch.set(now)
+        if out.ok:
+            m.source_success.set(now)
+        else:
+            m.source_refusals.labels(out.reason or "Unknown").inc()
+        applied = applied_revision(config)
+        m.source_info.clear()
+        m.source_info.labels(src.url, src.ref.label, applied or "").set(1)
+        key = (out.result, out.reason, out.commit)
+        if out.ok:
+            if self.last is not None and self.last[0] not in ("applied", "unchanged", "held"):
+                log.info("source: %s again (%s)", out.result, revision(src, out.commit))
+        elif key != self.last:  # one line per new failure, not one per retry
+            level = logging.ERROR if out.result == "refused" else logging.WARNING
+            log.log(level, "source: %s %s: %s; %s stays applied", out.result, out.reason,
+                    out.message, applied or "nothing")
+        self.last = key

@@ -1,0 +1,376 @@
+"""One sync of the GitOps source: look → fetch → verify → export → switch.
+
+Each step either completes or changes nothing that is applied: the mirror's
+refs move only after a fetch completes, a revision is exported into a
+directory of its own, and what the daemon reads switches last, with one
+rename(2) (layout.py). On any failure the last good revision stays applied
+and the state says why; the caller retries with backoff.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from reconciler.drivers.run import CommandError, Runner
+from reconciler.source import verify
+from reconciler.source.gitenv import Git
+from reconciler.source.layout import Layout
+from reconciler.source.report import revision
+from reconciler.source.tree import TreeRefused, list_tree, read_blobs, write_tree
+from reconciler.spec.config import Config
+from reconciler.spec.desired import load_desired
+from reconciler.spec.source import SHA1, SourceConfig
+from reconciler.state.files import write_json
+
+log = logging.getLogger("rbd-reconciler.source")
+
+FETCHED = "refs/source/fetched"
+APPLIED = "refs/source/applied"
+MAX_MESSAGE = 600
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
+@dataclass
+class Outcome:
+    result: str  # applied | unchanged | held | refused | failed
+    reason: str = ""  # CamelCase: Unsigned, NotDescendant, LoadFailed, FetchFailed ...
+    message: str = ""
+    commit: str | None = None  # what the remote ref named (observed)
+    tag: str | None = None  # the annotated tag object, for ref.tag
+    signers: list[dict[str, str]] = field(default_factory=list)
+    fetched: bool = False  # the remote answered (ls-remote or fetch)
+
+    @property
+    def ok(self) -> bool:
+        return self.result in ("applied", "unchanged", "held")
+
+
+class Failed(Exception):
+    def __init__(self, result: str, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.result, self.reason, self.message = result, reason, message[:MAX_MESSAGE]
+
+
+def rev_name(commit: str, node_path: str) -> str:
+    return f"{commit}-{hashlib.sha256(node_path.encode()).hexdigest()[:8]}"
+
+
+class Syncer:
+    def __init__(self, config: Config, runner: Runner | None = None) -> None:
+        assert config.git is not None
+        self.config = config
+        self.src: SourceConfig = config.git
+        self.layout = Layout(config.source_dir)
+        self.git = Git(self.src, config.source_dir, runner or Runner(
+            timeout=self.src.timeout_seconds))
+        self.node_path = self.src.node_path(config.node_name)
+
+    # -- the whole sync, under the lock ----------------------------------------
+    def sync(self) -> Outcome:
+        with self.layout.locked(self.src.timeout_seconds * 4):
+            state = self.layout.read_state()
+            out = self._sync(state)
+            self._record(state, out)
+            return out
+
+    def _sync(self, state: dict[str, Any]) -> Outcome:
+        out = Outcome("failed")
+        try:
+            self.git.init()
+            self._clean_temporaries()
+            out.commit, out.tag = self._fetch()
+            out.fetched = True
+            _step("fetched")
+            applied = self.layout.applied()
+            name = rev_name(out.commit, self.node_path)
+            if applied is not None and applied["name"] == name:
+                out.result, out.signers = "unchanged", applied.get("signers", [])
+                self._prune()  # what a sync killed before its prune left
+                return out
+            out.signers = self._verify(out.commit, out.tag)
+            _step("verified")
+            if state.get("held"):
+                out.result, out.reason = "held", "Held"
+                out.message = (f"held at {revision(self.src, applied and applied['commit'])} "
+                               "by `rbd-reconciler source rollback`; `source resume` applies "
+                               "new revisions again")
+                return out
+            if applied is not None:
+                self._check_descent(applied["commit"], out.commit)
+            self._export(name, out)
+            _step("exported")
+            self._switch(name)
+            out.result = "applied"
+            return out
+        except Failed as exc:
+            out.result, out.reason, out.message = exc.result, exc.reason, exc.message
+        except verify.Refused as exc:
+            out.result, out.reason, out.message = "refused", exc.reason, exc.message
+        except TreeRefused as exc:
+            out.result, out.reason, out.message = "refused", exc.reason, exc.message
+        except CommandError as exc:
+            out.result, out.reason = "failed", "GitFailed"
+            out.message = str(exc)[:MAX_MESSAGE]
+        except OSError as exc:
+            out.result, out.reason = "failed", "StateDirFailed"
+            out.message = f"{getattr(exc, 'filename', '') or self.layout.root}: " \
+                          f"{exc.strerror or exc}"
+        return out
+
+    # -- steps ----------------------------------------------------------------
+    def _fetch(self) -> tuple[str, str | None]:
+        """The remote ref's commit (and tag object), fetched into the mirror
+        when it moved; a fetch that finds nothing new is one ls-remote."""
+        ref = self.src.ref
+        if ref.kind == "commit":
+            if not self._has(ref.name):
+                self._run_fetch([ref.name], "the commit")
+                self.git.run(["update-ref", FETCHED, ref.name])
+            return self._peel(ref.name), None
+        remote = self._ls_remote(ref.remote)
+        local = self._resolve(FETCHED)
+        if remote != local or not self._has(remote):
+            self._run_fetch([f"+{ref.remote}:{FETCHED}"], ref.label)
+            local = self._resolve(FETCHED)
+            if local != remote:  # moved between ls-remote and fetch: fetched is newer
+                remote = local
+        assert remote is not None
+        kind = self.git.run(["cat-file", "-t", "--", remote]).stdout.strip()
+        if ref.kind == "tag" and kind == "tag":
+            return self._peel(remote), remote
+        return self._peel(remote), None
+
+    def _ls_remote(self, want: str) -> str:
+        try:
+            out = self.git.run(["ls-remote", "--", self.src.url, want]).stdout
+        except CommandError as exc:
+            raise Failed("failed", "FetchFailed", f"{self.src.url}: {exc}") from None
+        for line in out.splitlines():
+            oid, _, name = line.partition("\t")
+            if name == want and SHA1.match(oid):
+                return oid
+        raise Failed("failed", "RefNotFound", f"{self.src.url} has no {want}")
+
+    def _run_fetch(self, refspecs: list[str], what: str) -> None:
+        args = ["fetch", "--quiet", "--no-tags", "--no-write-fetch-head",
+                "--no-recurse-submodules"]
+        if self.src.depth and self._resolve(APPLIED) is None:
+            args.append(f"--depth={self.src.depth}")
+        try:
+            self.git.run([*args, "--", self.src.url, *refspecs])
+        except CommandError as exc:
+            raise Failed("failed", "FetchFailed", f"fetching {what} from {self.src.url}: "
+                                                  f"{exc}") from None
+
+    def _verify(self, commit: str, tag: str | None) -> list[dict[str, str]]:
+        verify.prepare_keys(self.git, self.src.verify)
+        signers = verify.verify_revision(self.git, commit, tag, self.src.verify)
+        return [{"format": s.format, "fingerprint": s.fingerprint, "name": s.name}
+                for s in signers]
+
+    def _check_descent(self, applied: str, new: str) -> None:
+        if applied == new or self._descends(applied, new):
+            return
+        if self.src.allow_non_descendant:
+            log.warning("source: %s does not descend from the applied %s; applied anyway "
+                        "(allowNonDescendant)", new[:12], applied[:12])
+            return
+        raise Failed("refused", "NotDescendant",
+                     f"{new[:12]} does not descend from the applied {applied[:12]} (a "
+                     "force-push back in time?); refused: set source.allowNonDescendant, or "
+                     "`rbd-reconciler source rollback`/a new commit on top")
+
+    def _descends(self, old: str, new: str) -> bool:
+        for attempt in range(2):
+            if self._has(old):
+                rc = self.git.run(["merge-base", "--is-ancestor", "--", old, new],
+                                  ok_codes=(0, 1)).returncode
+                if rc == 0:
+                    return True
+            shallow = self.git.run(["rev-parse", "--is-shallow-repository"]).stdout.strip()
+            if attempt or shallow != "true" or self.src.ref.kind == "commit":
+                return False
+            # A shallow mirror may just not see the link: the history, once.
+            self.git.run(["fetch", "--quiet", "--no-tags", "--no-write-fetch-head",
+                          "--unshallow", "--", self.src.url, f"+{self.src.ref.remote}:{FETCHED}"],
+                         timeout=self.src.timeout_seconds * 4)
+        return False
+
+    def _export(self, name: str, out: Outcome) -> None:
+        final = self.layout.revs / name
+        if final.is_dir() and self.layout.meta_file(name).exists():
+            return  # exported by an attempt killed before its switch: complete
+        self.layout.revs.mkdir(mode=0o755, exist_ok=True)
+        entries = list_tree(self.git, out.commit or "", self.node_path,
+                            self.src.max_file_bytes, self.src.max_tree_bytes)
+        blobs = read_blobs(self.git, entries)
+        tmp = self.layout.revs / f".tmp-{name}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_tree(tmp, entries, blobs)
+        _step("written")
+        problems = self._load_problems(tmp)
+        if problems:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise Failed("refused", "LoadFailed",
+                         f"{len(problems)} problem(s) in {revision(self.src, out.commit)}: "
+                         + "; ".join(problems[:3]))
+        write_json(self.layout.meta_file(name), {
+            "commit": out.commit, "tag": out.tag, "signers": out.signers,
+            "revision": revision(self.src, out.commit), "path": self.node_path,
+            "files": len(entries), "verifiedAt": now_iso(),
+            "empty": not entries})
+        _step("meta written")
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        _fsync_dir(self.layout.revs)
+
+    def _load_problems(self, exported: Path) -> list[str]:
+        """The loader's verdict on the exported files, named as in the repository."""
+        res = load_desired(replace(self.config, desired_dir=exported))
+        prefix = f"{exported}/"
+        shown = f"{self.node_path}/" if self.node_path else ""
+        return [str(d).replace(prefix, shown) for d in res.diagnostics
+                if str(d.file).startswith(prefix) or d.file == exported]
+
+    def _switch(self, name: str) -> None:
+        old = self.layout.target("current")
+        if old is not None and old != name:
+            self.layout.switch("previous", old)
+            _step("previous switched")
+        self.layout.switch("current", name)
+        _step("switched")
+        commit = name.split("-")[0]
+        self.git.run(["update-ref", APPLIED, commit])
+        _step("ref updated")
+        self._prune()
+        _step("pruned")
+
+    # -- rollback --------------------------------------------------------------
+    def rollback(self) -> str:
+        """Swap current and previous and hold there (the daemon then fetches
+        and reports, and applies nothing new until ``resume``)."""
+        with self.layout.locked(self.src.timeout_seconds * 4):
+            cur, prev = self.layout.target("current"), self.layout.target("previous")
+            if prev is None or cur is None:
+                raise Failed("refused", "NoPrevious", "no previous revision is kept")
+            self.layout.switch("current", prev)
+            self.layout.switch("previous", cur)
+            self.git.run(["update-ref", APPLIED, prev.split("-")[0]])
+            state = self.layout.read_state()
+            state["held"] = {"at": now_iso(), "commit": prev.split("-")[0]}
+            self.layout.write_state(state)
+            return prev.split("-")[0]
+
+    def resume(self) -> None:
+        with self.layout.locked(self.src.timeout_seconds * 4):
+            state = self.layout.read_state()
+            state.pop("held", None)
+            self.layout.write_state(state)
+
+    def verify_only(self, rev: str) -> Outcome:
+        """Verify REV (a commit, or a ref of the mirror) as a sync would, and
+        apply nothing."""
+        out = Outcome("failed")
+        with self.layout.locked(self.src.timeout_seconds * 4):
+            try:
+                self.git.init()
+                if rev in ("", "remote", self.src.ref.name):
+                    out.commit, out.tag = self._fetch()
+                else:
+                    oid = self.git.run(["rev-parse", "--verify", "--quiet", "--end-of-options",
+                                        rev], ok_codes=(0, 1)).stdout.strip()
+                    if not oid:
+                        raise Failed("refused", "UnknownRevision", f"{rev}: not in the mirror "
+                                     "(`source sync` fetches the configured ref)")
+                    kind = self.git.run(["cat-file", "-t", "--", oid]).stdout.strip()
+                    out.commit = self._peel(oid)
+                    out.tag = oid if kind == "tag" else None
+                out.signers = self._verify(out.commit, out.tag)
+                entries = list_tree(self.git, out.commit, self.node_path,
+                                    self.src.max_file_bytes, self.src.max_tree_bytes)
+                out.result, out.message = "unchanged", f"{len(entries)} file(s) under " \
+                                                       f"{self.node_path or '/'}"
+            except Failed as exc:
+                out.result, out.reason, out.message = exc.result, exc.reason, exc.message
+            except (verify.Refused, TreeRefused) as exc:
+                out.result, out.reason, out.message = "refused", exc.reason, exc.message
+            except CommandError as exc:
+                out.result, out.reason, out.message = "failed", "GitFailed", str(exc)
+        return out
+
+    # -- helpers ----------------------------------------------------------------
+    def _resolve(self, ref: str) -> str | None:
+        oid = self.git.run(["rev-parse", "--verify", "--quiet", ref],
+                           ok_codes=(0, 1)).stdout.strip()
+        return oid or None
+
+    def _has(self, oid: str) -> bool:
+        return self.git.run(["cat-file", "-e", "--", oid], ok_codes=(0, 1, 128)).returncode == 0
+
+    def _peel(self, oid: str) -> str:
+        return self.git.run(["rev-parse", "--verify", "--end-of-options",
+                             f"{oid}^{{commit}}"]).stdout.strip()
+
+    def _clean_temporaries(self) -> None:
+        if self.layout.revs.is_dir():
+            for p in self.layout.revs.glob(".tmp-*"):
+                shutil.rmtree(p, ignore_errors=True)
+
+    def _prune(self) -> None:
+        keep = {self.layout.target("current"), self.layout.target("previous")} - {None}
+        for p in self.layout.revs.iterdir():
+            name = p.name.removesuffix(".json")
+            if name in keep:
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+
+    # -- the record ----------------------------------------------------------------
+    def _record(self, state: dict[str, Any], out: Outcome) -> None:
+        at = now_iso()
+        state["url"], state["ref"], state["path"] = self.src.url, self.src.ref.label, \
+            self.node_path
+        if out.commit:
+            state["observed"] = {"commit": out.commit, "tag": out.tag, "at": at,
+                                 "revision": revision(self.src, out.commit)}
+        state["lastAttempt"] = {"at": at, "result": out.result, "reason": out.reason,
+                                "message": out.message,
+                                "revision": revision(self.src, out.commit)}
+        if out.fetched:
+            state["lastFetchAt"] = at
+        if out.ok:
+            state["lastSuccessAt"] = at
+            state["consecutiveFailures"] = 0
+        else:
+            state["consecutiveFailures"] = int(state.get("consecutiveFailures", 0)) + 1
+            counts = state.setdefault("refusals", {})
+            counts[out.reason] = int(counts.get(out.reason, 0)) + 1
+        if out.result == "applied":
+            state["lastAppliedAt"] = at
+        self.layout.write_state(state)
+
+
+def _step(name: str) -> None:
+    """Where a sync is: a debug line (tests kill a sync at each of them)."""
+    log.debug("source step: %s", name)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
