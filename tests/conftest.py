@@ -22,6 +22,7 @@ from reconciler.testing.devcluster import DevCluster, start_cluster
 
 if TYPE_CHECKING:
     from gitserver import GitServer
+    from gitserver_https import HttpsGitServer
 
 # --- real Ceph cluster (reconciler.testing.devcluster) ---------------------------------
 # One disposable 1-mon + 1-memstore-OSD cluster per test session. Startup takes
@@ -306,4 +307,15 @@ def git_server() -> Iterator[GitServer]:
     from gitserver import serve
 
     with serve() as server:
+        yield server
+
+
+@pytest.fixture
+def git_https_server(tmp_path: Path) -> Iterator[HttpsGitServer]:
+    """git http-backend over TLS on 127.0.0.1 behind Basic authentication
+    (tests/gitserver_https.py): ``.url``, ``.ca`` (not trusted by default),
+    ``.token_file``, ``.username``, ``.requests``, ``.push(workdir)``, ``.holding()``."""
+    from gitserver_https import serve_https
+
+    with serve_https(tmp_path) as server:
         yield server

@@ -1,17 +1,23 @@
 """The source's transports through ``Git`` (reconciler/source/gitenv.py),
-against a real sshd on 127.0.0.1 (tests/gitserver.py) and file:// URLs.
+against a real sshd (tests/gitserver.py) and a real https git server
+(tests/gitserver_https.py) on 127.0.0.1, and file:// URLs.
 
 ssh trusts only the pinned host keys and the deploy key: a changed or an
 unknown host key is refused (no trust on first use), and nothing of the
 caller's reaches it (an agent in the environment, root's ~/.ssh). A server
 that is gone, or that accepts and never answers, fails within the call's
 deadline. Only file, ssh and https are allowed (no ``ext::`` commands).
+The https token is read from its file on every call and sent to a server
+whose certificate verified only, never on a command line, in an
+environment, a log or a file of the source's.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -22,6 +28,7 @@ from pathlib import Path
 
 import pytest
 from gitserver import HOST, PATH, GitServer, commit, keygen, wait_for
+from gitserver_https import HttpsGitServer
 
 from reconciler.drivers.run import KILL_WAIT_S, STOP_CHECK_S, TIMED_OUT, CommandError, Runner
 from reconciler.source.gitenv import Git
@@ -391,3 +398,111 @@ def test_the_server_stops_and_starts_on_the_same_port(git_server: GitServer) -> 
     git_server.start()
     assert (git_server.port, git_server.host_public_key) == (port, key)
     assert git_server.sshd_pid != pid
+
+
+# -- https: the token from its file --------------------------------------------------------
+def https_git(tmp_path: Path, server: HttpsGitServer, token_file: Path) -> Git:
+    return make_git(tmp_path, source(server.url, SourceCredentials(
+        token_file=token_file, username=server.username)))
+
+
+def trusting(server: HttpsGitServer) -> dict[str, str]:
+    """The test CA for git's curl: the source has no field for a CA (yet);
+    without it only the system's CAs are trusted."""
+    return {"GIT_SSL_CAINFO": str(server.ca)}
+
+
+def https_fetch(git: Git, server: HttpsGitServer) -> None:
+    git.run(["fetch", "--quiet", "--no-tags", "--", server.url, f"+{MAIN}:{FETCHED}"],
+            env=trusting(server))
+
+
+def test_https_sends_the_token_read_from_its_file_on_every_call(
+        git_https_server: HttpsGitServer, tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    sha = commit(work, {"nodes/n1/vol.yaml": "kind: Volume\n"})
+    git_https_server.push(work)
+    token_file = tmp_path / "client-token"
+    token_file.write_text("not-the-token\n")
+    token_file.chmod(0o600)
+    git = https_git(tmp_path, git_https_server, token_file)
+    with pytest.raises(CommandError) as err:
+        https_fetch(git, git_https_server)
+    assert "Authentication failed" in err.value.stderr, err.value.stderr
+    assert "auth bad" in git_https_server.requests and fetched(git) is None
+    # Rotated in the file: the next call sends it, nothing restarted or cached.
+    token_file.write_text(git_https_server.token + "\n")
+    https_fetch(git, git_https_server)
+    assert fetched(git) == sha
+    assert f"auth ok {git_https_server.username}" in git_https_server.requests
+
+
+def test_https_refuses_a_server_it_cannot_verify_before_sending_anything(
+        git_https_server: HttpsGitServer, tmp_path: Path) -> None:
+    git = https_git(tmp_path, git_https_server, git_https_server.token_file)
+    with pytest.raises(CommandError) as err:
+        git.run(["ls-remote", "--", git_https_server.url])  # the system's CAs only
+    # Debian's git uses curl with GnuTLS: "server certificate verification failed"
+    # (OpenSSL's curl says "SSL certificate problem").
+    assert "certificate" in err.value.stderr, err.value.stderr
+    assert git_https_server.requests == []  # TLS failed first: no request, no token
+
+
+def token_holders(token_file: Path) -> dict[int, tuple[bytes, bytes]]:
+    """The processes of a source call (they inherit the token file's name in
+    their environment): pid -> (cmdline, environ)."""
+    mark = f"RBD_RECONCILER_GIT_TOKEN_FILE={token_file}".encode()
+    out = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            environ = (proc / "environ").read_bytes()
+            if mark in environ.split(b"\0"):
+                out[int(proc.name)] = ((proc / "cmdline").read_bytes(), environ)
+    return out
+
+
+def test_the_token_is_never_on_a_command_line_in_an_environment_or_a_log(
+        git_https_server: HttpsGitServer, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="reconciler.drivers.run")
+    work = tmp_path / "work"
+    sha = commit(work, {"nodes/n1/vol.yaml": "kind: Volume\n"})
+    git_https_server.push(work)
+    token = git_https_server.token.encode()
+    # And as a Basic authorization header carries it.
+    basic = base64.b64encode(git_https_server.username.encode() + b":" + token)
+    secrets = (token, basic)
+    git = https_git(tmp_path, git_https_server, git_https_server.token_file)
+    failed: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            https_fetch(git, git_https_server)
+        except BaseException as e:  # handed to the test's thread
+            failed.append(e)
+
+    with git_https_server.holding():  # the server holds the authenticated request
+        thread = threading.Thread(target=call, name="source-fetch")
+        thread.start()
+        wait_for(lambda: git_https_server.is_holding() or not thread.is_alive(),
+                 "the fetch's authenticated request to reach the server", 60)
+        assert not failed, failed
+        seen = token_holders(git_https_server.token_file)
+    # Left the block: the request goes on (also when an assert above failed).
+    thread.join(timeout=60)
+    assert not thread.is_alive() and not failed, failed
+    assert fetched(git) == sha
+    programs = {Path(cmd.split(b"\0")[0].decode()).name for cmd, _ in seen.values()}
+    assert {"git", "git-remote-https"} <= programs, programs  # the scan saw the call
+    logged = "\n".join(" ".join(argv) for argv in git.runner.history).encode()
+    assert b"fetch" in logged and "run: git" in caplog.text
+    for secret in secrets:
+        for pid, (cmdline, environ) in seen.items():
+            assert secret not in cmdline, (pid, cmdline)
+            assert secret not in environ, pid
+        assert secret not in logged
+        assert secret.decode() not in caplog.text
+        # Nor stored: no credential file in the source's home or mirror.
+        for path in git.root.rglob("*"):
+            if path.is_file():
+                assert secret not in path.read_bytes(), path
