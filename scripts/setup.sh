@@ -10,6 +10,10 @@ APT_PACKAGES=(ceph-mon ceph-osd ceph-common python3-rados python3-rbd python3-sy
               xfsprogs e2fsprogs kmod util-linux fuse3 python3-venv python3-pip)
 # man and groff: tests render the generated man page (tests/unit/cli/test_manpage.py).
 APT_PACKAGES+=(man-db groff-base)
+# The GitOps source: git, ssh and gpg run by the daemon (reconciler/source/);
+# libwrap0: the one library the extracted sshd (below) needs that is not
+# otherwise here (a library only: installing it starts nothing).
+APT_PACKAGES+=(git openssh-client gnupg libwrap0)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
@@ -21,6 +25,36 @@ if ((${#missing[@]})); then
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+
+# A real sshd for the git-over-ssh tests (tests/gitserver.py), extracted and
+# never installed: installing openssh-server would enable and start a system
+# sshd on port 22. Keyed by version, so an upgrade is a new directory; the
+# tests run sshd/current/usr/sbin/sshd.
+SSHD_CACHE=/var/cache/rbd-reconciler-tests/sshd
+sshd_version=$(apt-cache policy openssh-server | awk '/Candidate:/ {print $2}')
+if [[ -z $sshd_version || $sshd_version == "(none)" ]]; then
+  apt-get update -qq
+  sshd_version=$(apt-cache policy openssh-server | awk '/Candidate:/ {print $2}')
+fi
+sshd_dir=$SSHD_CACHE/${sshd_version//[^A-Za-z0-9.+~-]/_}
+if [[ ! -x $sshd_dir/usr/sbin/sshd ]]; then
+  echo "setup: extracting openssh-server $sshd_version into $sshd_dir" >&2
+  mkdir -p "$SSHD_CACHE"
+  work=$(mktemp -d "$SSHD_CACHE/.extract-XXXXXX")
+  # apt drops to _apt to download: let it write there (else it warns and runs as root).
+  chown _apt "$work" 2>/dev/null || true
+  (cd "$work" && apt-get download -qq "openssh-server=$sshd_version")
+  dpkg-deb -x "$work"/openssh-server_*.deb "$work/root"
+  rm -rf "$sshd_dir"
+  mv -T "$work/root" "$sshd_dir"  # whole or absent: a half extraction is never current
+  rm -rf "$work"
+fi
+if missing_libs=$(ldd "$sshd_dir/usr/sbin/sshd" | grep 'not found'); then
+  echo "setup: $sshd_dir/usr/sbin/sshd: missing libraries: $missing_libs" >&2
+  exit 1
+fi
+ln -sfn "$(basename "$sshd_dir")" "$SSHD_CACHE/.current.new"
+mv -T "$SSHD_CACHE/.current.new" "$SSHD_CACHE/current"
 
 # Debian's rados/rbd modules are built for /usr/bin/python3 (3.11); a venv made
 # from it with --system-site-packages is the one environment that imports them.

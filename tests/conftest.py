@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -18,6 +19,10 @@ from reconciler.drivers.mappers import fuse_pids, loop_devices, reap_fuse_childr
 from reconciler.drivers.reaper import become_subreaper, reap_zombies
 from reconciler.facts.parsers import parse_mountinfo
 from reconciler.testing.devcluster import DevCluster, start_cluster
+
+if TYPE_CHECKING:
+    from gitserver import GitServer
+    from gitserver_https import HttpsGitServer
 
 # --- real Ceph cluster (reconciler.testing.devcluster) ---------------------------------
 # One disposable 1-mon + 1-memstore-OSD cluster per test session. Startup takes
@@ -292,3 +297,25 @@ def dead_pool(ceph_cluster: DevCluster) -> Iterator[str]:
              "yes_i_really_really_mean_it": True})
         mon({"prefix": "osd crush rule rm", "name": rule})
         mon({"prefix": "osd crush remove", "name": root})
+
+
+@pytest.fixture
+def git_server() -> Iterator[GitServer]:
+    """A real sshd on 127.0.0.1 serving a bare repository (tests/gitserver.py):
+    ``.url``, ``.deploy_key``, ``.known_hosts``, ``.repo``, ``.file_url``,
+    ``.push(workdir)``, ``.stop()``/``.start()``/``.down()``."""
+    from gitserver import serve
+
+    with serve() as server:
+        yield server
+
+
+@pytest.fixture
+def git_https_server(tmp_path: Path) -> Iterator[HttpsGitServer]:
+    """git http-backend over TLS on 127.0.0.1 behind Basic authentication
+    (tests/gitserver_https.py): ``.url``, ``.ca`` (not trusted by default),
+    ``.token_file``, ``.username``, ``.requests``, ``.push(workdir)``, ``.holding()``."""
+    from gitserver_https import serve_https
+
+    with serve_https(tmp_path) as server:
+        yield server

@@ -31,6 +31,14 @@ esac
 """
 
 
+def ssh_path(path: Path | None) -> str:
+    """A path as ssh's option parser reads it literally: quoted (a space
+    would split the option: "extra arguments at end of line"), ``%`` doubled
+    (ssh expands %d, %h... in both options: another file would be read)."""
+    text = str(path).replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+    return f'"{text}"'
+
+
 @dataclass
 class Git:
     """Runs git on the source's mirror (``<source dir>/repo.git``)."""
@@ -77,9 +85,9 @@ class Git:
         }
         if self.config.scheme == "ssh":
             opts = ["-F", "/dev/null", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
-                    "-o", f"UserKnownHostsFile={creds.known_hosts}",
+                    "-o", f"UserKnownHostsFile={ssh_path(creds.known_hosts)}",
                     "-o", "GlobalKnownHostsFile=/dev/null", "-o", "IdentitiesOnly=yes",
-                    "-o", "IdentityAgent=none", "-o", f"IdentityFile={creds.ssh_key}",
+                    "-o", "IdentityAgent=none", "-o", f"IdentityFile={ssh_path(creds.ssh_key)}",
                     "-o", f"ConnectTimeout={max(1, int(self.config.timeout_seconds))}",
                     "-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=2",
                     "-o", "UpdateHostKeys=no", "-o", "ControlMaster=no", "-o", "ControlPath=none"]
