@@ -11,6 +11,12 @@ names another node, the volume is marked with its backoff cleared, and the
 pass that follows plans it afresh (and maps it, taking the claim with the
 usual compare-and-set: this only says *when* to look).
 
+The first seconds of a wait are read more often (every FAST_S): a move's
+other half, the old node's release, usually completes within a few tenths
+of a second of the refusal; a claim still held after that is likely held
+for long (a node gone, waiting for `takeover`), and is read at the
+configured pace.
+
 Not a RADOS watch on the header: a watch is a watcher of the image, which
 the claim checks count as another client (B's own map would refuse itself,
 A's re-map and any delete would see it), and A would have to notify, which
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -37,6 +44,9 @@ Key = tuple[str, str]  # pool, image
 # an image missing from the answer did not answer (unknown: nothing marked)
 HolderReader = Callable[[list[Key]], dict[Key, str | None]]
 Mark = Callable[[Iterable[str], str], None]
+
+FAST_S = 0.1  # how often a claim is read during the first FAST_FOR_S of its wait
+FAST_FOR_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -67,12 +77,15 @@ class ClaimPoll:
     """One thread; ``update`` says which volumes wait on which claim, as the
     passes last saw them."""
 
-    def __init__(self, mark: Mark, read: HolderReader, seconds: float) -> None:
+    def __init__(self, mark: Mark, read: HolderReader, seconds: float,
+                 fast: tuple[float, float] = (FAST_S, FAST_FOR_S)) -> None:
         self.mark = mark
         self.read = read
         self.seconds = seconds
+        self.fast_s, self.fast_for_s = fast
         self._lock = threading.Lock()
         self._waiting: dict[Key, Wait] = {}
+        self._since: dict[Key, float] = {}  # when each image's wait began (monotonic)
         # What was last reported per image: marked once, not every poll, until
         # a pass has looked at the volume again and says what it waits on now.
         self._told: dict[Key, str | None] = {}
@@ -87,6 +100,8 @@ class ClaimPoll:
         with self._lock:
             for key in [k for k in self._told if self._waiting.get(k) != waiting.get(k)]:
                 del self._told[key]
+            now = time.monotonic()
+            self._since = {k: self._since.get(k, now) for k in waiting}
             self._waiting = dict(waiting)
         self._changed.set()
 
@@ -96,21 +111,30 @@ class ClaimPoll:
         self._thread.join(timeout=timeout)  # a stuck read: its thread is a daemon thread
 
     def _run(self) -> None:
+        due = float("inf")  # the next read (monotonic)
         while not self._stop.is_set():
+            now = time.monotonic()
             with self._lock:
                 waiting = dict(self._waiting)
+                fresh = any(now - t < self.fast_for_s for t in self._since.values())
             if not waiting:  # nothing waits: no timer at all until something does
+                due = float("inf")
                 self._changed.wait()
                 self._changed.clear()
                 continue
-            if self._stop.wait(self.seconds):
-                return
+            interval = min(self.seconds, self.fast_s) if fresh else self.seconds
+            due = min(due, now + interval)  # a wait that just began: sooner
+            if now < due:  # woken early by an update: only the pace may change
+                self._changed.wait(due - now)
+                self._changed.clear()
+                continue
             try:
-                now = self.read(sorted(waiting))
+                holders = self.read(sorted(waiting))
             except Exception as exc:  # Ceph away: the backoff's retries still come
                 log.debug("claim poll failed: %s", exc)
-                continue
-            self._report(waiting, now)
+                holders = {}
+            due = time.monotonic() + interval
+            self._report(waiting, holders)
 
     def _report(self, waiting: Mapping[Key, Wait], now: Mapping[Key, str | None]) -> None:
         moved: dict[str, str] = {}

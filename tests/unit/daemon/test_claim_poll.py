@@ -103,3 +103,25 @@ def test_nothing_is_read_while_no_volume_waits() -> None:
     finally:
         poll.stop(timeout=5)
     assert not poll._thread.is_alive()
+
+
+def test_a_wait_is_read_often_at_first_then_at_the_configured_pace() -> None:
+    """The old node's release usually follows the refusal within tenths of a
+    second: read fast then; a claim held past that is read at the pace set."""
+    ceph, marks = Ceph(), Marks()
+    poll = ClaimPoll(marks, ceph, 30.0, fast=(0.01, 0.5))
+    poll.start()
+    try:
+        began = time.monotonic()
+        poll.update({KEY: Wait("vol", "node-a", 1)})
+        polls(ceph, 3)  # at a 30 s pace this would time out
+        ceph.holders[KEY] = None
+        assert marks.wait(1)[0][0] == ["vol"]
+        ceph.holders[KEY] = "node-c"  # taken by a third node before our pass looked
+        poll.update({KEY: Wait("vol", "node-c", 2)})  # same image: its wait goes on
+        time.sleep(max(0.0, began + 0.6 - time.monotonic()))
+        reads = ceph.reads
+        time.sleep(0.3)
+        assert ceph.reads <= reads + 1
+    finally:
+        poll.stop(timeout=5)
