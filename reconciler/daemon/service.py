@@ -31,6 +31,7 @@ from typing import Any
 
 from reconciler.apply.runner import LEFT, VolumeOutcome, apply
 from reconciler.daemon import sdnotify
+from reconciler.daemon.claimpoll import ClaimPoll, Wait, read_holders
 from reconciler.daemon.conditions import Conditions
 from reconciler.daemon.dirwatch import DirWatcher
 from reconciler.daemon.dirwatch import plan as watch_plan
@@ -140,6 +141,10 @@ class Daemon:
         self.events: EventHub | None = None
         self.follower: Follower | None = None  # the GitOps source (config.git)
         self.source_revision: str | None = None  # what the desired files came from
+        # Volumes refused by another node's claim, and the claim they wait
+        # on (daemon/claimpoll.py): name -> ((pool, image), what the pass saw).
+        self.claim_waits: dict[str, tuple[tuple[str, str], Wait]] = {}
+        self.claim_poll: ClaimPoll | None = None
         # name -> the status fields compared before a write (no read per pass)
         self.written: dict[str, tuple] = {}
         # stateDir that cannot be written (full, read-only): the first failed
@@ -356,6 +361,8 @@ class Daemon:
             self.events.stop(timeout=max(0.1, min(2.0, deadline + 1 - time.monotonic())))
         if self.follower is not None:
             self.follower.stop(timeout=max(0.1, min(2.0, deadline + 1 - time.monotonic())))
+        if self.claim_poll is not None:
+            self.claim_poll.stop(timeout=max(0.1, min(2.0, deadline + 1 - time.monotonic())))
         reap_zombies()
         return rc
 
@@ -492,6 +499,26 @@ class Daemon:
             log.warning("events: not watching the node (%s); drift is repaired at the "
                         "resync, every %g s", exc, self.config.resync_seconds)
             self.events = None
+        if self.config.events.claim_poll_seconds > 0:
+            self.claim_poll = ClaimPoll(self._claim_moved, self._claim_holders,
+                                        self.config.events.claim_poll_seconds)
+            self.claim_poll.start()
+
+    def _claim_holders(self, images: list[tuple[str, str]]) -> dict[tuple[str, str], str | None]:
+        node = self.node  # the current one: a reload makes a new one
+        return read_holders(node.config.ceph, node.config.observe_timeout_seconds,
+                            node.ceph_session, images)
+
+    def _claim_moved(self, names: Iterable[str], why: str) -> None:
+        """The claim that refused these volumes is gone (or another node's
+        now): what they were refused on no longer holds, so they are tried
+        at once rather than when their backoff ends."""
+        names = list(names)
+        with self.lock:
+            for name in names:
+                self.backoff.pop(name, None)
+        log.info("%s: %s; looking again", ", ".join(names), why)
+        self.mark_dirty(names, why)
 
     def _start_source(self) -> None:
         """Follow the git source (README: GitOps source) in a thread of its own."""
@@ -565,7 +592,7 @@ class Daemon:
         plans = plan(candidates, observed, context(self.config, self.node),
                      release=[v.name for v in release])
         by_name = {v.name: v for v in candidates}
-        self._update_interest(candidates, observed, current)
+        self._update_interest(candidates, observed, current, plans)
         self.metrics.observed(plans, current.values(),
                               ceph_reachable(observed.pools_listed, observed.pool_errors))
         for name in sorted(frozen):
@@ -663,13 +690,28 @@ class Daemon:
         return names | changed | due | {v.name for v in release}, why
 
     def _update_interest(self, looked: list[Volume], observed: Observed,
-                         current: dict[str, Volume]) -> None:
+                         current: dict[str, Volume], plans: list[VolumePlan]) -> None:
+        """What the event sources and the claim poll map back to volumes, for
+        the volumes this pass looked at; the others keep their entries."""
         helpers = self.node.fuse.helper_pids()
         for v in looked:
             self.interest[v.name] = volume_interest(v, observed, helpers)
         forget(self.interest, current)
         if self.events is not None:
             self.events.update(combine(self.interest))
+        by_name = {v.name: v for v in looked}
+        for vp in plans:
+            v = by_name[vp.name]
+            if vp.claimed_by is not None and v.name in current:
+                key = (v.image.pool, v.image.name)
+                self.claim_waits[v.name] = (key, Wait(v.name, vp.claimed_by,
+                                                      self.passes_started))
+            else:
+                self.claim_waits.pop(vp.name, None)
+        for name in [n for n in self.claim_waits if n not in current]:
+            del self.claim_waits[name]
+        if self.claim_poll is not None:
+            self.claim_poll.update(dict(self.claim_waits.values()))
 
     def _settled(self, name: str, file: Path) -> frozenset[tuple[str, str]]:
         """What volume ``name`` claimed (kind, value) when it last loaded from

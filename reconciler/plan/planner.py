@@ -515,6 +515,7 @@ class _VolumePlanner(SnapshotRules, GroupRules):
             users = f"{busy} other client(s) ({', '.join(self.img.watchers)})" if busy else ""
             other = self.claimed_elsewhere()
             if other is not None:
+                self.plan.claimed_by = other.node
                 raise Refused(
                     f"image {v.image.spec} is claimed by node {other.node}"
                     + (f" and is open by {users}" if busy else
@@ -799,6 +800,7 @@ class _VolumePlanner(SnapshotRules, GroupRules):
                 f"(owner: {owner or 'none recorded'}); the image is kept")
             return
         if (other := self.claimed_elsewhere()) is not None:
+            self.plan.claimed_by = other.node
             self.plan.withheld.append(
                 f"refusing to delete {v.image.spec}: it is claimed by node {other.node} "
                 "(mapped there); the image is kept")

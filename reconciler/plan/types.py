@@ -48,6 +48,11 @@ class VolumePlan:
     # blocklisted); no steps but a release's (or ``recover``).
     fenced: str | None = None
     fence_reason: str | None = None  # TakenOver | Blocklisted
+    # Set: another node's claim (that node's name) is what keeps this volume
+    # from being mapped here (or its image deleted). The claim rules are
+    # unchanged (refused, or withheld); the daemon polls that claim
+    # meanwhile, so the volume follows as soon as the other node lets go.
+    claimed_by: str | None = None
 
     @property
     def changes(self) -> bool:

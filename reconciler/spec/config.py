@@ -79,6 +79,10 @@ class EventsConfig:
     # Images mapped through rbd-fuse: their size is read from the header this
     # often (no open, no watch) to see a resize made elsewhere; 0: off.
     image_poll_seconds: float = 0.5
+    # Volumes refused because another node holds their image's claim: that
+    # claim is read from the header this often (no open, no watch) to follow
+    # as soon as it goes (a volume moved between nodes); 0: off.
+    claim_poll_seconds: float = 0.5
     # Mapped devices: their I/O counters (sysfs) are read this often; 0: off.
     io_poll_seconds: float = 1.0
     # I/O in flight and none completed for this long: the volume is Stalled.
@@ -212,6 +216,7 @@ def _build(data: dict, source: Path | None) -> Config:
         snapshots=SnapshotsConfig(
             freeze_timeout_seconds=float(snapshots.get("freezeTimeoutSeconds", 5))),
         events=EventsConfig(image_poll_seconds=float(events.get("imagePollSeconds", 0.5)),
+                            claim_poll_seconds=float(events.get("claimPollSeconds", 0.5)),
                             io_poll_seconds=float(events.get("ioPollSeconds", 1)),
                             io_stall_seconds=float(events.get("ioStallSeconds", 10))),
         encryption=EncryptionConfig(

@@ -873,6 +873,7 @@ def test_image_claimed_by_another_node_is_not_mapped() -> None:
     assert p.steps == [] and p.refusal is not None
     assert "claimed by node node-b (clients 10.0.0.2:0/7)" in p.refusal
     assert "takeover pgdata --yes-i-am-sure" in p.refusal
+    assert p.claimed_by == "node-b"  # the daemon follows that claim meanwhile
 
 
 def test_own_claim_never_refuses_and_an_old_plain_record_is_a_claim() -> None:
@@ -880,6 +881,7 @@ def test_own_claim_never_refuses_and_an_old_plain_record_is_a_claim() -> None:
     for holder in (Claim(NODE, ("10.0.0.1:0/1",)).encode(), NODE):
         w = World().image("pgdata", 256 * MiB, meta={**owned_meta(vol), meta.HOLDER: holder})
         assert actions(plan_one(vol, w))[:1] == ["map"]
+        assert plan_one(vol, w).claimed_by is None
     w = World().image("pgdata", 256 * MiB, meta={**owned_meta(vol), meta.HOLDER: "node-b"})
     assert "claimed by node node-b" in (plan_one(vol, w).refusal or "")
 
@@ -890,6 +892,7 @@ def test_mapped_here_but_claimed_elsewhere_is_refused_except_release() -> None:
     w = converged(vol, image_meta={**owned_meta(vol), meta.HOLDER: taken})
     p = plan_one(vol, w)
     assert p.steps == [] and "took it over from node-a" in (p.refusal or "")
+    assert p.claimed_by is None  # fenced: waits for `recover`, not for the claim to go
     released = plan([vol], w.observed(), CTX, release=["pgdata"])[0]
     assert actions(released) == ["unpublish", "unpublish", "unstage", "unmap"]
 
@@ -932,6 +935,7 @@ def test_delete_of_an_image_claimed_elsewhere_is_withheld() -> None:
                       meta={**owned_meta(vol), meta.HOLDER: Claim("node-b").encode()})
     p = plan_one(vol, w)
     assert p.steps == [] and "claimed by node node-b" in p.withheld[0]
+    assert p.claimed_by == "node-b"
 
 
 def test_teardown_of_block_mode() -> None:

@@ -209,6 +209,18 @@ def test_qos_example_loads_with_its_limits() -> None:
         "riops": 2000, "wiops": 2000, "rbps": 200 << 20, "wbps": 200 << 20}
 
 
+def test_the_claim_poll_key(tmp_path: Path) -> None:
+    """events.claimPollSeconds: a volume waiting on another node's claim."""
+    assert default_config().events.claim_poll_seconds == 0.5
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("events:\n  claimPollSeconds: 0\n")
+    assert load_config(cfg).events.claim_poll_seconds == 0.0
+    for bad in ("claimPollSeconds: -1", "claimPollSeconds: soon"):
+        cfg.write_text(f"events:\n  {bad}\n")
+        with pytest.raises(ConfigError):
+            load_config(cfg)
+
+
 def test_the_io_watch_keys(tmp_path: Path) -> None:
     """events.ioPollSeconds and ioStallSeconds (When Ceph is unreachable)."""
     assert (default_config().events.io_poll_seconds,
