@@ -208,7 +208,8 @@ sed -e 's/name: pgdata/name: gitops/' -e 's#/srv/rbd-demo/pgdata-backup-view#/sr
     -e 's#/srv/rbd-demo/pgdata#/srv/rbd-demo/gitops#' examples/pgdata.yaml > "$GIT/work/nodes/demo-node/gitops.yaml"
 "${GW[@]}" add -A && "${GW[@]}" commit -q -S -m "gitops: a volume from git"
 "${GW[@]}" push -q "$GIT/fleet.git" main
-"${GW[@]}" log --show-signature -1 --format='  %h %s' -c gpg.ssh.allowedSignersFile="$GIT/allowed_signers" 2>&1 | sed 's/^/  /'
+"${GW[@]}" -c gpg.ssh.allowedSignersFile="$GIT/allowed_signers" log --show-signature -1 \
+    --format='%h %s' 2>&1 | sed 's/^/  /'
 "${G[@]}" run --log-format plain &
 DAEMON_PID=$!
 wait_phase gitops Published

@@ -558,7 +558,10 @@ class Daemon:
         reap_zombies()
         self.source_revision = applied_revision(self.config)
         problems = self.preflight(files=False)
-        self.conditions.update("preflight", [f"not reconciling: {p}" for p in problems])
+        # Waiting for the source's first revision is expected at a first
+        # start: said once, not as an error (source status says why if it lasts).
+        self.conditions.update("preflight", [f"not reconciling: {p}" for p in problems],
+                               level=logging.INFO if self._awaiting_source() else logging.ERROR)
         if problems:
             sdnotify.notify(f"STATUS=refusing: {problems[0]}")
             return False
