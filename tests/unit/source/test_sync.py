@@ -331,3 +331,46 @@ source:
         assert not list((config.source_dir / "revs").glob(".tmp-*"))
         kept = {p.name for p in (config.source_dir / "revs").iterdir() if p.is_dir()}
         assert len(kept) <= 2, kept  # current and previous; older ones pruned
+
+
+def test_openpgp_applied_only_for_an_allowed_fingerprint(tmp_path: Path, signer: Signing,
+                                                         alice: SshKey) -> None:
+    ops, other = signer.gpg_key("Ops <ops@example.invalid>"), signer.gpg_key(
+        "Other <other@example.invalid>")
+    keyring = signer.keyring(tmp_path / "keys.gpg", ops, other)  # both in the keyring
+    config = make_config(tmp_path, signer, alice, verify=SourceVerify(
+        mode="head", format="openpgp", keyring=keyring, fingerprints=(ops.fingerprint,)))
+    one = push(signer, tmp_path, ops, "ops", {"nodes/a/v.yaml": VOLUME.format(
+        name="v", size="1Gi")})
+    out = Syncer(config).sync()
+    assert (out.result, out.commit) == ("applied", one), out
+    assert out.signers[0]["fingerprint"] == ops.fingerprint
+    # In the keyring, so git alone would accept it; not in the allow-list.
+    push(signer, tmp_path, other, "other", {"nodes/a/v.yaml": VOLUME.format(
+        name="v", size="2Gi")})
+    out = Syncer(config).sync()
+    assert (out.result, out.reason) == ("refused", "NotAllowed"), out
+    # An ssh signature while OpenPGP is pinned: the wrong format.
+    push(signer, tmp_path, alice, "ssh", {"nodes/a/v.yaml": VOLUME.format(
+        name="v", size="3Gi")})
+    out = Syncer(config).sync()
+    assert (out.result, out.reason) == ("refused", "WrongFormat"), out
+    assert "1Gi" in applied_files(config)["v.yaml"]
+
+
+def test_a_revoked_key_is_refused_from_the_next_sync(tmp_path: Path, signer: Signing,
+                                                     alice: SshKey) -> None:
+    revoked = tmp_path / "revoked"
+    revoked.write_text("")
+    config = make_config(tmp_path, signer, alice)
+    config = replace(config, git=replace(config.git, verify=replace(
+        config.git.verify, revocation=revoked)))
+    push(signer, tmp_path, alice, "one", {"nodes/a/v.yaml": VOLUME.format(name="v",
+                                                                         size="1Gi")})
+    assert Syncer(config).sync().result == "applied"
+    signer.revocation_list(revoked, alice)
+    push(signer, tmp_path, alice, "two", {"nodes/a/v.yaml": VOLUME.format(name="v",
+                                                                         size="2Gi")})
+    out = Syncer(config).sync()
+    assert (out.result, out.reason) == ("refused", "Revoked"), out
+    assert "1Gi" in applied_files(config)["v.yaml"]
