@@ -39,6 +39,26 @@ def ssh_path(path: Path | None) -> str:
     return f'"{text}"'
 
 
+def ssh_deadlines(timeout: float) -> list[str]:
+    """ssh's own deadlines, all below the call's (``timeout``), so that ssh
+    ends a dead connection itself and says why ("Connection timed out during
+    banner exchange", "Connection to HOST port N timed out", "Timeout, server
+    HOST not responding") before the Runner's kill, which stays the backstop
+    for a server that answers ssh but never git.
+
+    ConnectTimeout bounds the TCP connect and the banner exchange; the key
+    exchange then waits at most ServerAliveInterval x ServerAliveCountMax;
+    an established session ends after Interval x (CountMax + 1) of silence.
+    ssh takes whole seconds, at least 1: from a timeoutSeconds of 3 on, the
+    connect and the key exchange together, and a silent session, stay below
+    it (60: 10 s, 15 s x 2)."""
+    connect = max(1, min(10, int(timeout / 3)))
+    count = 2 if timeout >= 6 else 1
+    interval = max(1, min(15, int(timeout / (count + 2))))
+    return ["-o", f"ConnectTimeout={connect}", "-o", f"ServerAliveInterval={interval}",
+            "-o", f"ServerAliveCountMax={count}"]
+
+
 @dataclass
 class Git:
     """Runs git on the source's mirror (``<source dir>/repo.git``)."""
@@ -88,8 +108,7 @@ class Git:
                     "-o", f"UserKnownHostsFile={ssh_path(creds.known_hosts)}",
                     "-o", "GlobalKnownHostsFile=/dev/null", "-o", "IdentitiesOnly=yes",
                     "-o", "IdentityAgent=none", "-o", f"IdentityFile={ssh_path(creds.ssh_key)}",
-                    "-o", f"ConnectTimeout={max(1, int(self.config.timeout_seconds))}",
-                    "-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=2",
+                    *ssh_deadlines(self.config.timeout_seconds),
                     "-o", "UpdateHostKeys=no", "-o", "ControlMaster=no", "-o", "ControlPath=none"]
             env["GIT_SSH_COMMAND"] = shlex.join(["ssh", *opts])
             env["GIT_SSH_VARIANT"] = "ssh"

@@ -5,11 +5,12 @@ against a real sshd (tests/gitserver.py) and a real https git server
 ssh trusts only the pinned host keys and the deploy key: a changed or an
 unknown host key is refused (no trust on first use), and nothing of the
 caller's reaches it (an agent in the environment, root's ~/.ssh). A server
-that is gone, or that accepts and never answers, fails within the call's
-deadline. Only file, ssh and https are allowed (no ``ext::`` commands).
-The https token is read from its file on every call and sent to a server
-whose certificate verified only, never on a command line, in an
-environment, a log or a file of the source's.
+that is gone, or that accepts and never answers, is ended by ssh itself
+before the call's deadline, with ssh's own message; one that answers ssh but
+never git meets the deadline. Only file, ssh and https are allowed (no
+``ext::`` commands). The https token is read from its file on every call
+and sent to a server whose certificate verified only, never on a command
+line, in an environment, a log or a file of the source's.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from gitserver import HOST, PATH, GitServer, commit, keygen, wait_for
 from gitserver_https import HttpsGitServer
 
 from reconciler.drivers.run import KILL_WAIT_S, STOP_CHECK_S, TIMED_OUT, CommandError, Runner
-from reconciler.source.gitenv import Git
+from reconciler.source.cause import remote_cause
+from reconciler.source.gitenv import Git, ssh_deadlines
 from reconciler.spec.source import SourceConfig, SourceCredentials, SourceRef, SourceVerify
 
 MAIN = "refs/heads/main"
@@ -283,6 +285,11 @@ def test_the_server_gone_is_an_error_and_its_return_is_seen(
         with pytest.raises(CommandError) as err:
             fetch(git)
         assert "Connection refused" in err.value.stderr, err.value.stderr
+        # What status shows: ssh's line, not git's advice to check access rights.
+        cause = remote_cause(err.value)
+        assert cause.startswith(f"ssh: connect to host {HOST} port {git_server.port}: "
+                                "Connection refused"), cause
+        assert "access rights" not in cause
         assert fetched(git) is None
         work = tmp_path / "work"
         newer = commit(work, {"nodes/n1/vol.yaml": "kind: Volume\n# 2\n"})
@@ -334,14 +341,17 @@ def ssh_processes_to(port: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("speaks", [b"", b"SSH-2.0-OpenSSH_9.2\r\n"],
-                         ids=["never a word", "a version line then silence"])
-def test_a_server_that_never_answers_fails_within_the_deadline(
-        git_server: GitServer, tmp_path: Path, speaks: bytes) -> None:
+@pytest.mark.parametrize("speaks, said", [
+    (b"", "Connection timed out during banner exchange"),
+    (b"SSH-2.0-OpenSSH_9.2\r\n", "Connection to 127.0.0.1 port {port} timed out"),
+], ids=["never a word", "a version line then silence"])
+def test_a_server_that_never_answers_is_ended_by_ssh_with_its_cause(
+        git_server: GitServer, tmp_path: Path, speaks: bytes, said: str) -> None:
     """Silent from the start, ssh's ConnectTimeout (the banner exchange)
-    ends it; after a version line, the key exchange waits on, and the
-    Runner's deadline (killing git's process group, ssh in it) ends it."""
-    timeout = 2.0
+    ends it; after a version line, the key exchange's ServerAlive bound does:
+    both below the call's deadline, so the error is ssh's own, not the
+    Runner's kill."""
+    timeout = 3.0  # ssh: ConnectTimeout 1, ServerAlive 1 x 1
     with mute_server(speaks) as port:
         url = f"ssh://git@{HOST}:{port}{git_server.repo}"
         pinned = tmp_path / "known_hosts"
@@ -352,17 +362,47 @@ def test_a_server_that_never_answers_fails_within_the_deadline(
         with pytest.raises(CommandError) as err:
             git.run(["ls-remote", "--", url, MAIN])
         took = time.monotonic() - t0
-        # The deadline, the Runner's polling step, its bounded wait after the
-        # kill, and room for starting git and ssh on a loaded machine.
-        bound = timeout + STOP_CHECK_S + KILL_WAIT_S + 5.0
-        assert took < bound, f"the error came after {took:.1f} s (bound {bound:g} s)"
-        said = err.value.stderr
-        if speaks:  # ServerAliveInterval (15 s x 2) is the only bound ssh has there
-            assert err.value.returncode == TIMED_OUT, said
-            assert f"timed out after {timeout:g} s: killed" in said, said
-        else:  # ConnectTimeout = the deadline: ssh's message or the Runner's, whichever first
-            assert "timed out" in said, said
+        assert err.value.returncode != TIMED_OUT, err.value.stderr
+        assert said.format(port=port) in err.value.stderr, err.value.stderr
+        assert took < timeout, f"ssh gave up after {took:.1f} s, not before the deadline"
+        assert said.format(port=port) in remote_cause(err.value)  # what status shows
         assert not ssh_processes_to(port)
+
+
+def test_a_server_that_answers_ssh_but_never_git_meets_the_calls_deadline(
+        git_server: GitServer, published: str, tmp_path: Path) -> None:
+    """The backstop: sshd answers (its keepalives too), the command behind
+    it never does, so ssh has no reason to end: the Runner's deadline kills
+    git's process group, ssh in it, and says so."""
+    timeout = 3.0
+    stuck = tmp_path / "stuck_key"
+    git_server.authorize(f'command="exec sleep 600",restrict {keygen(stuck, "stuck")}')
+    git = make_git(tmp_path, source(git_server.url, git_server.credentials(ssh_key=stuck),
+                                    timeout=timeout))
+    t0 = time.monotonic()
+    with pytest.raises(CommandError) as err:
+        git.run(["ls-remote", "--", git_server.url, MAIN])
+    took = time.monotonic() - t0
+    assert err.value.returncode == TIMED_OUT, err.value.stderr
+    assert f"timed out after {timeout:g} s: killed" in err.value.stderr
+    bound = timeout + STOP_CHECK_S + KILL_WAIT_S + 5.0  # and starting git on a loaded machine
+    assert timeout <= took < bound, f"the error came after {took:.1f} s"
+    assert "Accepted publickey for git" in git_server.log.read_text()
+    assert not ssh_processes_to(git_server.port)
+
+
+@pytest.mark.parametrize("timeout", [1, 2, 3, 5, 6, 10, 30, 60, 600, 3600])
+def test_ssh_ends_a_dead_connection_before_the_calls_deadline(timeout: float) -> None:
+    """From 3 s on: the connect and the key exchange together, and a silent
+    session (Interval x (CountMax + 1)), stay below the deadline."""
+    opts = dict(o.split("=") for o in ssh_deadlines(timeout)[1::2])
+    connect, interval, count = (int(opts[k]) for k in (
+        "ConnectTimeout", "ServerAliveInterval", "ServerAliveCountMax"))
+    assert min(connect, interval, count) >= 1  # 0 would turn a bound off
+    if timeout >= 3:
+        assert connect + interval * count < timeout
+        assert interval * (count + 1) < timeout
+    assert connect <= 10 and interval <= 15  # a dead server is noticed within a minute
 
 
 # -- protocols -----------------------------------------------------------------------------
