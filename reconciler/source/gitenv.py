@@ -6,7 +6,8 @@ config, agent or prompt. The protocols are allow-listed (``GIT_ALLOW_PROTOCOL``:
 no ``ext::`` command URLs, not even from a submodule). Credentials come from
 files: ssh reads the deploy key and the pinned host keys itself; an https
 token is handed to git by an askpass program that reads the token file, so
-it is never on a command line, in the environment or in a log.
+it is never on a command line, in the environment or in a log; a private CA
+(``caFile``) replaces the system's CAs for https.
 """
 
 from __future__ import annotations
@@ -79,9 +80,14 @@ class Git:
     def gnupg_home(self) -> Path:
         return self.root / "gnupg"
 
+    @property
+    def no_ca_path(self) -> Path:
+        """An empty directory: curl's CA directory when ``caFile`` is set."""
+        return self.home / "no-ca-path"
+
     def prepare(self) -> None:
         """The home, the GnuPG home and the askpass program (idempotent)."""
-        for d in (self.root, self.home, self.gnupg_home):
+        for d in (self.root, self.home, self.gnupg_home, self.no_ca_path):
             d.mkdir(mode=0o700, exist_ok=True)
             os.chmod(d, 0o700)  # ours, made just above (or kept): no one else's
         if self.config.credentials.token_file is not None:
@@ -112,6 +118,11 @@ class Git:
                     "-o", "UpdateHostKeys=no", "-o", "ControlMaster=no", "-o", "ControlPath=none"]
             env["GIT_SSH_COMMAND"] = shlex.join(["ssh", *opts])
             env["GIT_SSH_VARIANT"] = "ssh"
+        if creds.ca_file is not None:
+            # The only CAs trusted: curl reads its CA directory (the system's,
+            # /etc/ssl/certs) besides the bundle unless given another one.
+            env["GIT_SSL_CAINFO"] = str(creds.ca_file)
+            env["GIT_SSL_CAPATH"] = str(self.no_ca_path)
         if creds.token_file is not None:
             env["GIT_ASKPASS"] = str(self.home / "askpass")
             env["RBD_RECONCILER_GIT_USER"] = creds.username

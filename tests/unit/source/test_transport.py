@@ -9,8 +9,9 @@ that is gone, or that accepts and never answers, is ended by ssh itself
 before the call's deadline, with ssh's own message; one that answers ssh but
 never git meets the deadline. Only file, ssh and https are allowed (no
 ``ext::`` commands). The https token is read from its file on every call
-and sent to a server whose certificate verified only, never on a command
-line, in an environment, a log or a file of the source's.
+and sent to a server whose certificate verified only (against ``caFile``
+alone when it is set), never on a command line, in an environment, a log
+or a file of the source's.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import pytest
 from gitserver import HOST, PATH, GitServer, commit, keygen, wait_for
-from gitserver_https import HttpsGitServer
+from gitserver_https import HttpsGitServer, make_certificates
 
 from reconciler.drivers.run import KILL_WAIT_S, STOP_CHECK_S, TIMED_OUT, CommandError, Runner
 from reconciler.source.cause import remote_cause
@@ -440,21 +441,18 @@ def test_the_server_stops_and_starts_on_the_same_port(git_server: GitServer) -> 
     assert git_server.sshd_pid != pid
 
 
-# -- https: the token from its file --------------------------------------------------------
-def https_git(tmp_path: Path, server: HttpsGitServer, token_file: Path) -> Git:
+# -- https: the token from its file, the server's certificate from a private CA ------------
+def https_git(tmp_path: Path, server: HttpsGitServer, token_file: Path, *,
+              ca_file: Path | None = None, system_cas: bool = False) -> Git:
+    """The source as a node would configure it: ``caFile`` the test CA (or
+    ``ca_file``), or none with ``system_cas`` (the system's CAs only)."""
+    ca = None if system_cas else ca_file or server.ca
     return make_git(tmp_path, source(server.url, SourceCredentials(
-        token_file=token_file, username=server.username)))
-
-
-def trusting(server: HttpsGitServer) -> dict[str, str]:
-    """The test CA for git's curl: the source has no field for a CA (yet);
-    without it only the system's CAs are trusted."""
-    return {"GIT_SSL_CAINFO": str(server.ca)}
+        token_file=token_file, username=server.username, ca_file=ca)))
 
 
 def https_fetch(git: Git, server: HttpsGitServer) -> None:
-    git.run(["fetch", "--quiet", "--no-tags", "--", server.url, f"+{MAIN}:{FETCHED}"],
-            env=trusting(server))
+    git.run(["fetch", "--quiet", "--no-tags", "--", server.url, f"+{MAIN}:{FETCHED}"])
 
 
 def test_https_sends_the_token_read_from_its_file_on_every_call(
@@ -477,15 +475,79 @@ def test_https_sends_the_token_read_from_its_file_on_every_call(
     assert f"auth ok {git_https_server.username}" in git_https_server.requests
 
 
+@pytest.mark.parametrize("ca", ["none", "another CA"])
 def test_https_refuses_a_server_it_cannot_verify_before_sending_anything(
-        git_https_server: HttpsGitServer, tmp_path: Path) -> None:
-    git = https_git(tmp_path, git_https_server, git_https_server.token_file)
+        git_https_server: HttpsGitServer, tmp_path: Path, ca: str) -> None:
+    """No caFile: the system's CAs, which do not know the test CA; a caFile
+    of another CA: the server's certificate does not chain to it."""
+    other = None
+    if ca == "another CA":
+        (tmp_path / "other").mkdir()
+        other = make_certificates(tmp_path / "other")[0]
+    git = https_git(tmp_path, git_https_server, git_https_server.token_file, ca_file=other,
+                    system_cas=other is None)
     with pytest.raises(CommandError) as err:
-        git.run(["ls-remote", "--", git_https_server.url])  # the system's CAs only
+        git.run(["ls-remote", "--", git_https_server.url])
     # Debian's git uses curl with GnuTLS: "server certificate verification failed"
     # (OpenSSL's curl says "SSL certificate problem").
     assert "certificate" in err.value.stderr, err.value.stderr
     assert git_https_server.requests == []  # TLS failed first: no request, no token
+
+
+# Run in a mount namespace of its own where the system's CA directory
+# (/etc/ssl/certs, curl's default) holds the test CA: what each source call said.
+WITH_SYSTEM_CA = r"""
+import json, sys
+from pathlib import Path
+from reconciler.drivers.run import CommandError, Runner
+from reconciler.source.gitenv import Git
+from reconciler.spec.source import SourceConfig, SourceCredentials, SourceRef, SourceVerify
+arg = json.loads(sys.argv[1])
+out = {}
+for name, ca_file in arg["cases"].items():
+    config = SourceConfig(
+        url=arg["url"], ref=SourceRef("branch", "main"), path="",
+        verify=SourceVerify("head", "ssh", allowed_signers=Path("/nonexistent")),
+        credentials=SourceCredentials(token_file=Path(arg["token"]), username=arg["user"],
+                                      ca_file=Path(ca_file) if ca_file else None))
+    git = Git(config, Path(arg["root"]) / name, Runner())
+    git.init()
+    try:
+        out[name] = git.run(["ls-remote", "--", arg["url"], "refs/heads/main"]).stdout
+    except CommandError as e:
+        out[name] = e.stderr
+print(json.dumps(out))
+"""
+
+
+def test_a_ca_file_is_the_only_ca_trusted(git_https_server: HttpsGitServer,
+                                          tmp_path: Path) -> None:
+    """With the test CA among the system's (in a mount namespace of the
+    test's), a source without caFile trusts the server (the control); one
+    whose caFile names another CA does not: the system's CAs are not added."""
+    work = tmp_path / "work"
+    sha = commit(work, {"nodes/n1/vol.yaml": "kind: Volume\n"})
+    git_https_server.push(work)
+    system = tmp_path / "system-certs"
+    system.mkdir()
+    (system / "rbd-reconciler-test-ca.pem").write_bytes(git_https_server.ca.read_bytes())
+    (tmp_path / "other").mkdir()
+    other = make_certificates(tmp_path / "other")[0]
+    (tmp_path / "sources").mkdir()
+    arg = {"url": git_https_server.url, "token": str(git_https_server.token_file),
+           "user": git_https_server.username, "root": str(tmp_path / "sources"),
+           "cases": {"system": "", "ca file": str(git_https_server.ca),
+                     "another ca file": str(other)}}
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+         'mount --bind "$1" /etc/ssl/certs && shift && exec "$@"', "sh", str(system),
+         sys.executable, "-c", WITH_SYSTEM_CA, json.dumps(arg)],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["system"] == f"{sha}\t{MAIN}\n", out  # curl reads the system's directory
+    assert out["ca file"] == f"{sha}\t{MAIN}\n", out
+    assert "certificate" in out["another ca file"], out
 
 
 def token_holders(token_file: Path) -> dict[int, tuple[bytes, bytes]]:
