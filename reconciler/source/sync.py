@@ -155,7 +155,7 @@ class Syncer:
         try:
             out = self.git.run(["ls-remote", "--", self.src.url, want]).stdout
         except CommandError as exc:
-            raise Failed("failed", "FetchFailed", f"{self.src.url}: {remote_cause(exc)}") \
+            raise Failed("failed", "FetchFailed", f"{self.src.url}: {self._cause(exc)}") \
                 from None
         for line in out.splitlines():
             oid, _, name = line.partition("\t")
@@ -172,7 +172,10 @@ class Syncer:
             self.git.run([*args, "--", self.src.url, *refspecs])
         except CommandError as exc:
             raise Failed("failed", "FetchFailed", f"fetching {what} from {self.src.url}: "
-                                                  f"{remote_cause(exc)}") from None
+                                                  f"{self._cause(exc)}") from None
+
+    def _cause(self, exc: CommandError) -> str:
+        return remote_cause(exc, local=self.src.scheme == "file")
 
     def _verify(self, commit: str, tag: str | None) -> list[dict[str, str]]:
         verify.prepare_keys(self.git, self.src.verify)

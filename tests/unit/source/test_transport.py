@@ -299,6 +299,20 @@ def test_the_server_gone_is_an_error_and_its_return_is_seen(
     assert fetched(git) == newer
 
 
+def test_a_server_refusing_its_own_repository_is_named_as_such(
+        git_server: GitServer, published: str, tmp_path: Path) -> None:
+    """The server's git does not trust the repository (its user does not
+    own it): git's line names the cause; the advice for a local repository
+    (a file:// one must be root's) is not given for a server's."""
+    (git_server.home / ".gitconfig").write_text("")  # no safe.directory on the server
+    git = make_git(tmp_path, source(git_server.url, git_server.credentials()))
+    with pytest.raises(CommandError) as err:
+        git.run(["ls-remote", "--", git_server.url, MAIN])
+    cause = remote_cause(err.value)
+    assert cause == (f"fatal: detected dubious ownership in repository at "
+                     f"'{git_server.repo}'"), cause
+
+
 @contextlib.contextmanager
 def mute_server(speaks: bytes) -> Iterator[int]:
     """A TCP server on 127.0.0.1 that accepts, says ``speaks`` (maybe
