@@ -45,7 +45,8 @@ class Follower:
         self.wake = threading.Event()
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="source", daemon=True)
-        self.failures = 0
+        self.failures = 0  # failed syncs in a row (the backoff's count)
+        self.wait = 0.0  # until the next sync
         self.last: tuple[str, str, str | None] | None = None  # what was last logged
 
     def start(self) -> None:
@@ -66,29 +67,34 @@ class Follower:
             if src is None:  # a reload removed the source
                 return
             try:
-                out = self.once(config)
+                self.once(config)
             except Aborted:
                 return
             except SourceBusy as exc:  # a CLI sync holds the lock: its result stands
                 log.info("source: %s", exc)
-                out = Outcome("unchanged")
+                self._schedule("unchanged", src.interval_seconds)
             except Exception:  # the daemon never dies of a sync (a bug): say it, retry
                 log.exception("source: sync failed")
-                out = Outcome("failed", "InternalError")
-            # A refusal waits for a new push (the interval); a failure to
-            # reach the server backs off from 5 s up to the interval.
-            self.failures = self.failures + 1 if out.result == "failed" else 0
-            wait = (backoff(self.failures, src.interval_seconds) if self.failures
-                    else src.interval_seconds)
-            self.wake.wait(wait)
+                self._schedule("failed", src.interval_seconds)
+            self.wake.wait(self.wait)
             self.wake.clear()
+
+    def _schedule(self, result: str, interval: float) -> int:
+        """Set the wait before the next sync: a refusal waits for a new push
+        (the interval); a failure to reach the server backs off from 5 s up
+        to the interval. Returns the failures in a row before this result."""
+        before = self.failures
+        self.failures = before + 1 if result == "failed" else 0
+        self.wait = backoff(self.failures, interval) if self.failures else interval
+        return before
 
     def once(self, config: Config) -> Outcome:
         src = config.git
         assert src is not None
         syncer = Syncer(config, Runner(timeout=src.timeout_seconds, halt=self.halt))
         out = syncer.sync()
-        self._report(config, out)
+        failed_before = self._schedule(out.result, src.interval_seconds)
+        self._report(config, out, failed_before)
         if out.result == "applied":
             rev = revision(src, out.commit) or ""
             who = ", ".join(f"{s['name']} ({s['fingerprint']})" for s in out.signers)
@@ -96,7 +102,7 @@ class Follower:
             self.applied(rev)
         return out
 
-    def _report(self, config: Config, out: Outcome) -> None:
+    def _report(self, config: Config, out: Outcome, failed_before: int) -> None:
         src = config.git
         assert src is not None
         now = datetime.now().timestamp()
@@ -114,9 +120,15 @@ class Follower:
         key = (out.result, out.reason, out.commit)
         if out.ok:
             if self.last is not None and self.last[0] not in ("applied", "unchanged", "held"):
-                log.info("source: %s again (%s)", out.result, revision(src, out.commit))
+                log.info("source: %s again (%s)%s", out.result, revision(src, out.commit),
+                         f" after {failed_before} failed attempt(s)" if failed_before else "")
         elif key != self.last:  # one line per new failure, not one per retry
-            level = logging.ERROR if out.result == "refused" else logging.WARNING
-            log.log(level, "source: %s %s: %s; %s stays applied", out.result, out.reason,
-                    out.message, applied or "nothing")
+            if out.result == "failed":
+                level, then = logging.WARNING, (
+                    f"retrying with backoff (in {self.wait:.1f} s, then at most every "
+                    f"{src.interval_seconds:g} s; logged again when the result changes)")
+            else:
+                level, then = logging.ERROR, f"looking again every {src.interval_seconds:g} s"
+            log.log(level, "source: %s %s: %s; %s stays applied; %s", out.result, out.reason,
+                    out.message, applied or "nothing", then)
         self.last = key

@@ -6,7 +6,8 @@ config, agent or prompt. The protocols are allow-listed (``GIT_ALLOW_PROTOCOL``:
 no ``ext::`` command URLs, not even from a submodule). Credentials come from
 files: ssh reads the deploy key and the pinned host keys itself; an https
 token is handed to git by an askpass program that reads the token file, so
-it is never on a command line, in the environment or in a log.
+it is never on a command line, in the environment or in a log; a private CA
+(``caFile``) replaces the system's CAs for https.
 """
 
 from __future__ import annotations
@@ -39,6 +40,26 @@ def ssh_path(path: Path | None) -> str:
     return f'"{text}"'
 
 
+def ssh_deadlines(timeout: float) -> list[str]:
+    """ssh's own deadlines, all below the call's (``timeout``), so that ssh
+    ends a dead connection itself and says why ("Connection timed out during
+    banner exchange", "Connection to HOST port N timed out", "Timeout, server
+    HOST not responding") before the Runner's kill, which stays the backstop
+    for a server that answers ssh but never git.
+
+    ConnectTimeout bounds the TCP connect and the banner exchange; the key
+    exchange then waits at most ServerAliveInterval x ServerAliveCountMax;
+    an established session ends after Interval x (CountMax + 1) of silence.
+    ssh takes whole seconds, at least 1: from a timeoutSeconds of 3 on, the
+    connect and the key exchange together, and a silent session, stay below
+    it (60: 10 s, 15 s x 2)."""
+    connect = max(1, min(10, int(timeout / 3)))
+    count = 2 if timeout >= 6 else 1
+    interval = max(1, min(15, int(timeout / (count + 2))))
+    return ["-o", f"ConnectTimeout={connect}", "-o", f"ServerAliveInterval={interval}",
+            "-o", f"ServerAliveCountMax={count}"]
+
+
 @dataclass
 class Git:
     """Runs git on the source's mirror (``<source dir>/repo.git``)."""
@@ -59,9 +80,14 @@ class Git:
     def gnupg_home(self) -> Path:
         return self.root / "gnupg"
 
+    @property
+    def no_ca_path(self) -> Path:
+        """An empty directory: curl's CA directory when ``caFile`` is set."""
+        return self.home / "no-ca-path"
+
     def prepare(self) -> None:
         """The home, the GnuPG home and the askpass program (idempotent)."""
-        for d in (self.root, self.home, self.gnupg_home):
+        for d in (self.root, self.home, self.gnupg_home, self.no_ca_path):
             d.mkdir(mode=0o700, exist_ok=True)
             os.chmod(d, 0o700)  # ours, made just above (or kept): no one else's
         if self.config.credentials.token_file is not None:
@@ -88,11 +114,15 @@ class Git:
                     "-o", f"UserKnownHostsFile={ssh_path(creds.known_hosts)}",
                     "-o", "GlobalKnownHostsFile=/dev/null", "-o", "IdentitiesOnly=yes",
                     "-o", "IdentityAgent=none", "-o", f"IdentityFile={ssh_path(creds.ssh_key)}",
-                    "-o", f"ConnectTimeout={max(1, int(self.config.timeout_seconds))}",
-                    "-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=2",
+                    *ssh_deadlines(self.config.timeout_seconds),
                     "-o", "UpdateHostKeys=no", "-o", "ControlMaster=no", "-o", "ControlPath=none"]
             env["GIT_SSH_COMMAND"] = shlex.join(["ssh", *opts])
             env["GIT_SSH_VARIANT"] = "ssh"
+        if creds.ca_file is not None:
+            # The only CAs trusted: curl reads its CA directory (the system's,
+            # /etc/ssl/certs) besides the bundle unless given another one.
+            env["GIT_SSL_CAINFO"] = str(creds.ca_file)
+            env["GIT_SSL_CAPATH"] = str(self.no_ca_path)
         if creds.token_file is not None:
             env["GIT_ASKPASS"] = str(self.home / "askpass")
             env["RBD_RECONCILER_GIT_USER"] = creds.username

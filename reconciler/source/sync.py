@@ -20,6 +20,7 @@ from typing import Any
 
 from reconciler.drivers.run import CommandError, Runner
 from reconciler.source import verify
+from reconciler.source.cause import remote_cause
 from reconciler.source.gitenv import Git
 from reconciler.source.layout import Layout
 from reconciler.source.report import revision
@@ -154,7 +155,8 @@ class Syncer:
         try:
             out = self.git.run(["ls-remote", "--", self.src.url, want]).stdout
         except CommandError as exc:
-            raise Failed("failed", "FetchFailed", f"{self.src.url}: {exc}") from None
+            raise Failed("failed", "FetchFailed", f"{self.src.url}: {self._cause(exc)}") \
+                from None
         for line in out.splitlines():
             oid, _, name = line.partition("\t")
             if name == want and SHA1.match(oid):
@@ -170,7 +172,10 @@ class Syncer:
             self.git.run([*args, "--", self.src.url, *refspecs])
         except CommandError as exc:
             raise Failed("failed", "FetchFailed", f"fetching {what} from {self.src.url}: "
-                                                  f"{exc}") from None
+                                                  f"{self._cause(exc)}") from None
+
+    def _cause(self, exc: CommandError) -> str:
+        return remote_cause(exc, local=self.src.scheme == "file")
 
     def _verify(self, commit: str, tag: str | None) -> list[dict[str, str]]:
         verify.prepare_keys(self.git, self.src.verify)

@@ -49,6 +49,7 @@ class SourceCredentials:
     known_hosts: Path | None = None  # ssh: the pinned host keys (strict checking)
     token_file: Path | None = None  # https: a token, sent as the password
     username: str = "git"  # https: the user name sent with the token
+    ca_file: Path | None = None  # https: the CAs to trust instead of the system's
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,9 @@ def source_problems(data: dict) -> list[tuple[tuple[str | int, ...], str]]:
             if key not in creds:
                 out.append((("credentials",), f"an ssh URL needs credentials.{key} (the deploy "
                                               "key, and the pinned host keys checked strictly)"))
-    if parts.scheme != "https" and "tokenFile" in creds:
-        out.append((("credentials", "tokenFile"), "is for https URLs only"))
+    for key in ("tokenFile", "caFile"):
+        if parts.scheme != "https" and key in creds:
+            out.append((("credentials", key), "is for https URLs only"))
     path = data.get("path", "")
     plain = path.replace(NODE_NAME, "n")
     if "{" in plain or "}" in plain:
@@ -147,7 +149,8 @@ def build_source(data: dict) -> SourceConfig:
                                for f in verify.get("fingerprints", ()))),
         credentials=SourceCredentials(
             ssh_key=path(creds, "sshKeyFile"), known_hosts=path(creds, "knownHostsFile"),
-            token_file=path(creds, "tokenFile"), username=creds.get("username", "git")),
+            token_file=path(creds, "tokenFile"), username=creds.get("username", "git"),
+            ca_file=path(creds, "caFile")),
         interval_seconds=float(data.get("intervalSeconds", 60)),
         timeout_seconds=float(data.get("timeoutSeconds", 60)),
         depth=int(data.get("depth", 1)),

@@ -1,7 +1,10 @@
 """The daemon following a git repository on the real cluster: a signed commit
 becomes a published volume, an unsigned one changes nothing, a commit
 removing every file waits for allow-removal, and each volume's status names
-the revision it converged from."""
+the revision it converged from. Over ssh (a real sshd, tests/gitserver.py),
+the server going away for a while changes nothing that is published, is
+reported (FetchFailed, Stalled, one warning line), and what was pushed
+meanwhile is applied once it is back, by itself."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import NodeUnderTest
+from gitserver import GitServer
 from source_signing import Signing, SshKey
 from test_daemon import Daemon, wait_for
 
@@ -38,20 +42,29 @@ spec:
 
 class Repo:
     def __init__(self, node: NodeUnderTest, signer: Signing, key: SshKey,
-                 interval: float) -> None:
+                 interval: float, server: GitServer | None = None) -> None:
+        """A file:// repository of the test's, or ``server``'s over ssh (the
+        deploy key, the pinned host key; pushes go straight into its
+        repository, so they work while sshd is down)."""
         self.node, self.signer, self.key = node, signer, key
-        self.bare = node.root / "fleet.git"
-        subprocess.run(["git", "init", "--quiet", "--bare", str(self.bare)], check=True,
-                       timeout=60)
+        if server is None:
+            self.bare = node.root / "fleet.git"
+            subprocess.run(["git", "init", "--quiet", "--bare", str(self.bare)], check=True,
+                           timeout=60)
+            url, credentials = f"file://{self.bare}", ""
+        else:
+            self.bare, url = server.repo, server.url
+            credentials = (f"\n  timeoutSeconds: 10\n  credentials: {{sshKeyFile: "
+                           f"{server.deploy_key}, knownHostsFile: {server.known_hosts}}}")
         allowed = signer.allowed_signers(node.root / "allowed_signers", ("ops", key))
         lines = [ln for ln in node.config.read_text().splitlines()
                  if not ln.startswith("desiredDir:")]
         node.config.write_text("\n".join(lines) + f"""
 source:
-  url: file://{self.bare}
+  url: {url}
   ref: {{branch: main}}
   path: nodes/{{nodeName}}
-  intervalSeconds: {interval}
+  intervalSeconds: {interval}{credentials}
   verify: {{mode: head, format: ssh, allowedSignersFile: {allowed}}}
 """)
         node.desired = node.state / "source" / "current"
@@ -154,3 +167,71 @@ def test_the_daemon_follows_on_its_own(node: NodeUnderTest, tmp_path: Path) -> N
             assert d.stop() == 0
             if node.desired.exists() and any(node.desired.iterdir()):
                 node.cli("release")
+
+
+def test_the_daemon_follows_over_ssh_through_the_server_going_away(
+        node: NodeUnderTest, git_server: GitServer, tmp_path: Path) -> None:
+    """intervalSeconds 1 over ssh: published from a signed commit; sshd
+    stopped for several intervals: the daemon runs on, the volume stays
+    Published, `source status` exits 1 (FetchFailed, then Stalled), the
+    retries are one warning line; a signed commit pushed meanwhile is
+    applied once sshd is back, with no `source sync`."""
+    with Signing(tmp_path / "signer3") as s:
+        repo = Repo(node, s, s.ssh_key("ops"), interval=1, server=git_server)
+        name = node.name("ssh")
+        d = Daemon(node)
+        try:
+            first = repo.push("a volume", {f"{name}.yaml": volume(node, name, "64Mi")})
+            assert d.wait_phase(name, "Published")["sourceRevision"] == f"main@sha1:{first}"
+            (node.srv / name / "data").write_text("kept")
+            assert "Accepted publickey for git" in git_server.log.read_text()
+
+            with git_server.down():
+                wait_for(lambda: source_state(node)["consecutiveFailures"] >= 3,
+                         "3 failed syncs in a row while sshd is down")
+                wait_for(lambda: condition(node, "Stalled") == ("True", "FetchFailed"),
+                         "Stalled after 3 intervals without a successful sync")
+                rc, out = node.cli("source", "status")
+                assert rc == 1, out
+                assert "Connection refused" in out and "FetchFailed" in out, out
+                assert condition(node, "Ready") == ("False", "FetchFailed")
+                second = repo.push("touched while the server was down", {
+                    f"{name}.yaml": volume(node, name, "64Mi") + "# while sshd was down\n"})
+                failed = source_state(node)["consecutiveFailures"]
+                wait_for(lambda: source_state(node)["consecutiveFailures"] >= failed + 2,
+                         "2 more failed syncs after the push")
+                assert d.proc.poll() is None, d.log.read_text()[-4000:]
+                st = d.status(name)
+                assert (st["phase"], st["sourceRevision"]) == ("Published", f"main@sha1:{first}")
+                assert (node.srv / name / "data").read_text() == "kept"
+                warned = [ln for ln in d.log.read_text().splitlines()
+                          if "source: failed FetchFailed" in ln]
+                assert len(warned) == 1, warned  # one line for every retry
+                assert "WARNING" in warned[0] and "retrying with backoff" in warned[0]
+                assert f"main@sha1:{first} stays applied" in warned[0]
+
+            # sshd back on its port: nobody runs `source sync`.
+            wait_for(lambda: d.status(name).get("sourceRevision") == f"main@sha1:{second}"
+                     and d.status(name).get("phase") == "Published",
+                     "the revision pushed while sshd was down to be applied")
+            rc, out = node.cli("source", "status")
+            assert rc == 0, out
+            assert condition(node, "Stalled") == ("False", "Syncing")
+            assert f"source: applied again (main@sha1:{second}) after" in d.log.read_text()
+            assert (node.srv / name / "data").read_text() == "kept"
+        finally:
+            assert d.stop() == 0, d.log.read_text()[-4000:]
+            if node.desired.exists() and any(node.desired.iterdir()):
+                node.cli("release")
+    assert "Traceback" not in d.log.read_text()
+
+
+def source_state(node: NodeUnderTest) -> dict:
+    """`source status -o json` (exit 1 while not Ready: the document stands)."""
+    _, out = node.cli("source", "status", "-o", "json")
+    return json.loads(out)
+
+
+def condition(node: NodeUnderTest, kind: str) -> tuple[str, str]:
+    c = next(c for c in source_state(node)["conditions"] if c["type"] == kind)
+    return c["status"], c["reason"]

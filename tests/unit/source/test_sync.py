@@ -227,6 +227,41 @@ def test_the_server_gone_keeps_the_last_good_revision_and_stalls(
     assert conditions(config)["Ready"] == ("True", "UpToDate")
 
 
+def test_a_file_repository_root_does_not_own_is_refused_clearly(
+        tmp_path: Path, signer: Signing, alice: SshKey) -> None:
+    """git (as root) will not read a local repository another user owns:
+    its config could make root run that user's commands. Nothing is
+    applied, the status says what to do, and never to trust every
+    repository (git's own advice, safe.directory)."""
+    config = make_config(tmp_path, signer, alice)
+    bare = tmp_path / "fleet.git"
+    sha = push(signer, tmp_path, alice, "one", {"nodes/a/v.yaml": VOLUME.format(
+        name="v", size="1Gi")})
+    nobody = 65534
+    chown_tree(bare, nobody)
+    out = Syncer(config).sync()
+    assert (out.result, out.reason) == ("failed", "FetchFailed"), out
+    assert out.message == (f"{config.git.url}: git refuses {bare}: the repository is not owned "
+                           "by root (git: \"detected dubious ownership\"); a file:// repository "
+                           "must be root's (chown -R root), or serve it over ssh"), out.message
+    assert "safe.directory" not in out.message
+    assert applied_files(config) == {} and Layout(config.source_dir).applied() is None
+    status = source_status(config)
+    assert status["applied"] is None and status["observed"] is None
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "FetchFailed")
+    assert "not owned by root" in ready["message"]
+    # root's again: applied.
+    chown_tree(bare, 0)
+    out = Syncer(config).sync()
+    assert (out.result, out.commit) == ("applied", sha), out
+
+
+def chown_tree(root: Path, uid: int) -> None:
+    for path in [root, *root.rglob("*")]:
+        os.lchown(path, uid, uid)
+
+
 def test_a_signed_tag_over_an_unsigned_head(tmp_path: Path, signer: Signing,
                                             alice: SshKey) -> None:
     config = make_config(tmp_path, signer, alice, ref=SourceRef("tag", "v1"))

@@ -5,11 +5,13 @@ against a real sshd (tests/gitserver.py) and a real https git server
 ssh trusts only the pinned host keys and the deploy key: a changed or an
 unknown host key is refused (no trust on first use), and nothing of the
 caller's reaches it (an agent in the environment, root's ~/.ssh). A server
-that is gone, or that accepts and never answers, fails within the call's
-deadline. Only file, ssh and https are allowed (no ``ext::`` commands).
-The https token is read from its file on every call and sent to a server
-whose certificate verified only, never on a command line, in an
-environment, a log or a file of the source's.
+that is gone, or that accepts and never answers, is ended by ssh itself
+before the call's deadline, with ssh's own message; one that answers ssh but
+never git meets the deadline. Only file, ssh and https are allowed (no
+``ext::`` commands). The https token is read from its file on every call
+and sent to a server whose certificate verified only (against ``caFile``
+alone when it is set), never on a command line, in an environment, a log
+or a file of the source's.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ from pathlib import Path
 
 import pytest
 from gitserver import HOST, PATH, GitServer, commit, keygen, wait_for
-from gitserver_https import HttpsGitServer
+from gitserver_https import HttpsGitServer, make_certificates
 
 from reconciler.drivers.run import KILL_WAIT_S, STOP_CHECK_S, TIMED_OUT, CommandError, Runner
-from reconciler.source.gitenv import Git
+from reconciler.source.cause import remote_cause
+from reconciler.source.gitenv import Git, ssh_deadlines
 from reconciler.spec.source import SourceConfig, SourceCredentials, SourceRef, SourceVerify
 
 MAIN = "refs/heads/main"
@@ -283,12 +286,31 @@ def test_the_server_gone_is_an_error_and_its_return_is_seen(
         with pytest.raises(CommandError) as err:
             fetch(git)
         assert "Connection refused" in err.value.stderr, err.value.stderr
+        # What status shows: ssh's line, not git's advice to check access rights.
+        cause = remote_cause(err.value)
+        assert cause.startswith(f"ssh: connect to host {HOST} port {git_server.port}: "
+                                "Connection refused"), cause
+        assert "access rights" not in cause
         assert fetched(git) is None
         work = tmp_path / "work"
         newer = commit(work, {"nodes/n1/vol.yaml": "kind: Volume\n# 2\n"})
         git_server.push(work)  # into the repository, while its server is down
     fetch(git)
     assert fetched(git) == newer
+
+
+def test_a_server_refusing_its_own_repository_is_named_as_such(
+        git_server: GitServer, published: str, tmp_path: Path) -> None:
+    """The server's git does not trust the repository (its user does not
+    own it): git's line names the cause; the advice for a local repository
+    (a file:// one must be root's) is not given for a server's."""
+    (git_server.home / ".gitconfig").write_text("")  # no safe.directory on the server
+    git = make_git(tmp_path, source(git_server.url, git_server.credentials()))
+    with pytest.raises(CommandError) as err:
+        git.run(["ls-remote", "--", git_server.url, MAIN])
+    cause = remote_cause(err.value)
+    assert cause == (f"fatal: detected dubious ownership in repository at "
+                     f"'{git_server.repo}'"), cause
 
 
 @contextlib.contextmanager
@@ -334,14 +356,17 @@ def ssh_processes_to(port: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("speaks", [b"", b"SSH-2.0-OpenSSH_9.2\r\n"],
-                         ids=["never a word", "a version line then silence"])
-def test_a_server_that_never_answers_fails_within_the_deadline(
-        git_server: GitServer, tmp_path: Path, speaks: bytes) -> None:
+@pytest.mark.parametrize("speaks, said", [
+    (b"", "Connection timed out during banner exchange"),
+    (b"SSH-2.0-OpenSSH_9.2\r\n", "Connection to 127.0.0.1 port {port} timed out"),
+], ids=["never a word", "a version line then silence"])
+def test_a_server_that_never_answers_is_ended_by_ssh_with_its_cause(
+        git_server: GitServer, tmp_path: Path, speaks: bytes, said: str) -> None:
     """Silent from the start, ssh's ConnectTimeout (the banner exchange)
-    ends it; after a version line, the key exchange waits on, and the
-    Runner's deadline (killing git's process group, ssh in it) ends it."""
-    timeout = 2.0
+    ends it; after a version line, the key exchange's ServerAlive bound does:
+    both below the call's deadline, so the error is ssh's own, not the
+    Runner's kill."""
+    timeout = 3.0  # ssh: ConnectTimeout 1, ServerAlive 1 x 1
     with mute_server(speaks) as port:
         url = f"ssh://git@{HOST}:{port}{git_server.repo}"
         pinned = tmp_path / "known_hosts"
@@ -352,17 +377,47 @@ def test_a_server_that_never_answers_fails_within_the_deadline(
         with pytest.raises(CommandError) as err:
             git.run(["ls-remote", "--", url, MAIN])
         took = time.monotonic() - t0
-        # The deadline, the Runner's polling step, its bounded wait after the
-        # kill, and room for starting git and ssh on a loaded machine.
-        bound = timeout + STOP_CHECK_S + KILL_WAIT_S + 5.0
-        assert took < bound, f"the error came after {took:.1f} s (bound {bound:g} s)"
-        said = err.value.stderr
-        if speaks:  # ServerAliveInterval (15 s x 2) is the only bound ssh has there
-            assert err.value.returncode == TIMED_OUT, said
-            assert f"timed out after {timeout:g} s: killed" in said, said
-        else:  # ConnectTimeout = the deadline: ssh's message or the Runner's, whichever first
-            assert "timed out" in said, said
+        assert err.value.returncode != TIMED_OUT, err.value.stderr
+        assert said.format(port=port) in err.value.stderr, err.value.stderr
+        assert took < timeout, f"ssh gave up after {took:.1f} s, not before the deadline"
+        assert said.format(port=port) in remote_cause(err.value)  # what status shows
         assert not ssh_processes_to(port)
+
+
+def test_a_server_that_answers_ssh_but_never_git_meets_the_calls_deadline(
+        git_server: GitServer, published: str, tmp_path: Path) -> None:
+    """The backstop: sshd answers (its keepalives too), the command behind
+    it never does, so ssh has no reason to end: the Runner's deadline kills
+    git's process group, ssh in it, and says so."""
+    timeout = 3.0
+    stuck = tmp_path / "stuck_key"
+    git_server.authorize(f'command="exec sleep 600",restrict {keygen(stuck, "stuck")}')
+    git = make_git(tmp_path, source(git_server.url, git_server.credentials(ssh_key=stuck),
+                                    timeout=timeout))
+    t0 = time.monotonic()
+    with pytest.raises(CommandError) as err:
+        git.run(["ls-remote", "--", git_server.url, MAIN])
+    took = time.monotonic() - t0
+    assert err.value.returncode == TIMED_OUT, err.value.stderr
+    assert f"timed out after {timeout:g} s: killed" in err.value.stderr
+    bound = timeout + STOP_CHECK_S + KILL_WAIT_S + 5.0  # and starting git on a loaded machine
+    assert timeout <= took < bound, f"the error came after {took:.1f} s"
+    assert "Accepted publickey for git" in git_server.log.read_text()
+    assert not ssh_processes_to(git_server.port)
+
+
+@pytest.mark.parametrize("timeout", [1, 2, 3, 5, 6, 10, 30, 60, 600, 3600])
+def test_ssh_ends_a_dead_connection_before_the_calls_deadline(timeout: float) -> None:
+    """From 3 s on: the connect and the key exchange together, and a silent
+    session (Interval x (CountMax + 1)), stay below the deadline."""
+    opts = dict(o.split("=") for o in ssh_deadlines(timeout)[1::2])
+    connect, interval, count = (int(opts[k]) for k in (
+        "ConnectTimeout", "ServerAliveInterval", "ServerAliveCountMax"))
+    assert min(connect, interval, count) >= 1  # 0 would turn a bound off
+    if timeout >= 3:
+        assert connect + interval * count < timeout
+        assert interval * (count + 1) < timeout
+    assert connect <= 10 and interval <= 15  # a dead server is noticed within a minute
 
 
 # -- protocols -----------------------------------------------------------------------------
@@ -400,21 +455,18 @@ def test_the_server_stops_and_starts_on_the_same_port(git_server: GitServer) -> 
     assert git_server.sshd_pid != pid
 
 
-# -- https: the token from its file --------------------------------------------------------
-def https_git(tmp_path: Path, server: HttpsGitServer, token_file: Path) -> Git:
+# -- https: the token from its file, the server's certificate from a private CA ------------
+def https_git(tmp_path: Path, server: HttpsGitServer, token_file: Path, *,
+              ca_file: Path | None = None, system_cas: bool = False) -> Git:
+    """The source as a node would configure it: ``caFile`` the test CA (or
+    ``ca_file``), or none with ``system_cas`` (the system's CAs only)."""
+    ca = None if system_cas else ca_file or server.ca
     return make_git(tmp_path, source(server.url, SourceCredentials(
-        token_file=token_file, username=server.username)))
-
-
-def trusting(server: HttpsGitServer) -> dict[str, str]:
-    """The test CA for git's curl: the source has no field for a CA (yet);
-    without it only the system's CAs are trusted."""
-    return {"GIT_SSL_CAINFO": str(server.ca)}
+        token_file=token_file, username=server.username, ca_file=ca)))
 
 
 def https_fetch(git: Git, server: HttpsGitServer) -> None:
-    git.run(["fetch", "--quiet", "--no-tags", "--", server.url, f"+{MAIN}:{FETCHED}"],
-            env=trusting(server))
+    git.run(["fetch", "--quiet", "--no-tags", "--", server.url, f"+{MAIN}:{FETCHED}"])
 
 
 def test_https_sends_the_token_read_from_its_file_on_every_call(
@@ -437,15 +489,79 @@ def test_https_sends_the_token_read_from_its_file_on_every_call(
     assert f"auth ok {git_https_server.username}" in git_https_server.requests
 
 
+@pytest.mark.parametrize("ca", ["none", "another CA"])
 def test_https_refuses_a_server_it_cannot_verify_before_sending_anything(
-        git_https_server: HttpsGitServer, tmp_path: Path) -> None:
-    git = https_git(tmp_path, git_https_server, git_https_server.token_file)
+        git_https_server: HttpsGitServer, tmp_path: Path, ca: str) -> None:
+    """No caFile: the system's CAs, which do not know the test CA; a caFile
+    of another CA: the server's certificate does not chain to it."""
+    other = None
+    if ca == "another CA":
+        (tmp_path / "other").mkdir()
+        other = make_certificates(tmp_path / "other")[0]
+    git = https_git(tmp_path, git_https_server, git_https_server.token_file, ca_file=other,
+                    system_cas=other is None)
     with pytest.raises(CommandError) as err:
-        git.run(["ls-remote", "--", git_https_server.url])  # the system's CAs only
+        git.run(["ls-remote", "--", git_https_server.url])
     # Debian's git uses curl with GnuTLS: "server certificate verification failed"
     # (OpenSSL's curl says "SSL certificate problem").
     assert "certificate" in err.value.stderr, err.value.stderr
     assert git_https_server.requests == []  # TLS failed first: no request, no token
+
+
+# Run in a mount namespace of its own where the system's CA directory
+# (/etc/ssl/certs, curl's default) holds the test CA: what each source call said.
+WITH_SYSTEM_CA = r"""
+import json, sys
+from pathlib import Path
+from reconciler.drivers.run import CommandError, Runner
+from reconciler.source.gitenv import Git
+from reconciler.spec.source import SourceConfig, SourceCredentials, SourceRef, SourceVerify
+arg = json.loads(sys.argv[1])
+out = {}
+for name, ca_file in arg["cases"].items():
+    config = SourceConfig(
+        url=arg["url"], ref=SourceRef("branch", "main"), path="",
+        verify=SourceVerify("head", "ssh", allowed_signers=Path("/nonexistent")),
+        credentials=SourceCredentials(token_file=Path(arg["token"]), username=arg["user"],
+                                      ca_file=Path(ca_file) if ca_file else None))
+    git = Git(config, Path(arg["root"]) / name, Runner())
+    git.init()
+    try:
+        out[name] = git.run(["ls-remote", "--", arg["url"], "refs/heads/main"]).stdout
+    except CommandError as e:
+        out[name] = e.stderr
+print(json.dumps(out))
+"""
+
+
+def test_a_ca_file_is_the_only_ca_trusted(git_https_server: HttpsGitServer,
+                                          tmp_path: Path) -> None:
+    """With the test CA among the system's (in a mount namespace of the
+    test's), a source without caFile trusts the server (the control); one
+    whose caFile names another CA does not: the system's CAs are not added."""
+    work = tmp_path / "work"
+    sha = commit(work, {"nodes/n1/vol.yaml": "kind: Volume\n"})
+    git_https_server.push(work)
+    system = tmp_path / "system-certs"
+    system.mkdir()
+    (system / "rbd-reconciler-test-ca.pem").write_bytes(git_https_server.ca.read_bytes())
+    (tmp_path / "other").mkdir()
+    other = make_certificates(tmp_path / "other")[0]
+    (tmp_path / "sources").mkdir()
+    arg = {"url": git_https_server.url, "token": str(git_https_server.token_file),
+           "user": git_https_server.username, "root": str(tmp_path / "sources"),
+           "cases": {"system": "", "ca file": str(git_https_server.ca),
+                     "another ca file": str(other)}}
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+         'mount --bind "$1" /etc/ssl/certs && shift && exec "$@"', "sh", str(system),
+         sys.executable, "-c", WITH_SYSTEM_CA, json.dumps(arg)],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["system"] == f"{sha}\t{MAIN}\n", out  # curl reads the system's directory
+    assert out["ca file"] == f"{sha}\t{MAIN}\n", out
+    assert "certificate" in out["another ca file"], out
 
 
 def token_holders(token_file: Path) -> dict[int, tuple[bytes, bytes]]:

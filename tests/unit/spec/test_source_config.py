@@ -75,6 +75,12 @@ source:
     (("ref: {branch: main}", "ref: {branch: main, tag: v1}"), "source.ref", ""),
     (("ref: {branch: main}", "ref: {branch: -upload-pack=evil}"), "source.ref.branch", ""),
     (("nodeName: edge-1", "desiredDir: /etc/x\nnodeName: edge-1"), "desiredDir", "source"),
+    (("    knownHostsFile:", "    caFile: /etc/rbd-reconciler/git/ca.pem\n    knownHostsFile:"),
+     "source.credentials.caFile", "https URLs only"),
+    (("    knownHostsFile:", "    tokenFile: /etc/rbd-reconciler/git/token\n    knownHostsFile:"),
+     "source.credentials.tokenFile", "https URLs only"),
+    (("    knownHostsFile:", "    caFile: ca.pem\n    knownHostsFile:"),
+     "source.credentials.caFile", ""),
 ])
 def test_bad_source_is_refused_at_its_line(tmp_path: Path, change: tuple[str, str],
                                            field: str, word: str) -> None:
@@ -86,6 +92,24 @@ def test_bad_source_is_refused_at_its_line(tmp_path: Path, change: tuple[str, st
     assert f" {field}" in said or f"{field}:" in said, said
     assert word in said, said
     assert "config.yaml:" in said
+
+
+def test_an_https_source_with_a_token_and_a_private_ca(tmp_path: Path) -> None:
+    c = load(tmp_path, """\
+source:
+  url: https://git.example.com/fleet.git
+  ref: {branch: main}
+  credentials:
+    tokenFile: /etc/rbd-reconciler/git/token
+    caFile: /etc/rbd-reconciler/git/ca.pem
+    username: fleet-bot
+  verify: {mode: head, format: ssh, allowedSignersFile: /etc/rbd-reconciler/git/allowed}
+""")
+    assert c.git is not None
+    creds = c.git.credentials
+    assert creds.ca_file == Path("/etc/rbd-reconciler/git/ca.pem")
+    assert (creds.token_file, creds.username) == (Path("/etc/rbd-reconciler/git/token"),
+                                                  "fleet-bot")
 
 
 def test_openpgp_needs_fingerprints(tmp_path: Path) -> None:
