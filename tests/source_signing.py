@@ -25,6 +25,16 @@ from reconciler.source.gitenv import Git
 from reconciler.spec.source import SourceConfig, SourceRef, SourceVerify
 
 PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
+# A small desired-volume file the tests commit (.format(name=, size=)).
+VOLUME_YAML = """\
+apiVersion: rbd-reconciler/v1
+kind: Volume
+metadata:
+  name: {name}
+spec:
+  state: present
+  image: {{pool: rbd, size: {size}}}
+"""
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,12 @@ import json
 import logging
 import re
 import threading
-from collections.abc import Iterator
 from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
 from gitserver import HOST, GitServer, wait_for
-from source_signing import Signing, SshKey
+from source_signing import VOLUME_YAML, Signing, SshKey
 
 from reconciler.cli import main as cli
 from reconciler.daemon.follow import Follower
@@ -36,26 +35,7 @@ from reconciler.spec.config import Config, load_config
 
 INTERVAL = 1  # intervalSeconds: Stalled after 3 s without a success
 STALL_DEADLINE = 30.0  # generous: 3 intervals, on a loaded machine
-VOLUME = """\
-apiVersion: rbd-reconciler/v1
-kind: Volume
-metadata:
-  name: v
-spec:
-  state: present
-  image: {{pool: rbd, size: {size}}}
-"""
-
-
-@pytest.fixture
-def signer(tmp_path: Path) -> Iterator[Signing]:
-    with Signing(tmp_path / "signer") as s:
-        yield s
-
-
-@pytest.fixture
-def alice(signer: Signing) -> SshKey:
-    return signer.ssh_key("alice")
+VOLUME = VOLUME_YAML
 
 
 @pytest.fixture
@@ -88,7 +68,7 @@ def publish(server: GitServer, signer: Signing, key: SshKey, size: str) -> str:
     into the server's repository (works while sshd is down); its id."""
     f = signer.work / "nodes" / "a" / "v.yaml"
     f.parent.mkdir(parents=True, exist_ok=True)
-    f.write_text(VOLUME.format(size=size))
+    f.write_text(VOLUME.format(name="v", size=size))
     signer.git("add", "-A")
     sha = signer.commit(f"size {size}", key)
     assert server.push(signer.work) == sha

@@ -10,12 +10,11 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from source_signing import Signing, SshKey
+from source_signing import VOLUME_YAML, Signing, SshKey
 
 from reconciler.source.layout import Layout
 from reconciler.source.report import source_status
@@ -23,26 +22,7 @@ from reconciler.source.sync import Syncer
 from reconciler.spec.config import Config, default_config
 from reconciler.spec.source import SourceConfig, SourceRef, SourceVerify
 
-VOLUME = """\
-apiVersion: rbd-reconciler/v1
-kind: Volume
-metadata:
-  name: {name}
-spec:
-  state: present
-  image: {{pool: rbd, size: {size}}}
-"""
-
-
-@pytest.fixture
-def signer(tmp_path: Path) -> Iterator[Signing]:
-    with Signing(tmp_path / "signer") as s:
-        yield s
-
-
-@pytest.fixture
-def alice(signer: Signing) -> SshKey:
-    return signer.ssh_key("alice")
+VOLUME = VOLUME_YAML
 
 
 def make_config(tmp_path: Path, signer: Signing, alice: SshKey, **src: object) -> Config:
