@@ -210,6 +210,8 @@ def _print_explanation(doc: dict[str, Any]) -> None:
         print(f"  daemon:   {daemon.get('phase')} at {daemon.get('updated')}"
               + (f" ({daemon['message']})" if daemon.get("message") else "")
               + (f"; last error: {daemon['lastError']}" if daemon.get("lastError") else ""))
+        if daemon.get("sourceRevision"):  # the GitOps source's revision it converged from
+            print(f"  source:   {daemon['sourceRevision']}")
     shown = {doc["unknown"], (actual or {}).get("fenceReason")}
     if doc["refusal"] and doc["refusal"] not in shown and "is not completing" not in doc["refusal"]:
         print(f"  REFUSED:  {doc['refusal']}")

@@ -389,3 +389,18 @@ def test_a_revoked_key_is_refused_from_the_next_sync(tmp_path: Path, signer: Sig
     out = Syncer(config).sync()
     assert (out.result, out.reason) == ("refused", "Revoked"), out
     assert "1Gi" in applied_files(config)["v.yaml"]
+
+
+def test_a_pinned_commit_is_fetched_by_its_id(tmp_path: Path, signer: Signing,
+                                              alice: SshKey) -> None:
+    config = make_config(tmp_path, signer, alice)
+    one = push(signer, tmp_path, alice, "one", {"nodes/a/v.yaml": VOLUME.format(
+        name="v", size="1Gi")})
+    push(signer, tmp_path, alice, "two", {"nodes/a/v.yaml": VOLUME.format(
+        name="v", size="2Gi")})
+    pinned = replace(config, git=replace(config.git, ref=SourceRef("commit", one)))
+    out = Syncer(pinned).sync()
+    assert (out.result, out.commit) == ("applied", one), out
+    assert "1Gi" in applied_files(pinned)["v.yaml"]
+    assert source_status(pinned)["applied"]["revision"] == f"sha1:{one}"
+    assert Syncer(pinned).sync().result == "unchanged"
