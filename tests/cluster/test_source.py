@@ -6,17 +6,17 @@ the revision it converged from."""
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import NodeUnderTest
-from source_signing import Signing, SshKey
+from source_signing import Signing, SshKey, bare_repository, source_yaml
 from test_daemon import Daemon, wait_for
 
 pytestmark = pytest.mark.ceph
+NODE = "nodes/test-node"  # the node fixture's directory in the repository
 
 
 def volume(node: NodeUnderTest, name: str, size: str) -> str:
@@ -37,43 +37,32 @@ spec:
 
 
 class Repo:
-    def __init__(self, node: NodeUnderTest, signer: Signing, key: SshKey,
-                 interval: float) -> None:
-        self.node, self.signer, self.key = node, signer, key
-        self.bare = node.root / "fleet.git"
-        subprocess.run(["git", "init", "--quiet", "--bare", str(self.bare)], check=True,
-                       timeout=60)
-        allowed = signer.allowed_signers(node.root / "allowed_signers", ("ops", key))
+    """The fleet's repository (a bare one on disk, pushed to over file://),
+    one signing key allowed, and the nodes that follow it."""
+
+    def __init__(self, root: Path, signer: Signing, key: SshKey) -> None:
+        self.signer, self.key = signer, key
+        self.url = bare_repository(root / "fleet.git")
+        self.allowed = signer.allowed_signers(root / "allowed_signers", ("ops", key))
+
+    def follow(self, node: NodeUnderTest, interval: float) -> None:
+        """``node`` reads what the source applies (no desiredDir of its own)."""
         lines = [ln for ln in node.config.read_text().splitlines()
                  if not ln.startswith("desiredDir:")]
-        node.config.write_text("\n".join(lines) + f"""
-source:
-  url: file://{self.bare}
-  ref: {{branch: main}}
-  path: nodes/{{nodeName}}
-  intervalSeconds: {interval}
-  verify: {{mode: head, format: ssh, allowedSignersFile: {allowed}}}
-""")
+        node.config.write_text("\n".join(lines) + "\n"
+                               + source_yaml(self.url, self.allowed, interval))
         node.desired = node.state / "source" / "current"
 
     def push(self, message: str, files: dict[str, str | None], signed: bool = True) -> str:
-        for rel, text in files.items():
-            f = self.signer.work / "nodes" / "test-node" / rel
-            if text is None:
-                f.unlink()
-            else:
-                f.parent.mkdir(parents=True, exist_ok=True)
-                f.write_text(text)
-        self.signer.git("add", "-A")
-        sha = self.signer.commit(message, self.key if signed else None)
-        self.signer.git("push", "--quiet", f"file://{self.bare}", "main")
-        return sha
+        """``files``: paths in the repository (None removes one)."""
+        return self.signer.push(self.url, message, files, self.key if signed else None)
 
 
 @pytest.fixture
 def repo(node: NodeUnderTest, tmp_path: Path) -> Iterator[Repo]:
     with Signing(tmp_path / "signer") as s:
-        r = Repo(node, s, s.ssh_key("ops"), interval=3600)  # only `source sync` moves it
+        r = Repo(node.root, s, s.ssh_key("ops"))
+        r.follow(node, interval=3600)  # only `source sync` moves it
         yield r
         if node.desired.exists() and any(node.desired.iterdir()):
             node.cli("release")
@@ -86,7 +75,7 @@ def test_signed_applied_unsigned_refused(node: NodeUnderTest, repo: Repo) -> Non
         # No revision yet: the daemon runs, and waits.
         wait_for(lambda: "no revision applied yet" in d.log.read_text(),
                  "the daemon to wait for the first revision")
-        sha = repo.push("a volume", {f"{name}.yaml": volume(node, name, "64Mi")})
+        sha = repo.push("a volume", {f"{NODE}/{name}.yaml": volume(node, name, "64Mi")})
         rc, out = node.cli("source", "sync")
         assert rc == 0, out
         t0 = time.monotonic()
@@ -97,7 +86,7 @@ def test_signed_applied_unsigned_refused(node: NodeUnderTest, repo: Repo) -> Non
         print(f"source sync -> Published: {took:.2f} s")
 
         # Unsigned: refused, the volume untouched, status says why.
-        bad = repo.push("grow, unsigned", {f"{name}.yaml": volume(node, name, "96Mi")},
+        bad = repo.push("grow, unsigned", {f"{NODE}/{name}.yaml": volume(node, name, "96Mi")},
                         signed=False)
         rc, out = node.cli("source", "sync")
         assert rc == 1 and "Unsigned" in out, out
@@ -111,7 +100,7 @@ def test_signed_applied_unsigned_refused(node: NodeUnderTest, repo: Repo) -> Non
         assert vol["size"] == 64 << 20
 
         # Signed on top: applied, the volume grows, the data stays.
-        good = repo.push("grow, signed", {f"{name}.yaml": volume(node, name, "96Mi")})
+        good = repo.push("grow, signed", {f"{NODE}/{name}.yaml": volume(node, name, "96Mi")})
         rc, out = node.cli("source", "sync")
         assert rc == 0, out
         wait_for(lambda: d.status(name).get("sourceRevision") == f"main@sha1:{good}"
@@ -122,7 +111,7 @@ def test_signed_applied_unsigned_refused(node: NodeUnderTest, repo: Repo) -> Non
         assert (node.srv / name / "data").read_text() == "kept"
 
         # Every file removed: the mass-removal rule holds it until allow-removal.
-        repo.push("remove all", {f"{name}.yaml": None})
+        repo.push("remove all", {f"{NODE}/{name}.yaml": None})
         rc, out = node.cli("source", "sync")
         assert rc == 0, out
         wait_for(lambda: "vanished in one pass; doing nothing to them" in d.log.read_text(),
@@ -141,11 +130,12 @@ def test_signed_applied_unsigned_refused(node: NodeUnderTest, repo: Repo) -> Non
 def test_the_daemon_follows_on_its_own(node: NodeUnderTest, tmp_path: Path) -> None:
     """No `source sync`: the daemon's own interval brings a signed commit in."""
     with Signing(tmp_path / "signer2") as s:
-        repo = Repo(node, s, s.ssh_key("ops"), interval=1)
+        repo = Repo(node.root, s, s.ssh_key("ops"))
+        repo.follow(node, interval=1)
         name = node.name("follow")
         d = Daemon(node)
         try:
-            sha = repo.push("a volume", {f"{name}.yaml": volume(node, name, "64Mi")})
+            sha = repo.push("a volume", {f"{NODE}/{name}.yaml": volume(node, name, "64Mi")})
             s1 = d.wait_phase(name, "Published")
             assert s1["sourceRevision"] == f"main@sha1:{sha}"
             text = (node.state / "status" / f"{name}.json").read_text()
