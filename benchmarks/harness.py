@@ -482,7 +482,12 @@ conf=$1 pool=$2 img=$3 dev=$4 fmnt=$5 fstg=$6 tmnt=$7 tstg=$8 target=$9 log=${10
 umount "$target"
 umount "$fstg"
 losetup -d "$dev"
-umount "$fmnt"
+n=0
+until umount "$fmnt" 2>/dev/null; do  # the detach completes asynchronously: EBUSY a moment
+    n=$((n + 1))
+    [ "$n" -lt 500 ] || { umount "$fmnt"; exit 1; }
+    sleep 0.01
+done
 echo "down=$(date +%s.%N)"
 mkdir -p "$tmnt" "$tstg"
 setsid rbd-fuse -c "$conf" -p "$pool" -r "$img" "$tmnt" -f </dev/null >"$log" 2>&1 &
