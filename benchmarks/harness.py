@@ -1,8 +1,9 @@
 """What the benchmarks share: running commands with a deadline, reading
 mounts, loop devices and rbd-fuse processes under a work directory, taking
 everything down after a run (or a failure), signals during cleanup, the CLI
-under test, and P1's shell baseline (P7 runs it too). Benchmarks import this
-module, never each other."""
+under test, P1's shell baseline (P7 runs it too), a process's CPU, and a
+volume moved between two nodes with its baseline by hand (P17, P18).
+Benchmarks import this module, never each other."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from types import FrameType
 
@@ -380,3 +383,178 @@ def pct(xs: list[float], p: float) -> float:
 def line(label: str, xs: list[float]) -> str:
     return (f"{label:<34} p50 {pct(xs, 50) * 1000:8.1f} ms   p99 {pct(xs, 99) * 1000:8.1f} ms"
             f"   max {max(xs) * 1000:8.1f} ms   (n={len(xs)})")
+
+
+# -- a process's CPU (P13, P18) -----------------------------------------------------------
+
+def cpu_seconds(pid: int, children: bool = False) -> float:
+    """utime+stime of ``pid`` (the setpriv wrapper execs the daemon: same
+    pid); ``children``: plus those of its children it has reaped (git,
+    ssh-keygen: each counted once it has been waited for)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = sum(int(f) for f in fields[11:15 if children else 13])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def create_images(cluster: DevCluster, names: list[str], size: int) -> None:
+    """Images made with the rbd binding (one connection), before their files."""
+    import rados
+    import rbd
+
+    with rados.Rados(conffile=str(cluster.conf), rados_id=cluster.user,
+                     conf={"keyring": str(cluster.keyring)}) as c, \
+            c.open_ioctx(cluster.pool) as io:
+        for n in names:
+            rbd.RBD().create(io, n, size)
+
+
+# -- a volume moved between two nodes (P17, P18) -------------------------------------------
+
+MOVE_POLL_S = 0.001
+
+
+def logged(rec: dict) -> float:
+    """A JSON log record's time, epoch seconds (logged in ms)."""
+    return datetime.fromisoformat(rec["time"]).timestamp()
+
+
+@dataclass
+class MoveSeen:
+    released: float  # the old node's unmap step ended (its claim dropped with it)
+    map_start: float  # the new node's map step began
+    published: float  # the new node's status said Published (time.time() when read)
+    lines: dict[str, list[dict]]  # "old", "new": every log record read meanwhile
+
+
+def watch_move(old: DaemonProc, new: DaemonProc, new_state: Path, name: str,
+               labels: tuple[str, str], timeout: float) -> MoveSeen:
+    """Follow a move of ``name`` in both daemons' logs (from their last
+    ``new_lines``) and the new node's status file, in a tight loop, until the
+    new node says Published; checks the history (the old node's unmap ended
+    before the new node's map began)."""
+    released = map_start = published = None
+    lines: dict[str, list[dict]] = {"old": [], "new": []}
+    deadline = time.monotonic() + timeout
+    while published is None or released is None:
+        now = time.time()
+        for rec in old.new_lines():
+            lines["old"].append(rec)
+            if rec.get("volume") == name and rec.get("step") == "unmap":
+                if rec.get("result") != "changed":
+                    raise BenchError(f"{labels[0]}: unmap {rec.get('result')}: {rec}")
+                released = logged(rec)
+        for rec in new.new_lines():
+            lines["new"].append(rec)
+            if rec.get("volume") == name and rec.get("step") == "map":
+                if rec.get("result") != "changed":
+                    raise BenchError(f"{labels[1]}: map {rec.get('result')}: {rec}")
+                map_start = logged(rec) - rec["duration_ms"] / 1000
+        if published is None and status(new_state, name).get("phase") == "Published":
+            published = now
+        if time.monotonic() > deadline:
+            raise BenchError(f"not moved within {timeout:.0f} s; log of {labels[1]}:\n"
+                             f"{new.tail()}")
+        old.check_alive()
+        new.check_alive()
+        time.sleep(MOVE_POLL_S)
+    if map_start is None:
+        raise BenchError(f"{labels[1]} published without a map step")
+    if released > map_start + 0.002:  # both logged in ms
+        raise BenchError(f"{labels[1]} began its map at {map_start:.3f}, before {labels[0]}'s "
+                         f"unmap ended at {released:.3f}")
+    return MoveSeen(released, map_start, published, lines)
+
+
+# The move by hand. $1 conf, $2 pool, $3 image, $4 the old side's loop device,
+# $5 its rbd-fuse mount, $6 its staging, $7 the new side's rbd-fuse mount,
+# $8 its staging, $9 the publish target, $10 rbd-fuse's log. Prints when the
+# old side is down, then fuse_pid= and dev= of the new side.
+RAW_MOVE = """\
+set -euo pipefail
+conf=$1 pool=$2 img=$3 dev=$4 fmnt=$5 fstg=$6 tmnt=$7 tstg=$8 target=$9 log=${10}
+umount "$target"
+umount "$fstg"
+losetup -d "$dev"
+n=0
+until umount "$fmnt" 2>/dev/null; do  # the detach completes asynchronously: EBUSY a moment
+    n=$((n + 1))
+    [ "$n" -lt 500 ] || { umount "$fmnt"; exit 1; }
+    sleep 0.01
+done
+echo "down=$(date +%s.%N)"
+mkdir -p "$tmnt" "$tstg"
+setsid rbd-fuse -c "$conf" -p "$pool" -r "$img" "$tmnt" -f </dev/null >"$log" 2>&1 &
+fuse_pid=$!
+echo "fuse_pid=$fuse_pid"
+until mountpoint -q "$tmnt"; do
+    kill -0 "$fuse_pid" 2>/dev/null || { echo "rbd-fuse exited" >&2; exit 1; }
+    sleep 0.01
+done
+dev=$(losetup --find --show --direct-io=on "$tmnt/$img")
+echo "dev=$dev"
+mount "$dev" "$tstg"
+mount --bind "$tstg" "$target"
+"""
+
+
+@dataclass
+class RawTimes:
+    down: float
+    up: float
+
+    @property
+    def total(self) -> float:
+        return self.down + self.up
+
+
+def kv(text: str) -> dict[str, str]:
+    return dict(ln.split("=", 1) for ln in text.splitlines() if "=" in ln)
+
+
+class RawMove:
+    """The same move by hand on another image (raw commands, no claim, no
+    checks), back and forth between two sides under ``base``: the baseline."""
+
+    def __init__(self, base: Path, cluster: DevCluster, image: str, target: Path) -> None:
+        self.base, self.cluster, self.image, self.target = base, cluster, image, target
+        self.side = "a"
+        self.dev = ""
+
+    def paths(self, side: str) -> tuple[Path, Path]:
+        return self.base / side / "fuse", self.base / side / "staging"
+
+    def setup(self) -> None:
+        """P1's shell sequence: the image made, mapped, formatted and published on side a."""
+        mnt, stg = self.paths("a")
+        out = run(["bash", "-c", SHELL_SEQUENCE, "raw", str(self.cluster.conf),
+                   self.cluster.pool, self.image, str(mnt), str(stg), str(self.target),
+                   str(self.base / "a.log")]).stdout
+        self.dev = kv(out)["dev"]
+
+    def trial(self) -> RawTimes:
+        old, new = self.side, ("b" if self.side == "a" else "a")
+        fmnt, fstg = self.paths(old)
+        tmnt, tstg = self.paths(new)
+        token = uuid.uuid4().hex
+        (self.target / "token").write_text(token)
+        helper = fuse_pids_under(fmnt.parent)
+        t0 = time.time()
+        out = run(["bash", "-c", RAW_MOVE, "raw-move", str(self.cluster.conf),
+                   self.cluster.pool, self.image, self.dev, str(fmnt), str(fstg), str(tmnt),
+                   str(tstg), str(self.target), str(self.base / f"{new}.log")])
+        t1 = time.time()
+        values = kv(out.stdout)
+        self.dev, self.side = values["dev"], new
+        for pid in helper:  # the old side's rbd-fuse exits with its unmount
+            wait_exit(pid)
+        if (self.target / "token").read_text() != token:
+            raise BenchError("raw move: the token did not follow")
+        down = float(values["down"])
+        return RawTimes(down - t0, t1 - down)

@@ -38,9 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (
     BenchError,
     DaemonProc,
+    cpu_seconds,
+    create_images,
     find_cli,
     fuse_pids_under,
     pct,
+    rss_kb,
     run,
     signals_ignored,
     signals_raise,
@@ -110,16 +113,9 @@ class Bench:
         return time.monotonic() - t0
 
     def add_others(self, upto: int) -> None:
-        import rados
-        import rbd
-
         names = [f"p13-o{i:04}" for i in range(self.others, upto)]
         t0 = time.monotonic()
-        with rados.Rados(conffile=str(self.cluster.conf), rados_id=self.cluster.user,
-                         conf={"keyring": str(self.cluster.keyring)}) as c, \
-                c.open_ioctx(self.cluster.pool) as io:
-            for n in names:
-                rbd.RBD().create(io, n, 4 << 20)
+        create_images(self.cluster, names, 4 << 20)
         for n in names:
             (self.desired / f"{n}.yaml").write_text(
                 HEAD.format(name=n, pool=self.cluster.pool, size="4Mi"))
@@ -154,19 +150,6 @@ class Bench:
         used = cpu_seconds(pid) - before
         passes = self.daemon.tail(10**9).count('"message": "pass ') - passes0
         return used * 60 / seconds, rss_kb(pid), passes
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime+stime of the daemon (the setpriv wrapper execs it: same pid)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def rss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,15 +47,15 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import (
-    SHELL_SEQUENCE,
     BenchError,
     DaemonProc,
+    RawMove,
+    RawTimes,
     find_cli,
     fuse_pids_under,
     line,
@@ -66,13 +66,13 @@ from harness import (
     status,
     sweep,
     wait_exit,
+    watch_move,
 )
 from harness import cleanup as harness_cleanup
 
 from reconciler.drivers.reaper import become_subreaper, reap_zombies
 from reconciler.testing.devcluster import DevCluster, start_cluster
 
-POLL_S = 0.001
 TRIAL_TIMEOUT = 60.0  # far under the resync: a trial that waits this long failed
 NODES = ("a", "b")
 NAME = "p17-vol"
@@ -104,32 +104,6 @@ spec:
     - path: {target}
 """
 
-# The move by hand. $1 conf, $2 pool, $3 image, $4 the old side's loop device,
-# $5 its rbd-fuse mount, $6 its staging, $7 the new side's rbd-fuse mount,
-# $8 its staging, $9 the publish target, $10 rbd-fuse's log. Prints when the
-# old side is down, then fuse_pid= and dev= of the new side.
-RAW_MOVE = """\
-set -euo pipefail
-conf=$1 pool=$2 img=$3 dev=$4 fmnt=$5 fstg=$6 tmnt=$7 tstg=$8 target=$9 log=${10}
-umount "$target"
-umount "$fstg"
-losetup -d "$dev"
-umount "$fmnt"
-echo "down=$(date +%s.%N)"
-mkdir -p "$tmnt" "$tstg"
-setsid rbd-fuse -c "$conf" -p "$pool" -r "$img" "$tmnt" -f </dev/null >"$log" 2>&1 &
-fuse_pid=$!
-echo "fuse_pid=$fuse_pid"
-until mountpoint -q "$tmnt"; do
-    kill -0 "$fuse_pid" 2>/dev/null || { echo "rbd-fuse exited" >&2; exit 1; }
-    sleep 0.01
-done
-dev=$(losetup --find --show --direct-io=on "$tmnt/$img")
-echo "dev=$dev"
-mount "$dev" "$tstg"
-mount --bind "$tstg" "$target"
-"""
-
 
 @dataclass
 class Ours:
@@ -144,20 +118,6 @@ class Ours:
     @property
     def total(self) -> float:
         return self.release + self.take
-
-
-@dataclass
-class Raw:
-    down: float
-    up: float
-
-    @property
-    def total(self) -> float:
-        return self.down + self.up
-
-
-def logged(rec: dict) -> float:
-    return datetime.fromisoformat(rec["time"]).timestamp()
 
 
 def move(src: Path, dst: Path, order: str) -> float:
@@ -180,9 +140,7 @@ class Bench:
         self.root, self.cluster, self.daemons = root, cluster, daemons
         self.target = root / "srv" / "app"
         self.holder = "a"
-        self.raw_side = "a"
-        self.raw_dev = ""
-        self.raw_target = root / "srv" / "raw"
+        self.raw = RawMove(root / "raw", cluster, RAW, root / "srv" / "raw")
 
     def trial(self, order: str) -> Ours:
         old, new = self.holder, ("b" if self.holder == "a" else "a")
@@ -192,75 +150,13 @@ class Bench:
             d.new_lines()
         t0 = move(self.root / old / "desired" / f"{NAME}.yaml",
                   self.root / new / "desired" / f"{NAME}.yaml", order)
-        released = map_start = published = None
-        deadline = time.monotonic() + TRIAL_TIMEOUT
-        while published is None or released is None:
-            now = time.time()
-            for rec in self.daemons[old].new_lines():
-                if rec.get("volume") == NAME and rec.get("step") == "unmap":
-                    if rec.get("result") != "changed":
-                        raise BenchError(f"p17-{old}: unmap {rec.get('result')}: {rec}")
-                    released = logged(rec)
-            for rec in self.daemons[new].new_lines():
-                if rec.get("volume") == NAME and rec.get("step") == "map":
-                    if rec.get("result") != "changed":
-                        raise BenchError(f"p17-{new}: map {rec.get('result')}: {rec}")
-                    map_start = logged(rec) - rec["duration_ms"] / 1000
-            if published is None and status(self.root / new / "state", NAME).get(
-                    "phase") == "Published":
-                published = now
-            if time.monotonic() > deadline:
-                raise BenchError(f"not moved within {TRIAL_TIMEOUT:.0f} s; log of p17-{new}:\n"
-                                 f"{self.daemons[new].tail()}")
-            for d in self.daemons.values():
-                d.check_alive()
-            time.sleep(POLL_S)
-        if map_start is None:
-            raise BenchError(f"p17-{new} published without a map step")
-        if released > map_start + 0.002:  # both logged in ms
-            raise BenchError(f"p17-{new} began its map at {map_start:.3f}, before p17-{old}'s "
-                             f"unmap ended at {released:.3f}")
+        seen = watch_move(self.daemons[old], self.daemons[new], self.root / new / "state", NAME,
+                          (f"p17-{old}", f"p17-{new}"), TRIAL_TIMEOUT)
         if (self.target / "token").read_text() != token:
             raise BenchError("the token written on the old node is not on the new one")
         self.holder = new
-        return Ours(released - t0, map_start - released, published - map_start)
-
-    # -- the raw commands -------------------------------------------------------------
-    def raw_side_paths(self, side: str) -> tuple[Path, Path]:
-        base = self.root / "raw" / side
-        return base / "fuse", base / "staging"
-
-    def raw_setup(self) -> None:
-        mnt, stg = self.raw_side_paths("a")
-        out = run(["bash", "-c", SHELL_SEQUENCE, "p17-raw", str(self.cluster.conf),
-                   self.cluster.pool, RAW, str(mnt), str(stg), str(self.raw_target),
-                   str(self.root / "raw" / "a.log")]).stdout
-        self.raw_dev = kv(out)["dev"]
-
-    def raw_trial(self) -> Raw:
-        old, new = self.raw_side, ("b" if self.raw_side == "a" else "a")
-        fmnt, fstg = self.raw_side_paths(old)
-        tmnt, tstg = self.raw_side_paths(new)
-        token = uuid.uuid4().hex
-        (self.raw_target / "token").write_text(token)
-        helper = fuse_pids_under(fmnt.parent)
-        t0 = time.time()
-        out = run(["bash", "-c", RAW_MOVE, "p17-raw-move", str(self.cluster.conf),
-                   self.cluster.pool, RAW, self.raw_dev, str(fmnt), str(fstg), str(tmnt),
-                   str(tstg), str(self.raw_target), str(self.root / "raw" / f"{new}.log")])
-        t1 = time.time()
-        values = kv(out.stdout)
-        self.raw_dev, self.raw_side = values["dev"], new
-        for pid in helper:  # the old side's rbd-fuse exits with its unmount
-            wait_exit(pid)
-        if (self.raw_target / "token").read_text() != token:
-            raise BenchError("raw move: the token did not follow")
-        down = float(values["down"])
-        return Raw(down - t0, t1 - down)
-
-
-def kv(text: str) -> dict[str, str]:
-    return dict(ln.split("=", 1) for ln in text.splitlines() if "=" in ln)
+        return Ours(seen.released - t0, seen.map_start - seen.released,
+                    seen.published - seen.map_start)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -292,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                     root=root / n, node=n, conf=cluster.conf, user=cluster.user,
                     keyring=cluster.keyring, srv=root / "srv", events=events))
             bench = Bench(root, cluster, daemons)
-            bench.raw_setup()
+            bench.raw.setup()
             (root / "a" / "desired" / f"{NAME}.yaml").write_text(VOLUME.format(
                 name=NAME, pool=cluster.pool, target=bench.target))
             for n in NODES:
@@ -302,11 +198,11 @@ def main(argv: list[str] | None = None) -> int:
                 daemons[n].wait_ready()
             wait_published(root / "a" / "state", daemons["a"])
             ours: list[Ours] = []
-            raws: list[Raw] = []
+            raws: list[RawTimes] = []
             for i in range(args.trials):
                 frm = bench.holder
                 o = bench.trial(args.order)
-                r = bench.raw_trial()
+                r = bench.raw.trial()
                 ours.append(o)
                 raws.append(r)
                 print(f"move {i + 1:2} {frm}->{bench.holder}: release {o.release * 1e3:6.1f} ms, "
@@ -337,7 +233,7 @@ def wait_published(state: Path, daemon: DaemonProc) -> None:
         time.sleep(0.01)
 
 
-def report(args: argparse.Namespace, ours: list[Ours], raws: list[Raw]) -> None:
+def report(args: argparse.Namespace, ours: list[Ours], raws: list[RawTimes]) -> None:
     poll = "default" if args.claim_poll is None else f"{args.claim_poll:g} s"
     print(f"\nclaimPollSeconds {poll}; order {args.order}; resyncSeconds 3600; "
           f"load average {os.getloadavg()[0]:.2f}")

@@ -1,6 +1,7 @@
 """A signer's side of the GitOps source, for tests: a work repository, ssh and
 OpenPGP keys, signed and unsigned commits and tags, crafted objects, and a
-bare mirror (``reconciler.source.gitenv.Git``) that fetches from it.
+bare mirror (``reconciler.source.gitenv.Git``) that fetches from it; the
+fleet's side: a bare repository pushed to, and the ``source:`` that follows it.
 
 Everything runs with real git, ssh-keygen and gpg in an environment of its
 own (HOME, GNUPGHOME, no system or global git config) under a temporary
@@ -180,6 +181,22 @@ class Signing:
                  *sign, "-m", message, env=env)
         return self.git("rev-parse", "HEAD")
 
+    def push(self, url: str, message: str, files: dict[str, str | None],
+             key: Key | None = None) -> str:
+        """Write ``files`` (paths in the repository; None removes one), commit
+        them on ``main`` signed by ``key`` and push to ``url``; the commit."""
+        for rel, text in files.items():
+            f = self.work / rel
+            if text is None:
+                f.unlink()
+            else:
+                f.parent.mkdir(parents=True, exist_ok=True)
+                f.write_text(text)
+        self.git("add", "-A")
+        sha = self.commit(message, key)
+        self.git("push", "--quiet", url, "main")
+        return sha
+
     def tag(self, name: str, target: str, key: Key | None = None) -> str:
         """An annotated tag (signed with ``key``, else ``tag -a``); its object's sha."""
         kind = "-s" if key else "-a"
@@ -225,6 +242,27 @@ def without_signature(commit: bytes) -> bytes:
         if not in_sig:
             kept.append(line)
     return b"\n".join(kept) + sep + body
+
+
+def bare_repository(path: Path) -> str:
+    """An empty bare repository (the fleet's server); its file:// URL."""
+    subprocess.run(["git", "init", "--quiet", "--bare", str(path)], check=True,
+                   capture_output=True, timeout=60)
+    return f"file://{path}"
+
+
+def source_yaml(url: str, allowed_signers: Path, interval: float,
+                path: str = "nodes/{nodeName}") -> str:
+    """A node config's ``source:`` following ``main`` of ``url``, commits
+    verified against the allowed-signers file."""
+    return f"""\
+source:
+  url: {url}
+  ref: {{branch: main}}
+  path: {path}
+  intervalSeconds: {interval:g}
+  verify: {{mode: head, format: ssh, allowedSignersFile: {allowed_signers}}}
+"""
 
 
 def mirror(root: Path, verify: SourceVerify | None = None) -> Git:

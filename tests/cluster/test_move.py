@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import threading
 import time
 import uuid
@@ -110,15 +111,16 @@ class Sampler:
         self._thread.join(timeout=10)
 
 
-def node_b(a: NodeUnderTest, tmp_path: Path) -> NodeUnderTest:
-    """A second node on the same cluster, sharing A's allowed root: the
-    moved file publishes at the same path on either node."""
-    root = tmp_path / "node-b"
+def node_b(a: NodeUnderTest, tmp_path: Path, name: str = "node-b") -> NodeUnderTest:
+    """A second node (``name``) on the same cluster, sharing A's allowed
+    root: the moved file publishes at the same path on either node."""
+    root = tmp_path / name
     desired, state = root / "desired", root / "state"
     for d in (desired, state):
         d.mkdir(parents=True)
     cfg = a.config.read_text().replace(str(a.desired), str(desired)) \
-        .replace(str(a.state), str(state)).replace("nodeName: test-node", "nodeName: node-b")
+        .replace(str(a.state), str(state))
+    cfg = re.sub(r"(?m)^nodeName: .*$", f"nodeName: {name}", cfg)
     (root / "config.yaml").write_text(cfg)
     return NodeUnderTest(root, a.cluster, root / "config.yaml", desired, state, a.srv, a.tag,
                          images=a.images)  # one set: the node fixture removes them all

@@ -9,7 +9,6 @@ meanwhile is applied once it is back, by itself."""
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,10 +16,11 @@ from pathlib import Path
 import pytest
 from conftest import NodeUnderTest
 from gitserver import GitServer
-from source_signing import Signing, SshKey
+from source_signing import Signing, SshKey, bare_repository, source_yaml
 from test_daemon import Daemon, wait_for
 
 pytestmark = pytest.mark.ceph
+NODE = "nodes/test-node"  # the node fixture's directory in the repository
 
 
 def volume(node: NodeUnderTest, name: str, size: str) -> str:
@@ -41,52 +41,41 @@ spec:
 
 
 class Repo:
-    def __init__(self, node: NodeUnderTest, signer: Signing, key: SshKey,
-                 interval: float, server: GitServer | None = None) -> None:
-        """A file:// repository of the test's, or ``server``'s over ssh (the
-        deploy key, the pinned host key; pushes go straight into its
-        repository, so they work while sshd is down)."""
-        self.node, self.signer, self.key = node, signer, key
-        if server is None:
-            self.bare = node.root / "fleet.git"
-            subprocess.run(["git", "init", "--quiet", "--bare", str(self.bare)], check=True,
-                           timeout=60)
-            url, credentials = f"file://{self.bare}", ""
-        else:
-            self.bare, url = server.repo, server.url
-            credentials = (f"\n  timeoutSeconds: 10\n  credentials: {{sshKeyFile: "
-                           f"{server.deploy_key}, knownHostsFile: {server.known_hosts}}}")
-        allowed = signer.allowed_signers(node.root / "allowed_signers", ("ops", key))
+    """The fleet's repository, one signing key allowed, and the nodes that
+    follow it: a bare one on disk (file://), or ``server``'s over ssh (the
+    deploy key, the pinned host key). Pushes go straight into the bare
+    repository over file://, so they work while sshd is down."""
+
+    def __init__(self, root: Path, signer: Signing, key: SshKey,
+                 server: GitServer | None = None) -> None:
+        self.signer, self.key, self.server = signer, key, server
+        self.url = bare_repository(root / "fleet.git") if server is None else \
+            f"file://{server.repo}"
+        self.allowed = signer.allowed_signers(root / "allowed_signers", ("ops", key))
+
+    def follow(self, node: NodeUnderTest, interval: float) -> None:
+        """``node`` reads what the source applies (no desiredDir of its own)."""
         lines = [ln for ln in node.config.read_text().splitlines()
                  if not ln.startswith("desiredDir:")]
-        node.config.write_text("\n".join(lines) + f"""
-source:
-  url: {url}
-  ref: {{branch: main}}
-  path: nodes/{{nodeName}}
-  intervalSeconds: {interval}{credentials}
-  verify: {{mode: head, format: ssh, allowedSignersFile: {allowed}}}
-""")
+        if self.server is None:
+            src = source_yaml(self.url, self.allowed, interval)
+        else:
+            src = source_yaml(self.server.url, self.allowed, interval) + (
+                f"  timeoutSeconds: 10\n  credentials: {{sshKeyFile: {self.server.deploy_key}, "
+                f"knownHostsFile: {self.server.known_hosts}}}\n")
+        node.config.write_text("\n".join(lines) + "\n" + src)
         node.desired = node.state / "source" / "current"
 
     def push(self, message: str, files: dict[str, str | None], signed: bool = True) -> str:
-        for rel, text in files.items():
-            f = self.signer.work / "nodes" / "test-node" / rel
-            if text is None:
-                f.unlink()
-            else:
-                f.parent.mkdir(parents=True, exist_ok=True)
-                f.write_text(text)
-        self.signer.git("add", "-A")
-        sha = self.signer.commit(message, self.key if signed else None)
-        self.signer.git("push", "--quiet", f"file://{self.bare}", "main")
-        return sha
+        """``files``: paths in the repository (None removes one)."""
+        return self.signer.push(self.url, message, files, self.key if signed else None)
 
 
 @pytest.fixture
 def repo(node: NodeUnderTest, tmp_path: Path) -> Iterator[Repo]:
     with Signing(tmp_path / "signer") as s:
-        r = Repo(node, s, s.ssh_key("ops"), interval=3600)  # only `source sync` moves it
+        r = Repo(node.root, s, s.ssh_key("ops"))
+        r.follow(node, interval=3600)  # only `source sync` moves it
         yield r
         if node.desired.exists() and any(node.desired.iterdir()):
             node.cli("release")
@@ -99,7 +88,7 @@ def test_signed_applied_unsigned_refused(node: NodeUnderTest, repo: Repo) -> Non
         # No revision yet: the daemon runs, and waits.
         wait_for(lambda: "no revision applied yet" in d.log.read_text(),
                  "the daemon to wait for the first revision")
-        sha = repo.push("a volume", {f"{name}.yaml": volume(node, name, "64Mi")})
+        sha = repo.push("a volume", {f"{NODE}/{name}.yaml": volume(node, name, "64Mi")})
         rc, out = node.cli("source", "sync")
         assert rc == 0, out
         t0 = time.monotonic()
@@ -110,7 +99,7 @@ def test_signed_applied_unsigned_refused(node: NodeUnderTest, repo: Repo) -> Non
         print(f"source sync -> Published: {took:.2f} s")
 
         # Unsigned: refused, the volume untouched, status says why.
-        bad = repo.push("grow, unsigned", {f"{name}.yaml": volume(node, name, "96Mi")},
+        bad = repo.push("grow, unsigned", {f"{NODE}/{name}.yaml": volume(node, name, "96Mi")},
                         signed=False)
         rc, out = node.cli("source", "sync")
         assert rc == 1 and "Unsigned" in out, out
@@ -124,7 +113,7 @@ def test_signed_applied_unsigned_refused(node: NodeUnderTest, repo: Repo) -> Non
         assert vol["size"] == 64 << 20
 
         # Signed on top: applied, the volume grows, the data stays.
-        good = repo.push("grow, signed", {f"{name}.yaml": volume(node, name, "96Mi")})
+        good = repo.push("grow, signed", {f"{NODE}/{name}.yaml": volume(node, name, "96Mi")})
         rc, out = node.cli("source", "sync")
         assert rc == 0, out
         wait_for(lambda: d.status(name).get("sourceRevision") == f"main@sha1:{good}"
@@ -135,7 +124,7 @@ def test_signed_applied_unsigned_refused(node: NodeUnderTest, repo: Repo) -> Non
         assert (node.srv / name / "data").read_text() == "kept"
 
         # Every file removed: the mass-removal rule holds it until allow-removal.
-        repo.push("remove all", {f"{name}.yaml": None})
+        repo.push("remove all", {f"{NODE}/{name}.yaml": None})
         rc, out = node.cli("source", "sync")
         assert rc == 0, out
         wait_for(lambda: "vanished in one pass; doing nothing to them" in d.log.read_text(),
@@ -154,11 +143,12 @@ def test_signed_applied_unsigned_refused(node: NodeUnderTest, repo: Repo) -> Non
 def test_the_daemon_follows_on_its_own(node: NodeUnderTest, tmp_path: Path) -> None:
     """No `source sync`: the daemon's own interval brings a signed commit in."""
     with Signing(tmp_path / "signer2") as s:
-        repo = Repo(node, s, s.ssh_key("ops"), interval=1)
+        repo = Repo(node.root, s, s.ssh_key("ops"))
+        repo.follow(node, interval=1)
         name = node.name("follow")
         d = Daemon(node)
         try:
-            sha = repo.push("a volume", {f"{name}.yaml": volume(node, name, "64Mi")})
+            sha = repo.push("a volume", {f"{NODE}/{name}.yaml": volume(node, name, "64Mi")})
             s1 = d.wait_phase(name, "Published")
             assert s1["sourceRevision"] == f"main@sha1:{sha}"
             text = (node.state / "status" / f"{name}.json").read_text()
@@ -177,11 +167,12 @@ def test_the_daemon_follows_over_ssh_through_the_server_going_away(
     retries are one warning line; a signed commit pushed meanwhile is
     applied once sshd is back, with no `source sync`."""
     with Signing(tmp_path / "signer3") as s:
-        repo = Repo(node, s, s.ssh_key("ops"), interval=1, server=git_server)
+        repo = Repo(node.root, s, s.ssh_key("ops"), server=git_server)
+        repo.follow(node, interval=1)
         name = node.name("ssh")
         d = Daemon(node)
         try:
-            first = repo.push("a volume", {f"{name}.yaml": volume(node, name, "64Mi")})
+            first = repo.push("a volume", {f"{NODE}/{name}.yaml": volume(node, name, "64Mi")})
             assert d.wait_phase(name, "Published")["sourceRevision"] == f"main@sha1:{first}"
             (node.srv / name / "data").write_text("kept")
             assert "Accepted publickey for git" in git_server.log.read_text()
@@ -196,7 +187,7 @@ def test_the_daemon_follows_over_ssh_through_the_server_going_away(
                 assert "Connection refused" in out and "FetchFailed" in out, out
                 assert condition(node, "Ready") == ("False", "FetchFailed")
                 second = repo.push("touched while the server was down", {
-                    f"{name}.yaml": volume(node, name, "64Mi") + "# while sshd was down\n"})
+                    f"{NODE}/{name}.yaml": volume(node, name, "64Mi") + "# while sshd was down\n"})
                 failed = source_state(node)["consecutiveFailures"]
                 wait_for(lambda: source_state(node)["consecutiveFailures"] >= failed + 2,
                          "2 more failed syncs after the push")
