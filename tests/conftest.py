@@ -23,6 +23,7 @@ from reconciler.testing.devcluster import DevCluster, start_cluster
 if TYPE_CHECKING:
     from gitserver import GitServer
     from gitserver_https import HttpsGitServer
+    from source_signing import Signing, SshKey
 
 # --- real Ceph cluster (reconciler.testing.devcluster) ---------------------------------
 # One disposable 1-mon + 1-memstore-OSD cluster per test session. Startup takes
@@ -319,3 +320,19 @@ def git_https_server(tmp_path: Path) -> Iterator[HttpsGitServer]:
 
     with serve_https(tmp_path) as server:
         yield server
+
+
+@pytest.fixture
+def signer(tmp_path: Path) -> Iterator[Signing]:
+    """The signer's side of the GitOps source (tests/source_signing.py):
+    keys and a work repository; its gpg-agent stopped at the end."""
+    from source_signing import Signing
+
+    with Signing(tmp_path / "signer") as s:
+        yield s
+
+
+@pytest.fixture
+def alice(signer: Signing) -> SshKey:
+    """One ssh signing key of ``signer``'s."""
+    return signer.ssh_key("alice")
