@@ -14,6 +14,10 @@ APT_PACKAGES+=(man-db groff-base)
 # libwrap0: the one library the extracted sshd (below) needs that is not
 # otherwise here (a library only: installing it starts nothing).
 APT_PACKAGES+=(git openssh-client gnupg libwrap0)
+# The CSI code's generators (scripts/gen-csi-proto.sh, checked by
+# tests/unit/csi/test_csi_generated.py): Debian 12's protoc and gRPC plugin,
+# and the well-known .proto files (libprotobuf-dev).
+APT_PACKAGES+=(protobuf-compiler protobuf-compiler-grpc libprotobuf-dev)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
