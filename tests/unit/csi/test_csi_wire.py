@@ -3,9 +3,9 @@ through the servicer classes, the metrics interceptor and the socket the
 daemon binds. No Ceph, no engine: both are small fakes.
 
 The checked-in csi_pb2*.py must serve the pip runtime (the venv) and
-Debian 12's (python3-grpcio 1.51, python3-protobuf 3.21): this file passes
-under both (/usr/bin/python3 with Debian's packages and a PYTHONPATH to the
-checkout, outside the venv)."""
+Debian 12's (python3-grpcio 1.51, python3-protobuf 3.21): this file runs
+under both (tests/test_debian_package.py runs it with /usr/bin/python3 and
+Debian's packages only)."""
 
 from __future__ import annotations
 
