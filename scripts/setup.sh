@@ -14,6 +14,16 @@ APT_PACKAGES+=(man-db groff-base)
 # libwrap0: the one library the extracted sshd (below) needs that is not
 # otherwise here (a library only: installing it starts nothing).
 APT_PACKAGES+=(git openssh-client gnupg libwrap0)
+# The CSI code's generators (scripts/gen-csi-proto.sh, checked by
+# tests/unit/csi/test_csi_generated.py): Debian 12's protoc and gRPC plugin,
+# and the well-known .proto files (libprotobuf-dev).
+APT_PACKAGES+=(protobuf-compiler protobuf-compiler-grpc libprotobuf-dev)
+# tests/test_debian_package.py runs the unit tests under /usr/bin/python3
+# with the Debian package's own dependencies (and Debian's pytest): the
+# versions Debian 12 ships. The venv does not use them (pyproject.toml's test
+# floors); scripts/build-deb.sh installs the build dependencies and lintian.
+APT_PACKAGES+=(python3-yaml python3-jsonschema python3-grpcio python3-protobuf
+               python3-prometheus-client python3-pytest python3-hypothesis)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

@@ -56,7 +56,8 @@ def test_sdist_carries_the_sources_of_truth(installed: Path) -> None:
     for want in ("schemas/volume.schema.json", "schemas/config.schema.json",
                  "CHANGELOG.md", "README.md", "systemd/rbd-reconciler.service",
                  "examples/pgdata.yaml", "man/rbd-reconciler.1",
-                 "completions/rbd-reconciler.bash", "scripts/gen-manpage.py"):
+                 "completions/rbd-reconciler.bash", "scripts/gen-manpage.py",
+                 "debian/control", "debian/rules", "scripts/build-deb.sh"):
         assert f"{top}/{want}" in names, f"{want} missing from the sdist"
 
 

@@ -169,13 +169,24 @@ class _VolumeStates(Collector):
         yield up
 
 
+def disable_created_metrics() -> None:
+    """prometheus_client.disable_created_metrics(), from 0.17; Debian 12's
+    python3-prometheus-client is 0.16, where the function is missing but the
+    switch it sets (read at every collect) is the same module global."""
+    disable = getattr(prometheus_client, "disable_created_metrics", None)
+    if disable is not None:
+        disable()
+    else:
+        prometheus_client.metrics._use_created = False  # type: ignore[attr-defined]
+
+
 class Metrics:
     """One daemon's metrics, in a registry of its own (tests run several)."""
 
     def __init__(self) -> None:
         # *_created samples would double every counter's and histogram's
         # series for a start time nobody alerts on (process-wide: fine here).
-        prometheus_client.disable_created_metrics()
+        disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.states = _VolumeStates()

@@ -334,7 +334,7 @@ def test_unit_files_verify(tmp_path: Path) -> None:
     unit = (ROOT / "systemd" / "rbd-reconciler.service").read_text()
     exe = shutil.which("rbd-reconciler") or str(ROOT / ".venv" / "bin" / "rbd-reconciler")
     (tmp_path / "rbd-reconciler.service").write_text(
-        unit.replace("/usr/local/bin/rbd-reconciler", exe))
+        unit.replace("/usr/bin/rbd-reconciler", exe))
     proc = subprocess.run(["systemd-analyze", "verify", str(tmp_path / "rbd-reconciler.service")],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 UNITS = ROOT / "systemd"
 DAEMON_UNIT = UNITS / "rbd-reconciler.service"
 SHUTDOWN_UNIT = UNITS / "rbd-reconciler-shutdown.service"
-INSTALLED = "/usr/local/bin/rbd-reconciler"
+INSTALLED = "/usr/bin/rbd-reconciler"
 # What the hardening reached (systemd 252's `security --offline`): it may only go down.
 # 4.3, then 4.4 with the daemon's CAP_SYSLOG (it reads /dev/kmsg; without it the
 # kernel lets CAP_SYS_ADMIN read it through a deprecated path, with a warning).
@@ -123,8 +123,11 @@ def test_shutdown_ordering() -> None:
     for binding in ("BindsTo", "PartOf", "Requires", "Requisite"):
         assert "rbd-reconciler-shutdown" not in " ".join(daemon.get(binding, []))
     assert shlex.split(daemon["ExecStart"][0])[0] == INSTALLED
+    # The Debian package's path; the pip route installs the units with the
+    # path it links the command to.
     readme = (ROOT / "README.md").read_text()
-    assert f"ln -s /opt/rbd-reconciler/bin/rbd-reconciler {INSTALLED}" in readme
+    assert "ln -s /opt/rbd-reconciler/bin/rbd-reconciler /usr/local/bin/rbd-reconciler" in readme
+    assert f"sed 's#{INSTALLED}#/usr/local/bin/rbd-reconciler#'" in readme
 
 
 def test_directories_for_apps_are_0755_whatever_the_umask(tmp_path: Path) -> None:
