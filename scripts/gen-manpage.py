@@ -109,8 +109,9 @@ def render_man() -> str:
         ".TP", "\\fI/etc/rbd\\-reconciler/volumes.d/\\fR",
         "The default \\fBdesiredDir\\fR: one desired\\-volume file per volume.",
         ".SH SEE ALSO",
-        "\\fBrbd\\fR(8), \\fBceph\\fR(8), \\fBsystemd.service\\fR(5); README.md of the project "
-        "for the file formats, the config keys and the safety rules.",
+        "\\fBrbd\\fR(8), \\fBceph\\fR(8), \\fBsystemd.service\\fR(5); the project's README.md "
+        "and docs/ (in the Debian package, /usr/share/doc/rbd\\-reconciler/) for the file "
+        "formats, the config keys and the safety rules.",
     ]
     return "\n".join(out) + "\n"
 

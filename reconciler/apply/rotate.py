@@ -162,8 +162,8 @@ class Rotation:
                 return keys.unwrap(m[key], node_key, what, self.store.ref, self.store.lineage,
                                    self.accept_unbound).passphrase
             except keys.KeyProblem as exc:
-                raise RotateRefused(f"{exc} (image-meta {key}); see README, Encryption at "
-                                    "rest, rotation") from None
+                raise RotateRefused(f"{exc} (image-meta {key}); see docs/encryption.md, "
+                                    "Rotation") from None
 
         cur, nxt, prv = unseal(meta.LUKS_KEY), unseal(NEXT), unseal(PREV)
         assert cur is not None
@@ -171,7 +171,7 @@ class Rotation:
             if prv is not None and prv != cur:
                 raise RotateRefused(f"{self._image}: {NEXT}, {PREV} and {meta.LUKS_KEY} hold "
                                     "three different passphrases: not a state rotate-key "
-                                    "leaves; see README, Encryption at rest, rotation")
+                                    "leaves; see docs/encryption.md, Rotation")
             return _Wrapped(old=cur, new=nxt, switched=False)
         if prv is not None and prv != cur:
             return _Wrapped(old=prv, new=cur, switched=True)
@@ -243,7 +243,7 @@ class Rotation:
                 raise ValueError(text[:80])
         except (ValueError, TypeError, KeyError, RecursionError):
             raise RotateRefused(f"{self._image}: image-meta {JOURNAL} is damaged; see "
-                                "README, Encryption at rest, rotation") from None
+                                "docs/encryption.md, Rotation") from None
         return file, slot
 
     # -- keyslots -----------------------------------------------------------------

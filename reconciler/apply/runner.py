@@ -577,8 +577,8 @@ class _VolumeRun:
                 if not seal:
                     raise StepRefused(
                         f"{pool}/{image} has no sealed passphrase (image-meta {meta.LUKS_KEY}): "
-                        "it was not formatted with key wrappedBy; see README, Encryption "
-                        "at rest, recovery")
+                        "it was not formatted with key wrappedBy; see docs/encryption.md, "
+                        "Recovery")
                 sealed = ceph.set_meta_once(cluster, pool, image, meta.LUKS_KEY,
                                             seals.wrap(keys.new_passphrase(), key, path))
             got = seals.unwrap(sealed, key, path)

@@ -269,7 +269,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         p.set_defaults(func=_Command("status", "cmd_status"))
     if only in (None, "source"):
         p = sub.add_parser("source", help="the git source: status, sync now, verify, rollback",
-                           description="The GitOps source (README: GitOps source). status: "
+                           description="The GitOps source (docs/gitops-source.md). status: "
                                        "the URL, ref, observed, attempted and applied revision, "
                                        "signer and conditions (exit 1 unless Ready). sync: fetch, "
                                        "verify and apply now, as the daemon would (it picks the "

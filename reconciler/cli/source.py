@@ -1,5 +1,5 @@
 """``rbd-reconciler source``: the GitOps source's status, a sync now, a
-verification, a rollback (README: GitOps source)."""
+verification, a rollback (docs/gitops-source.md)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ EXIT_OK, EXIT_FAILED = 0, 1
 
 def cmd_source(args: argparse.Namespace, config: Config) -> int:
     if config.git is None:
-        print("rbd-reconciler source: the node config has no source: (README: GitOps source)",
+        print("rbd-reconciler source: the node config has no source: (docs/gitops-source.md)",
               file=sys.stderr)
         return EXIT_FAILED
     try:

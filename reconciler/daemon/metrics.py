@@ -229,7 +229,7 @@ class Metrics:
         # For alerts that scale with the config ("no successful pass for 3 x resync").
         self.resync = Gauge(f"{NS}_resync_interval_seconds", "The configured resyncSeconds.",
                             registry=r)
-        # The GitOps source (README: GitOps source); no series without one.
+        # The GitOps source (docs/gitops-source.md); no series without one.
         self.source_info = Gauge(f"{NS}_source_info", "Always 1 while a source is followed; "
                                  "the labels name the applied revision.",
                                  ["url", "ref", "revision"], registry=r)

@@ -521,7 +521,7 @@ class Daemon:
         self.mark_dirty(names, why)
 
     def _start_source(self) -> None:
-        """Follow the git source (README: GitOps source) in a thread of its own."""
+        """Follow the git source (docs/gitops-source.md) in a thread of its own."""
         if self.config.git is None or self.follower is not None:
             return
         self.follower = Follower(lambda: self.config, self.metrics, self.halt,

@@ -253,7 +253,7 @@ def unwrap(text: object, node_key: bytes, what: str, image: ImageRef,
     if rec.bound is None and not accept_unbound:
         raise KeyProblem(f"{what}: the wrapped passphrase is a version-1 record, bound to no "
                          "image, and encryption.acceptUnbound is false: refusing it (see "
-                         "README, Encryption at rest, upgrades)")
+                         "docs/encryption.md, Upgrades)")
     if rec.bound is not None and rec.bound != image and \
             rec.bound not in (lineage() if lineage is not None else ()):
         raise KeyProblem(f"{what}: the wrapped passphrase is sealed for another image "

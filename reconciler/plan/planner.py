@@ -680,7 +680,7 @@ class _VolumePlanner(SnapshotRules, GroupRules):
             f"{mount.mount_point} and its publishes fails. It is not remounted read-write "
             "(after I/O errors that would make things worse): see the kernel log "
             f"(dmesg | grep {mount.source.rsplit('/', 1)[-1]}) and `rbd-reconciler explain "
-            f"{self.v.name}`; README, RbdFilesystemReadOnly")
+            f"{self.v.name}`; docs/troubleshooting.md, RbdFilesystemReadOnly")
         return True
 
     def remount_staging(self, mount: Mount, want: tuple[str, ...]) -> None:
@@ -733,8 +733,8 @@ class _VolumePlanner(SnapshotRules, GroupRules):
         if shadowed:
             self.plan.problems["Shadowed"] = (
                 "; ".join(shadowed) + ": applications there write into that mount, not the "
-                "volume. It is someone else's and is left alone: unmount it by hand (README, "
-                "RbdPublishShadowed)")
+                "volume. It is someone else's and is left alone: unmount it by hand "
+                "(docs/troubleshooting.md, RbdPublishShadowed)")
 
     def teardown(self, wanted: Phase) -> None:
         """Steps that take the volume down to ``wanted`` (reverse order)."""

@@ -1,3 +1,3 @@
-"""The GitOps source (README: GitOps source): fetch a repository, verify
+"""The GitOps source (docs/gitops-source.md): fetch a repository, verify
 signed commits, export each verified revision and switch the directory the
 daemon reads with one rename(2)."""

@@ -54,7 +54,7 @@ class CloneConfig:
 
 @dataclass(frozen=True)
 class TimeoutsConfig:
-    """Deadlines of node commands and of the daemon's stop (README: Deadlines)."""
+    """Deadlines of node commands and of the daemon's stop (docs/daemon.md: Deadlines)."""
 
     command_seconds: float = 120.0  # any node command (blkid, mount, losetup, rbd ...)
     mkfs_seconds: float = 600.0  # mkfs, and e2fsck + resize2fs before mounting
@@ -91,7 +91,7 @@ class EventsConfig:
 
 @dataclass(frozen=True)
 class EncryptionConfig:
-    """LUKS2 (README: Encryption at rest). Key files must lie under key_root."""
+    """LUKS2 (docs/encryption.md). Key files must lie under key_root."""
 
     key_root: str = "/etc/rbd-reconciler/keys"
     pbkdf: str = "argon2id"  # argon2id | pbkdf2
@@ -100,14 +100,14 @@ class EncryptionConfig:
     memory_kib: int | None = None  # argon2id's memory, with fixed iterations
     # Version-1 wrapped passphrases (bound to no image, from before 0.x):
     # read, and sealed again bound to their image when used. False once every
-    # volume has been opened or rotated since the upgrade (README).
+    # volume has been opened or rotated since the upgrade (docs/encryption.md).
     accept_unbound: bool = True
 
 
 @dataclass(frozen=True)
 class MountPrivileges:
     """Where a desired file may ask for ``suid`` or ``dev`` on a stage or a
-    publish (README: Mount options): the node's decision, never a file's.
+    publish (docs/desired-files.md: Mount options): the node's decision, never a file's.
     A mount at or under one of these roots may ask; elsewhere the loader
     refuses. Empty (the default): every mount is nosuid,nodev."""
 
@@ -138,7 +138,7 @@ class Config:
     events: EventsConfig = EventsConfig()
     encryption: EncryptionConfig = EncryptionConfig()
     mount_privileges: MountPrivileges = MountPrivileges()
-    # A git repository followed instead of desiredDir (README: GitOps source);
+    # A git repository followed instead of desiredDir (docs/gitops-source.md);
     # desired_dir is then the symlink the source switches.
     git: SourceConfig | None = None
 

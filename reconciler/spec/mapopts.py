@@ -51,7 +51,7 @@ KRBD: dict[str, Check | None] = {
     "mount_timeout": INT, "osdkeepalive": INT, "osd_idle_ttl": INT,
     # Off (0) unless asked: with N, an OSD request unanswered for N s fails
     # (EIO: a filesystem on it goes read-only) instead of waiting out a
-    # partition (README: When Ceph is unreachable).
+    # partition (docs/ceph-unreachable.md).
     "osd_request_timeout": INT,
     "noudev": None, "udev": None,
 }

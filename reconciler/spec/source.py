@@ -1,5 +1,5 @@
 """The node config's ``source:``: a git repository the daemon follows
-(README: GitOps source). Pure: what the config says, checked; the fetching,
+(docs/gitops-source.md). Pure: what the config says, checked; the fetching,
 verifying and switching live in reconciler/source/."""
 
 from __future__ import annotations

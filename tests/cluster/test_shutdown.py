@@ -125,9 +125,9 @@ def test_shutdown_ordering() -> None:
     assert shlex.split(daemon["ExecStart"][0])[0] == INSTALLED
     # The Debian package's path; the pip route installs the units with the
     # path it links the command to.
-    readme = (ROOT / "README.md").read_text()
-    assert "ln -s /opt/rbd-reconciler/bin/rbd-reconciler /usr/local/bin/rbd-reconciler" in readme
-    assert f"sed 's#{INSTALLED}#/usr/local/bin/rbd-reconciler#'" in readme
+    install = (ROOT / "docs" / "daemon.md").read_text()  # The daemon, Install (systemd)
+    assert "ln -s /opt/rbd-reconciler/bin/rbd-reconciler /usr/local/bin/rbd-reconciler" in install
+    assert f"sed 's#{INSTALLED}#/usr/local/bin/rbd-reconciler#'" in install
 
 
 def test_directories_for_apps_are_0755_whatever_the_umask(tmp_path: Path) -> None:
@@ -321,7 +321,7 @@ def test_the_deadline_fits_the_unit() -> None:
     assert args.all and args.deadline + 30 <= stop, (args.deadline, stop)
     default = build_parser().parse_args(["release", "--all"]).deadline
     assert default == release.DEFAULT_DEADLINE_S and default + 30 <= stop
-    assert f"--deadline {args.deadline:g}" in (ROOT / "README.md").read_text()
+    assert f"--deadline {args.deadline:g}" in (ROOT / "docs" / "daemon.md").read_text()
 
 
 @pytest.mark.ceph

@@ -1,5 +1,5 @@
-"""Partitions from Ceph, in the VM of scripts/kernel-tests.sh (README: When
-Ceph is unreachable): krbd, rbd-nbd and LUKS2 over krbd, published, with
+"""Partitions from Ceph, in the VM of scripts/kernel-tests.sh (docs/ceph-unreachable.md):
+krbd, rbd-nbd and LUKS2 over krbd, published, with
 O_DIRECT writes in flight, cut off from Ceph (tests/kernel/partition.py) for
 30 s and then for RBD_KT_LONG_PARTITION_S (300 by default; 0: 30 s again),
 all in one partition, then healed.

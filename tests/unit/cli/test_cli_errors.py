@@ -1,5 +1,5 @@
 """Errors, not tracebacks: every way a user can get it wrong gets one line
-that names what to fix, and the documented exit code (README: Exit codes)."""
+that names what to fix, and the documented exit code (docs/cli.md: exit codes)."""
 
 from __future__ import annotations
 

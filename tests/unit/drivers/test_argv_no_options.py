@@ -176,7 +176,7 @@ def test_no_value_reaches_an_option_position(tmp_path: Path, tmpfs: Path,
     for h in HOSTILE:
         if h != MNT:
             assert h in words, h
-    # The commands that accept "--" (measured: see README, "Commands and
+    # The commands that accept "--" (measured: see docs/safety.md, "Commands and
     # files") get it before their operands.
     for what, argvs in ran.items():
         for argv in argvs:

@@ -1,6 +1,6 @@
 """A device whose I/O does not complete, and a mapping that is fenced: what
 the planner does (nothing, but a release by hand) and what it reports
-(README: When Ceph is unreachable)."""
+(docs/ceph-unreachable.md)."""
 
 from __future__ import annotations
 
