@@ -74,10 +74,11 @@ if [[ ! -x .venv/bin/python ]] || ! .venv/bin/python -c 'import rados, rbd' 2>/d
 fi
 stamp=.venv/.installed-compat-$(sha256sum pyproject.toml | cut -c1-16)
 if [[ ! -e $stamp ]]; then
+  # docs: mkdocs and mkdocs-material for scripts/build-docs.sh (the site).
   # compat: a plain path in a .pth. The default editable finder costs every
   # interpreter start ~11 ms of imports (pathlib, importlib.util).
   .venv/bin/pip install -q --disable-pip-version-check \
-      --config-settings editable_mode=compat -e '.[test]'
+      --config-settings editable_mode=compat -e '.[test,docs]'
   touch "$stamp"
 fi
 # An editable install compiles nothing: byte-compile the package as a wheel

@@ -57,7 +57,10 @@ def test_sdist_carries_the_sources_of_truth(installed: Path) -> None:
                  "CHANGELOG.md", "README.md", "systemd/rbd-reconciler.service",
                  "examples/pgdata.yaml", "man/rbd-reconciler.1",
                  "completions/rbd-reconciler.bash", "scripts/gen-manpage.py",
-                 "debian/control", "debian/rules", "scripts/build-deb.sh"):
+                 "debian/control", "debian/rules", "scripts/build-deb.sh",
+                 # The manual and what builds it (scripts/build-docs.sh).
+                 "docs/index.md", "docs/reference/volume.md", "mkdocs.yml",
+                 "scripts/gen-docs.py", "scripts/mkdocs_hooks.py"):
         assert f"{top}/{want}" in names, f"{want} missing from the sdist"
 
 
