@@ -132,8 +132,11 @@ def test_contents(deb: Path) -> None:
                  "/usr/share/man/man1/rbd-reconciler.1.gz",
                  # Named after the command: bash-completion loads it on first use.
                  "/usr/share/bash-completion/completions/rbd-reconciler",
-                 # Uncompressed: the units' Documentation= names it.
+                 # Uncompressed: the units' Documentation= names it, and the
+                 # pages of docs/ (uncompressed too) link each other by name.
                  "/usr/share/doc/rbd-reconciler/README.md",
+                 "/usr/share/doc/rbd-reconciler/docs/daemon.md",
+                 "/usr/share/doc/rbd-reconciler/docs/reference/volume.md",
                  "/usr/share/doc/rbd-reconciler/copyright",
                  "/usr/share/doc/rbd-reconciler/examples/config/node.yaml",
                  f"/{SITE}/reconciler/_schemas/volume.schema.json",
