@@ -180,6 +180,16 @@ def disable_created_metrics() -> None:
         prometheus_client.metrics._use_created = False  # type: ignore[attr-defined]
 
 
+
+# Why a sync of the GitOps source applied nothing new (source/sync.py,
+# source/verify.py): their series exist from the start, at 0.
+SOURCE_FAILURE_REASONS = (
+    "Unsigned", "WrongFormat", "MultipleSignatures", "UnknownSigner", "Revoked",
+    "BadSignature", "ExpiredKey", "ExpiredSignature", "NotAllowed", "NotACommit", "NotATag",
+    "NoTag", "TagMismatch", "KeysUnreadable", "NotDescendant", "LoadFailed", "SymlinkInTree",
+    "SpecialFileInTree", "FileTooLarge", "TreeTooLarge", "PathNotADirectory", "BadFileName",
+    "FetchFailed", "RefNotFound", "GitFailed", "StateDirFailed", "BadPolicy", "InternalError")
+
 class Metrics:
     """One daemon's metrics, in a registry of its own (tests run several)."""
 
@@ -265,6 +275,8 @@ class Metrics:
             self.step_seconds.labels(kind)
             self.failures.labels(kind)
         self.failures.labels(FAILURE_CRASH)
+        for reason in SOURCE_FAILURE_REASONS:  # RbdSourceRefused selects on these
+            self.source_refusals.labels(reason)
 
     def csi_served(self, methods: Iterable[str]) -> None:
         """The CSI methods the adapter implements, at 0, once it serves

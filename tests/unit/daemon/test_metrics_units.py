@@ -315,3 +315,19 @@ def test_a_stalled_volume_exports_since_when_and_loses_it_once_it_moves() -> Non
     fams = {f.name: f for f in text_string_to_metric_families(
         generate_latest(m.registry).decode())}
     assert not fams["rbd_reconciler_volume_io_stalled_since_timestamp_seconds"].samples
+
+
+def test_every_source_failure_reason_has_a_series_from_the_start() -> None:
+    """A reason the source code can give (a literal in reconciler/source/ or
+    the follower) is among those zeroed at start: an alert on it fires on
+    its first occurrence."""
+    import reconciler.daemon.metrics as metrics_module
+
+    code = "".join(p.read_text() for p in (ROOT / "reconciler" / "source").glob("*.py"))
+    code += (ROOT / "reconciler" / "daemon" / "follow.py").read_text()
+    found = set(re.findall(r'Refused\("([A-Za-z]+)"', code))
+    found |= set(re.findall(r'"(?:failed|refused)", "([A-Za-z]+)"', code))
+    found |= {f"NotA{k}" for k in ("Commit", "Tag")}  # built as "NotA" + kind
+    found -= {"NotA", "NoPrevious", "UnknownRevision"}  # the CLI's alone (rollback, verify)
+    assert found <= set(metrics_module.SOURCE_FAILURE_REASONS), \
+        found - set(metrics_module.SOURCE_FAILURE_REASONS)
