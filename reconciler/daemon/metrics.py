@@ -169,13 +169,25 @@ class _VolumeStates(Collector):
         yield up
 
 
+def _disable_created_series() -> None:
+    """prometheus_client.disable_created_metrics(), which Debian 12's
+    python3-prometheus-client (0.16) does not have: there the same switch is
+    the module global it reads at every collection (the function, from 0.17
+    on, sets just that)."""
+    disable = getattr(prometheus_client, "disable_created_metrics", None)
+    if disable is not None:
+        disable()
+    else:
+        prometheus_client.metrics._use_created = False  # type: ignore[attr-defined]
+
+
 class Metrics:
     """One daemon's metrics, in a registry of its own (tests run several)."""
 
     def __init__(self) -> None:
         # *_created samples would double every counter's and histogram's
         # series for a start time nobody alerts on (process-wide: fine here).
-        prometheus_client.disable_created_metrics()
+        _disable_created_series()
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.states = _VolumeStates()

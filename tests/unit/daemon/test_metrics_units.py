@@ -313,3 +313,18 @@ def test_a_stalled_volume_exports_since_when_and_loses_it_once_it_moves() -> Non
     fams = {f.name: f for f in text_string_to_metric_families(
         generate_latest(m.registry).decode())}
     assert not fams["rbd_reconciler_volume_io_stalled_since_timestamp_seconds"].samples
+
+
+def test_no_created_series_with_debian_12s_prometheus_client(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Debian 12's python3-prometheus-client (0.16) has no
+    disable_created_metrics(); the daemon died at start there (node tests,
+    scripts/node-tests.sh). Without the function, the same switch is set."""
+    import prometheus_client
+    import prometheus_client.metrics
+
+    monkeypatch.delattr(prometheus_client, "disable_created_metrics")
+    monkeypatch.setattr(prometheus_client.metrics, "_use_created", True)
+    m = Metrics()
+    assert prometheus_client.metrics._use_created is False
+    assert "_created" not in generate_latest(m.registry).decode()
