@@ -674,6 +674,10 @@ def app_after_reboot() -> str:
                      lambda: unit("nodebox-app.service", "ActiveState")["ActiveState"] == "active",
                      120)
     assert state
+    hidden = beneath(f"/srv/{APP_VOLUME}")
+    assert not hidden, ("the application started before its volume was published: it wrote "
+                        f"into the directory the publish now hides, on the root filesystem: "
+                        f"{hidden}")
     lines = Path(f"/srv/{APP_VOLUME}/app.log").read_text().splitlines()
     this = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     stopped = [x for x in lines if x.startswith("stopping") and f"boot={this}" not in x]
@@ -683,6 +687,20 @@ def app_after_reboot() -> str:
     assert "mounted=True" in started[0], \
         f"the application started before its volume was published: {started[0]}"
     return "stopped cleanly last boot; started this boot on its mounted volume"
+
+
+def beneath(path: str) -> dict[str, str]:
+    """What lies in ``path`` on the root filesystem, under the mount on it:
+    seen through a (non-recursive) bind of / elsewhere."""
+    view = Path("/run/nodebox-rootview")
+    view.mkdir(exist_ok=True)
+    sh("mount", "--bind", "-o", "ro", "/", str(view), quiet=True)
+    try:
+        under = view / path.lstrip("/")
+        return {f.name: f.read_text(errors="replace")[-300:] for f in under.iterdir()
+                if f.is_file()} if under.is_dir() else {}
+    finally:
+        sh("umount", str(view), quiet=True)
 
 
 STOPPING = "de5b426a63be47a7b6ac3eaac82e2f6f"
@@ -760,10 +778,26 @@ def shutdown_order() -> str:
             "network-online.target stopped")
 
 
+EXTRA: dict[str, tuple[str, str, str, bool]] = {
+    "box-extra1": ("krbd", "ext4", "16Mi", False), "box-extra2": ("krbd", "ext4", "16Mi", False),
+    "box-extra3": ("nbd", "ext4", "16Mi", False), "box-extra4": ("nbd", "ext4", "16Mi", False)}
+
+
+def more_volumes() -> str:
+    """Four more, for the power-off's time with eight published."""
+    ALL_VOLUMES.update(EXTRA)
+    for name in EXTRA:
+        write_spec(name)
+    t0 = time.monotonic()
+    wait_for("the four added volumes Published", lambda: published(ALL_VOLUMES), 300, every=1)
+    return f"{len(ALL_VOLUMES)} Published ({time.monotonic() - t0:.1f} s for the four added)"
+
+
 def boot2() -> str:
     check("volumes back after reboot", back_after_reboot)
     check("application after reboot", app_after_reboot)
     check("shutdown order (previous boot)", shutdown_order)
+    check("four more volumes", more_volumes)
     return "poweroff"
 
 

@@ -138,6 +138,8 @@ def boot(n: int, args: argparse.Namespace, share: Path, overlay: Path) -> dict:
         out["start_to_published_s"] = round(seen["published"], 1)
     if "shutdown" in seen:
         out["shutdown_s"] = round(ended - seen["shutdown"], 1)
+        marker = json.loads((share / f"shutdown-boot{n}").read_text())
+        out["published_at_shutdown"] = len(marker["published"])
     return out
 
 
@@ -192,7 +194,12 @@ def main() -> int:
     for m in metrics:
         print(f"  metric boot {m['boot']} {m['metric']}: {m['value']}", file=sys.stderr)
     for b in boots:
-        print(f"  host: {json.dumps(b)}", file=sys.stderr)
+        print(f"  host: boot {b['boot']}: QEMU ran {b['qemu_s']} s"
+              + (f"; QEMU start to every volume Published {b['start_to_published_s']} s"
+                 if "start_to_published_s" in b else "")
+              + (f"; {b['end']} with {b['published_at_shutdown']} volume(s) published: "
+                 f"{b['shutdown_s']} s from the request to QEMU's exit"
+                 if "shutdown_s" in b else ""), file=sys.stderr)
     (args.run / "summary.json").write_text(json.dumps(
         {"checks": checks, "metrics": metrics, "boots": boots}, indent=1))
     failed = [c["check"] for c in checks if not c["ok"]]
