@@ -67,6 +67,9 @@ BACKOFF_MAX_S = 300.0
 # A pass (load, bounded observe, plan) stuck longer than this is a bug or a
 # hang the deadlines missed: stop pinging the watchdog so systemd restarts us.
 STALL_MIN_S = 120.0
+# READY=1 waits this long at most for the first pass's chains (the unit's
+# TimeoutStartSec=300s sits above it: raise both together).
+READY_WAIT_S = 240.0
 # Of timeouts.stopSeconds, kept for what follows the wait for the chains
 # (the CSI server's own grace, the file watcher, the log lines).
 STOP_RESERVE_S = 3.0
@@ -401,6 +404,7 @@ class Daemon:
 
     def _loop(self) -> None:
         self._pass()
+        self._await_first_chains(READY_WAIT_S)
         sdnotify.notify("READY=1")
         next_resync = time.monotonic() + self.config.resync_seconds
         while not self.stopping.is_set():
@@ -422,6 +426,28 @@ class Daemon:
                 next_resync = now + self.config.resync_seconds
             if woke or now >= retry or self.dirty_all:
                 self._pass()
+
+    def _await_first_chains(self, limit: float) -> None:
+        """READY=1 means the volumes were brought up: units ordered After= the
+        daemon (applications, remote-fs.target) start at boot once the first
+        pass's chains have ended (converged, failed or backing off), not while
+        their volumes are still being mapped: an application started then
+        writes into its empty publish directory, on the root filesystem,
+        which the publish then hides (seen on a systemd node: the node tests).
+        At most ``limit`` seconds, then READY=1 all the same, naming what
+        still runs; a stop ends the wait at once."""
+        with self.lock:
+            pending = set(self.inflight.values())
+            names = {id(f): n for n, f in self.inflight.items()}
+        if not pending:
+            return
+        sdnotify.notify(f"STATUS=starting: bringing up {len(pending)} volume(s)")
+        deadline = time.monotonic() + limit
+        while pending and not self.stopping.is_set() and time.monotonic() < deadline:
+            _, pending = wait_futures(pending, timeout=min(0.5, deadline - time.monotonic()))
+        if pending and not self.stopping.is_set():
+            log.warning("ready after %g s with volume(s) still converging: %s", limit,
+                        ", ".join(sorted(names[id(f)] for f in pending)))
 
     def _next_retry(self) -> float:
         """When the next backoff ends that the last pass could not yet retry."""

@@ -154,8 +154,10 @@ def test_files_in_mounts_out(node: NodeUnderTest, start: Callable[..., Daemon]) 
     node.write(a, spec(node, target="a"))
     d = start()
     wait_for(lambda: d.saw("READY=1"), "READY=1")
-    d.wait_phase(a, "Published")
+    # READY=1 comes once the first pass's volumes are up: what is ordered
+    # After= the unit (an application) finds them mounted at boot.
     assert str(node.srv / "a") in node.mounts()
+    d.wait_phase(a, "Published")
 
     # A new file: converged without a restart.
     fb = node.write(b, spec(node, size="320Mi", target="b").replace("ext4", "xfs"))

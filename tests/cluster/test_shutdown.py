@@ -113,6 +113,8 @@ def test_shutdown_ordering() -> None:
     sd, daemon = unit_options(SHUTDOWN_UNIT), unit_options(DAEMON_UNIT)
     after = " ".join(sd["After"]).split()
     assert "network-online.target" in after and "ceph.target" in after
+    # rbdmap's `unmap-all` takes every krbd device: our release goes first.
+    assert "rbdmap.service" in after
     assert "remote-fs-pre.target" in " ".join(sd["Before"]).split()
     assert sd["Type"] == ["oneshot"] and sd["RemainAfterExit"] == ["yes"]
     assert "DefaultDependencies" not in sd  # yes: Conflicts=/Before=shutdown.target

@@ -331,3 +331,18 @@ def test_every_source_failure_reason_has_a_series_from_the_start() -> None:
     found -= {"NotA", "NoPrevious", "UnknownRevision"}  # the CLI's alone (rollback, verify)
     assert found <= set(metrics_module.SOURCE_FAILURE_REASONS), \
         found - set(metrics_module.SOURCE_FAILURE_REASONS)
+
+
+def test_no_created_series_with_debian_12s_prometheus_client(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Debian 12's python3-prometheus-client (0.16) has no
+    disable_created_metrics(); the daemon died at start there (node tests,
+    scripts/node-tests.sh). Without the function, the same switch is set."""
+    import prometheus_client
+    import prometheus_client.metrics
+
+    monkeypatch.delattr(prometheus_client, "disable_created_metrics")
+    monkeypatch.setattr(prometheus_client.metrics, "_use_created", True)
+    m = Metrics()
+    assert prometheus_client.metrics._use_created is False
+    assert "_created" not in generate_latest(m.registry).decode()

@@ -1,0 +1,816 @@
+"""The node tests' guest half: run by nodebox-agent.service at every boot of
+the node (scripts/node-tests.sh), from the read-only share of the checkout,
+with the node's own /usr/bin/python3 and nothing but the standard library.
+
+Boot 1 installs the package as the README says and checks the product
+through its units: krbd with udev, LUKS2 through udev, rbd-nbd, the
+journal's fields, `systemd-analyze security`, QoS on a systemd unit, an
+upgrade and a crash while volumes are published; then it writes data and
+reboots through systemd with an application using one volume. Boot 2
+checks that the units alone brought every volume back with the same data,
+and how the previous shutdown went (from the persistent journal); then it
+powers off with the volumes published.
+
+Parameters, the packages and the node's Ceph config come from the run
+share (argv[1]); each check's result goes to results-bootN.jsonl there, the
+log to guest-bootN.log; `end-bootN` says how the boot ends (`reboot` or
+`poweroff`), written just before systemd is asked to do it. Every wait has
+a deadline and says what it waited for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+RUN = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/mnt/run")
+REPO = Path(__file__).resolve().parents[2]
+PARAMS: dict[str, Any] = json.loads((RUN / "params.json").read_text()) if RUN.exists() else {}
+BOOT = int((RUN / "boot").read_text()) if (RUN / "boot").exists() else 0
+POOL = PARAMS.get("pool", "rbd")
+ETC = Path("/etc/rbd-reconciler")
+DESIRED = ETC / "volumes.d"
+STATE = Path("/var/lib/rbd-reconciler")
+KEEP = Path("/var/lib/nodebox-tests")  # the node's own disk: survives the reboot
+APP_VOLUME = "box-krbd"
+SLICE = "nodebox.slice"
+MiB = 1 << 20
+# name -> (mapper, fsType, size, encrypted)
+VOLUMES: dict[str, tuple[str, str, str, bool]] = {
+    "box-krbd": ("krbd", "ext4", "64Mi", False),
+    "box-nbd": ("nbd", "xfs", "320Mi", False),
+    "box-luks": ("krbd", "ext4", "64Mi", True),
+}
+CRASH_VOLUME = "box-crash"
+ALL_VOLUMES = {**VOLUMES, CRASH_VOLUME: ("krbd", "ext4", "64Mi", False)}
+
+
+class Log:
+    def __init__(self) -> None:
+        self.f = (RUN / f"guest-boot{BOOT}.log").open("a", buffering=1)
+
+    def __call__(self, msg: str) -> None:
+        line = f"{uptime():7.1f} {msg}"
+        self.f.write(line + "\n")
+        print(line, flush=True)
+
+
+def uptime() -> float:
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+log = Log()
+failures: list[str] = []
+
+
+def record(**kw: Any) -> None:
+    with (RUN / f"results-boot{BOOT}.jsonl").open("a") as f:
+        f.write(json.dumps({"boot": BOOT, **kw}) + "\n")
+
+
+def metric(name: str, value: Any) -> None:
+    log(f"metric {name}: {value}")
+    record(metric=name, value=value)
+
+
+def check(name: str, fn: Callable[[], str | None]) -> bool:
+    """Run one check: its result (ok or the failure), time and detail are recorded."""
+    log(f"--- {name}")
+    t0 = time.monotonic()
+    try:
+        detail = fn() or ""
+        ok = True
+    except Exception as exc:  # a failed check is reported, the boot goes on
+        detail = f"{type(exc).__name__}: {exc}" if not isinstance(exc, AssertionError) \
+            else str(exc)
+        ok = False
+        log("".join(traceback.format_exception(exc)).rstrip())
+        failures.append(name)
+        diagnose()
+    secs = time.monotonic() - t0
+    log(f"--- {name}: {'ok' if ok else 'FAILED'} in {secs:.1f} s{': ' + detail if detail else ''}")
+    record(check=name, ok=ok, seconds=round(secs, 1), detail=detail[:400])
+    return ok
+
+
+def diagnose() -> None:
+    """After a failed check: what the units and the journal say."""
+    for argv in (["systemctl", "--no-pager", "--full", "status", "rbd-reconciler",
+                  "rbd-reconciler-shutdown"],
+                 ["journalctl", "--no-pager", "-n", "60", "-u", "rbd-reconciler",
+                  "-u", "rbd-reconciler-shutdown"]):
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+            log(f"$ {' '.join(argv)}\n{done.stdout}{done.stderr}")
+        except subprocess.TimeoutExpired:
+            log(f"$ {' '.join(argv)}: no answer within 60 s")
+
+
+def sh(*argv: str, timeout: float = 120, check: bool = True, cwd: str | None = None,
+       quiet: bool = False) -> subprocess.CompletedProcess[str]:
+    if not quiet:
+        log("$ " + " ".join(argv))
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                              check=False)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{' '.join(argv)}: no answer within {timeout:g} s") from None
+    if check and done.returncode != 0:
+        raise AssertionError(f"{' '.join(argv)}: exit {done.returncode}: "
+                             f"{(done.stderr or done.stdout).strip()[-600:]}")
+    return done
+
+
+def wait_for(what: str, probe: Callable[[], T], seconds: float, every: float = 0.5) -> T:
+    """probe() until it returns something true; past the deadline, fail saying
+    what was awaited and what the last probe saw."""
+    deadline = time.monotonic() + seconds
+    last: Any = None
+    while True:
+        try:
+            last = probe()
+        except (OSError, ValueError, AssertionError) as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        else:
+            if last:
+                return last
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {seconds:g} s for {what}; last seen: {last!r}"[:600])
+        time.sleep(every)
+
+
+def end_boot(action: str) -> None:
+    """Hand the node to systemd: `reboot` or `poweroff`. The host times the
+    shutdown from the marker to QEMU's exit."""
+    published = [n for n in ALL_VOLUMES if phase(n) == "Published"]
+    (RUN / f"shutdown-boot{BOOT}").write_text(json.dumps({"uptime": uptime(),
+                                                          "published": published}))
+    (RUN / f"end-boot{BOOT}").write_text(action + "\n")
+    log(f"systemctl {action} with {len(published)} volume(s) published: {', '.join(published)}")
+    log.f.flush()
+    os.sync()
+    subprocess.run(["systemctl", action, "--no-block"], check=False)
+    time.sleep(600)  # stopped by the shutdown
+
+
+# ---------------------------------------------------------------- the node's facts
+
+
+def unit(name: str, *props: str) -> dict[str, str]:
+    out = sh("systemctl", "show", *(f"--property={p}" for p in props), "--", name,
+             quiet=True).stdout
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def phase(name: str) -> str | None:
+    try:
+        return json.loads((STATE / "status" / f"{name}.json").read_text()).get("phase")
+    except (OSError, ValueError):
+        return None
+
+
+def mounts() -> dict[str, dict[str, str]]:
+    """Mount point -> its mount id, MAJ:MIN and source, for /srv and ours."""
+    out = {}
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        f = line.split()
+        point = f[4]
+        if point.startswith(("/srv/", str(STATE))):
+            sep = f.index("-")
+            out[point] = {"id": f[0], "dev": f[2], "source": f[sep + 2]}
+    return out
+
+
+def published(names: list[str] | dict[str, Any]) -> list[str] | None:
+    """The names whose status says Published and whose target is mounted now."""
+    now = mounts()
+    left = [n for n in names if phase(n) != "Published" or f"/srv/{n}" not in now]
+    return None if left else list(names)
+
+
+def not_published(names: list[str] | dict[str, Any]) -> str:
+    now = mounts()
+    return ", ".join(f"{n} ({phase(n)}{'' if f'/srv/{n}' in now else ', not mounted'})"
+                     for n in names)
+
+
+def krbd_devices() -> dict[str, str]:
+    """image -> /dev/rbdN, from sysfs (what the kernel maps, udev or not)."""
+    out = {}
+    for d in Path("/sys/bus/rbd/devices").glob("*"):
+        out[(d / "name").read_text().strip()] = f"/dev/rbd{d.name}"
+    return out
+
+
+def nbd_pids() -> dict[str, str]:
+    return {p.parent.name: p.read_text().strip() for p in Path("/sys/block").glob("nbd*/pid")}
+
+
+def dm_names() -> dict[str, str]:
+    return {p.parent.parent.name: p.read_text().strip()
+            for p in Path("/sys/block").glob("dm-*/dm/name")}
+
+
+def udev_props(dev: str) -> dict[str, str]:
+    out = sh("udevadm", "info", "--query=property", f"--name={dev}", quiet=True).stdout
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def journal(*args: str, timeout: float = 120) -> list[dict[str, Any]]:
+    out = sh("journalctl", "-o", "json", "--no-pager", *args, quiet=True, timeout=timeout).stdout
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def cursor() -> str:
+    out = sh("journalctl", "-n", "0", "--show-cursor", "--no-pager", quiet=True).stdout
+    return out.strip().rsplit("cursor: ", 1)[-1]
+
+
+def spec(name: str, qos: str | None = None) -> str:
+    mapper, fs, size, encrypted = ALL_VOLUMES[name]
+    return "".join([
+        f"apiVersion: rbd-reconciler/v1\nkind: Volume\nmetadata:\n  name: {name}\n",
+        f"spec:\n  image: {{pool: {POOL}, size: {size}}}\n  map: {{mapper: {mapper}}}\n",
+        f"  encryption: {{type: luks2, key: {{wrappedBy: {ETC}/keys/node.key}}}}\n"
+        if encrypted else "",
+        f"  qos: {{{qos}}}\n" if qos is not None else "",
+        f"  stage: {{fsType: {fs}}}\n  publish:\n    - path: /srv/{name}\n"])
+
+
+def write_spec(name: str, qos: str | None = None) -> None:
+    tmp = DESIRED / f".{name}.tmp"
+    tmp.write_text(spec(name, qos))
+    tmp.chmod(0o644)
+    tmp.rename(DESIRED / f"{name}.yaml")
+    log(f"wrote {DESIRED / name}.yaml" + (f" (qos: {{{qos}}})" if qos is not None else ""))
+
+
+def daemon() -> dict[str, str]:
+    return unit("rbd-reconciler.service", "MainPID", "ActiveState", "SubState", "NRestarts",
+                "ExecMainStartTimestampMonotonic")
+
+
+def first_pass(pid: str, volumes: int) -> str | None:
+    """The daemon's `pass N: ...` line where it observed every volume and had
+    nothing to converge, from the process ``pid``."""
+    for e in journal("-u", "rbd-reconciler", f"_PID={pid}"):
+        msg = str(e.get("MESSAGE", ""))
+        m = re.match(r"pass \d+: \d+ volume\(s\), (\d+) observed, 0 converging", msg)
+        if m and int(m.group(1)) >= volumes:
+            return msg
+    return None
+
+
+def snapshot() -> dict[str, Any]:
+    """What must not move while the daemon restarts: mounts (by id),
+    mappings, dm devices, rbd-nbd processes."""
+    return {"mounts": mounts(), "krbd": krbd_devices(), "nbd": nbd_pids(), "dm": dm_names()}
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ---------------------------------------------------------------- boot 1
+
+
+def system_up() -> str:
+    state = sh("systemctl", "is-system-running", "--wait", check=False, timeout=300).stdout.strip()
+    failed = sh("systemctl", "--failed", "--plain", "--no-legend", "--no-pager",
+                quiet=True).stdout.strip()
+    assert state == "running", f"system {state}; failed units: {failed or 'none'}"
+    comm = Path("/proc/1/comm").read_text().strip()
+    assert comm == "systemd", f"PID 1 is {comm}"
+    assert unit("systemd-udevd.service", "ActiveState")["ActiveState"] == "active", "no udevd"
+    assert Path("/run/udev/control").exists(), "no /run/udev/control"
+    times = sh("systemd-analyze", quiet=True).stdout.splitlines()[0]
+    metric("systemd_analyze", times)
+    return f"PID 1 systemd, udevd running; {times}"
+
+
+def install() -> str:
+    """The README's install section, verbatim where it has commands."""
+    cephdir = Path("/etc/ceph")
+    cephdir.mkdir(exist_ok=True)
+    for f in ("ceph.conf", "ceph.client.admin.keyring"):
+        shutil.copy(RUN / "ceph" / f, cephdir / f)
+    (cephdir / "ceph.client.admin.keyring").chmod(0o600)
+    debs = str(RUN / "debs" / "old")
+    done = sh("sh", "-c", "apt install -y ./rbd-reconciler_*.deb", cwd=debs, timeout=300)
+    log(done.stdout[-1500:])
+    version = sh("dpkg-query", "-W", "-f=${Version}", "rbd-reconciler").stdout
+    # The config, the node key for LUKS2, the kernel modules (the sandbox has
+    # no CAP_SYS_MODULE: README "Install"), the desired files.
+    ETC.mkdir(exist_ok=True)
+    (ETC / "config.yaml").write_text(
+        "nodeName: nodebox\n"
+        "ceph: {conf: /etc/ceph/ceph.conf, user: admin, "
+        "keyring: /etc/ceph/ceph.client.admin.keyring}\n"
+        "allowedRoots: [/srv]\n"
+        # TCG: a fixed, cheap PBKDF instead of a 2 s benchmark per keyslot.
+        f"encryption: {{keyRoot: {ETC}/keys, pbkdf: pbkdf2, iterations: 1000}}\n")
+    (ETC / "keys").mkdir(mode=0o700, exist_ok=True)
+    key = ETC / "keys" / "node.key"
+    key.write_bytes(os.urandom(64))
+    key.chmod(0o600)
+    Path("/etc/modules-load.d/rbd-reconciler.conf").write_text("rbd\nnbd\n")
+    sh("systemctl", "restart", "systemd-modules-load.service")
+    DESIRED.mkdir(exist_ok=True)
+    for name in VOLUMES:
+        write_spec(name)
+    t0 = time.monotonic()
+    sh("systemctl", "enable", "--now", "rbd-reconciler", "rbd-reconciler-shutdown", timeout=300)
+    metric("enable_now_s", round(time.monotonic() - t0, 1))
+    d = daemon()
+    assert d["ActiveState"] == "active", d
+    return f"rbd-reconciler {version}, daemon {d['SubState']}"
+
+
+def all_published() -> str:
+    t0 = time.monotonic()
+    wait_for("every volume Published (status) and mounted", lambda: published(VOLUMES), 300,
+             every=1)
+    metric("install_to_published_s", round(time.monotonic() - t0, 1))
+    return ", ".join(VOLUMES)
+
+
+def links(top: str) -> list[str]:
+    return sorted(str(p.relative_to(top)) for p in Path(top).rglob("*")) \
+        if os.path.isdir(top) else ["(none)"]
+
+
+def krbd_udev() -> str:
+    devs = krbd_devices()
+    out = []
+    for name in ("box-krbd", "box-luks"):
+        link = Path(f"/dev/rbd/{POOL}/{name}")
+        assert link.is_symlink(), f"{link}: no udev link (under /dev/rbd: {links('/dev/rbd')})"
+        target = os.path.realpath(link)
+        assert target == devs[name], f"{link} -> {target}, the kernel maps {devs[name]}"
+        assert Path(target).is_block_device(), target
+        # Debian 12's udev runs no blkid on rbd* (60-persistent-storage.rules
+        # leaves them out): ceph-common's 50-rbd.rules makes the one link.
+        props = udev_props(target)
+        assert f"/dev/rbd/{POOL}/{name}" in props.get("DEVLINKS", "").split(), props
+        out.append(f"{link} -> {target}")
+    # The publish is a mount of that very device.
+    m = mounts()[f"/srv/{APP_VOLUME}"]
+    st = os.stat(devs[APP_VOLUME])
+    assert m["dev"] == f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}", m
+    return "; ".join(out)
+
+
+def luks_udev() -> str:
+    backing = os.path.basename(krbd_devices()["box-luks"])
+    holders = [h.name for h in Path(f"/sys/block/{backing}/holders").iterdir()]
+    assert len(holders) == 1 and holders[0].startswith("dm-"), f"{backing} holders: {holders}"
+    dm = holders[0]
+    name = Path(f"/sys/block/{dm}/dm/name").read_text().strip()
+    mapper = Path("/dev/mapper") / name
+    assert mapper.is_symlink(), f"{mapper} is not udev's link (a node made without udev?)"
+    assert os.path.realpath(mapper) == f"/dev/{dm}", f"{mapper} -> {os.path.realpath(mapper)}"
+    props = udev_props(f"/dev/{dm}")
+    assert props.get("DM_NAME") == name, props
+    assert props.get("DM_UUID", "").startswith("CRYPT-LUKS2-"), props.get("DM_UUID")
+    assert props.get("ID_FS_TYPE") == "ext4", props.get("ID_FS_TYPE")
+    assert props.get("DM_UDEV_RULES_VSN"), "the dm udev rules did not run"
+    by_id = Path(f"/dev/disk/by-id/dm-name-{name}")
+    assert by_id.is_symlink(), f"no {by_id}"
+    st = os.stat(f"/dev/{dm}")
+    assert mounts()["/srv/box-luks"]["dev"] == f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
+    return f"{mapper} -> ../{dm} (udev; {props['DM_UUID'][:22]}...), ext4 by udev's blkid"
+
+
+def nbd_mapped() -> str:
+    pids = nbd_pids()
+    assert len(pids) == 1, f"nbd devices with a pid: {pids}"
+    dev, pid = next(iter(pids.items()))
+    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    assert cmd[0].endswith(b"rbd-nbd"), cmd
+    props = udev_props(f"/dev/{dev}")
+    assert props.get("ID_FS_TYPE") == "xfs", props.get("ID_FS_TYPE")
+    st = os.stat(f"/dev/{dev}")
+    assert mounts()["/srv/box-nbd"]["dev"] == f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
+    return f"/dev/{dev} by rbd-nbd (pid {pid}), xfs"
+
+
+def journal_fields() -> str:
+    entries = journal("-u", "rbd-reconciler.service")
+    steps = [e for e in entries if "STEP" in e]
+    assert steps, f"no entry with STEP= among {len(entries)} of rbd-reconciler.service"
+    out = []
+    for name in VOLUMES:
+        mine = [e for e in steps if e.get("VOLUME") == name]
+        assert mine, f"no step entry with VOLUME={name}"
+        for e in mine:
+            for field in ("VOLUME", "STEP", "TARGET", "RESULT", "DURATION_MS", "PRIORITY"):
+                assert field in e, f"{field} missing from {e.get('MESSAGE')!r}"
+            assert e["DURATION_MS"].isdigit(), e["DURATION_MS"]
+            assert e["SYSLOG_IDENTIFIER"] == "rbd-reconciler", e["SYSLOG_IDENTIFIER"]
+        kinds = [e["STEP"] for e in mine if e["RESULT"] == "changed"]
+        assert "map" in kinds and "publish" in kinds, f"{name}: changed steps {kinds}"
+        out.append(f"{name}: {' '.join(kinds)}")
+    # journalctl's own field match, as the README shows it.
+    by_field = journal("-u", "rbd-reconciler", f"VOLUME={APP_VOLUME}")
+    assert by_field and all(e.get("VOLUME") == APP_VOLUME for e in by_field)
+    return "; ".join(out)
+
+
+def readme_exposure() -> str:
+    text = " ".join((REPO / "README.md").read_text().split())
+    m = re.search(r"`systemd-analyze security` exposure (\d+\.\d+), \"(\w+)\"", text)
+    assert m, "README states no `systemd-analyze security` exposure"
+    return f"{m.group(1)} {m.group(2)}"
+
+
+def security() -> str:
+    stated = readme_exposure()
+    got = {}
+    for u in ("rbd-reconciler.service", "rbd-reconciler-shutdown.service"):
+        out = sh("systemd-analyze", "security", "--no-pager", u, check=False).stdout
+        m = re.search(r"Overall exposure level for \S+: (\d+\.\d+) (\w+)", out)
+        assert m, f"systemd-analyze security {u}: {out[-300:]}"
+        got[u] = f"{m.group(1)} {m.group(2)}"
+    assert got["rbd-reconciler.service"] == stated, \
+        f"rbd-reconciler.service: {got['rbd-reconciler.service']}, README states {stated}"
+    return ", ".join(f"{u}: {v}" for u, v in got.items()) + f" (README: {stated})"
+
+
+APP = """\
+import os, signal, sys, time
+d = sys.argv[1]
+boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+def note(what):
+    with open(os.path.join(d, "app.log"), "a") as f:
+        f.write(f"{what} boot={boot} mounted={os.path.ismount(d)} t={time.time():.3f}\\n")
+        f.flush()
+        os.fsync(f.fileno())
+note("started")
+held = open(os.path.join(d, "heartbeat"), "a")  # keeps the mount busy while it runs
+def stop(*_):
+    note("stopping")
+    held.close()
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+while True:
+    held.write(f"{time.time():.3f}\\n")
+    held.flush()
+    time.sleep(1)
+"""
+
+APP_UNIT = f"""\
+[Unit]
+Description=an application using the volume {APP_VOLUME} (node tests)
+# README "Shutdown and reboot": applications order After= the daemon.
+After=rbd-reconciler.service
+
+[Service]
+Slice={SLICE}
+ExecStart=/usr/bin/python3 /usr/local/lib/nodebox-app.py /srv/{APP_VOLUME}
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def application() -> str:
+    Path("/usr/local/lib/nodebox-app.py").write_text(APP)
+    Path("/etc/systemd/system/nodebox-app.service").write_text(APP_UNIT)
+    sh("systemctl", "daemon-reload")
+    sh("systemctl", "enable", "--now", "nodebox-app.service")
+    wait_for("the application's first heartbeat",
+             lambda: (Path(f"/srv/{APP_VOLUME}/heartbeat").exists()
+                      and Path(f"/srv/{APP_VOLUME}/heartbeat").stat().st_size > 0), 60)
+    return f"nodebox-app.service in {SLICE}, writing to /srv/{APP_VOLUME}"
+
+
+def timed_write(mib: int) -> float:
+    """O_DIRECT writes from a transient service in the slice (io.max holds
+    for the slice's processes)."""
+    t0 = time.monotonic()
+    sh("systemd-run", "--wait", "--quiet", "--collect", f"--slice={SLICE}", "--",
+       "dd", "if=/dev/zero", f"of=/srv/{APP_VOLUME}/qos.bin", "bs=1M", f"count={mib}",
+       "oflag=direct", "status=none", timeout=300)
+    return time.monotonic() - t0
+
+
+def qos_unit() -> str:
+    device = krbd_devices()[APP_VOLUME]
+    st = os.stat(device)
+    rdev = f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
+    io_max = Path(f"/sys/fs/cgroup/{SLICE}/io.max")
+
+    def in_force() -> str:
+        line = next((x for x in io_max.read_text().splitlines() if x.startswith(rdev + " ")), "")
+        return line
+
+    write_spec(APP_VOLUME, f"unit: {SLICE}, writeBps: 1Mi, readIops: 5000")
+    shown = wait_for(f"systemctl show {SLICE} to carry {device}'s limits",
+                     lambda: (u := unit(SLICE, "IOWriteBandwidthMax", "IOReadIOPSMax"))
+                     and device in u["IOWriteBandwidthMax"] and device in u["IOReadIOPSMax"]
+                     and u, 120)
+    assert shown["IOWriteBandwidthMax"] == f"{device} 1048576", shown
+    assert shown["IOReadIOPSMax"] == f"{device} 5000", shown
+    line = wait_for(f"{io_max} to hold {rdev}", in_force, 30)
+    assert "wbps=1048576" in line and "riops=5000" in line, line
+    took = timed_write(4)
+    assert took >= 2.5, f"4 MiB in {took:.1f} s: the 1 MiB/s limit is not in force"
+    # Lifted in place: the same device, no remap.
+    write_spec(APP_VOLUME, f"unit: {SLICE}")
+    wait_for(f"{io_max} to lift {rdev}'s limits",
+             lambda: "wbps=1048576" not in in_force() and "riops=5000" not in in_force(), 120)
+    fast = timed_write(4)
+    assert fast < took / 2, f"lifted: 4 MiB in {fast:.1f} s, limited {took:.1f} s"
+    assert krbd_devices()[APP_VOLUME] == device, "remapped"
+    return (f"{SLICE}: IOWriteBandwidthMax={shown['IOWriteBandwidthMax']}, io.max '{line}'; "
+            f"4 MiB O_DIRECT in {took:.1f} s limited, {fast:.1f} s lifted")
+
+
+def upgrade() -> str:
+    newer = PARAMS.get("newer_deb")
+    assert newer, "no newer package (--newer-deb)"
+    before = snapshot()
+    d0 = daemon()
+    sd0 = unit("rbd-reconciler-shutdown.service", "ActiveEnterTimestampMonotonic", "ActiveState")
+    mark = cursor()
+    old = sh("dpkg-query", "-W", "-f=${Version}", "rbd-reconciler", quiet=True).stdout
+    t0 = time.monotonic()
+    done = sh("sh", "-c", "apt install -y ./rbd-reconciler_*.deb", cwd=str(RUN / "debs" / "new"),
+              timeout=300)
+    log(done.stdout[-1500:])
+    new = sh("dpkg-query", "-W", "-f=${Version}", "rbd-reconciler", quiet=True).stdout
+    assert new != old, f"still {old}"
+    d1 = wait_for("the daemon to run again under a new pid",
+                  lambda: (d := daemon())["ActiveState"] == "active"
+                  and d["MainPID"] not in ("0", d0["MainPID"]) and d, 120)
+    restart_s = time.monotonic() - t0
+    # One whole pass of the new daemon over every volume, then compare.
+    wait_for("the new daemon's first pass over every volume, nothing to converge",
+             lambda: first_pass(d1["MainPID"], len(VOLUMES)), 180, every=1)
+    after = snapshot()
+    assert after == before, f"moved across the upgrade:\nbefore {before}\nafter  {after}"
+    sd1 = unit("rbd-reconciler-shutdown.service", "ActiveEnterTimestampMonotonic", "ActiveState")
+    assert sd1 == sd0, f"rbd-reconciler-shutdown.service was restarted: {sd0} -> {sd1}"
+    since = journal(f"--after-cursor={mark}")
+    released = [e.get("MESSAGE") for e in since
+                if e.get("_SYSTEMD_UNIT") == "rbd-reconciler-shutdown.service"
+                or e.get("UNIT") == "rbd-reconciler-shutdown.service"]
+    assert not released, f"the shutdown unit ran: {released[:5]}"
+    changed = [e.get("MESSAGE") for e in since if e.get("RESULT") in ("changed", "failed")]
+    assert not changed, f"steps ran across the upgrade: {changed[:5]}"
+    assert published(VOLUMES), not_published(VOLUMES)
+    metric("upgrade_restart_s", round(restart_s, 1))
+    return (f"{old} -> {new}: daemon pid {d0['MainPID']} -> {d1['MainPID']}, "
+            f"{len(before['mounts'])} mounts, {len(before['krbd'])} krbd, "
+            f"{len(before['nbd'])} nbd, {len(before['dm'])} dm unchanged; no step ran")
+
+
+def crash() -> str:
+    before = snapshot()
+    d0 = daemon()
+    mark = cursor()
+    write_spec(CRASH_VOLUME)
+
+    def working() -> bool:
+        return any(e.get("VOLUME") == CRASH_VOLUME
+                   for e in journal(f"--after-cursor={mark}", "-u", "rbd-reconciler"))
+
+    wait_for(f"the daemon to start on {CRASH_VOLUME}", working, 120, every=0.3)
+    # The daemon's process dies (what Restart=on-failure is for). Not the
+    # whole unit: `systemctl kill` defaults to every process of it, and the
+    # rbd-nbd helpers live in its cgroup (README "Proven on a systemd node").
+    sh("systemctl", "kill", "--kill-who=main", "-s", "KILL", "rbd-reconciler")
+    t0 = time.monotonic()
+    d1 = wait_for("systemd to restart the daemon",
+                  lambda: (d := daemon())["ActiveState"] == "active"
+                  and d["MainPID"] not in ("0", d0["MainPID"]) and d, 120)
+    restarted = time.monotonic() - t0
+    assert int(d1["NRestarts"]) == int(d0["NRestarts"]) + 1, (d0, d1)
+    names = [*VOLUMES, CRASH_VOLUME]
+    wait_for("every volume Published after the crash", lambda: published(names), 300, every=1)
+    converged = time.monotonic() - t0
+    after = snapshot()
+    kept = {p: m for p, m in before["mounts"].items()}
+    moved = {p: (m, after["mounts"].get(p)) for p, m in kept.items() if after["mounts"].get(p) != m}
+    assert not moved, f"mounts changed by the crash: {moved}"
+    metric("crash_restart_s", round(restarted, 1))
+    metric("crash_to_converged_s", round(converged, 1))
+    return (f"killed pid {d0['MainPID']}; restarted as {d1['MainPID']} in {restarted:.1f} s "
+            f"(NRestarts {d1['NRestarts']}), all {len(names)} Published {converged:.1f} s after "
+            "the kill; the other volumes' mounts untouched")
+
+
+def data_and_reboot() -> None:
+    KEEP.mkdir(exist_ok=True)
+    sums = {}
+    for name in ALL_VOLUMES:
+        p = Path(f"/srv/{name}/data.bin")
+        blob = os.urandom(2 * MiB)
+        with p.open("wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        sums[name] = hashlib.sha256(blob).hexdigest()
+    (KEEP / "checksums.json").write_text(json.dumps(sums))
+    (RUN / "checksums.json").write_text(json.dumps(sums))
+    log(f"wrote 2 MiB to each of {', '.join(sums)}")
+
+
+def boot1() -> str:
+    if not check("system up (systemd, udev)", system_up):
+        return "poweroff"
+    if not check("install (README)", install):
+        return "poweroff"
+    if not check("volumes published", all_published):
+        return "poweroff"
+    check("krbd with udev", krbd_udev)
+    check("LUKS2 through udev", luks_udev)
+    check("rbd-nbd", nbd_mapped)
+    check("journal fields", journal_fields)
+    check("systemd-analyze security", security)
+    app = check("application unit", application)
+    check("qos.unit through systemd", qos_unit)
+    check("upgrade keeps volumes", upgrade)
+    check("crash: restarted, converges", crash)
+    if app and check("data written", lambda: data_and_reboot() or "") \
+            and published(ALL_VOLUMES):
+        return "reboot"
+    return "poweroff"
+
+
+# ---------------------------------------------------------------- boot 2
+
+
+def back_after_reboot() -> str:
+    names = list(ALL_VOLUMES)
+    wait_for("every volume Published again by the units alone", lambda: published(names), 420,
+             every=0.5)
+    at = uptime()
+    (RUN / f"published-boot{BOOT}").write_text(f"{at:.1f}\n")
+    metric("boot_to_published_s", round(at, 1))
+    sums = json.loads((KEEP / "checksums.json").read_text())
+    for name, want in sums.items():
+        got = sha256(Path(f"/srv/{name}/data.bin"))
+        assert got == want, f"{name}: data.bin differs after the reboot"
+    state = sh("systemctl", "is-system-running", "--wait", check=False, timeout=300).stdout
+    metric("systemd_analyze", sh("systemd-analyze", quiet=True).stdout.splitlines()[0])
+    assert state.strip() == "running", f"system {state.strip()}"
+    return f"{len(names)} volumes Published {at:.1f} s after the kernel started; data identical"
+
+
+def app_after_reboot() -> str:
+    state = wait_for("nodebox-app.service active",
+                     lambda: unit("nodebox-app.service", "ActiveState")["ActiveState"] == "active",
+                     120)
+    assert state
+    hidden = beneath(f"/srv/{APP_VOLUME}")
+    assert not hidden, ("the application started before its volume was published: it wrote "
+                        f"into the directory the publish now hides, on the root filesystem: "
+                        f"{hidden}")
+    lines = Path(f"/srv/{APP_VOLUME}/app.log").read_text().splitlines()
+    this = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    stopped = [x for x in lines if x.startswith("stopping") and f"boot={this}" not in x]
+    started = [x for x in lines if x.startswith("started") and f"boot={this}" in x]
+    assert stopped, f"no 'stopping' from the previous boot in app.log: {lines[-5:]}"
+    assert started, f"the application has not started this boot: {lines[-5:]}"
+    assert "mounted=True" in started[0], \
+        f"the application started before its volume was published: {started[0]}"
+    return "stopped cleanly last boot; started this boot on its mounted volume"
+
+
+def beneath(path: str) -> dict[str, str]:
+    """What lies in ``path`` on the root filesystem, under the mount on it:
+    seen through a (non-recursive) bind of / elsewhere."""
+    view = Path("/run/nodebox-rootview")
+    view.mkdir(exist_ok=True)
+    sh("mount", "--bind", "-o", "ro", "/", str(view), quiet=True)
+    try:
+        under = view / path.lstrip("/")
+        return {f.name: f.read_text(errors="replace")[-300:] for f in under.iterdir()
+                if f.is_file()} if under.is_dir() else {}
+    finally:
+        sh("umount", str(view), quiet=True)
+
+
+STOPPING = "de5b426a63be47a7b6ac3eaac82e2f6f"
+STOPPED = "9d1aaa27d60140bd96365438aad20286"
+
+
+def shutdown_order() -> str:
+    """From the previous boot's journal: who stopped when (the last stop of
+    each unit: the daemon also stopped for the upgrade)."""
+    entries = journal("-b", "-1", timeout=180)
+    t: dict[tuple[str, str], float] = {}
+    for e in entries:
+        mid, u = e.get("MESSAGE_ID"), e.get("UNIT")
+        if mid in (STOPPING, STOPPED) and u and e.get("_PID") == "1":
+            key = (u, "stopping" if mid == STOPPING else "stopped")
+            t[key] = int(e["__MONOTONIC_TIMESTAMP"]) / 1e6
+
+    def at(u: str, what: str) -> float:
+        assert (u, what) in t, f"the previous boot's journal has no '{what}' for {u}"
+        return t[(u, what)]
+
+    app, dmn, rel = "nodebox-app.service", "rbd-reconciler.service", \
+        "rbd-reconciler-shutdown.service"
+    order = [
+        (at(app, "stopped"), at(dmn, "stopping"), "the application stopped before the daemon"),
+        (at(dmn, "stopped"), at(rel, "stopping"), "the daemon stopped before the release"),
+        (at(rel, "stopped"), at("network-online.target", "stopped"),
+         "the release ended before network-online.target went"),
+        (at(rel, "stopped"), at("systemd-networkd.service", "stopping"),
+         "the release ended before systemd-networkd stopped"),
+    ]
+    for a, b, what in order:
+        assert a <= b, f"not so: {what} ({a:.3f} > {b:.3f})"
+    # rbdmap.service (ceph-common) unmaps every krbd device when it stops:
+    # ours must be gone by then, and it must have had nothing to do.
+    if ("rbdmap.service", "stopping") in t:
+        assert at(rel, "stopped") <= at("rbdmap.service", "stopping"), \
+            "rbdmap.service stopped (unmap-all) while the release ran"
+    rbdmap = [e.get("MESSAGE") for e in entries if e.get("SYSLOG_IDENTIFIER") == "rbdmap"]
+    assert not rbdmap, f"rbdmap unmap-all touched devices: {rbdmap[:6]}"
+    release_s = at(rel, "stopped") - at(rel, "stopping")
+    asked = json.loads((RUN / f"shutdown-boot{BOOT - 1}").read_text())["uptime"]
+    last = max(int(e["__MONOTONIC_TIMESTAMP"]) for e in entries) / 1e6
+    metric("previous_shutdown_release_s", round(release_s, 1))
+    metric("previous_shutdown_request_to_release_end_s", round(at(rel, "stopped") - asked, 1))
+    metric("previous_shutdown_request_to_last_journal_entry_s", round(last - asked, 1))
+    # What the release said: every volume, its steps in order, nothing left.
+    said = [e.get("MESSAGE", "") for e in entries
+            if e.get("_SYSTEMD_UNIT") == rel and e.get("_PID") != "1"]
+    said = [s if isinstance(s, str) else bytes(s).decode(errors="replace") for s in said]
+    log("release --all said:\n  " + "\n  ".join(said))
+    assert any(re.match(r"released: \d+ volume\(s\); 0 thing\(s\) still held", s) for s in said), \
+        "no 'released: N volume(s); 0 thing(s) still held'"
+    assert not [s for s in said if s.startswith(("not released", "forced", "failed"))], said
+    for name in ALL_VOLUMES:
+        i = next((k for k, s in enumerate(said) if s.endswith(f"[{name}]")), None)
+        assert i is not None, f"the release did not report {name}"
+        steps = []
+        for s in said[i + 1:]:
+            if not s.startswith(" "):
+                break
+            steps.append(s.split()[1])
+        want = [x for x in ("unpublish", "unstage", "close", "unmap") if x in steps]
+        assert want == [x for x in steps if x in ("unpublish", "unstage", "close", "unmap")] \
+            and "unpublish" in steps and "unmap" in steps, f"{name}: release steps {steps}"
+    bad = [e.get("MESSAGE") for e in entries
+           if e.get("UNIT") in (app, dmn, rel) and int(e["__MONOTONIC_TIMESTAMP"]) / 1e6 >= asked
+           and re.search(
+               r"timed out|Killing process|SIGKILL|Failed with result",
+               str(e.get("MESSAGE", "")))]
+    assert not bad, f"a unit ran into its stop deadline: {bad}"
+    return (f"app stopped {at(dmn, 'stopping') - at(app, 'stopped'):.1f} s before the daemon "
+            f"stopping; release took {release_s:.1f} s and ended "
+            f"{at('network-online.target', 'stopped') - at(rel, 'stopped'):.2f} s before "
+            "network-online.target stopped")
+
+
+EXTRA: dict[str, tuple[str, str, str, bool]] = {
+    "box-extra1": ("krbd", "ext4", "16Mi", False), "box-extra2": ("krbd", "ext4", "16Mi", False),
+    "box-extra3": ("nbd", "ext4", "16Mi", False), "box-extra4": ("nbd", "ext4", "16Mi", False)}
+
+
+def more_volumes() -> str:
+    """Four more, for the power-off's time with eight published."""
+    ALL_VOLUMES.update(EXTRA)
+    for name in EXTRA:
+        write_spec(name)
+    t0 = time.monotonic()
+    wait_for("the four added volumes Published", lambda: published(ALL_VOLUMES), 300, every=1)
+    return f"{len(ALL_VOLUMES)} Published ({time.monotonic() - t0:.1f} s for the four added)"
+
+
+def boot2() -> str:
+    check("volumes back after reboot", back_after_reboot)
+    check("application after reboot", app_after_reboot)
+    check("shutdown order (previous boot)", shutdown_order)
+    check("four more volumes", more_volumes)
+    return "poweroff"
+
+
+def main() -> None:
+    log(f"node tests, boot {BOOT}: {sys.argv[0]}")
+    try:
+        action = {1: boot1, 2: boot2}[BOOT]()
+    except Exception as exc:  # the guest must always end the boot
+        log("".join(traceback.format_exception(exc)))
+        record(check="guest script", ok=False, seconds=0, detail=str(exc)[:400])
+        action = "poweroff"
+    end_boot(action)
+
+
+if __name__ == "__main__":
+    main()
