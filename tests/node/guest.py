@@ -300,7 +300,7 @@ def system_up() -> str:
 
 
 def install() -> str:
-    """The README's install section, verbatim where it has commands."""
+    """The install section (docs/daemon.md, Install), verbatim where it has commands."""
     cephdir = Path("/etc/ceph")
     cephdir.mkdir(exist_ok=True)
     for f in ("ceph.conf", "ceph.client.admin.keyring"):
@@ -428,9 +428,10 @@ def journal_fields() -> str:
 
 
 def readme_exposure() -> str:
-    text = " ".join((REPO / "README.md").read_text().split())
+    """The exposure the manual states (docs/daemon.md, Install)."""
+    text = " ".join((REPO / "docs" / "daemon.md").read_text().split())
     m = re.search(r"`systemd-analyze security` exposure (\d+\.\d+), \"(\w+)\"", text)
-    assert m, "README states no `systemd-analyze security` exposure"
+    assert m, "docs/daemon.md states no `systemd-analyze security` exposure"
     return f"{m.group(1)} {m.group(2)}"
 
 
@@ -443,8 +444,8 @@ def security() -> str:
         assert m, f"systemd-analyze security {u}: {out[-300:]}"
         got[u] = f"{m.group(1)} {m.group(2)}"
     assert got["rbd-reconciler.service"] == stated, \
-        f"rbd-reconciler.service: {got['rbd-reconciler.service']}, README states {stated}"
-    return ", ".join(f"{u}: {v}" for u, v in got.items()) + f" (README: {stated})"
+        f"rbd-reconciler.service: {got['rbd-reconciler.service']}, docs/daemon.md states {stated}"
+    return ", ".join(f"{u}: {v}" for u, v in got.items()) + f" (docs/daemon.md: {stated})"
 
 
 APP = """\
@@ -472,7 +473,7 @@ while True:
 APP_UNIT = f"""\
 [Unit]
 Description=an application using the volume {APP_VOLUME} (node tests)
-# README "Shutdown and reboot": applications order After= the daemon.
+# docs/daemon.md "Shutdown and reboot": applications order After= the daemon.
 After=rbd-reconciler.service
 
 [Service]
@@ -589,7 +590,7 @@ def crash() -> str:
     wait_for(f"the daemon to start on {CRASH_VOLUME}", working, 120, every=0.3)
     # The daemon's process dies (what Restart=on-failure is for). Not the
     # whole unit: `systemctl kill` defaults to every process of it, and the
-    # rbd-nbd helpers live in its cgroup (README "Proven on a systemd node").
+    # rbd-nbd helpers live in its cgroup (docs/daemon.md "Proven on a systemd node").
     sh("systemctl", "kill", "--kill-who=main", "-s", "KILL", "rbd-reconciler")
     t0 = time.monotonic()
     d1 = wait_for("systemd to restart the daemon",
