@@ -71,7 +71,6 @@ def uptime() -> float:
 
 
 log = Log()
-failures: list[str] = []
 
 
 def record(**kw: Any) -> None:
@@ -96,7 +95,6 @@ def check(name: str, fn: Callable[[], str | None]) -> bool:
             else str(exc)
         ok = False
         log("".join(traceback.format_exception(exc)).rstrip())
-        failures.append(name)
         diagnose()
     secs = time.monotonic() - t0
     log(f"--- {name}: {'ok' if ok else 'FAILED'} in {secs:.1f} s{': ' + detail if detail else ''}")
