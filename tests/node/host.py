@@ -129,7 +129,10 @@ def boot(n: int, args: argparse.Namespace, share: Path, overlay: Path) -> dict:
         if not timed_out:
             say(f"boot {n}: QEMU exited ({qemu.returncode}) without the guest's end of boot; "
                 "its console's last lines:")
-        tail = console.read_text(errors="replace").splitlines()[-40:]
+        try:
+            tail = console.read_text(errors="replace").splitlines()[-40:]
+        except OSError as exc:  # seen once: the run directory gone under us
+            tail = [f"(no console log: {exc})"]
         print("\n".join(tail), file=sys.stderr)
     out = {"boot": n, "qemu_s": round(ended, 1), "timed_out": timed_out,
            "end": (share / f"end-boot{n}").read_text().strip()
