@@ -29,7 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from reconciler.apply.runner import LEFT, VolumeOutcome, apply
+from reconciler.apply.runner import LEFT, VolumeOutcome
 from reconciler.daemon import sdnotify
 from reconciler.daemon.claimpoll import ClaimPoll, Wait, read_holders
 from reconciler.daemon.conditions import Conditions
@@ -42,11 +42,21 @@ from reconciler.daemon.metrics import Metrics, ceph_reachable
 from reconciler.drivers.freeze import thaw_recorded
 from reconciler.drivers.reaper import become_subreaper, reap_zombies
 from reconciler.drivers.run import Aborted, Halt
-from reconciler.engine import Awaited, Busy, FrontDoor, Gate, Stoppable, context, state_lock
+from reconciler.engine import (
+    Awaited,
+    Busy,
+    FrontDoor,
+    Gate,
+    Stoppable,
+    act,
+    context,
+    look,
+    state_lock,
+)
 from reconciler.facts.observed import Observed
 from reconciler.observe.ceph import observe_images
-from reconciler.observe.node import Node, observe
-from reconciler.plan.planner import VolumePlan, actual_state, plan
+from reconciler.observe.node import Node
+from reconciler.plan.planner import VolumePlan, actual_state
 from reconciler.source.report import applied_revision
 from reconciler.spec.config import Config, ConfigError, load_config
 from reconciler.spec.desired import claims, forgettable, load_desired
@@ -70,9 +80,6 @@ STALL_MIN_S = 120.0
 # Of timeouts.stopSeconds, kept for what follows the wait for the chains
 # (the CSI server's own grace, the file watcher, the log lines).
 STOP_RESERVE_S = 3.0
-
-NOTHING_OBSERVED = Observed(images={}, pools_listed=frozenset(), pool_errors={}, mappings=(),
-                            devices={}, mounts=())
 
 # A status differing from the last written in none of these is not rewritten.
 STATUS_KEYS = ("phase", "observedGeneration", "lastResult", "reason", "message",
@@ -577,7 +584,7 @@ class Daemon:
         self._retry_statuses()
         release, held = self._removals(current, frozen, failed_files)
 
-        look, why = self._take_dirty(current, release)
+        wanted, why = self._take_dirty(current, release)
         with self.lock:
             unrecorded = self.unrecorded & set(current)
             self.dirty |= unrecorded  # looked at again once it can be recorded
@@ -587,13 +594,12 @@ class Daemon:
                 message=f"not converged: {self._state_line()}",
                 observed_generation=current[name].spec_hash))
         candidates = [v for v in [*current.values(), *release]
-                      if v.name in look and v.name not in unrecorded and self._due(v)]
+                      if v.name in wanted and v.name not in unrecorded and self._due(v)]
         t_obs = time.monotonic()
         # Nothing to look at: nothing of the node is read (an idle pass).
-        observed = observe(self.node, candidates) if candidates else NOTHING_OBSERVED
+        looked = look(candidates, self.config, self.node, release=[v.name for v in release])
+        observed, plans = looked.observed, looked.plans
         t_obs = time.monotonic() - t_obs
-        plans = plan(candidates, observed, context(self.config, self.node),
-                     release=[v.name for v in release])
         by_name = {v.name: v for v in candidates}
         self._update_interest(candidates, observed, current, plans)
         self.metrics.observed(plans, current.values(),
@@ -648,7 +654,7 @@ class Daemon:
         log.debug("pass %d: looked at %d volume(s): %s", self.passes_started, len(candidates),
                   "; ".join(why) or "nothing changed")
         log.info("pass %d: %d volume(s), %d observed, %d converging, %d unknown, %d frozen, "
-                 "%d releasing, %d removal(s) held; observe %.0f ms, pass %.0f ms",
+                 "%d releasing, %d removal(s) held; observe and plan %.0f ms, pass %.0f ms",
                  self.passes_started, len(current), len(candidates), busy, len(unknown),
                  len(frozen),
                  len(release), len(held), t_obs * 1e3, (time.monotonic() - t0) * 1e3)
@@ -825,8 +831,8 @@ class Daemon:
         log.info("%s: %d step(s) start", vol.name, len(vp.steps), extra={"volume": vol.name})
         crashed = False
         try:
-            [outcome] = apply([vp], {vol.name: vol}, observed, self.node,  # type: ignore[arg-type]
-                              gate=self.gate)
+            [outcome] = act([vp], {vol.name: vol}, observed, self.node,  # type: ignore[arg-type]
+                            gate=self.gate)
         except Exception as exc:  # a driver bug must not kill the worker silently
             log.exception("%s: apply crashed", vol.name, extra={"volume": vol.name})
             outcome, crashed = VolumeOutcome(vol.name, status="failed", error=str(exc)), True
