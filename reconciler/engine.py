@@ -11,7 +11,7 @@ import contextlib
 import errno
 import fcntl
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -162,10 +162,17 @@ def act(plans: list[VolumePlan], volumes: dict[str, Volume], observed: Observed,
 
 
 def plan_pass(paths: Iterable[Path], config: Config, node: Node, release: bool = False,
-              all_watchers: bool = False) -> Pass:
-    loaded = load(paths, config)
-    looked = look(loaded.volumes, config, node, frozen=loaded.frozen_names,
-                  release=[v.name for v in loaded.volumes] if release else (),
+              all_watchers: bool = False, only: Collection[str] | None = None) -> Pass:
+    """Load the files, then look at their volumes (``only``: those named)."""
+    return pass_over(load(paths, config), config, node, release, all_watchers, only)
+
+
+def pass_over(loaded: LoadResult, config: Config, node: Node, release: bool = False,
+              all_watchers: bool = False, only: Collection[str] | None = None) -> Pass:
+    volumes = [v for v in loaded.volumes if only is None or v.name in only]
+    frozen = [n for n in loaded.frozen_names if only is None or n in only]
+    looked = look(volumes, config, node, frozen=frozen,
+                  release=[v.name for v in volumes] if release else (),
                   all_watchers=all_watchers)
     return Pass(loaded, looked.observed, looked.plans)
 
@@ -174,18 +181,46 @@ def apply_pass(p: Pass, node: Node) -> list[VolumeOutcome]:
     return act(p.plans, {v.name: v for v in p.loaded.volumes}, p.observed, node)
 
 
-def release_pass(paths: Iterable[Path], config: Config, node: Node
-                 ) -> tuple[Pass, list[VolumeOutcome]]:
+# A clone or snapshot waiting for one a pass created is planned again by the
+# next: each level of a chain of sources is one more pass, this many at most.
+MAX_FOLLOW_UP_PASSES = 8
+
+
+def merge_outcomes(first: Iterable[VolumeOutcome], then: Iterable[VolumeOutcome]
+                   ) -> list[VolumeOutcome]:
+    """One result per volume over the passes of one apply, by name."""
+    by_name = {o.name: o for o in first}
+    for o in then:
+        prev = by_name.get(o.name)
+        if prev is None:
+            by_name[o.name] = o
+            continue
+        prev.steps += o.steps
+        prev.notes = o.notes
+        if o.status == "failed" or prev.status == "failed":
+            prev.status, prev.error = "failed", o.error or prev.error
+        elif o.status == "changed":
+            prev.status = "changed"
+    return [by_name[n] for n in sorted(by_name)]
+
+
+def release_pass(paths: Iterable[Path], config: Config, node: Node,
+                 only: Collection[str] | None = None) -> tuple[Pass, list[VolumeOutcome]]:
     """``release``: the node's side first, Ceph's after. The teardown
     (unpublish, unstage, unmap) is planned from the node alone and never
     waits for Ceph; one connection, started in the background meanwhile,
     then drops this node's claims of the images no longer mapped here."""
-    loaded = load(paths, config)
-    connecting = Connecting(config.ceph, config.observe_timeout_seconds) \
-        if loaded.volumes else None
+    return release_over(load(paths, config), config, node, only)
+
+
+def release_over(loaded: LoadResult, config: Config, node: Node,
+                 only: Collection[str] | None = None) -> tuple[Pass, list[VolumeOutcome]]:
+    volumes = [v for v in loaded.volumes if only is None or v.name in only]
+    connecting = Connecting(config.ceph, config.observe_timeout_seconds) if volumes else None
     try:
-        looked = look(loaded.volumes, config, node, frozen=loaded.frozen_names,
-                      release=[v.name for v in loaded.volumes], ceph=False)
+        looked = look(volumes, config, node,
+                      frozen=[n for n in loaded.frozen_names if only is None or n in only],
+                      release=[v.name for v in volumes], ceph=False)
     except BaseException:
         if connecting is not None:
             connecting.close()

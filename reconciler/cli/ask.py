@@ -1,0 +1,166 @@
+"""The command line's side of the control socket: when the daemon runs, a
+command is done by it (README: The command line beside the daemon), and its
+answer printed here as the command would print its own.
+
+``ask`` returns None when no daemon serves this node's stateDir (no socket,
+a stale one, or a daemon of another stateDir): the command then runs in this
+process, as it always has.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from reconciler.cli import show
+from reconciler.cli.main import EXIT_FAILED, EXIT_INTERRUPTED
+
+TYPE_CHECKING = False  # typing itself costs ~5 ms at start-up
+if TYPE_CHECKING:
+    import socket
+    from collections.abc import Iterable, Iterator
+    from typing import Any
+
+    from reconciler.spec.config import Config
+
+
+def targets(items: Iterable[Path | str]) -> list[dict[str, str]]:
+    """Each PATH|NAME argument: a path (made absolute: the daemon runs
+    elsewhere) when it names one or looks like one, else a volume name."""
+    out = []
+    for item in items:
+        text = str(item)
+        if is_path(text):
+            out.append({"path": os.path.abspath(text)})
+        else:
+            out.append({"name": text})
+    return out
+
+
+def is_path(text: str) -> bool:
+    return ("/" in text or text.endswith((".yaml", ".yml")) or text in (".", "..")
+            or os.path.lexists(text))
+
+
+def connect(config: Config) -> socket.socket | None:
+    """The daemon's control socket, or None when no daemon listens there."""
+    from reconciler.daemon.protocol import connect as connect_to
+
+    try:
+        return connect_to(config.control_socket)
+    except (FileNotFoundError, ConnectionRefusedError):
+        return None
+
+
+def ask(config: Config, command: str, args: dict[str, Any], output: str = "human"
+        ) -> int | None:
+    """Have the running daemon do ``command``; print what it says. None: no
+    daemon serves this stateDir (run here instead)."""
+    from reconciler.daemon.protocol import PROTOCOL, Untrusted, line, lines
+
+    try:
+        sock = connect(config)
+    except Untrusted as exc:
+        print(f"rbd-reconciler: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except OSError as exc:
+        print(f"rbd-reconciler: cannot reach the daemon at controlSocket "
+              f"{config.control_socket}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_FAILED
+    if sock is None:
+        return None
+    with sock:
+        try:
+            sock.sendall(line({"protocol": PROTOCOL, "command": command,
+                               "stateDir": str(config.state_dir), "args": args}))
+            return _answer(lines(sock), output)
+        except _Elsewhere:
+            return None
+        except KeyboardInterrupt:
+            print("rbd-reconciler: interrupted; the daemon goes on with what it started "
+                  "(rbd-reconciler status)", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        except (OSError, ValueError) as exc:
+            print(f"rbd-reconciler: the daemon's answer broke off ({exc}); what it started "
+                  "goes on or ended with it (see its log, and rbd-reconciler status)",
+                  file=sys.stderr)
+            return EXIT_FAILED
+
+
+class _Elsewhere(Exception):
+    """The daemon at the socket serves another stateDir."""
+
+
+def _answer(answer: Iterator[dict[str, Any]], output: str) -> int:
+    volumes = _InOrder(output == "human")
+    for obj in answer:
+        if "exit" in obj:
+            if "elsewhere" in obj:
+                raise _Elsewhere(obj["elsewhere"])
+            volumes.flush()
+            if obj.get("error"):
+                print(f"rbd-reconciler: {obj['error']}", file=sys.stderr)
+            if "result" in obj:
+                _result(obj["result"], output)
+            return int(obj["exit"])
+        event = obj.get("event")
+        if event == "started":
+            volumes.expect(obj.get("volumes", []))
+            if output == "human":
+                show.diagnostics(obj.get("errors", []))
+        elif event == "volume":
+            volumes.add(obj["volume"])
+        elif event == "say":
+            print(obj["text"], file=sys.stderr if obj.get("stream") == "err" else sys.stdout,
+                  flush=True)
+    raise OSError("the daemon closed the connection before its final line")
+
+
+def _result(result: dict[str, Any], output: str) -> None:
+    kind = result.get("kind")
+    doc = result["doc"]
+    if output == "json":
+        show.as_json(doc)
+    elif kind == "plan":
+        show.plan(doc)
+    elif kind == "status":
+        show.status(doc)
+    elif kind == "explain":
+        show.explanation(doc)
+    elif kind == "applied":
+        for line in doc.get("notReleased", []):  # allow-removal: what it did not let go
+            print(f"not released: {line}", file=sys.stderr)
+        show.recap(doc["recap"])  # the volumes were printed as they came
+
+
+class _InOrder:
+    """Each volume's result printed as soon as it and those before it (by
+    name, as apply prints them) have come: the output is the one a local
+    apply prints, only sooner."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.order: list[str] = []
+        self.got: dict[str, dict[str, Any]] = {}
+        self.next = 0
+
+    def expect(self, names: list[str]) -> None:
+        self.order = list(names)
+
+    def add(self, outcome: dict[str, Any]) -> None:
+        if outcome["name"] not in self.order:
+            self.order.append(outcome["name"])
+        self.got[outcome["name"]] = outcome
+        while self.next < len(self.order) and self.order[self.next] in self.got:
+            if self.enabled:
+                show.outcome(self.got[self.order[self.next]])
+                sys.stdout.flush()
+            self.next += 1
+
+    def flush(self) -> None:
+        """At the end: whatever came, in order (none is missing but on an error)."""
+        for name in self.order[self.next:]:
+            if self.enabled and name in self.got:
+                show.outcome(self.got[name])
+        self.next = len(self.order)
