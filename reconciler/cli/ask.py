@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 from reconciler.cli import show
-from reconciler.cli.main import EXIT_FAILED, EXIT_INTERRUPTED
+from reconciler.cli.exits import EXIT_FAILED, EXIT_INTERRUPTED
 
 TYPE_CHECKING = False  # typing itself costs ~5 ms at start-up
 if TYPE_CHECKING:
     import socket
     from collections.abc import Iterable, Iterator
+    from pathlib import Path
     from typing import Any
 
     from reconciler.spec.config import Config
@@ -43,12 +43,12 @@ def is_path(text: str) -> bool:
             or os.path.lexists(text))
 
 
-def connect(config: Config) -> socket.socket | None:
+def connect(path: Path | str) -> socket.socket | None:
     """The daemon's control socket, or None when no daemon listens there."""
     from reconciler.daemon.protocol import connect as connect_to
 
     try:
-        return connect_to(config.control_socket)
+        return connect_to(path)
     except (FileNotFoundError, ConnectionRefusedError):
         return None
 
@@ -57,23 +57,29 @@ def ask(config: Config, command: str, args: dict[str, Any], output: str = "human
         ) -> int | None:
     """Have the running daemon do ``command``; print what it says. None: no
     daemon serves this stateDir (run here instead)."""
+    return ask_at(config.control_socket, config.state_dir, command, args, output)
+
+
+def ask_at(path: Path | str, state_dir: Path | str, command: str, args: dict[str, Any],
+           output: str = "human") -> int | None:
+    """``ask``, given where the daemon is and which stateDir the command is for."""
     from reconciler.daemon.protocol import PROTOCOL, Untrusted, line, lines
 
     try:
-        sock = connect(config)
+        sock = connect(path)
     except Untrusted as exc:
         print(f"rbd-reconciler: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except OSError as exc:
         print(f"rbd-reconciler: cannot reach the daemon at controlSocket "
-              f"{config.control_socket}: {exc.strerror or exc}", file=sys.stderr)
+              f"{path}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_FAILED
     if sock is None:
         return None
     with sock:
         try:
             sock.sendall(line({"protocol": PROTOCOL, "command": command,
-                               "stateDir": str(config.state_dir), "args": args}))
+                               "stateDir": str(state_dir), "args": args}))
             return _answer(lines(sock), output)
         except _Elsewhere:
             return None

@@ -13,6 +13,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from reconciler import __version__
+from reconciler.cli.exits import (  # noqa: F401  (the commands import them from here)
+    EXIT_CHANGES,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+)
 from reconciler.cli.pipe import reader_gone  # and exit 141 (EXIT_PIPE) when the reader is gone
 
 TYPE_CHECKING = False  # typing itself costs ~5 ms at start-up
@@ -21,11 +28,6 @@ if TYPE_CHECKING:
 
     from reconciler.spec.config import Config
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_CHANGES = 2
-EXIT_USAGE = 64  # sysexits EX_USAGE: not argparse's 2, which `plan` means "changes pending"
-EXIT_INTERRUPTED = 130
 
 # Only these run as any user: they read files and change nothing on the node.
 UNPRIVILEGED = ("validate",)

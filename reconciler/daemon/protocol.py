@@ -22,11 +22,11 @@ import json
 import os
 import socket
 import stat
-from pathlib import Path
 
 TYPE_CHECKING = False  # typing itself costs ~5 ms at start-up
 if TYPE_CHECKING:
     from collections.abc import Iterator
+    from pathlib import Path
     from typing import Any
 
 PROTOCOL = 1
@@ -54,7 +54,7 @@ class Untrusted(Exception):
     """The socket, or its directory, may be someone else's than root's."""
 
 
-def connect(path: Path, timeout: float | None = None) -> socket.socket:
+def connect(path: Path | str, timeout: float | None = None) -> socket.socket:
     """A connection to the control socket at ``path``, through its
     directory's descriptor (so a path longer than a unix socket address may
     hold works too). FileNotFoundError or ConnectionRefusedError: no daemon
@@ -62,11 +62,13 @@ def connect(path: Path, timeout: float | None = None) -> socket.socket:
     alone (whoever could place a socket there would get our requests)."""
     from reconciler.state.files import foreign, open_dir
 
-    dfd = open_dir(path.parent)  # symlinks followed only where root placed them
+    path = os.fspath(path)
+    parent, name = os.path.split(path)
+    dfd = open_dir(parent)  # type: ignore[arg-type]  # symlinks followed only where root placed them
     try:
         if (why := foreign(os.fstat(dfd))) is not None:
             raise Untrusted(f"controlSocket {path}: its directory is {why}; not talking to it")
-        st = os.stat(path.name, dir_fd=dfd, follow_symlinks=False)
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         if not stat.S_ISSOCK(st.st_mode):
             raise Untrusted(f"controlSocket {path} is not a socket")
         if st.st_uid not in (0, os.geteuid()):
@@ -74,7 +76,7 @@ def connect(path: Path, timeout: float | None = None) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             sock.settimeout(timeout)
-            sock.connect(f"/proc/self/fd/{dfd}/{path.name}")
+            sock.connect(f"/proc/self/fd/{dfd}/{name}")
         except BaseException:
             sock.close()
             raise

@@ -164,6 +164,11 @@ def test_status_plan_explain_answer_from_the_live_view(
     assert doc["volumes"][0]["phase"] == "PUBLISHED"
     assert set(doc) == set(want) and set(doc["volumes"][0]) == set(want["volumes"][0])
     assert "control: status" in d.log.read_text()
+    # A command of its own process takes the short way (cli/fast.py): the same words.
+    for args in (["status"], ["plan", "-o", "json"], ["explain", a]):
+        proc = run_cli(node, *args)
+        out, err = proc.communicate(timeout=60)
+        assert (proc.returncode, out) == node.cli(*args), (args, err)
     assert d.stop() == 0
 
 
