@@ -94,7 +94,9 @@ class Commands:
         if command == "ping":
             reply.finish(0, result={"pid": os.getpid(), "stateDir": str(config.state_dir)})
             return
-        if request.get("stateDir") != str(config.state_dir):
+        theirs = request.get("stateDir")
+        if not isinstance(theirs, str) or \
+                os.path.normpath(theirs) != os.path.normpath(config.state_dir):
             # Another node config than this daemon's: the client works alone.
             reply.finish(1, elsewhere=f"this daemon serves stateDir {config.state_dir}")
             return

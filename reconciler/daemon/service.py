@@ -599,6 +599,9 @@ class Daemon:
         except ConfigError as exc:
             log.error("reload refused, keeping the running config: %s", exc)
             return
+        if config.control_socket != self.config.control_socket:
+            log.warning("controlSocket %s: taken at the next start; serving %s until then",
+                        config.control_socket, self.config.control_socket)
         self.config = config
         self.node = Node.from_config(config, halt=self.halt)
         log.info("config reloaded from %s", config.source or "built-in defaults")
