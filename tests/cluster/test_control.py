@@ -17,6 +17,7 @@ import pytest
 import rbd
 from conftest import NodeUnderTest
 from test_daemon import ROOT, Daemon, set_resync, spec, start, wait_for  # noqa: F401
+from test_encryption import enc_node  # noqa: F401  (a fixture)
 
 from reconciler.facts import meta
 from reconciler.facts.claim import Claim
@@ -330,3 +331,23 @@ def test_a_path_outside_the_daemon_is_planned_alone(
     assert rc == 1 and out == ""  # the daemon converges its own directories only
     assert d.stop() == 0
     os.unlink(f)
+
+
+def test_rotate_key_runs_in_the_daemon_holding_the_volume(
+        enc_node: NodeUnderTest, start: Callable[..., Daemon]) -> None:  # noqa: F811
+    from test_encryption import formatted, image_meta, node_key_path
+
+    n = enc_node
+    name = n.name("rot")
+    formatted(n, name)
+    n.write(name, f"  image: {{pool: {n.cluster.pool}, size: 64Mi}}\n  map: {{}}\n"
+                  f"  encryption: {{type: luks2, key: {{wrappedBy: {node_key_path(n)}}}}}\n")
+    d = start()
+    d.wait_phase(name, "Mapped")
+    before = image_meta(n, name)[meta.LUKS_KEY]
+    rc, out = n.cli("rotate-key", name)
+    assert rc == 0 and "rotated" in out, out
+    assert image_meta(n, name)[meta.LUKS_KEY] != before
+    assert "control: rotate-key" in d.log.read_text()  # done by the daemon
+    assert d.status(name)["phase"] == "Mapped"  # and the volume given back to it
+    assert d.stop() == 0
