@@ -99,7 +99,10 @@ class Asks:
     def __init__(self, look_again: Callable[[set[str], str], None]) -> None:
         # Asks the daemon for one more pass over these names, at once.
         self.look_again = look_again
-        self._lock = threading.Lock()
+        # The pass thread and the chains' threads both move an ask along:
+        # every change to one is made under this lock (re-entered when an
+        # answer closes an ask and drops it).
+        self._lock = threading.RLock()
         self._open: list[Ask] = []
 
     def add(self, ask: Ask) -> None:
@@ -119,6 +122,10 @@ class Asks:
     # -- the pass thread ----------------------------------------------------------
     def allowance(self, pass_no: int) -> Allowance:
         """What the removal asks this pass answers let go (with the file's)."""
+        with self._lock:
+            return self._allowance(pass_no)
+
+    def _allowance(self, pass_no: int) -> Allowance:
         names: set[str] = set()
         every = False
         for a in self._current():
@@ -131,6 +138,10 @@ class Asks:
     def resolve(self, pass_no: int, ctx: PassContext) -> set[str]:
         """Name the volumes of the asks this pass answers; returns the names
         to look at in this very pass."""
+        with self._lock:
+            return self._resolve(pass_no, ctx)
+
+    def _resolve(self, pass_no: int, ctx: PassContext) -> set[str]:
         look: set[str] = set()
         for a in self._current():
             if a.resolved_in is not None or a.first > pass_no:
@@ -216,7 +227,12 @@ class Asks:
     def looked(self, pass_no: int, name: str, waiting: bool,
                outcome: VolumeOutcome | None) -> None:
         """This pass planned ``name``: ``outcome`` when nothing was run (its
-        result as apply would print it), None when a chain was started."""
+        result as apply would print it), None when a chain is being started."""
+        with self._lock:
+            self._looked(pass_no, name, waiting, outcome)
+
+    def _looked(self, pass_no: int, name: str, waiting: bool,
+                outcome: VolumeOutcome | None) -> None:
         for a in self._current():
             if a.resolved_in is None or pass_no < a.resolved_in or name not in a.pending \
                     or name in a.counted:
@@ -228,26 +244,29 @@ class Asks:
 
     def finished(self, name: str, outcome: VolumeOutcome) -> None:
         """A chain ended (its thread): the answer of the asks that count it."""
-        for a in self._current():
-            if name in a.counted:
-                a.counted.discard(name)
-                self._deliver(a, name, outcome)
+        with self._lock:
+            for a in self._current():
+                if name in a.counted:
+                    a.counted.discard(name)
+                    self._deliver(a, name, outcome)
 
     def pass_ended(self, pass_no: int, refused: str | None) -> None:
         """``refused``: why the pass did not get to the asks (it refused to
         look, or failed): those it should have answered fail with that."""
-        for a in self._current():
-            if a.closed or a.first > pass_no:
-                continue
-            if refused is not None and (a.resolved_in is None or a.resolved_in == pass_no):
-                self._fail(a, refused)
+        with self._lock:
+            for a in self._current():
+                if a.closed or a.first > pass_no:
+                    continue
+                if refused is not None and (a.resolved_in is None or a.resolved_in == pass_no):
+                    self._fail(a, refused)
 
     def stop(self, why: str) -> None:
         """The daemon stops: every ask still open ends with what it has."""
-        for a in self._current():
-            if a.kind == "job" and a.reserved is not None:
-                continue  # its reserver ends it
-            self._fail(a, why)
+        with self._lock:
+            for a in self._current():
+                if a.kind == "job" and a.reserved is not None:
+                    continue  # its reserver ends it
+                self._fail(a, why)
 
     # -- results ------------------------------------------------------------------
     def _deliver(self, a: Ask, name: str, outcome: VolumeOutcome, waiting: bool = False) -> None:

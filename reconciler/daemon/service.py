@@ -779,9 +779,11 @@ class Daemon:
             self.dirty |= again
         held_io: dict[str, str] = {}
         n = self.passes_started
+        vanished, kept_down = {v.name for v in release}, {v.name for v in holding}
         for vp in plans:
             vol = by_name[vp.name]
-            down = "vanished" if vol in release else "held" if vol in holding else None
+            down: Down = ("vanished" if vol.name in vanished else
+                          "held" if vol.name in kept_down else None)
             if vol.name in unrecorded:
                 continue  # not recorded, not done (its status says so)
             if vp.fenced or vp.stalled:
@@ -995,12 +997,13 @@ class Daemon:
             self._write_status(vol.name, VolumeStatus("Pending"))
         elif vol.state == "absent" and vp.refusal is None:
             self._write_status(vol.name, VolumeStatus("Deleting"))
+        # Before the chain can end: its end is the answer of the asks counting it.
+        self.asks.looked(self.passes_started, vol.name, False, None)
         with self.lock:
             fut = self.pool.submit(self._converge, vol, vp, observed, down)
             self.inflight[vol.name] = fut
             self.inflight_info[vol.name] = Inflight(
                 vol.spec_hash, "converge" if down is None else "release")
-        self.asks.looked(self.passes_started, vol.name, False, None)
 
     def _converge(self, vol: Volume, vp: VolumePlan, observed: object, down: Down) -> None:
         log.info("%s: %d step(s) start", vol.name, len(vp.steps), extra={"volume": vol.name})
