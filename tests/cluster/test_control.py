@@ -194,6 +194,16 @@ def test_release_holds_down_until_apply_across_a_restart(
     rc, out = node.cli("apply", a)
     assert rc == 0 and out.startswith(f"changed: [{a}]\n  changed map"), out
     assert str(node.srv / "held") in node.mounts()
+    # Held again, then applied with the daemon stopped: the daemon, when it
+    # starts, does not take it down again.
+    assert node.cli("release", a)[0] == 0
+    assert d.stop() == 0
+    assert json.loads((node.state / "held.json").read_text()) == {"names": [a]}
+    assert node.cli("apply", a)[0] == 0  # alone
+    assert not (node.state / "held.json").exists()
+    d = start()
+    d.wait_phase(a, "Published")
+    assert node.cli("plan")[0] == 0
     assert d.stop() == 0
 
 
