@@ -10,7 +10,8 @@ answered from the daemon's passes and its live view, under its own locks.
   again: no second look at the node or Ceph (but ``explain``'s watchers
   and blocklist of its one image, through the daemon's connection).
 - ``rotate-key`` and ``takeover`` run here while the daemon holds the
-  volume: no chain of it runs meanwhile, and it is looked at right after.
+  volume: no chain of it runs meanwhile, and it is looked at right after
+  (rotate-key looks at it first too: where it is mapped).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from reconciler.daemon.asks import Ask, Asks, Inflight, Kind
 from reconciler.daemon.control import Reply
 from reconciler.daemon.liveview import LiveView, Seen
 from reconciler.drivers.freeze import left_frozen
-from reconciler.engine import NOTHING_OBSERVED, context
+from reconciler.engine import NOTHING_OBSERVED, context, look
 from reconciler.observe.ceph import CephView, observe_images
 from reconciler.observe.node import Node
 from reconciler.plan.planner import frozen_plan
@@ -272,12 +273,14 @@ class Commands:
         new_key_file = args.get("newKeyFile")
 
         def work(name: str, say: Say) -> bool:
-            seen = self.d.view.get(name)
-            vol = seen.volume if seen is not None else None
+            loaded = self.d.view.loaded
+            vol = next((v for v in loaded.volumes if v.name == name), None) if loaded else None
             if vol is None or vol.kind != "Volume":
-                say(f"rbd-reconciler: no volume {name!r} the daemon has looked at", True)
+                say(f"rbd-reconciler: no volume {name!r} in {self.d.config.desired_dir}", True)
                 return False
-            device = mapped_device(vol, seen.observed)
+            # Looked at now, under the daemon's hold (the last pass may have
+            # seen it before the chain that mapped it): where it is mapped.
+            device = mapped_device(vol, look([vol], self.d.config, self.d.node).observed)
             if device is None:
                 say(f"rbd-reconciler: {vol.image.spec} is not mapped on this node; rotate-key "
                     "works on the mapped device (the daemon maps it first)", True)
