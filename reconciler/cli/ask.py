@@ -63,7 +63,7 @@ def ask(config: Config, command: str, args: dict[str, Any], output: str = "human
 def ask_at(path: Path | str, state_dir: Path | str, command: str, args: dict[str, Any],
            output: str = "human") -> int | None:
     """``ask``, given where the daemon is and which stateDir the command is for."""
-    from reconciler.daemon.protocol import PROTOCOL, Untrusted, line, lines
+    from reconciler.daemon.protocol import ACCEPT_TIMEOUT_S, PROTOCOL, Untrusted, line, lines
 
     try:
         sock = connect(path)
@@ -78,9 +78,23 @@ def ask_at(path: Path | str, state_dir: Path | str, command: str, args: dict[str
         return None
     with sock:
         try:
+            sock.settimeout(ACCEPT_TIMEOUT_S)
             sock.sendall(line({"protocol": PROTOCOL, "command": command,
                                "stateDir": str(state_dir), "args": args}))
-            return _answer(lines(sock), output)
+            answer = lines(sock)
+            first = next(answer, None)
+            sock.settimeout(None)  # the work itself takes what it takes (mkfs...)
+            return _answer(answer if first is None else _chain(first, answer), output)
+        except TimeoutError:
+            if command in LOOKS:
+                print(f"rbd-reconciler: warning: the daemon at controlSocket {path} does not "
+                      f"answer (stopped or stuck?); looking without it", file=sys.stderr)
+                return None
+            print(f"rbd-reconciler: the daemon at controlSocket {path} does not answer "
+                  f"within {ACCEPT_TIMEOUT_S:g} s (stopped or stuck? `kill -USR1` writes its "
+                  "threads' stacks to its log); nothing asked of it (a request it reads "
+                  "later, from a command gone, is dropped)", file=sys.stderr)
+            return EXIT_FAILED
         except _Elsewhere:
             return None
         except KeyboardInterrupt:
@@ -92,6 +106,15 @@ def ask_at(path: Path | str, state_dir: Path | str, command: str, args: dict[str
                   "goes on or ended with it (see its log, and rbd-reconciler status)",
                   file=sys.stderr)
             return EXIT_FAILED
+
+
+# What only reports: with a daemon that does not answer, made here instead.
+LOOKS = ("plan", "status", "explain")
+
+
+def _chain(first: dict[str, Any], rest: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    yield first
+    yield from rest
 
 
 class _Elsewhere(Exception):

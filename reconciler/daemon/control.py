@@ -159,6 +159,13 @@ class ControlServer:
                     return
                 request = self._read(conn)
                 conn.settimeout(SEND_TIMEOUT_S)
+                # At once, from this thread: the client tells a daemon at work
+                # from one that is stopped or stuck (nothing would come). A
+                # client gone meanwhile gave up on it: its request is dropped.
+                if not reply.event("accepted"):
+                    log.info("control: %s dropped: its client went away before the daemon "
+                             "read it", request["command"])
+                    return
                 self.handler(request, reply)
             except (ValueError, TimeoutError) as exc:
                 reply.finish(64, error=f"bad request: {exc}")

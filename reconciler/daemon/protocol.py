@@ -6,9 +6,9 @@ client writes one line, an object::
     {"protocol": 1, "command": "apply", "stateDir": "/var/lib/rbd-reconciler",
      "args": {"targets": [{"name": "pgdata"}], ...}}
 
-The daemon answers with lines: events while the work goes on
-(``{"event": "started", ...}``, ``{"event": "volume", ...}``,
-``{"event": "say", ...}``), then exactly one final line, ``{"exit": N,
+The daemon answers with lines: ``{"event": "accepted"}`` at once, events
+while the work goes on (``{"event": "started", ...}``, ``{"event":
+"volume", ...}``, ``{"event": "say", ...}``), then exactly one final line, ``{"exit": N,
 "result": {...}}`` or ``{"exit": N, "error": "..."}``, and closes. A
 final ``{"exit": N, "elsewhere": "..."}`` says this daemon does not serve
 the client's stateDir: the client then works without it.
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 PROTOCOL = 1
 MAX_REQUEST_BYTES = 64 * 1024  # a request names volumes and paths: far below this
 REQUEST_TIMEOUT_S = 10.0  # the whole request line, from the connection on
+ACCEPT_TIMEOUT_S = 10.0  # a daemon says "accepted" at once; past this it is stopped or stuck
 
 # The commands the daemon answers; every other is refused.
 COMMANDS = ("ping", "apply", "release", "plan", "status", "explain", "rotate-key", "takeover",

@@ -245,8 +245,9 @@ def test_allow_removal_and_takeover_run_in_the_daemon(
     assert d.stop() == 0
 
 
-def test_root_only_and_a_stale_socket(node: NodeUnderTest,
-                                      start: Callable[..., Daemon]) -> None:  # noqa: F811
+def test_root_only_a_stopped_daemon_and_a_stale_socket(
+        node: NodeUnderTest, start: Callable[..., Daemon],  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     a = node.name("sock")
     node.write(a, spec(node, target="sock"))
     d = start()
@@ -269,6 +270,25 @@ def test_root_only_and_a_stale_socket(node: NodeUnderTest,
     r = subprocess.run([*nobody, sys.executable, "-c", client, str(sock), str(node.state)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "PermissionError" in r.stderr  # the mode, before any cred
+
+    # Stopped (or stuck): it accepts, but says nothing. What only reports is
+    # made alone, with a warning; what changes the node is not asked at all.
+    from reconciler.daemon import protocol
+
+    monkeypatch.setattr(protocol, "ACCEPT_TIMEOUT_S", 1.0)
+    d.proc.send_signal(signal.SIGSTOP)
+    try:
+        capsys.readouterr()
+        rc, out = node.cli("status")
+        assert rc == 0 and re.search(rf"{a}\s+PUBLISHED", out), out
+        assert "does not answer (stopped or stuck?); looking without it" in capsys.readouterr().err
+        rc, out = node.cli("apply", a)
+        assert rc == 1 and "nothing asked of it" in capsys.readouterr().err
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+    assert node.cli("plan")[0] == 0  # awake: through it again
+    wait_for(lambda: "control: apply dropped: its client went away" in d.log.read_text(),
+             "the request of the command gone to be dropped", 30)
 
     # Killed: its socket stays, nobody listens. The command line works alone.
     d.stop(signal.SIGKILL)
