@@ -110,7 +110,7 @@ class Asks:
             self._open.append(ask)
 
     def drop(self, ask: Ask) -> None:
-        """A job's ask, done (the volume is released by its reserver)."""
+        """No longer open: answered, failed, or a job's volume reserved."""
         with self._lock:
             if ask in self._open:
                 self._open.remove(ask)
@@ -222,6 +222,7 @@ class Asks:
             a.resolved_in = pass_no
             a.reserved = ctx.current[name]
             a.emit({"event": "reserved"})
+            self.drop(a)  # the passes are done with it: its reserver ends it
         # else: a chain runs for it; its end marks it, and a later pass reserves it
 
     def looked(self, pass_no: int, name: str, waiting: bool,
@@ -264,8 +265,6 @@ class Asks:
         """The daemon stops: every ask still open ends with what it has."""
         with self._lock:
             for a in self._current():
-                if a.kind == "job" and a.reserved is not None:
-                    continue  # its reserver ends it
                 self._fail(a, why)
 
     # -- results ------------------------------------------------------------------

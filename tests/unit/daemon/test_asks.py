@@ -160,5 +160,6 @@ def test_a_job_reserves_its_volume_and_the_stop_ends_the_rest() -> None:
     asks.resolve(1, p.ctx)
     assert p.reserved == ["a"] and job.reserved is not None
     assert [e["event"] for e in job.events()] == ["reserved"]
+    assert job not in asks._current()  # reserved: the passes are done with it
     asks.stop("the daemon is stopping")
     assert drain(other)[-1]["exit"] == 1 and not drain(job)  # the job's reserver ends it
