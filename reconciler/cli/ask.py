@@ -127,6 +127,10 @@ def _answer(answer: Iterator[dict[str, Any]], output: str) -> int:
         if "exit" in obj:
             if "elsewhere" in obj:
                 raise _Elsewhere(obj["elsewhere"])
+            if "alone" in obj:  # its view is not what is there: look without it
+                print(f"rbd-reconciler: warning: {obj['alone']}; looking without it",
+                      file=sys.stderr)
+                raise _Elsewhere(obj["alone"])
             volumes.flush()
             if obj.get("error"):
                 print(f"rbd-reconciler: {obj['error']}", file=sys.stderr)

@@ -73,6 +73,7 @@ class Running(Protocol):
     lock: threading.Lock
     inflight_info: dict[str, Inflight]
     passes_done: int
+    not_reconciling: str | None  # why its last pass refused to look
 
     def first_pass_after_now(self) -> int: ...
 
@@ -160,6 +161,11 @@ class Commands:
             number = d.first_pass_after_now()
             d.look_again(set(), "the command line waits for the view")
             d.wait_pass(number, deadline)  # late: what it has is still the best it knows
+        if d.not_reconciling is not None or d.view.loaded is None:
+            # Its view is not what is there now (an untrusted directory, no
+            # source revision yet): the command looks for itself, and says why.
+            reply.finish(1, alone=d.not_reconciling or "the daemon has loaded nothing yet")
+            return None
         return d.view.loaded
 
     def _status(self, targets: list[dict[str, str]], reply: Reply) -> None:

@@ -11,7 +11,9 @@ while the work goes on (``{"event": "started", ...}``, ``{"event":
 "volume", ...}``, ``{"event": "say", ...}``), then exactly one final line, ``{"exit": N,
 "result": {...}}`` or ``{"exit": N, "error": "..."}``, and closes. A
 final ``{"exit": N, "elsewhere": "..."}`` says this daemon does not serve
-the client's stateDir: the client then works without it.
+the client's stateDir, ``{"exit": N, "alone": "..."}`` that its view is
+not what is there (it refuses to reconcile): the client then works without
+it.
 
 Imported by the command line whenever it may ask the daemon: nothing heavy.
 """

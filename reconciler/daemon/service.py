@@ -184,6 +184,7 @@ class Daemon:
         self.inflight_info: dict[str, Inflight] = {}  # what each chain in flight is for
         self.confirm: set[str] = set()  # a chain ended, no pass has looked at it since
         self.refusing = ""  # why the pass under way refused to look, for the asks
+        self.not_reconciling: str | None = None  # why the last pass refused; None: it looked
         self.metrics = Metrics()
         self.metrics.in_backoff.set_function(lambda: len(self.backoff))
         self.metrics.state_writable.set_function(lambda: 0 if self.state_failing else 1)
@@ -690,8 +691,9 @@ class Daemon:
             result = "ok" if self._reconcile() else "refused"
         finally:
             # What the command line asked of this pass, if it never got to it.
-            self.asks.pass_ended(self.passes_started, None if result == "ok" else
-                                 f"the daemon is not reconciling: {self.refusing}")
+            self.not_reconciling = None if result == "ok" else \
+                f"the daemon is not reconciling: {self.refusing}"
+            self.asks.pass_ended(self.passes_started, self.not_reconciling)
             self.metrics.pass_done(time.monotonic() - t0, result)
             if self.config.metrics.textfile is not None:
                 self.metrics.write_textfile(self.config.metrics.textfile)

@@ -381,3 +381,27 @@ def test_rotate_key_runs_in_the_daemon_holding_the_volume(
     assert "control: rotate-key" in d.log.read_text()  # done by the daemon
     assert d.status(name)["phase"] == "Mapped"  # and the volume given back to it
     assert d.stop() == 0
+
+
+def test_while_the_daemon_refuses_apply_says_why_and_status_looks_alone(
+        node: NodeUnderTest, start: Callable[..., Daemon],  # noqa: F811
+        capsys: pytest.CaptureFixture[str]) -> None:
+    a = node.name("refused")
+    node.write(a, spec(node, target="refused"))
+    d = start()
+    d.wait_phase(a, "Published")
+    node.desired.chmod(0o777)
+    try:
+        capsys.readouterr()
+        rc, out = node.cli("apply", a)
+        err = capsys.readouterr().err
+        assert rc == 1 and out == "" and "the daemon is not reconciling: " in err, err
+        assert "writable by group or others" in err
+        rc, out = node.cli("status")
+        err = capsys.readouterr().err
+        assert rc == 1 and "not reconciling" in err and "looking without it" in err, err
+        assert "refusing to read it" in err  # this command's own loader says why too
+    finally:
+        node.desired.chmod(0o755)
+    assert node.cli("apply", a)[0] == 0
+    assert d.stop() == 0
