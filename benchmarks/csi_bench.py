@@ -32,6 +32,7 @@ CALL_TIMEOUT = 120.0
 CONFIG_YAML = """\
 desiredDir: {root}/desired
 stateDir: {root}/state
+controlSocket: {root}/state/control.sock
 nodeName: csi-bench
 ceph:
   conf: {conf}

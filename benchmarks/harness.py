@@ -45,6 +45,7 @@ FUSE_EXIT_TIMEOUT = 30.0
 CONFIG_YAML = """\
 desiredDir: {desired}
 stateDir: {state}
+controlSocket: {state}/control.sock
 nodeName: p1-bench
 ceph:
   conf: {conf}

@@ -70,6 +70,7 @@ KINDS = ("publish", "staging", "helper", "resize")
 CONFIG_YAML = """\
 desiredDir: {desired}
 stateDir: {state}
+controlSocket: {state}/control.sock
 nodeName: p12-bench
 ceph:
   conf: {conf}

@@ -62,6 +62,7 @@ POLL_S = 0.002
 CONFIG_YAML = """\
 desiredDir: {desired}
 stateDir: {state}
+controlSocket: {state}/control.sock
 nodeName: p13-bench
 ceph:
   conf: {conf}

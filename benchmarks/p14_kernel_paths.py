@@ -62,6 +62,7 @@ class Node:
         self.config = root / "config.yaml"
         self.config.write_text(
             f"desiredDir: {self.desired}\nstateDir: {self.state}\nnodeName: p14\n"
+            f"controlSocket: {self.state}/control.sock\n"
             f"ceph:\n  conf: {self.conf}\n  user: {os.environ.get('RBD_RECONCILER_CEPH_USER')}\n"
             f"  keyring: {os.environ['RBD_RECONCILER_CEPH_KEYRING']}\n"
             f"allowedRoots: [{self.srv}]\n"

@@ -71,6 +71,7 @@ KINDS = ("bind-ro", "shadow", "shadow-up", "fs-ro", "fs-error")
 CONFIG_YAML = """\
 desiredDir: {desired}
 stateDir: {state}
+controlSocket: {state}/control.sock
 nodeName: p15-bench
 ceph:
   conf: {conf}

@@ -71,6 +71,7 @@ spec:
 CONFIG = """\
 desiredDir: {desired}
 stateDir: {state}
+controlSocket: {state}/control.sock
 nodeName: p16-bench
 ceph:
   conf: {conf}

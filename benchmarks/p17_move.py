@@ -81,6 +81,7 @@ RAW = "p17-raw"
 CONFIG = """\
 desiredDir: {root}/desired
 stateDir: {root}/state
+controlSocket: {root}/state/control.sock
 nodeName: p17-{node}
 ceph:
   conf: {conf}

@@ -83,6 +83,7 @@ spec:
 CONFIG_YAML = """\
 desiredDir: {desired}
 stateDir: {state}
+controlSocket: {state}/control.sock
 nodeName: {node}
 ceph:
   conf: {conf}

@@ -93,6 +93,7 @@ spec:
 CONFIG_YAML = """\
 desiredDir: {desired}
 stateDir: {state}
+controlSocket: {state}/control.sock
 nodeName: p3-bench
 ceph:
   conf: {conf}

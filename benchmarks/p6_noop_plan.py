@@ -79,6 +79,7 @@ spec:
 CONFIG = """\
 desiredDir: {desired}
 stateDir: {state}
+controlSocket: {state}/control.sock
 nodeName: p6-bench
 ceph:
   conf: {conf}

@@ -65,6 +65,7 @@ spec:
 CONFIG = """\
 desiredDir: {desired}
 stateDir: {state}
+controlSocket: {state}/control.sock
 nodeName: p7-bench
 ceph:
   conf: {conf}

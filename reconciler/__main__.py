@@ -1,5 +1,11 @@
 import sys
 
-from reconciler.cli.main import main
+from reconciler.cli.fast import run
 
-sys.exit(main())
+# As the console script (reconciler/entry.py): the daemon's commands first.
+rc = run(sys.argv[1:])
+if rc is None:
+    from reconciler.cli.main import main
+
+    rc = main()
+sys.exit(rc)

@@ -1,4 +1,9 @@
-"""One reconcile pass: load -> observe -> plan (-> apply). Shared by the CLI and daemon."""
+"""One reconcile pass: load -> observe -> plan (-> apply). Shared by the CLI and daemon.
+
+``look`` (observe, then plan) and ``act`` (run the plans' chains) are the
+pass itself: the CLI's commands, each of the daemon's passes and chains, and
+``release --all`` call these two and nothing below them, so every front door
+sees the node and changes it the same way."""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ import contextlib
 import errno
 import fcntl
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -19,6 +24,7 @@ from reconciler.plan.planner import Context, VolumePlan, plan
 from reconciler.plan.steps import Step
 from reconciler.spec.config import Config
 from reconciler.spec.loader import LoadResult, load
+from reconciler.spec.model import Volume
 from reconciler.state.files import open_lock
 
 
@@ -27,6 +33,24 @@ class Pass:
     loaded: LoadResult
     observed: Observed
     plans: list[VolumePlan]
+
+
+# What a pass with nothing to look at saw: nothing of the node is read.
+NOTHING_OBSERVED = Observed(images={}, pools_listed=frozenset(), pool_errors={}, mappings=(),
+                            devices={}, mounts=())
+
+
+@dataclass
+class Looked:
+    observed: Observed
+    plans: list[VolumePlan]
+    volumes: list[Volume]  # those planned (``admit`` may have left some out)
+    skipped: list[str]  # why each one left out was (``admit``'s words)
+
+
+# Asked of each volume after the observation, before the plan: None to plan
+# it, or why not (``release --all``: a mapping not provably ours).
+Admit = Callable[[Volume, Observed], str | None]
 
 
 class Busy(Exception):
@@ -104,36 +128,103 @@ def context(config: Config, node: Node) -> Context:
                    flatten_on_delete=config.clone.flatten_on_delete)
 
 
+def look(volumes: Iterable[Volume], config: Config, node: Node, *,
+         frozen: Iterable[str] = (), release: Iterable[str] = (), all_watchers: bool = False,
+         ceph: bool = True, admit: Admit | None = None) -> Looked:
+    """Observe ``volumes`` and plan them: one observation for all of them
+    (nothing read when there are none), then the planner, a pure function of
+    what is wanted and what was seen. ``release``: names only taken down to
+    CREATED; ``frozen``: names refused (their file fails to load);
+    ``ceph=False``: the node alone (a release's teardown)."""
+    volumes = list(volumes)
+    observed = observe(node, volumes, all_watchers, ceph) if volumes else NOTHING_OBSERVED
+    skipped: list[str] = []
+    if admit is not None:
+        admitted = []
+        for v in volumes:
+            why = admit(v, observed)
+            if why is None:
+                admitted.append(v)
+            else:
+                skipped.append(why)
+        volumes = admitted
+    names = {v.name for v in volumes}
+    plans = plan(volumes, observed, context(config, node), frozen,
+                 release=[n for n in release if n in names])
+    return Looked(observed, plans, volumes, skipped)
+
+
+def act(plans: list[VolumePlan], volumes: dict[str, Volume], observed: Observed, node: Node,
+        *, gate: Gate | None = None, claims_after: Connecting | None = None
+        ) -> list[VolumeOutcome]:
+    """Run each plan's chain (apply/runner.py), re-checking before each step."""
+    return apply(plans, volumes, observed, node, gate=gate, claims_after=claims_after)
+
+
 def plan_pass(paths: Iterable[Path], config: Config, node: Node, release: bool = False,
-              all_watchers: bool = False) -> Pass:
-    loaded = load(paths, config)
-    observed = observe(node, loaded.volumes, all_watchers)
-    plans = plan(loaded.volumes, observed, context(config, node), loaded.frozen_names,
-                 release=[v.name for v in loaded.volumes] if release else ())
-    return Pass(loaded, observed, plans)
+              all_watchers: bool = False, only: Collection[str] | None = None) -> Pass:
+    """Load the files, then look at their volumes (``only``: those named)."""
+    return pass_over(load(paths, config), config, node, release, all_watchers, only)
+
+
+def pass_over(loaded: LoadResult, config: Config, node: Node, release: bool = False,
+              all_watchers: bool = False, only: Collection[str] | None = None) -> Pass:
+    volumes = [v for v in loaded.volumes if only is None or v.name in only]
+    frozen = [n for n in loaded.frozen_names if only is None or n in only]
+    looked = look(volumes, config, node, frozen=frozen,
+                  release=[v.name for v in volumes] if release else (),
+                  all_watchers=all_watchers)
+    return Pass(loaded, looked.observed, looked.plans)
 
 
 def apply_pass(p: Pass, node: Node) -> list[VolumeOutcome]:
-    return apply(p.plans, {v.name: v for v in p.loaded.volumes}, p.observed, node)
+    return act(p.plans, {v.name: v for v in p.loaded.volumes}, p.observed, node)
 
 
-def release_pass(paths: Iterable[Path], config: Config, node: Node
-                 ) -> tuple[Pass, list[VolumeOutcome]]:
+# A clone or snapshot waiting for one a pass created is planned again by the
+# next: each level of a chain of sources is one more pass, this many at most.
+MAX_FOLLOW_UP_PASSES = 8
+
+
+def merge_outcomes(first: Iterable[VolumeOutcome], then: Iterable[VolumeOutcome]
+                   ) -> list[VolumeOutcome]:
+    """One result per volume over the passes of one apply, by name."""
+    by_name = {o.name: o for o in first}
+    for o in then:
+        prev = by_name.get(o.name)
+        if prev is None:
+            by_name[o.name] = o
+            continue
+        prev.steps += o.steps
+        prev.notes = o.notes
+        if o.status == "failed" or prev.status == "failed":
+            prev.status, prev.error = "failed", o.error or prev.error
+        elif o.status == "changed":
+            prev.status = "changed"
+    return [by_name[n] for n in sorted(by_name)]
+
+
+def release_pass(paths: Iterable[Path], config: Config, node: Node,
+                 only: Collection[str] | None = None) -> tuple[Pass, list[VolumeOutcome]]:
     """``release``: the node's side first, Ceph's after. The teardown
     (unpublish, unstage, unmap) is planned from the node alone and never
     waits for Ceph; one connection, started in the background meanwhile,
     then drops this node's claims of the images no longer mapped here."""
-    loaded = load(paths, config)
-    connecting = Connecting(config.ceph, config.observe_timeout_seconds) \
-        if loaded.volumes else None
+    return release_over(load(paths, config), config, node, only)
+
+
+def release_over(loaded: LoadResult, config: Config, node: Node,
+                 only: Collection[str] | None = None) -> tuple[Pass, list[VolumeOutcome]]:
+    volumes = [v for v in loaded.volumes if only is None or v.name in only]
+    connecting = Connecting(config.ceph, config.observe_timeout_seconds) if volumes else None
     try:
-        observed = observe(node, loaded.volumes, ceph=False)
-        plans = plan(loaded.volumes, observed, context(config, node), loaded.frozen_names,
-                     release=[v.name for v in loaded.volumes])
+        looked = look(volumes, config, node,
+                      frozen=[n for n in loaded.frozen_names if only is None or n in only],
+                      release=[v.name for v in volumes], ceph=False)
     except BaseException:
         if connecting is not None:
             connecting.close()
         raise
-    p = Pass(loaded, observed, plans)
-    return p, apply(plans, {v.name: v for v in loaded.volumes}, observed, node,
-                    claims_after=connecting)
+    p = Pass(loaded, looked.observed, looked.plans)
+    return p, act(p.plans, {v.name: v for v in loaded.volumes}, p.observed, node,
+                  claims_after=connecting)

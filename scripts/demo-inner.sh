@@ -189,6 +189,7 @@ echo "demo@example.invalid namespaces=\"git\" $(cat "$GIT/signer.pub")" > "$GIT/
 git init -q --bare "$GIT/fleet.git"
 cat > "$GCONFIG" <<CONF
 stateDir: $DEMO/state-git
+controlSocket: $DEMO/state-git/control.sock
 nodeName: demo-node
 ceph: {conf: $DEMO/ceph.conf, user: admin, keyring: $DEMO/ceph.client.admin.keyring}
 allowedRoots: [$SRV]

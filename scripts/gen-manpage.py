@@ -90,7 +90,11 @@ def render_man() -> str:
         "Converges a node's Ceph RBD volumes (images, mappings, filesystems, mounts) to the "
         "desired\\-volume files in the config's \\fBdesiredDir\\fR. Every command but "
         "\\fBvalidate\\fR needs root. \\fB\\-c\\fR and \\fB\\-v\\fR go before or after "
-        "\\fICOMMAND\\fR.",
+        "\\fICOMMAND\\fR. While the daemon (\\fBrun\\fR) runs, \\fBapply\\fR, "
+        "\\fBrelease\\fR, \\fBplan\\fR, \\fBstatus\\fR, \\fBexplain\\fR, "
+        "\\fBrotate\\-key\\fR, \\fBtakeover\\fR and \\fBallow\\-removal\\fR are done by it, "
+        "through its control socket, and print what they would print alone; without it they "
+        "run in their own process.",
         ".SH OPTIONS",
         *_options(parser),
         ".SH COMMANDS",
@@ -108,6 +112,9 @@ def render_man() -> str:
         "The node config (built\\-in defaults if it is missing).",
         ".TP", "\\fI/etc/rbd\\-reconciler/volumes.d/\\fR",
         "The default \\fBdesiredDir\\fR: one desired\\-volume file per volume.",
+        ".TP", "\\fI/run/rbd\\-reconciler/control.sock\\fR",
+        "The default \\fBcontrolSocket\\fR: the running daemon's control socket (root only), "
+        "through which the commands above are done.",
         ".SH SEE ALSO",
         "\\fBrbd\\fR(8), \\fBceph\\fR(8), \\fBsystemd.service\\fR(5); the project's README.md "
         "and docs/ (in the Debian package, /usr/share/doc/rbd\\-reconciler/) for the file "
@@ -127,7 +134,7 @@ def _words(parser: argparse.ArgumentParser) -> tuple[list[str], dict[str, str], 
             continue
         opts += action.option_strings
         if not action.option_strings:
-            paths |= action.type is Path
+            paths |= action.type is Path or "PATH" in str(action.metavar or "")
         elif action.nargs != 0:
             values.update(dict.fromkeys(action.option_strings, _complete_value(action)))
     return opts, values, paths

@@ -179,7 +179,10 @@ def node(tmp_path: Path, ceph_cluster: DevCluster) -> Iterator[NodeUnderTest]:
         f"desiredDir: {desired}\nstateDir: {state}\nnodeName: test-node\n"
         f"ceph:\n  conf: {ceph_cluster.conf}\n  user: {ceph_cluster.user}\n"
         f"  keyring: {ceph_cluster.keyring}\n"
-        f"allowedRoots: [{srv}]\nmapper: fuse\n")
+        f"allowedRoots: [{srv}]\nmapper: fuse\n"
+        # Its own (under stateDir: a second node's config, made by replacing
+        # the state path, gets its own too): tests run several daemons at once.
+        f"controlSocket: {state}/control.sock\n")
     n = NodeUnderTest(tmp_path, ceph_cluster, config, desired, state, srv, tag)
     yield n
     # Teardown: give everything back, then prove nothing leaked. Leftovers are

@@ -38,10 +38,14 @@ from functools import cached_property
 from typing import Protocol
 
 import rados
+import rbd
 
 from reconciler.drivers import ceph, keys
 from reconciler.drivers.crypt import Cryptsetup, keyslots
+from reconciler.drivers.run import CommandError
 from reconciler.facts import meta
+from reconciler.facts.observed import Observed
+from reconciler.spec.config import Config
 from reconciler.spec.model import Volume
 
 NEXT = meta.LUKS_KEY_NEXT
@@ -285,3 +289,26 @@ class Rotation:
                                 "still opens, or the new one does not); run it again")
         self.say(f"{self.vol.name}: rotated (keyslots now "
                  f"{','.join(keyslots(self.crypt.dump(self.device)))}){then}")
+
+
+def mapped_device(vol: Volume, observed: Observed) -> str | None:
+    """The device ``vol``'s image is mapped at here, as ``observed``."""
+    maps = observed.mappings_by_image.get((vol.image.pool, vol.image.name), [])
+    return maps[0].device if maps else None
+
+
+def rotate_key(config: Config, vol: Volume, device: str, crypt: Cryptsetup,
+               new_key_file: str | None, say: Callable[[str, bool], None]) -> bool:
+    """``rbd-reconciler rotate-key NAME`` on the mapped ``device``: True when
+    rotated (or already); else False, the reason said as an error."""
+    try:
+        with ceph.connect(config.ceph) as cluster:
+            store = CephStore(cluster, vol.image.pool, vol.image.name)
+            Rotation(vol, device, crypt, store, config.encryption.key_root,
+                     lambda text: say(text, False),
+                     config.encryption.accept_unbound).run(new_key_file)
+    except (RotateRefused, keys.KeyProblem, CommandError, ceph.CephError, rados.Error,
+            rbd.Error) as exc:
+        say(f"rbd-reconciler: rotate-key {vol.name}: {exc}", True)
+        return False
+    return True

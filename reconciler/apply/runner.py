@@ -118,6 +118,22 @@ class VolumeOutcome:
                 "steps": [s.as_dict() for s in self.steps]}
 
 
+def _refused(plan: VolumePlan, out: VolumeOutcome) -> VolumeOutcome:
+    """What was refused counts as a failure: the whole plan, or steps of it
+    while the rest converged."""
+    if plan.refusal:
+        out.status, out.error = "failed", plan.refusal
+    elif plan.withheld and out.status not in ("failed", "aborted"):
+        out.status, out.error = "failed", "; ".join(plan.withheld)
+    return out
+
+
+def without_steps(plan: VolumePlan) -> VolumeOutcome:
+    """The result ``apply`` reports for a plan it runs no step of (nothing
+    to do, a refusal, a wait): for a front door that did not run it."""
+    return _refused(plan, VolumeOutcome(plan.name, notes=list(plan.notes)))
+
+
 class _VolumeRun:
     def __init__(self, node: Node, cluster: rados.Rados | None, plan: VolumePlan,
                  volume: Volume | None, observed: Observed) -> None:
@@ -163,14 +179,9 @@ class _VolumeRun:
         return self.dev(None)
 
     def run(self) -> VolumeOutcome:
-        if self.plan.refusal:
-            self.out.status, self.out.error = "failed", self.plan.refusal
-            return self.out
-        self.run_steps()
-        if self.plan.withheld and self.out.status not in ("failed", "aborted"):
-            # The rest converged; what was refused still counts as a failure.
-            self.out.status, self.out.error = "failed", "; ".join(self.plan.withheld)
-        return self.out
+        if not self.plan.refusal:
+            self.run_steps()
+        return _refused(self.plan, self.out)
 
     def run_steps(self) -> VolumeOutcome:
         steps = self.plan.steps

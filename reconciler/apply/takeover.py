@@ -24,12 +24,17 @@ its own former client (never the other way round).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import rados
+import rbd
 
 from reconciler.apply import claims
+from reconciler.drivers import ceph
 from reconciler.facts.claim import Claim
+from reconciler.spec.config import Config
+from reconciler.spec.model import Volume
 
 ROUNDS = 5  # fence-and-look rounds before giving up on a holder that keeps mapping
 
@@ -109,3 +114,50 @@ def _fence_late(cluster: rados.Rados, pool: str, image: str, me: str, old: str,
         out.error = (f"{', '.join(left)} (a map node {old} began before the claim was "
                      f"swapped) still watch {pool}/{image} after being blocklisted")
     claims.add_fenced(cluster, pool, image, me, tuple(late))
+
+
+# A line for the operator, and whether it is an error (stderr).
+Say = Callable[[str, bool], None]
+
+
+def takeover(config: Config, vol: Volume, sure: bool, say: Say, then: str) -> bool:
+    """``rbd-reconciler takeover NAME``: what it would do (``sure`` False,
+    and False returned), or do it. ``then``: what maps the image here next
+    (the next apply; the daemon, at once). True: the claim is this node's."""
+    pool, image, me = vol.image.pool, vol.image.name, config.node_name
+    try:
+        with ceph.connect(config.ceph) as cluster:
+            held = claims.current(cluster, pool, image)
+            if held is None:
+                say(f"rbd-reconciler: {pool}/{image} is not claimed by any node; nothing "
+                    "to take over (apply maps it)", True)
+                return False
+            if held.node == me:
+                say(f"{pool}/{image} is already claimed by this node ({me})", False)
+                return True
+            with cluster.open_ioctx(pool) as ioctx:
+                fence = sorted(set(held.clients) | set(claims.watchers(ioctx, image)))
+            what = (f"blocklist {', '.join(fence)} (the clients of node {held.node} and "
+                    "any other client that has the image open)" if fence
+                    else f"blocklist nothing (node {held.node} recorded no client and "
+                         "nothing has the image open)")
+            if not sure:
+                say(f"would {what}, then claim {pool}/{image} for {me} (fencing too any "
+                    f"client node {held.node} maps meanwhile). "
+                    "Only do this when that node is gone for good: its writes will fail. "
+                    "Re-run with --yes-i-am-sure to do it.", False)
+                return False
+            done = take_over(cluster, pool, image, me, held)
+            for said in done.said:
+                say(said, False)
+            if done.late:
+                say(f"fenced after the claim was swapped: {', '.join(done.late)} (a map "
+                    f"node {held.node} began before it)", False)
+            if done.error is not None:
+                say(f"rbd-reconciler: {done.error}", True)
+                return False
+    except (ceph.CephError, rados.Error, rbd.Error) as exc:
+        say(f"rbd-reconciler: {pool}/{image}: {exc}", True)
+        return False
+    say(f"{pool}/{image}: claimed by {me} (taken over from {held.node}); {then}", False)
+    return True

@@ -13,6 +13,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from reconciler import __version__
+from reconciler.cli.exits import (  # noqa: F401  (the commands import them from here)
+    EXIT_CHANGES,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+)
 from reconciler.cli.pipe import reader_gone  # and exit 141 (EXIT_PIPE) when the reader is gone
 
 TYPE_CHECKING = False  # typing itself costs ~5 ms at start-up
@@ -21,11 +28,6 @@ if TYPE_CHECKING:
 
     from reconciler.spec.config import Config
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_CHANGES = 2
-EXIT_USAGE = 64  # sysexits EX_USAGE: not argparse's 2, which `plan` means "changes pending"
-EXIT_INTERRUPTED = 130
 
 # Only these run as any user: they read files and change nothing on the node.
 UNPRIVILEGED = ("validate",)
@@ -97,6 +99,14 @@ def _add_paths_and_output(p: argparse.ArgumentParser) -> None:
     _add_output(p)
 
 
+def _add_targets_and_output(p: argparse.ArgumentParser) -> None:
+    p.add_argument("paths", nargs="*", metavar="PATH|NAME",
+                   help="files or directories, or volume names (metadata.name) among the "
+                        "config's desiredDir and csi.dir (default: all of them); an argument "
+                        "that names an existing file, or has a / in it, is a PATH")
+    _add_output(p)
+
+
 def _positive_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -134,16 +144,22 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser("plan",
                            help="show what apply would change (check + diff); change nothing",
                            description="Observe the node and Ceph, and print the steps that would "
-                                       "converge them to the desired files. Exit 0: nothing to do; "
-                                       "2: changes pending; 1: an error or a refusal.")
-        _add_paths_and_output(p)
+                                       "converge them to the desired files (with the daemon "
+                                       "running: from what its passes saw, noting the steps it "
+                                       "runs now). Exit 0: nothing to do; 2: changes pending; 1: "
+                                       "an error or a refusal.")
+        _add_targets_and_output(p)
         p.set_defaults(func=_Command("reconcile", "cmd_plan"))
 
     if only in (None, "apply"):
         p = sub.add_parser("apply", help="converge the node to the desired files",
                            description="Plan and execute. Prints each volume's result (ok, "
-                                       "changed, failed) and a recap; exit 1 if any failed.")
-        _add_paths_and_output(p)
+                                       "changed, failed) and a recap; exit 1 if any failed. With "
+                                       "the daemon running, it does it: a pass over those volumes "
+                                       "now (a chain it already runs for them is the answer), each "
+                                       "volume printed as its chain ends; held-down volumes "
+                                       "(release) come back up.")
+        _add_targets_and_output(p)
         p.set_defaults(func=_Command("reconcile", "cmd_apply"))
 
     if only in (None, "release"):
@@ -151,11 +167,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                            description="Take the volumes of the given files down to CREATED "
                                        "(unpublish, unstage, unmap) whatever the files want. "
                                        "Images are never deleted. For maintenance, and for "
-                                       "giving a node back. With --all: every volume of ours on "
+                                       "giving a node back. With the daemon running, it does it "
+                                       "and keeps them down until apply names them. With --all "
+                                       "(never through the daemon): every volume of ours on "
                                        "this node (files, the daemon's records, and mappings ours "
                                        "by identity), after a sync; for shutdown and reboot. Exit "
                                        "1 if anything is still mounted or mapped afterwards.")
-        _add_paths_and_output(p)
+        _add_targets_and_output(p)
         p.add_argument("--all", action="store_true",
                        help="release everything of ours on this node (what "
                             "rbd-reconciler-shutdown.service runs at shutdown)")
@@ -190,8 +208,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                            description="Let the daemon release managed volumes whose files "
                                        "vanished but that it holds back (the mass-removal guard; "
                                        "a name given here also passes the hold while another file "
-                                       "fails to load). Writes stateDir/allow-removal.json; the "
-                                       "daemon consumes it at its next pass, used or not.")
+                                       "fails to load). With the daemon running, it lets them go "
+                                       "at once and prints each release; else it writes "
+                                       "stateDir/allow-removal.json, which the daemon consumes at "
+                                       "its next pass, used or not.")
         p.add_argument("names", nargs="*", metavar="NAME", help="volume names (metadata.name)")
         p.add_argument("--all", action="store_true",
                        help="every removal pending at the next pass (past the mass-removal guard "
@@ -213,8 +233,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                            description="For a node that is gone for good: blocklist the Ceph "
                                        "clients of the node holding the image's claim (so it "
                                        "cannot write if it comes back), then take the claim for "
-                                       "this node; the next apply maps it here. Without "
-                                       "--yes-i-am-sure it only prints what it would do (exit 1).")
+                                       "this node; the next apply maps it here (the daemon, when "
+                                       "it runs: it does the takeover, then maps it at once). "
+                                       "Without --yes-i-am-sure it only prints what it would do "
+                                       "(exit 1).")
         p.add_argument("name", help="volume name (metadata.name)")
         p.add_argument("--yes-i-am-sure", dest="sure", action="store_true",
                        help="really blocklist the holder's clients and take the claim")
@@ -249,7 +271,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                                        "remove the old one; safe to interrupt and run again. "
                                        "key wrappedBy: a new random passphrase, sealed in "
                                        "image-meta. key file: the new key file is named with "
-                                       "--new-key-file; point the spec at it afterwards.")
+                                       "--new-key-file; point the spec at it afterwards. With the "
+                                       "daemon running, it runs inside it, which holds the volume "
+                                       "meanwhile.")
         p.add_argument("name", help="volume name (metadata.name)")
         p.add_argument("--new-key-file", metavar="PATH",
                        help="key: file only: the new key file (under encryption.keyRoot)")
@@ -265,7 +289,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                                        "(not converged) for one not at its wanted phase while "
                                        "stateDir cannot take a write. Exit 1 on load errors, any "
                                        "DEGRADED or UNKNOWN volume, or a full stateDir.")
-        _add_paths_and_output(p)
+        _add_targets_and_output(p)
         p.set_defaults(func=_Command("status", "cmd_status"))
     if only in (None, "source"):
         p = sub.add_parser("source", help="the git source: status, sync now, verify, rollback",

@@ -1,4 +1,7 @@
-"""``validate``, ``plan``, ``apply`` and ``release``: one pass over the desired files."""
+"""``validate``, ``plan``, ``apply`` and ``release``: one pass over the desired files.
+
+With the daemon running, ``plan``, ``apply`` and ``release`` are answered by
+it (cli/ask.py); else (and ``release --all``, always) they run here."""
 
 from __future__ import annotations
 
@@ -7,9 +10,11 @@ import json
 import os
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
-from reconciler.cli.main import EXIT_CHANGES, EXIT_FAILED, EXIT_OK
+from reconciler.cli import show
+from reconciler.cli.main import EXIT_FAILED, EXIT_OK
 
 TYPE_CHECKING = False  # typing itself costs ~5 ms at start-up
 if TYPE_CHECKING:
@@ -17,65 +22,71 @@ if TYPE_CHECKING:
     from reconciler.cli.release import Released
     from reconciler.drivers.freeze import Record
     from reconciler.engine import Pass
-    from reconciler.plan.planner import VolumePlan
-    from reconciler.plan.steps import Step
+    from reconciler.observe.node import Node
     from reconciler.spec.config import Config
-
-
-MAX_FOLLOW_UP_PASSES = 8  # each level of a chain of sources is one more pass
-
-
-def _marker(step: Step) -> str:
-    if step.destructive:
-        return "!"
-    if step.disruptive:
-        return "-"
-    return "+" if step.before in ("absent", "unmapped", "not staged", "not published") else "~"
-
-
-def _print_plans(plans: list[VolumePlan]) -> None:
-    for vp in plans:
-        if vp.stalled and not vp.steps:
-            print(f"{vp.kind} {vp.name}: STALLED: {vp.stalled}"
-                  + (f"; UNKNOWN: {vp.unknown}" if vp.unknown else ""))
-            continue
-        if vp.unknown:
-            print(f"{vp.kind} {vp.name}: UNKNOWN: {vp.unknown}")
-            continue
-        if vp.refusal:
-            print(f"{vp.kind} {vp.name}: REFUSED: {vp.refusal}")
-            continue
-        arrow = f"{vp.phase.name} -> {vp.wanted.name}" if vp.wanted is not None else ""
-        if vp.waiting:
-            print(f"{vp.kind} {vp.name}: {vp.waiting}")
-            continue
-        if not vp.steps:
-            print(f"{vp.kind} {vp.name}: ok ({vp.phase.name})")
-        else:
-            print(f"{vp.kind} {vp.name}: {arrow}")
-        for s in vp.steps:
-            flag = "  (destructive)" if s.destructive else ""
-            print(f"  {_marker(s)} {s.action:<16} {s.target}: {s.before} -> {s.after}{flag}")
-        for why in vp.withheld:
-            print(f"  REFUSED: {why}")
-        for kind, why in vp.problems.items():  # no step can put these right
-            print(f"  PROBLEM ({kind}): {why}")
-        for note in vp.notes:
-            print(f"  note: {note}")
-
-
-def print_load_errors(p: Pass) -> None:
-    for d in p.loaded.diagnostics:
-        print(d, file=sys.stderr)
-
-
-def paths_of(args: argparse.Namespace, config: Config) -> list[Path]:
-    """Default: the operator's files and the CSI adapter's (one engine, one view)."""
-    return args.paths or default_paths(config)
+    from reconciler.spec.loader import LoadResult
+    from reconciler.views import Selection
 
 
 def default_paths(config: Config) -> list[Path]:
+    """The operator's files and the CSI adapter's (one engine, one view)."""
     return [config.desired_dir, *([config.csi_dir] if config.csi_dir.is_dir() else [])]
+
+
+def outside_daemon(args: argparse.Namespace, config: Config) -> bool:
+    """A PATH outside desiredDir and csi.dir: a file the daemon does not
+    converge (a plan or status of it is made here, as it always was)."""
+    from reconciler.cli.ask import is_path
+
+    dirs = [os.path.abspath(d) for d in (config.desired_dir, config.csi_dir)]
+    for item in args.paths:
+        path = os.path.abspath(item)
+        if is_path(str(item)) and not any(path == d or path.startswith(d.rstrip("/") + "/")
+                                          for d in dirs):
+            return True
+    return False
+
+
+@dataclass
+class Picked:
+    paths: list[Path]  # what was loaded
+    loaded: LoadResult
+    selection: Selection
+    only: set[str] | None  # the volumes picked; None: every one loaded
+
+
+def pick(args: argparse.Namespace, config: Config) -> Picked | None:
+    """What the arguments name: PATHs, those files (as always); a NAME among
+    them, the default files and only the volumes picked. None when something
+    named picks nothing (said on stderr)."""
+    from reconciler.cli.ask import targets
+    from reconciler.spec.loader import load
+    from reconciler.views import select
+
+    picked = targets(args.paths)
+    by_name = any("name" in t for t in picked)
+    # Paths alone are loaded as given (load errors name them as typed).
+    paths = default_paths(config) if by_name or not picked else [Path(a) for a in args.paths]
+    loaded = load(paths, config)
+    sel = select(loaded.volumes, loaded.frozen_names, loaded.failed_files, loaded.diagnostics,
+                 picked if by_name else [])
+    if sel.missing:
+        print(f"rbd-reconciler: no volume {', '.join(sel.missing)} in {config.desired_dir} "
+              f"or {config.csi_dir} (nothing done)", file=sys.stderr)
+        return None
+    return Picked(paths, loaded, sel, set(sel.names) if by_name else None)
+
+
+def local_pass(args: argparse.Namespace, config: Config, node: Node,
+               all_watchers: bool = False) -> tuple[Pass, Selection] | None:
+    """This process's own pass (observe, plan) over what the arguments name."""
+    from reconciler.engine import pass_over
+
+    picked = pick(args, config)
+    if picked is None:
+        return None
+    return (pass_over(picked.loaded, config, node, all_watchers=all_watchers, only=picked.only),
+            picked.selection)
 
 
 def _left_frozen(config: Config) -> list[Record]:
@@ -89,61 +100,26 @@ def _left_frozen(config: Config) -> list[Record]:
 
 
 def cmd_plan(args: argparse.Namespace, config: Config) -> int:
-    from reconciler.engine import plan_pass
+    from reconciler.cli.ask import ask, targets
+
+    if not outside_daemon(args, config):
+        rc = ask(config, "plan", {"targets": targets(args.paths)}, args.output)
+        if rc is not None:
+            return rc
     from reconciler.observe.node import Node
+    from reconciler.views import plan_doc, plan_exit
 
     left = _left_frozen(config)
-    p = plan_pass(paths_of(args, config), config, Node.from_config(config))
-    steps = sum(len(vp.steps) for vp in p.plans) + len(left)
-    refused = [vp for vp in p.plans if vp.refused]
-    failed = bool(refused or p.loaded.diagnostics)
-    if args.output == "json":
-        json.dump({
-            "changes": steps > 0,
-            "errors": [d.as_dict() for d in p.loaded.diagnostics],
-            "leftFrozen": [r.path for r in left],
-            "volumes": [{"name": vp.name, "kind": vp.kind, "waiting": vp.waiting,
-                         "phase": vp.phase_name, "unknown": vp.unknown,
-                         "stalled": vp.stalled, "fenced": vp.fenced,
-                         "wanted": vp.wanted.name if vp.wanted is not None else None,
-                         "refusal": vp.refused, "notes": vp.notes,
-                         "problems": vp.problems,
-                         "steps": [s.as_dict() for s in vp.steps]} for vp in p.plans],
-        }, sys.stdout, indent=2)
-        print()
-    else:
-        print_load_errors(p)
-        for r in left:
-            print(f"LEFT FROZEN: {r.path} (by {r.owner}, which is gone): "
-                  "apply thaws it first, before any Ceph call")
-        _print_plans(p.plans)
-        destructive = sum(s.destructive for vp in p.plans for s in vp.steps)
-        unknown = sum(bool(vp.unknown) for vp in p.plans)
-        print(f"Plan: {steps} step(s) for {sum(bool(vp.steps) for vp in p.plans)} volume(s), "
-              f"{destructive} destructive; {len(refused)} refused"
-              + (f", {unknown} unknown." if unknown else "."))
-    if failed:
+    done = local_pass(args, config, Node.from_config(config))
+    if done is None:
         return EXIT_FAILED
-    # One waiting for a source another step makes is a change pending too.
-    return EXIT_CHANGES if steps or any(vp.waiting for vp in p.plans) else EXIT_OK
-
-
-def _merge_outcomes(first: list[VolumeOutcome], then: list[VolumeOutcome]
-                    ) -> list[VolumeOutcome]:
-    """One result per volume over the passes of one apply."""
-    by_name = {o.name: o for o in first}
-    for o in then:
-        prev = by_name.get(o.name)
-        if prev is None:
-            by_name[o.name] = o
-            continue
-        prev.steps += o.steps
-        prev.notes = o.notes
-        if o.status == "failed" or prev.status == "failed":
-            prev.status, prev.error = "failed", o.error or prev.error
-        elif o.status == "changed":
-            prev.status = "changed"
-    return [by_name[n] for n in sorted(by_name)]
+    p, sel = done
+    doc = plan_doc(p.plans, sel.errors, [(r.path, r.owner) for r in left])
+    if args.output == "json":
+        show.as_json(doc)
+    else:
+        show.plan(doc)
+    return plan_exit(doc)
 
 
 def _thaw_first(config: Config) -> list[str]:
@@ -161,47 +137,73 @@ def _thaw_first(config: Config) -> list[str]:
 
 
 def cmd_apply(args: argparse.Namespace, config: Config) -> int:
-    from reconciler.engine import Busy, apply_pass, plan_pass, release_pass, state_lock
-    from reconciler.observe.node import Node
+    from reconciler.cli.ask import ask, targets
+
+    release = getattr(args, "release", False)
+    rc = ask(config, "release" if release else "apply", {"targets": targets(args.paths)},
+             args.output)
+    if rc is not None:
+        return rc
+    from reconciler.engine import Busy, state_lock
 
     thawed = _thaw_first(config)
-    node = Node.from_config(config)
     try:
         with state_lock(config):
-            if getattr(args, "release", False):
-                p, outcomes = release_pass(paths_of(args, config), config, node)
-            else:
-                p = plan_pass(paths_of(args, config), config, node)
-                outcomes = apply_pass(p, node)
-            # A clone or snapshot waiting for one this pass created: go again.
-            for _ in range(MAX_FOLLOW_UP_PASSES):
-                if not (any(vp.waiting for vp in p.plans)
-                        and any(o.status == "changed" for o in outcomes)):
-                    break
-                p = plan_pass(paths_of(args, config), config, node)
-                outcomes = _merge_outcomes(outcomes, apply_pass(p, node))
+            done = _apply_here(args, config, release)
     except Busy as exc:
         print(f"rbd-reconciler: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    counts = {k: sum(o.status == k for o in outcomes) for k in ("ok", "changed", "failed")}
+    if done is None:
+        return EXIT_FAILED
+    from reconciler.views import apply_doc, apply_exit
+
+    outcomes, sel = done
+    doc = apply_doc(outcomes, [d.as_dict() for d in sel.errors], thawed)
     if args.output == "json":
-        json.dump({"recap": counts, "errors": [d.as_dict() for d in p.loaded.diagnostics],
-                   "thawed": thawed, "volumes": [o.as_dict() for o in outcomes]},
-                  sys.stdout, indent=2)
-        print()
+        show.as_json(doc)
     else:
-        print_load_errors(p)
-        for o in outcomes:
-            print(f"{o.status}: [{o.name}]" + (f" {o.error}" if o.error else ""))
-            for s in o.steps:
-                msg = f" ({s.message})" if s.message else ""
-                print(f"  {s.status:<7} {s.step.action:<16} {s.step.target}{msg}")
-            for u in o.undone:
-                print(f"  undone  {u}")
-            for note in o.notes:
-                print(f"  note: {note}")
-        print("recap: " + " ".join(f"{k}={v}" for k, v in counts.items()))
-    return EXIT_FAILED if counts["failed"] or p.loaded.diagnostics else EXIT_OK
+        show.applied(doc)
+    return apply_exit(doc)
+
+
+def _apply_here(args: argparse.Namespace, config: Config, release: bool
+                ) -> tuple[list[VolumeOutcome], Selection] | None:
+    """Under the state lock: plan, run the chains, and go again while a
+    clone or snapshot waits for one this pass created."""
+    from reconciler.engine import (
+        MAX_FOLLOW_UP_PASSES,
+        apply_pass,
+        merge_outcomes,
+        pass_over,
+        release_over,
+    )
+    from reconciler.observe.node import Node
+    from reconciler.spec.loader import load
+    from reconciler.state import holds
+
+    picked = pick(args, config)
+    if picked is None:
+        return None
+    node = Node.from_config(config)
+    if release:
+        p, outcomes = release_over(picked.loaded, config, node, picked.only)
+    else:
+        p = pass_over(picked.loaded, config, node, only=picked.only)
+        # Applied here: no longer held down when the daemon starts again.
+        try:
+            holds.lift(config.state_dir, [vp.name for vp in p.plans])
+        except OSError as exc:
+            print(f"rbd-reconciler: warning: {exc}: a `release` hold of these volumes "
+                  "stays recorded (the daemon, when it starts, takes them down again)",
+                  file=sys.stderr)
+        outcomes = apply_pass(p, node)
+    for _ in range(MAX_FOLLOW_UP_PASSES):
+        if not (any(vp.waiting for vp in p.plans)
+                and any(o.status == "changed" for o in outcomes)):
+            break
+        p = pass_over(load(picked.paths, config), config, node, only=picked.only)
+        outcomes = merge_outcomes(outcomes, apply_pass(p, node))
+    return outcomes, picked.selection
 
 
 def cmd_release(args: argparse.Namespace, config: Config) -> int:

@@ -59,16 +59,16 @@ def cmd_recover(args: argparse.Namespace, config: Config) -> int:
 
 
 def _recover(args: argparse.Namespace, config: Config, vol: Volume) -> int:
-    from reconciler.apply.runner import apply
-    from reconciler.engine import context
-    from reconciler.observe.node import Node, observe
+    from reconciler.engine import act, context, look
+    from reconciler.observe.node import Node
     from reconciler.plan.planner import plan
     from reconciler.plan.steps import Unmap
 
     node = Node.from_config(config)
-    observed = observe(node, [vol], all_watchers=True)
-    [vp] = plan([vol], observed, context(config, node), release=[vol.name])
+    looked = look([vol], config, node, release=[vol.name], all_watchers=True)
+    observed, [vp] = looked.observed, looked.plans
     if vp.fenced is None:
+        # What it would be, not taken down: why there is nothing to recover.
         [now] = plan([vol], observed, context(config, node))
         why = (f"its claim and Ceph's blocklist cannot be seen ({now.unknown}); recover acts "
                "only on a fence it sees" if now.unknown else
@@ -88,7 +88,7 @@ def _recover(args: argparse.Namespace, config: Config, vol: Volume) -> int:
     # and stays with --reclaim (nobody takes it in between).
     vp.steps = [dataclasses.replace(s, force=True, release_claim=args.leave)
                 if isinstance(s, Unmap) else s for s in vp.steps]
-    [out] = apply([vp], {vol.name: vol}, observed, node)
+    [out] = act([vp], {vol.name: vol}, observed, node)
     for s in out.steps:
         print(f"  {s.status:<7} {s.step.action:<16} {s.step.target}"
               + (f" ({s.message})" if s.message else ""))

@@ -24,17 +24,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from reconciler.apply.runner import VolumeOutcome, apply
+from reconciler.apply.runner import VolumeOutcome
 from reconciler.cli.unwedge import ran_into_deadline, unwedge
 from reconciler.drivers.freeze import THAW_WAIT_S, thaw_recorded
 from reconciler.drivers.reaper import reap_later
 from reconciler.drivers.run import KILL_WAIT_S, STOP_CHECK_S, Runner
-from reconciler.engine import Busy, context, state_lock
+from reconciler.engine import Busy, act, look, state_lock
 from reconciler.facts import meta
 from reconciler.facts.claim import parse as parse_claim
 from reconciler.facts.observed import Mapping, Observed
-from reconciler.observe.node import Node, observe
-from reconciler.plan.planner import VolumePlan, plan
+from reconciler.observe.node import Node
+from reconciler.plan.planner import VolumePlan
 from reconciler.spec.config import Config
 from reconciler.spec.desired import load_desired
 from reconciler.spec.loader import LoadResult
@@ -181,18 +181,10 @@ def _plan_release(config: Config, node: Node) -> tuple[list[VolumePlan], dict[st
                                                         Observed, list[str]]:
     loaded = load_desired(config)
     candidates = volumes_of_ours(config, loaded, _mappings(node))
-    observed = observe(node, candidates)
-    skipped: list[str] = []
-    volumes: dict[str, Volume] = {}
-    for v in candidates:
-        why = provably_ours(v, observed, config.node_name)
-        if why is None:
-            volumes[v.name] = v
-        else:
-            skipped.append(why)
-    plans = plan(list(volumes.values()), observed, context(config, node),
-                 release=list(volumes))
-    return plans, volumes, observed, skipped
+    looked = look(candidates, config, node, release=[v.name for v in candidates],
+                  admit=lambda v, seen: provably_ours(v, seen, config.node_name))
+    return (looked.plans, {v.name: v for v in looked.volumes}, looked.observed,
+            looked.skipped)
 
 
 def thaw_first(config: Config, wait: float = THAW_WAIT_S) -> list[str]:
@@ -287,7 +279,7 @@ def _release_round(config: Config, step_timeout: float, limit: Deadline,
         plans, volumes, observed, skipped = _plan_release(config, node)
         out.plans, out.skipped = plans, skipped
         out.phase = "releasing"
-        outcomes = apply(plans, volumes, observed, node)
+        outcomes = act(plans, volumes, observed, node)
         out.outcomes += outcomes
     finally:
         timer.cancel()

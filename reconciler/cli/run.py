@@ -1,4 +1,6 @@
-"""``run`` (the daemon, with the CSI server when asked) and ``allow-removal``."""
+"""``run`` (the daemon, with the CSI server when asked) and ``allow-removal``
+(through the daemon's control socket when it runs; else a file it reads at
+its next pass)."""
 
 from __future__ import annotations
 
@@ -37,12 +39,18 @@ def _serve_csi(engine: Served, endpoint: str) -> Stoppable:
 
 
 def cmd_allow_removal(args: argparse.Namespace, config: Config) -> int:
-    from reconciler.state.allowance import grant
-    from reconciler.state.files import read_json
+    from reconciler.cli.ask import ask
 
     if not args.names and not args.all:
         print("rbd-reconciler: allow-removal needs NAME... or --all", file=sys.stderr)
         return EXIT_FAILED
+    # The daemon lets them go at once, and says how each went.
+    rc = ask(config, "allow-removal", {"names": args.names, "all": args.all})
+    if rc is not None:
+        return rc
+    from reconciler.state.allowance import grant
+    from reconciler.state.files import read_json
+
     managed = read_json(config.state_dir / "managed.json", {}) or {}
     unknown = [n for n in args.names if n not in managed]
     if unknown:

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import secrets
 import socket
-import stat
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,8 +20,7 @@ from reconciler.csi.identity import IdentityServicer
 from reconciler.csi.node import NodeServicer
 from reconciler.csi.records import Records
 from reconciler.csi.volumes import Volumes
-from reconciler.spec.security import directory_problems
-from reconciler.state.files import O_PATH, foreign, open_dir
+from reconciler.drivers.privsock import Listen, PrivateSocket
 
 if TYPE_CHECKING:
     from reconciler.engine import FrontDoorMetrics, Served
@@ -51,100 +46,12 @@ def implemented(servicer: object) -> list[str]:
                    if name[:1].isupper() and hasattr(base, name)})
 
 
-class PrivateSocket:
-    """The CSI socket, 0600 from the moment anyone can reach it, without
-    touching the process umask (shared by every thread: a umask switched
-    around the bind would give any file another thread creates meanwhile the
-    wrong mode, or ours the other thread's).
-
-    A unix socket's inode has no descriptor to fchmod before bind, and a
-    chmod by path after it could be sent elsewhere. So gRPC binds it in a
-    fresh 0700 directory of root's (reached as /proc/self/fd/N/..., N the
-    parent's descriptor: nothing is resolved by path twice), where no one
-    else can reach or swap it; its mode is set through an O_PATH descriptor
-    of that very inode; then it is renamed into place, relative to the
-    parent's descriptor (replacing a stale socket atomically). The parent
-    must be root's and not writable by others, up to /: whoever could write
-    there could put their own socket in its place and read every request.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._dir: int | None = None  # the parent, held for remove()
-        self._ident: tuple[int, int] | None = None
-
-    def bind(self, server: grpc.Server) -> None:
-        pfd = open_dir(self.path.parent, create=True, mode=0o755)
-        try:
-            # The chain by path (as the desired dirs), and the directory we hold.
-            problems = directory_problems(self.path.parent)
-            if not problems and (why := foreign(os.fstat(pfd))) is not None:
-                problems.append(f"directory {self.path.parent} is {why}")
-            if problems:
-                raise RuntimeError(f"refusing to serve CSI at {self.path}: "
-                                   + "; ".join(problems))
-            self._check_replaceable(pfd)
-            private = f".{self.path.name}.{secrets.token_hex(8)}.d"
-            os.mkdir(private, 0o700, dir_fd=pfd)
-            try:
-                self._bind_in(server, pfd, private)
-            finally:
-                with contextlib.suppress(OSError):  # there only if it never moved out
-                    os.unlink(f"{private}/{self.path.name}", dir_fd=pfd)
-                with contextlib.suppress(OSError):
-                    os.rmdir(private, dir_fd=pfd)
-        except BaseException:
-            os.close(pfd)
-            raise
-        self._dir = pfd
-
-    def _bind_in(self, server: grpc.Server, pfd: int, private: str) -> None:
-        name = self.path.name
-        server.add_insecure_port(f"unix://{fd_path(pfd)}/{private}/{name}")
+def grpc_listen(server: grpc.Server) -> Listen:
+    """gRPC's server listening (and serving) at the path PrivateSocket gives."""
+    def listen(path: str) -> None:
+        server.add_insecure_port(f"unix://{path}")
         server.start()
-        dfd = os.open(private, O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                      dir_fd=pfd)
-        try:
-            sfd = os.open(name, O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-            try:
-                st = os.fstat(sfd)
-                if not stat.S_ISSOCK(st.st_mode):
-                    raise RuntimeError(f"{self.path}: gRPC made no socket")
-                os.chmod(fd_path(sfd), 0o600)  # this inode: root talks to it, nobody else
-            finally:
-                os.close(sfd)
-            self._check_replaceable(pfd)
-            os.rename(name, name, src_dir_fd=dfd, dst_dir_fd=pfd)
-        finally:
-            os.close(dfd)
-        self._ident = (st.st_dev, st.st_ino)
-
-    def _check_replaceable(self, pfd: int) -> None:
-        """A socket left by a killed predecessor (we hold the state lock, so
-        it is not serving) is replaced; anything else there is not ours."""
-        try:
-            st = os.stat(self.path.name, dir_fd=pfd, follow_symlinks=False)
-        except FileNotFoundError:
-            return
-        if not stat.S_ISSOCK(st.st_mode):
-            raise RuntimeError(f"{self.path} exists and is not a socket; refusing to replace it")
-
-    def remove(self) -> None:
-        """Unlink the socket, if the name is still ours (not a successor's)."""
-        if self._dir is None:
-            return
-        try:
-            with contextlib.suppress(FileNotFoundError):
-                st = os.stat(self.path.name, dir_fd=self._dir, follow_symlinks=False)
-                if (st.st_dev, st.st_ino) == self._ident:
-                    os.unlink(self.path.name, dir_fd=self._dir)
-        finally:
-            os.close(self._dir)
-            self._dir = None
-
-
-def fd_path(fd: int) -> str:
-    return f"/proc/self/fd/{fd}"
+    return listen
 
 
 class CsiServer:
@@ -179,8 +86,8 @@ class CsiServer:
         csi_pb2_grpc.add_NodeServicer_to_server(servicers[2], server)
         csi_pb2_grpc.add_GroupControllerServicer_to_server(servicers[3], server)
         self.engine.metrics.csi_served(m for s in servicers for m in implemented(s))
-        self.socket = PrivateSocket(self.path)
-        self.socket.bind(server)
+        self.socket = PrivateSocket(self.path, "CSI")
+        self.socket.bind(grpc_listen(server))
         self.server = server
         log.info("CSI %s serving on unix://%s (volume files in %s)", config.csi.driver_name,
                  self.path, config.csi_dir)

@@ -27,33 +27,48 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from reconciler.apply.runner import LEFT, VolumeOutcome, apply
+from reconciler.apply.runner import LEFT, VolumeOutcome, without_steps
 from reconciler.daemon import sdnotify
+from reconciler.daemon.asks import Asks, Inflight, PassContext
 from reconciler.daemon.claimpoll import ClaimPoll, Wait, read_holders
+from reconciler.daemon.commands import Commands
 from reconciler.daemon.conditions import Conditions
+from reconciler.daemon.control import ControlServer
 from reconciler.daemon.dirwatch import DirWatcher
 from reconciler.daemon.dirwatch import plan as watch_plan
 from reconciler.daemon.events import EventHub
 from reconciler.daemon.follow import Follower
 from reconciler.daemon.interest import VolumeInterest, combine, forget, volume_interest
+from reconciler.daemon.liveview import LiveView
 from reconciler.daemon.metrics import Metrics, ceph_reachable
 from reconciler.drivers.freeze import thaw_recorded
 from reconciler.drivers.reaper import become_subreaper, reap_zombies
 from reconciler.drivers.run import Aborted, Halt
-from reconciler.engine import Awaited, Busy, FrontDoor, Gate, Stoppable, context, state_lock
+from reconciler.engine import (
+    Awaited,
+    Busy,
+    FrontDoor,
+    Gate,
+    Stoppable,
+    act,
+    context,
+    look,
+    state_lock,
+)
 from reconciler.facts.observed import Observed
 from reconciler.observe.ceph import observe_images
-from reconciler.observe.node import Node, observe
-from reconciler.plan.planner import VolumePlan, actual_state, plan
+from reconciler.observe.node import Node
+from reconciler.plan.planner import VolumePlan, actual_state
 from reconciler.source.report import applied_revision
 from reconciler.spec.config import Config, ConfigError, load_config
 from reconciler.spec.desired import claims, forgettable, load_desired
-from reconciler.spec.loader import LoadCache, discover
+from reconciler.spec.loader import LoadCache, LoadResult, discover
 from reconciler.spec.model import Volume, volume_from_dict, volume_to_dict
 from reconciler.spec.security import desired_dir_problems, directory_problems
-from reconciler.state import allowance
+from reconciler.state import allowance, holds
+from reconciler.state.allowance import Allowance
 from reconciler.state.files import CannotWrite, read_json, write_json
 from reconciler.state.records import RecordsFile
 from reconciler.state.status import UNSET, VolumeStatus, converged_conditions
@@ -74,12 +89,17 @@ READY_WAIT_S = 240.0
 # (the CSI server's own grace, the file watcher, the log lines).
 STOP_RESERVE_S = 3.0
 
-NOTHING_OBSERVED = Observed(images={}, pools_listed=frozenset(), pool_errors={}, mappings=(),
-                            devices={}, mounts=())
-
 # A status differing from the last written in none of these is not rewritten.
 STATUS_KEYS = ("phase", "observedGeneration", "lastResult", "reason", "message",
                "sourceRevision")
+
+# Why a volume is taken down: its file vanished, or `release` held it down
+# through the daemon; None: converged to its file.
+Down = Literal["vanished", "held"] | None
+
+# The status of a volume held down (state/holds.py).
+HELD = {"reason": "Held", "message": "released through the daemon (rbd-reconciler release); "
+                                     "kept down until rbd-reconciler apply names it"}
 
 PHASE_NAMES = {"ABSENT": "Absent", "CREATED": "Created", "MAPPED": "Mapped",
                "STAGED": "Staged", "PUBLISHED": "Published"}
@@ -158,6 +178,16 @@ class Daemon:
         self.unsaved_records = False
         self.unrecorded: set[str] = set()
         self.unwritten: dict[str, dict[str, Any]] = {}  # name -> status not on disk yet
+        # The command line's way in (daemon/control.py): what it asks of the
+        # passes, what they saw, and what `release` holds down until `apply`.
+        self.control: ControlServer | None = None
+        self.asks = Asks(self.look_again)
+        self.view = LiveView()
+        self.holds: set[str] = set()
+        self.inflight_info: dict[str, Inflight] = {}  # what each chain in flight is for
+        self.confirm: set[str] = set()  # a chain ended, no pass has looked at it since
+        self.refusing = ""  # why the pass under way refused to look, for the asks
+        self.not_reconciling: str | None = None  # why the last pass refused; None: it looked
         self.metrics = Metrics()
         self.metrics.in_backoff.set_function(lambda: len(self.backoff))
         self.metrics.state_writable.set_function(lambda: 0 if self.state_failing else 1)
@@ -211,6 +241,103 @@ class Daemon:
     def busy(self, name: str) -> bool:
         with self.lock:
             return name in self.inflight
+
+    # -- hooks for the command line (daemon/commands.py) ----------------------
+    def look_again(self, names: set[str] | None, why: str) -> None:
+        """A pass at once over ``names`` (None: every volume), backoff
+        forgotten, no debounce: the command line waits on it."""
+        with self.lock:
+            if names is None:
+                self.dirty_all = True
+                self.backoff.clear()
+            else:
+                for name in names:
+                    self.backoff.pop(name, None)
+                self.dirty |= names
+            if len(self.dirty_why) < 20:
+                self.dirty_why.append(why)
+        self.urgent.set()
+        self.wake_event.set()
+
+    def first_pass_after_now(self) -> int:
+        """The number of the first pass that begins after this call."""
+        with self.progress:
+            return self.passes_started + 1
+
+    def wait_pass(self, number: int, deadline: float) -> bool:
+        """Wait until pass ``number`` has ended; False at ``deadline``, or
+        when the daemon stops first."""
+        with self.progress:
+            while self.passes_done < number:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.stopping.is_set():
+                    return False
+                self.progress.wait(min(left, 1.0))
+        return True
+
+    def unconfirmed(self) -> bool:
+        """A chain ended that no pass has looked at since (the live view is
+        behind what the daemon did)."""
+        with self.lock:
+            return bool(self.confirm)
+
+    def _reserve(self, name: str) -> bool:
+        """For a job (rotate-key, takeover): no chain may start for ``name``
+        until ``unreserve``; False while one runs."""
+        with self.lock:
+            if name in self.inflight:
+                return False
+            fut: Future[None] = Future()
+            fut.set_running_or_notify_cancel()
+            self.inflight[name] = fut
+            self.inflight_info[name] = Inflight("", "job")
+            return True
+
+    def unreserve(self, name: str) -> None:
+        """The job is done: the volume is looked at again at once."""
+        with self.lock:
+            fut = self.inflight.pop(name, None)
+            self.inflight_info.pop(name, None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)  # a stop waiting for it goes on
+        self.look_again({name}, f"{name}: after a job of the command line")
+
+    def _answer_asks(self, loaded: LoadResult, current: dict[str, Volume], frozen: set[str],
+                     release: list[Volume], held: dict[str, str], unrecorded: set[str]) -> None:
+        with self.lock:
+            inflight = dict(self.inflight_info)
+        look = self.asks.resolve(self.passes_started, PassContext(
+            loaded=loaded, current=current, frozen=frozen,
+            released={v.name for v in release}, held_back=held, unrecorded=unrecorded,
+            state_line=self._state_line(), inflight=inflight, hold=self._hold_down,
+            lift=self._lift_holds, reserve=self._reserve))
+        if look:
+            with self.lock:
+                for name in look:
+                    self.backoff.pop(name, None)
+                self.dirty |= look
+
+    def _hold_down(self, names: set[str]) -> str | None:
+        return self._save_holds(self.holds | names)
+
+    def _lift_holds(self, names: set[str] | None) -> str | None:
+        return self._save_holds(set() if names is None else self.holds - names)
+
+    def _save_holds(self, wanted: set[str]) -> str | None:
+        """Recorded before it counts (what is not recorded is not done)."""
+        if wanted == self.holds:
+            return None
+        try:
+            holds.write(self.config.state_dir, wanted)
+        except OSError as exc:
+            return str(exc) if isinstance(exc, CannotWrite) else f"cannot record: {exc}"
+        for name in self.holds - wanted:
+            log.info("%s: no longer held down (apply)", name, extra={"volume": name})
+        for name in wanted - self.holds:
+            log.info("%s: held down (release): kept released until apply names it", name,
+                     extra={"volume": name})
+        self.holds = wanted
+        return None
 
     def status(self, name: str) -> dict:
         return read_json(self.status_path(name), {}) or {}
@@ -301,6 +428,15 @@ class Daemon:
                     log.warning("freeze: %s", line)
                 become_subreaper()
                 self.records = read_json(self.records_path, {}) or {}
+                self.holds = holds.read(self.config.state_dir)
+                # Early: a command typed while the first pass runs waits for it.
+                try:
+                    self.control = ControlServer(self.config.control_socket,
+                                                 Commands(self).handle)
+                    self.control.start()
+                except (RuntimeError, OSError) as exc:
+                    log.error("refusing to start: %s", exc)
+                    return 1
                 self.install_signals()
                 self._watch()
                 self._start_events()
@@ -319,6 +455,7 @@ class Daemon:
                     if csi is not None:
                         csi.stop()
                     self.metrics.stop()
+                    self.control.stop()
         except Busy as exc:
             log.error("%s", exc)
             return 1
@@ -387,6 +524,9 @@ class Daemon:
             cancelled = sorted(n for n, f in inflight.items() if f.cancelled())
         if cancelled:
             log.info("stop: not started: %s", ", ".join(cancelled))
+        # What the command line waits for ends here, with what came.
+        self.asks.stop("the daemon is stopping (SIGTERM): what it started ended or was "
+                       "left as after a crash; the next start resumes")
         stuck = sorted(n for n, f in inflight.items() if f in pending)
         if stuck or worker.is_alive():
             self.abandoned = True
@@ -475,6 +615,9 @@ class Daemon:
             if not self.wake_event.wait(DEBOUNCE_S):
                 return
             self.wake_event.clear()
+            if self.urgent.is_set():  # the command line waits: no more quiet time
+                self.urgent.clear()
+                return
 
     def _reload(self) -> None:
         self.reload_wanted.clear()
@@ -483,6 +626,9 @@ class Daemon:
         except ConfigError as exc:
             log.error("reload refused, keeping the running config: %s", exc)
             return
+        if config.control_socket != self.config.control_socket:
+            log.warning("controlSocket %s: taken at the next start; serving %s until then",
+                        config.control_socket, self.config.control_socket)
         self.config = config
         self.node = Node.from_config(config, halt=self.halt)
         log.info("config reloaded from %s", config.source or "built-in defaults")
@@ -566,9 +712,14 @@ class Daemon:
         with self.progress:
             self.passes_started += 1
         t0, result = time.monotonic(), "error"
+        self.refusing = "its pass failed (the daemon's log says why)"
         try:
             result = "ok" if self._reconcile() else "refused"
         finally:
+            # What the command line asked of this pass, if it never got to it.
+            self.not_reconciling = None if result == "ok" else \
+                f"the daemon is not reconciling: {self.refusing}"
+            self.asks.pass_ended(self.passes_started, self.not_reconciling)
             self.metrics.pass_done(time.monotonic() - t0, result)
             if self.config.metrics.textfile is not None:
                 self.metrics.write_textfile(self.config.metrics.textfile)
@@ -590,37 +741,54 @@ class Daemon:
                                level=logging.INFO if self._awaiting_source() else logging.ERROR)
         if problems:
             sdnotify.notify(f"STATUS=refusing: {problems[0]}")
+            self.refusing = problems[0]
             return False
         loaded = load_desired(self.config, self.load_cache, self._settled)
         self.conditions.update("load", [str(d) for d in loaded.diagnostics])
         if loaded.refused:  # an untrusted file or directory: read nothing, touch nothing
             sdnotify.notify("STATUS=refusing: the desired directory is not trusted")
+            self.refusing = "the desired directory is not trusted: " + "; ".join(
+                str(d) for d in loaded.diagnostics)
+            self.view.loaded = loaded  # status says why
             return False
         current = {v.name: v for v in loaded.volumes}
         failed_files = sorted(str(f) for f in loaded.failed_files)
         frozen = set(loaded.frozen_names) | {
             n for n, r in self.records.items() if r["file"] in failed_files}
         self._retry_statuses()
-        release, held = self._removals(current, frozen, failed_files)
-
-        look, why = self._take_dirty(current, release)
+        release, held = self._removals(current, frozen, failed_files,
+                                       self.asks.allowance(self.passes_started))
         with self.lock:
             unrecorded = self.unrecorded & set(current)
             self.dirty |= unrecorded  # looked at again once it can be recorded
+        # What the command line asked for: its volumes are looked at in this pass.
+        self._answer_asks(loaded, current, frozen, release, held, unrecorded)
+        # Released by hand through the daemon: kept down until `apply` names them.
+        holding = [current[n] for n in sorted(self.holds) if n in current and n not in frozen]
+        if gone := {n for n in self.holds if n not in current and n not in self.records}:
+            self._save_holds(self.holds - gone)  # no longer managed: nothing to keep down
+
+        wanted, why = self._take_dirty(current, release)
         for name in sorted(unrecorded):
             self._write_status(name, VolumeStatus(
                 "Pending", reason="StateDirNotWritable",
                 message=f"not converged: {self._state_line()}",
                 observed_generation=current[name].spec_hash))
+        # Those held back for their record are looked at too (status tells
+        # what is there), but nothing is done to them.
         candidates = [v for v in [*current.values(), *release]
-                      if v.name in look and v.name not in unrecorded and self._due(v)]
+                      if v.name in wanted and self._due(v)]
         t_obs = time.monotonic()
         # Nothing to look at: nothing of the node is read (an idle pass).
-        observed = observe(self.node, candidates) if candidates else NOTHING_OBSERVED
+        looked = look(candidates, self.config, self.node,
+                      release=[v.name for v in [*release, *holding]])
+        observed, plans = looked.observed, looked.plans
         t_obs = time.monotonic() - t_obs
-        plans = plan(candidates, observed, context(self.config, self.node),
-                     release=[v.name for v in release])
         by_name = {v.name: v for v in candidates}
+        self.view.update(self.passes_started, loaded, candidates, observed, plans)
+        with self.lock:
+            self.confirm &= set(current) | {v.name for v in release}
+            self.confirm -= set(by_name)
         self._update_interest(candidates, observed, current, plans)
         self.metrics.observed(plans, current.values(),
                               ceph_reachable(observed.pools_listed, observed.pool_errors))
@@ -638,25 +806,34 @@ class Daemon:
         with self.lock:
             self.dirty |= again
         held_io: dict[str, str] = {}
+        n = self.passes_started
+        vanished, kept_down = {v.name for v in release}, {v.name for v in holding}
         for vp in plans:
             vol = by_name[vp.name]
+            down: Down = ("vanished" if vol.name in vanished else
+                          "held" if vol.name in kept_down else None)
+            if vol.name in unrecorded:
+                continue  # not recorded, not done (its status says so)
             if vp.fenced or vp.stalled:
                 # Never touched automatically, a release included: a fence
                 # waits for `recover`, a stall for I/O to complete again.
                 held_io[vol.name] = self._hold(vol, vp, observed)
+                self.asks.looked(n, vol.name, False, without_steps(vp))
                 continue
-            if vp.unknown and vol not in release:
+            if vp.unknown and down != "vanished":
                 # Unknown is not absent: report it, act on nothing, look again.
                 unknown[vol.name] = f"{vol.name}: unknown: {vp.unknown}"
                 self._write_status(vol.name, VolumeStatus(
                     "Unknown", reason="CannotObserve", message=vp.unknown,
                     observed_generation=vol.spec_hash))
+                self.asks.looked(n, vol.name, False, without_steps(vp))
                 continue
             if not vp.steps and not vp.refused:
-                self._converged(vol, vp, observed, released=vol in release)
+                self._converged(vol, vp, observed, down)
+                self.asks.looked(n, vol.name, bool(vp.waiting), without_steps(vp))
                 continue
             busy += 1
-            self._submit(vol, vp, observed, released=vol in release)
+            self._submit(vol, vp, observed, down)
         # Volumes in backoff or in flight were not observed: they keep their state.
         still = {n: m for n, m in self.conditions.active("unknown").items()
                  if n in current and n not in by_name}
@@ -674,7 +851,7 @@ class Daemon:
         log.debug("pass %d: looked at %d volume(s): %s", self.passes_started, len(candidates),
                   "; ".join(why) or "nothing changed")
         log.info("pass %d: %d volume(s), %d observed, %d converging, %d unknown, %d frozen, "
-                 "%d releasing, %d removal(s) held; observe %.0f ms, pass %.0f ms",
+                 "%d releasing, %d removal(s) held; observe and plan %.0f ms, pass %.0f ms",
                  self.passes_started, len(current), len(candidates), busy, len(unknown),
                  len(frozen),
                  len(release), len(held), t_obs * 1e3, (time.monotonic() - t0) * 1e3)
@@ -753,15 +930,18 @@ class Daemon:
                          claims(volume_from_dict(rec["volume"])))
 
     def _removals(self, current: dict[str, Volume], frozen: set[str],
-                  failed_files: list[str]) -> tuple[list[Volume], dict[str, str]]:
+                  failed_files: list[str], asked: Allowance
+                  ) -> tuple[list[Volume], dict[str, str]]:
         """Managed volumes whose files vanished: those to release now, and those
-        held (name -> why). Records are updated to the current set."""
+        held (name -> why). Records are updated to the current set. ``asked``:
+        what allow-removal let go through the control socket (with the file's)."""
         vanished = sorted(set(self.records) - set(current) - frozen)
         with self.lock:
             for name in [n for n in vanished if forgettable(self.records[n], self.config)]:
                 del self.records[name]  # the CSI adapter removed it on purpose
                 vanished.remove(name)
-        allowed = allowance.take(self.config.state_dir)
+        taken = allowance.take(self.config.state_dir)
+        allowed = Allowance(taken.names | asked.names, taken.all or asked.all)
         held: dict[str, str] = {}
         removing: list[str] = []
         refused: dict[str, str] = {}  # keyed: a changed count is the same condition
@@ -836,36 +1016,45 @@ class Daemon:
                 return True
             return time.monotonic() >= b.until
 
-    def _submit(self, vol: Volume, vp: VolumePlan, observed: object, released: bool) -> None:
+    def _submit(self, vol: Volume, vp: VolumePlan, observed: object, down: Down) -> None:
+        """``down``: "vanished" (its file is gone), "held" (released through
+        the daemon, kept down), None (converged to its file)."""
         if self.halt.stopping:  # a pass that was under way at SIGTERM
             return
         if vp.refusal is None and not self.status_path(vol.name).exists():
             self._write_status(vol.name, VolumeStatus("Pending"))
         elif vol.state == "absent" and vp.refusal is None:
             self._write_status(vol.name, VolumeStatus("Deleting"))
+        # Before the chain can end: its end is the answer of the asks counting it.
+        self.asks.looked(self.passes_started, vol.name, False, None)
         with self.lock:
-            fut = self.pool.submit(self._converge, vol, vp, observed, released)
+            fut = self.pool.submit(self._converge, vol, vp, observed, down)
             self.inflight[vol.name] = fut
+            self.inflight_info[vol.name] = Inflight(
+                vol.spec_hash, "converge" if down is None else "release")
 
-    def _converge(self, vol: Volume, vp: VolumePlan, observed: object, released: bool) -> None:
+    def _converge(self, vol: Volume, vp: VolumePlan, observed: object, down: Down) -> None:
         log.info("%s: %d step(s) start", vol.name, len(vp.steps), extra={"volume": vol.name})
         crashed = False
         try:
-            [outcome] = apply([vp], {vol.name: vol}, observed, self.node,  # type: ignore[arg-type]
-                              gate=self.gate)
+            [outcome] = act([vp], {vol.name: vol}, observed, self.node,  # type: ignore[arg-type]
+                            gate=self.gate)
         except Exception as exc:  # a driver bug must not kill the worker silently
             log.exception("%s: apply crashed", vol.name, extra={"volume": vol.name})
             outcome, crashed = VolumeOutcome(vol.name, status="failed", error=str(exc)), True
         self.metrics.outcome(vp, outcome, crashed)
-        self._record_outcome(vol, vp, outcome, released)
+        self._record_outcome(vol, vp, outcome, down)
+        self.asks.finished(vol.name, outcome)
 
     def _record_outcome(self, vol: Volume, vp: VolumePlan, out: VolumeOutcome,
-                        released: bool) -> None:
+                        down: Down) -> None:
         if out.status == "aborted":
             self._record_aborted(vol, out)
             return
+        released = down == "vanished"
         with self.lock:
             self.inflight.pop(vol.name, None)
+            self.inflight_info.pop(vol.name, None)
             if out.status == "failed":
                 prev = self.backoff.get(vol.name)
                 n = (prev.failures + 1) if prev and prev.spec_hash == vol.spec_hash else 1
@@ -883,11 +1072,13 @@ class Daemon:
                          extra={"volume": vol.name, "result": out.status})
             if out.status != "failed":
                 self.dirty.add(vol.name)  # the next pass confirms what the chain did
-        phase = ("Released" if released else
+                self.confirm.add(vol.name)
+        phase = ("Released" if released or (down == "held" and out.status != "failed") else
                  "Failed" if out.status == "failed" else
                  PHASE_NAMES[vp.wanted.name] if vp.wanted is not None else "Pending")
         self._write_status(vol.name, VolumeStatus(
             phase,
+            **(HELD if down == "held" and out.status != "failed" else {}),
             observed_generation=vol.spec_hash,
             last_result=out.status,
             last_error=out.error,
@@ -906,6 +1097,7 @@ class Daemon:
         chain acquired stays, as after a crash; the next start resumes."""
         with self.lock:
             self.inflight.pop(vol.name, None)
+            self.inflight_info.pop(vol.name, None)
         left = [u.removesuffix(LEFT) for u in out.undone if u.endswith(LEFT)]
         log.warning("%s: stopped: %s%s", vol.name, out.error,
                     f"; not undone, for the next start: {', '.join(left)}" if left else "",
@@ -918,22 +1110,23 @@ class Daemon:
             steps=[s.as_dict() for s in out.steps],
         ))
 
-    def _converged(self, vol: Volume, vp: VolumePlan, observed: object, released: bool) -> None:
+    def _converged(self, vol: Volume, vp: VolumePlan, observed: object, down: Down) -> None:
         with self.lock:
             self.backoff.pop(vol.name, None)
-            if released and vol.name in self.records:
+            if down == "vanished" and vol.name in self.records:
                 del self.records[vol.name]
                 self._save_records()
-        problems = {} if released else vp.problems
+        problems = {} if down is not None else vp.problems
         actual = actual_state(vol, observed, context(self.config, self.node),  # type: ignore[arg-type]
                               problems)
+        held = HELD if down == "held" else {}
         self._write_status(vol.name, VolumeStatus(
             # A clone whose source is still on its way is pending, not absent;
             # one with a problem no step can fix is not what it looks like.
-            "Released" if released else "Pending" if vp.waiting else
+            "Released" if down is not None else "Pending" if vp.waiting else
             "Degraded" if problems else PHASE_NAMES[vp.phase.name],
-            reason=next(iter(problems), UNSET),
-            message="; ".join(problems.values()) or UNSET,
+            reason=held.get("reason") or next(iter(problems), UNSET),
+            message=held.get("message") or "; ".join(problems.values()) or UNSET,
             observed_generation=vol.spec_hash,
             notes=vp.notes,
             device=actual["device"], staging=actual["staging"],

@@ -822,9 +822,16 @@ def plan(desired: Iterable[Volume], observed: Observed, ctx: Context,
     release = set(release)
     plans = {v.name: _VolumePlanner(v, observed, ctx).run(v.name in release) for v in desired}
     for name in frozen:
-        plans[name] = VolumePlan(
-            name, refusal="its file failed to load; left exactly as it is (see validate)")
+        plans[name] = frozen_plan(name)
     return [plans[n] for n in sorted(plans)]
+
+
+FROZEN = "its file failed to load; left exactly as it is (see validate)"
+
+
+def frozen_plan(name: str) -> VolumePlan:
+    """A volume whose file fails to load: nothing may be done to it."""
+    return VolumePlan(name, refusal=FROZEN)
 
 
 def actual_state(vol: Volume, observed: Observed, ctx: Context,

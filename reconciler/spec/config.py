@@ -15,6 +15,7 @@ from reconciler.spec.yamldoc import Document, YamlError, load_documents
 log = LazyLogger("reconciler.config")  # the name log lines have always carried
 
 DEFAULT_CONFIG_PATH = Path("/etc/rbd-reconciler/config.yaml")
+DEFAULT_CONTROL_SOCKET = Path("/run/rbd-reconciler/control.sock")
 MAX_CONFIG_BYTES = 1 << 20
 
 
@@ -141,6 +142,9 @@ class Config:
     # A git repository followed instead of desiredDir (docs/gitops-source.md);
     # desired_dir is then the symlink the source switches.
     git: SourceConfig | None = None
+    # Where the daemon serves the command line (README: The command line
+    # beside the daemon); the CLI finds the running daemon there.
+    control_socket: Path = DEFAULT_CONTROL_SOCKET
 
     @property
     def source_dir(self) -> Path:
@@ -230,6 +234,7 @@ def _build(data: dict, source: Path | None) -> Config:
             suid_roots=tuple(privileges.get("suidRoots", ())),
             dev_roots=tuple(privileges.get("devRoots", ()))),
         git=git,
+        control_socket=Path(data.get("controlSocket", str(DEFAULT_CONTROL_SOCKET))),
     )
 
 

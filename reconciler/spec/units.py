@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import re
 
-from reconciler.spec.diagnostics import excerpt
-
 _SUFFIX = {
     "": 1,
     "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
@@ -31,6 +29,9 @@ def parse_size(value: object) -> int:
     Raises ValueError for anything else (``10GB``, ``1.5Gi``, ``-1``, a float
     such as ``1048576.0``, a bool, a number of more than 20 digits).
     """
+    # Here, not at the top: format_size (status's words) needs none of it.
+    from reconciler.spec.diagnostics import excerpt
+
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise ValueError(f"{excerpt(value)} is not a size (an integer or a string)")
     if isinstance(value, int):

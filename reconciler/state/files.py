@@ -22,12 +22,16 @@ import contextlib
 import errno
 import json
 import os
-import secrets
 import stat
 from collections import deque
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
+
+# Only named in annotations: a command that only reaches the daemon's
+# socket through open_dir (cli/fast.py) does not pay for them.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from pathlib import Path
+    from typing import Any
 
 O_PATH = getattr(os, "O_PATH", 0o10000000)
 _MAX_LINKS = 40  # as the kernel's own resolution (ELOOP beyond)
@@ -134,6 +138,8 @@ def _new_temp(dfd: int, path: Path, content: bytes, mode: int) -> str:
     """``content`` in a new dotfile beside ``path`` (loaders and collectors
     skip it) under a random name, on disk, with ``mode`` set on its
     descriptor; its name in the directory ``dfd``."""
+    import secrets  # hashlib and hmac with it: only where a file is written
+
     for _ in range(_TEMP_TRIES):
         name = f".{path.name}.{secrets.token_hex(8)}.tmp"
         try:

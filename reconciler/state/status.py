@@ -6,7 +6,7 @@ The keys, once (camelCase in the file; a field left unset is not written):
 
 - ``phase``: Pending, Mapped, Staged, Published, Degraded, Deleting,
   Released, Failed, Frozen, Unknown, Stalled or Fenced.
-- ``reason``, ``message``: why, for Frozen, Unknown, Interrupted, Degraded
+- ``reason``, ``message``: why, for Frozen, Unknown, Interrupted, Held, Degraded
   (the first of its conditions: Shadowed, FilesystemReadOnly), ...
 - ``stalled``: I/O not completing (device, inFlight, seconds, since,
   lastCompleted); ``fence``: taken over or blocklisted (reason, holder,

@@ -14,7 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from reconciler.csi.server import PrivateSocket
+from reconciler.csi.server import grpc_listen
+from reconciler.drivers.privsock import PrivateSocket
 
 NOBODY = 65534
 
@@ -46,8 +47,8 @@ def serves(path: Path) -> bool:
 def test_born_0600_in_place_and_serving(tmp_path: Path, server: grpc.Server,
                                         no_umask: None) -> None:
     path = tmp_path / "plugins" / "rbd.csi" / "csi.sock"  # its directory made too
-    sock = PrivateSocket(path)
-    sock.bind(server)
+    sock = PrivateSocket(path, "CSI")
+    sock.bind(grpc_listen(server))
     st = path.lstat()
     assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == 0
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o755
@@ -63,8 +64,8 @@ def test_a_stale_socket_is_replaced_anything_else_refused(tmp_path: Path,
     stale = socket.socket(socket.AF_UNIX)
     stale.bind(str(path))
     stale.close()  # a killed predecessor's
-    sock = PrivateSocket(path)
-    sock.bind(server)
+    sock = PrivateSocket(path, "CSI")
+    sock.bind(grpc_listen(server))
     assert serves(path)
     # A successor's socket at the name is not ours to remove.
     sock_ino = path.lstat().st_ino
@@ -79,7 +80,8 @@ def test_a_stale_socket_is_replaced_anything_else_refused(tmp_path: Path,
     path2 = tmp_path / "file.sock"
     path2.write_text("not a socket")
     with pytest.raises(RuntimeError, match="exists and is not a socket"):
-        PrivateSocket(path2).bind(grpc.server(ThreadPoolExecutor(max_workers=1)))
+        PrivateSocket(path2, "CSI").bind(
+            grpc_listen(grpc.server(ThreadPoolExecutor(max_workers=1))))
     assert path2.read_text() == "not a socket"
 
 
@@ -92,5 +94,6 @@ def test_refused_in_a_directory_others_may_change(tmp_path: Path, mode: int,
     d.chmod(mode)
     os.chown(d, owner, owner)
     with pytest.raises(RuntimeError, match="refusing to serve CSI"):
-        PrivateSocket(d / "csi.sock").bind(grpc.server(ThreadPoolExecutor(max_workers=1)))
+        PrivateSocket(d / "csi.sock", "CSI").bind(
+            grpc_listen(grpc.server(ThreadPoolExecutor(max_workers=1))))
     assert os.listdir(d) == []

@@ -22,7 +22,7 @@ from reconciler import __version__
 from reconciler.csi import csi_pb2 as pb
 from reconciler.csi import csi_pb2_grpc
 from reconciler.csi.identity import IdentityServicer
-from reconciler.csi.server import MetricsInterceptor, PrivateSocket, implemented
+from reconciler.csi.server import MetricsInterceptor, PrivateSocket, grpc_listen, implemented
 
 
 class Metrics:
@@ -60,8 +60,8 @@ def wire(tmp_path: Path) -> Iterator[tuple[grpc.Channel, Engine, Ceph]]:
     csi_pb2_grpc.add_IdentityServicer_to_server(IdentityServicer(engine, ceph), server)  # type: ignore[arg-type]
     # The generated base alone: every call UNIMPLEMENTED.
     csi_pb2_grpc.add_NodeServicer_to_server(csi_pb2_grpc.NodeServicer(), server)
-    sock = PrivateSocket(tmp_path / "csi" / "csi.sock")
-    sock.bind(server)
+    sock = PrivateSocket(tmp_path / "csi" / "csi.sock", "CSI")
+    sock.bind(grpc_listen(server))
     try:
         with grpc.insecure_channel(f"unix://{sock.path}") as channel:
             yield channel, engine, ceph

@@ -1,0 +1,347 @@
+"""What the daemon does for the command line (README: The command line
+beside the daemon): each request of the control socket (daemon/control.py),
+answered from the daemon's passes and its live view, under its own locks.
+
+- ``apply``, ``release`` and ``allow-removal`` are asks of the passes
+  (daemon/asks.py): each volume's steps are sent as its chain ends, then a
+  recap, as ``apply`` prints them.
+- ``status``, ``plan`` and ``explain`` answer from what the passes saw
+  (daemon/liveview.py), once every chain that ended has been looked at
+  again: no second look at the node or Ceph (but ``explain``'s watchers
+  and blocklist of its one image, through the daemon's connection).
+- ``rotate-key`` and ``takeover`` run here while the daemon holds the
+  volume: no chain of it runs meanwhile, and it is looked at right after
+  (rotate-key looks at it first too: where it is mapped).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from reconciler.apply.rotate import mapped_device, rotate_key
+from reconciler.apply.takeover import takeover
+from reconciler.daemon.asks import Ask, Asks, Inflight, Kind
+from reconciler.daemon.control import Reply
+from reconciler.daemon.liveview import LiveView, Seen
+from reconciler.drivers.freeze import left_frozen
+from reconciler.engine import NOTHING_OBSERVED, context, look
+from reconciler.observe.ceph import CephView, observe_images
+from reconciler.observe.node import Node
+from reconciler.plan.planner import frozen_plan
+from reconciler.spec.config import Config
+from reconciler.spec.loader import LoadResult
+from reconciler.state.allowance import Allowance
+from reconciler.views import (
+    claim_doc,
+    daemon_status,
+    explain_exit,
+    explanation,
+    plan_doc,
+    plan_exit,
+    select,
+    status_doc,
+    status_exit,
+    status_row,
+)
+
+log = logging.getLogger("rbd-reconciler.control")
+
+# A line for the operator, and whether it is an error (stderr).
+Say = Callable[[str, bool], None]
+# A job's work, given its volume's name: True when done.
+Job = Callable[[str, Say], bool]
+
+# Longest a view command waits for the daemon's first pass, or for the pass
+# that looks again at what a chain just did, beyond the observe deadline.
+VIEW_WAIT_S = 30.0
+
+
+class Running(Protocol):
+    """What of the running daemon the commands use (daemon/service.py)."""
+
+    config: Config  # replaced by a reload: read at each use
+    node: Node
+    asks: Asks
+    view: LiveView
+    records: dict[str, dict[str, Any]]
+    stopping: threading.Event
+    lock: threading.Lock
+    inflight_info: dict[str, Inflight]
+    passes_done: int
+    not_reconciling: str | None  # why its last pass refused to look
+
+    def first_pass_after_now(self) -> int: ...
+
+    def wait_pass(self, number: int, deadline: float) -> bool: ...
+
+    def unconfirmed(self) -> bool: ...
+
+    def look_again(self, names: set[str] | None, why: str) -> None: ...
+
+    def unreserve(self, name: str) -> None: ...
+
+
+class Commands:
+    def __init__(self, daemon: Running) -> None:
+        self.d = daemon
+
+    def handle(self, request: dict[str, Any], reply: Reply) -> None:
+        config = self.d.config
+        command, args = request["command"], request.get("args") or {}
+        if command == "ping":
+            reply.finish(0, result={"pid": os.getpid(), "stateDir": str(config.state_dir)})
+            return
+        theirs = request.get("stateDir")
+        if not isinstance(theirs, str) or \
+                os.path.normpath(theirs) != os.path.normpath(config.state_dir):
+            # Another node config than this daemon's: the client works alone.
+            reply.finish(1, elsewhere=f"this daemon serves stateDir {config.state_dir}")
+            return
+        log.info("control: %s %s", command, _said(args))
+        handler = {
+            "apply": lambda: self._ask("apply", _targets(args), reply),
+            "release": lambda: self._ask("release", _targets(args), reply),
+            "allow-removal": lambda: self._allow_removal(args, reply),
+            "status": lambda: self._status(_targets(args), reply),
+            "plan": lambda: self._plan(_targets(args), reply),
+            "explain": lambda: self._explain(_name(args), reply),
+            "rotate-key": lambda: self._job(_name(args), reply, self._rotate(args)),
+            "takeover": lambda: self._job(_name(args), reply, self._takeover(args)),
+        }[command]
+        handler()
+
+    # -- asks of the passes -------------------------------------------------------
+    def _ask(self, kind: Kind, targets: list[dict[str, str]], reply: Reply,
+             allowance: Allowance | None = None) -> None:
+        ask = Ask(kind, targets, self.d.first_pass_after_now(), allowance)
+        self.d.asks.add(ask)
+        names = {t["name"] for t in targets if "name" in t}
+        every = not targets and kind == "apply"
+        self.d.look_again(None if every else names, f"{kind} asked by the command line")
+        self._stream(ask, reply)
+
+    def _stream(self, ask: Ask, reply: Reply) -> None:
+        for ev in ask.events():
+            if "exit" in ev:
+                final = dict(ev)
+                reply.finish(final.pop("exit"), **final)
+                return
+            if not reply.send(ev):
+                return  # the client went away; the ask goes on without it
+
+    def _allow_removal(self, args: dict[str, Any], reply: Reply) -> None:
+        names = [str(n) for n in args.get("names") or []]
+        every = bool(args.get("all"))
+        if not names and not every:
+            reply.finish(1, error="allow-removal needs NAME... or --all")
+            return
+        unknown = [n for n in names if n not in self.d.records]
+        if unknown:
+            reply.finish(1, error=f"not managed by the daemon: {', '.join(unknown)}")
+            return
+        what = "every pending removal" if every else ", ".join(sorted(names))
+        reply.event("say", text=f"allowed: {what}; the daemon lets them go now")
+        self._ask("removal", [], reply, Allowance(frozenset(names), every))
+
+    # -- the live view ------------------------------------------------------------
+    def _current(self, reply: Reply) -> LoadResult | None:
+        """The view, once it says what the daemon did: after its first pass,
+        and after a look at every chain that ended since."""
+        d = self.d
+        deadline = time.monotonic() + VIEW_WAIT_S + 2 * d.config.observe_timeout_seconds
+        if d.passes_done == 0 and not d.wait_pass(1, deadline):
+            reply.finish(1, error="the daemon has not finished its first pass yet; try again")
+            return None
+        if d.unconfirmed():
+            number = d.first_pass_after_now()
+            d.look_again(set(), "the command line waits for the view")
+            d.wait_pass(number, deadline)  # late: what it has is still the best it knows
+        if d.not_reconciling is not None or d.view.loaded is None:
+            # Its view is not what is there now (an untrusted directory, no
+            # source revision yet): the command looks for itself, and says why.
+            reply.finish(1, alone=d.not_reconciling or "the daemon has loaded nothing yet")
+            return None
+        return d.view.loaded
+
+    def _status(self, targets: list[dict[str, str]], reply: Reply) -> None:
+        loaded = self._current(reply)
+        if loaded is None:
+            return
+        sel = select(loaded.volumes, loaded.frozen_names, loaded.failed_files,
+                     loaded.diagnostics, targets)
+        if sel.missing:
+            reply.finish(1, error=f"no volume {', '.join(sel.missing)} in the daemon's "
+                                  "desiredDir or csi.dir")
+            return
+        config, picked, seen = self.d.config, set(sel.names), self.d.view.all()
+        ctx = context(config, self.d.node)
+        rows = []
+        for v in loaded.volumes:
+            if v.name not in picked:
+                continue
+            s = seen.get(v.name)
+            if s is None:
+                row = status_row(v, NOTHING_OBSERVED, ctx, None)
+                row.update(phase="UNKNOWN", unknown="the daemon has not looked at it yet")
+            else:
+                if s.row is None:  # made once per look: the next asks copy it
+                    s.row = status_row(s.volume, s.observed, ctx, s.plan)
+                row = dict(s.row)
+            rows.append(row)
+        frozen = [n for n in loaded.frozen_names if n in picked]
+        doc = status_doc(config, rows, frozen, sel.errors, daemon_status(config))
+        reply.finish(status_exit(doc), result={"kind": "status", "doc": doc})
+
+    def _plan(self, targets: list[dict[str, str]], reply: Reply) -> None:
+        loaded = self._current(reply)
+        if loaded is None:
+            return
+        sel = select(loaded.volumes, loaded.frozen_names, loaded.failed_files,
+                     loaded.diagnostics, targets)
+        if sel.missing:
+            reply.finish(1, error=f"no volume {', '.join(sel.missing)} in the daemon's "
+                                  "desiredDir or csi.dir")
+            return
+        seen, frozen = self.d.view.all(), set(loaded.frozen_names)
+        plans = [frozen_plan(n) if n in frozen else seen[n].plan
+                 for n in sel.names if n in frozen or n in seen]
+        with self.d.lock:
+            running = {n for n, i in self.d.inflight_info.items() if i.purpose != "job"}
+        state_dir = self.d.config.state_dir
+        left = left_frozen(state_dir) if (state_dir / "freezes.json").exists() else []
+        doc = plan_doc(plans, sel.errors, [(r.path, r.owner) for r in left], running)
+        reply.finish(plan_exit(doc), result={"kind": "plan", "doc": doc})
+
+    def _explain(self, name: str, reply: Reply) -> None:
+        loaded = self._current(reply)
+        if loaded is None:
+            return
+        config = self.d.config
+        if loaded.refused:
+            reply.finish(1, error="the desired directory is not trusted: " + "; ".join(
+                str(d) for d in loaded.diagnostics))
+            return
+        vol = next((v for v in loaded.volumes if v.name == name), None)
+        frozen = name in loaded.frozen_names
+        daemon = daemon_status(config)(name)
+        if vol is None and not frozen and daemon is None:
+            reply.finish(1, error=f"no volume {name!r} in {config.desired_dir}")
+            return
+        seen = self.d.view.get(name)
+        observed = seen.observed if seen is not None else NOTHING_OBSERVED
+        fresh = self._image_now(seen)
+        doc = explanation(name, vol, seen.plan if seen else None, observed,
+                          context(config, self.d.node), frozen, loaded.diagnostics, daemon,
+                          lambda actual: claim_doc(actual, lambda: _blocklist(fresh)))
+        image = fresh.images.get(_key(seen)) if fresh is not None and seen else None
+        if image is not None and doc["actual"] and doc["actual"].get("watchers") is not None:
+            doc["actual"]["watchers"] = list(image.watchers)
+        reply.finish(explain_exit(doc), result={"kind": "explain", "doc": doc})
+
+    def _image_now(self, seen: Seen | None) -> CephView | None:
+        """Who watches the volume's image, and Ceph's blocklist, now: asked
+        through the daemon's connection, bounded like a pass's (the passes
+        list watchers only where the planner needs them)."""
+        if seen is None or seen.volume.kind != "Volume" or not seen.volume.image.pool:
+            return None
+        node = self.d.node
+        return observe_images(node.config.ceph, [_key(seen)],
+                              node.config.observe_timeout_seconds, None, node.ceph_session,
+                              blocklist=True)
+
+    # -- jobs under the daemon's hold on a volume ---------------------------------
+    def _job(self, name: str, reply: Reply, work: Job) -> None:
+        ask = Ask("job", [{"name": name}], self.d.first_pass_after_now())
+        self.d.asks.add(ask)
+        self.d.look_again({name}, f"{name}: a job of the command line")
+        for ev in ask.events():
+            if "exit" in ev:
+                final = dict(ev)
+                reply.finish(final.pop("exit"), **final)
+                return
+        vol = ask.reserved
+        assert vol is not None
+        try:
+            if not reply.event("reserved"):
+                return  # nobody waits for it any more: not done
+            ok = work(name, lambda text, err: reply.event(
+                "say", text=text, stream="err" if err else "out"))
+            reply.finish(0 if ok else 1)
+        finally:
+            self.d.unreserve(name)
+
+    def _rotate(self, args: dict[str, Any]) -> Job:
+        new_key_file = args.get("newKeyFile")
+
+        def work(name: str, say: Say) -> bool:
+            loaded = self.d.view.loaded
+            vol = next((v for v in loaded.volumes if v.name == name), None) if loaded else None
+            if vol is None or vol.kind != "Volume":
+                say(f"rbd-reconciler: no volume {name!r} in {self.d.config.desired_dir}", True)
+                return False
+            # Looked at now, under the daemon's hold (the last pass may have
+            # seen it before the chain that mapped it): where it is mapped.
+            device = mapped_device(vol, look([vol], self.d.config, self.d.node).observed)
+            if device is None:
+                say(f"rbd-reconciler: {vol.image.spec} is not mapped on this node; rotate-key "
+                    "works on the mapped device (the daemon maps it first)", True)
+                return False
+            return rotate_key(self.d.config, vol, device, self.d.node.crypt,
+                              str(new_key_file) if new_key_file else None, say)
+        return work
+
+    def _takeover(self, args: dict[str, Any]) -> Job:
+        sure = bool(args.get("sure"))
+
+        def work(name: str, say: Say) -> bool:
+            loaded = self.d.view.loaded
+            vol = next((v for v in loaded.volumes if v.name == name), None) if loaded else None
+            if vol is None or vol.kind != "Volume":
+                say(f"rbd-reconciler: no volume {name!r} in {self.d.config.desired_dir}", True)
+                return False
+            return takeover(self.d.config, vol, sure, say, "the daemon maps it here now")
+        return work
+
+
+def _key(seen: Seen | None) -> tuple[str, str]:
+    assert seen is not None
+    return (seen.volume.image.pool, seen.volume.image.name)
+
+
+def _blocklist(fresh: CephView | None) -> dict[str, str]:
+    if fresh is None or fresh.blocklist is None:
+        raise RuntimeError("Ceph did not answer for its blocklist in time")
+    return dict(fresh.blocklist)
+
+
+def _targets(args: dict[str, Any]) -> list[dict[str, str]]:
+    out = []
+    for t in args.get("targets") or []:
+        if isinstance(t, dict) and isinstance(t.get("name"), str):
+            out.append({"name": t["name"]})
+        elif isinstance(t, dict) and isinstance(t.get("path"), str) and t["path"].startswith("/"):
+            out.append({"path": t["path"]})
+        else:
+            raise ValueError(f"a target is a name or an absolute path, not {t!r}")
+    return out
+
+
+def _name(args: dict[str, Any]) -> str:
+    name = args.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError("no volume name")
+    return name
+
+
+def _said(args: dict[str, Any]) -> str:
+    """The request's arguments for the log line (names and paths only)."""
+    targets = args.get("targets") or []
+    parts = [t.get("name") or t.get("path") for t in targets if isinstance(t, dict)]
+    parts += [str(args["name"])] if args.get("name") else []
+    parts += [str(n) for n in args.get("names") or []]
+    return " ".join(str(p) for p in parts) or "(every volume)"

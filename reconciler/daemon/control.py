@@ -1,0 +1,197 @@
+"""The daemon's control socket: how the command line reaches the running
+daemon (README: The command line beside the daemon; the protocol is in
+daemon/protocol.py).
+
+Root only: the socket is 0600 in a directory only root may change
+(drivers/privsock.py), and each connection's peer is checked with
+SO_PEERCRED (uid 0) whatever let it reach the socket. Each connection is
+served in a thread of its own: one request, its events, one final line. A
+client that goes away (Ctrl-C) costs nothing but its thread: what it asked
+for goes on in the daemon."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from reconciler.daemon import protocol
+from reconciler.drivers.privsock import PrivateSocket
+
+log = logging.getLogger("rbd-reconciler.control")
+
+SEND_TIMEOUT_S = 60.0  # a client that stops reading is dropped, never waited on for ever
+PROBE_TIMEOUT_S = 5.0  # asking a socket found at start-up whether a daemon answers there
+BACKLOG = 64
+
+
+class Reply:
+    """What a handler writes to its client: events, then one final line.
+    Sends from one thread at a time (the connection's)."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+        self.gone = False  # the client went away: later lines are dropped
+        self.finished = False
+
+    def send(self, obj: dict[str, Any]) -> bool:
+        if self.gone:
+            return False
+        try:
+            self.conn.sendall(protocol.line(obj))
+        except OSError:  # EPIPE, ECONNRESET, or a client that stopped reading
+            self.gone = True
+        return not self.gone
+
+    def event(self, name: str, **fields: Any) -> bool:
+        return self.send({"event": name, **fields})
+
+    def finish(self, exit_code: int, **fields: Any) -> None:
+        self.finished = True
+        self.send({"exit": exit_code, **fields})
+
+
+Handler = Callable[[dict[str, Any], Reply], None]
+
+
+def peer_uid(conn: socket.socket) -> int:
+    """The connecting process's uid, as the kernel recorded it at connect."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return int(uid)
+
+
+def answering(path: Path) -> dict[str, Any] | None:
+    """What a daemon answering at ``path`` says of itself (ping), or None
+    when none does (no socket, or a stale one nobody listens on)."""
+    try:
+        sock = protocol.connect(path, PROBE_TIMEOUT_S)
+    except (FileNotFoundError, ConnectionRefusedError):
+        return None
+    with sock:
+        sock.sendall(protocol.line({"protocol": protocol.PROTOCOL, "command": "ping"}))
+        for obj in protocol.lines(sock):
+            if "exit" in obj:
+                return obj.get("result") or {}
+    return {}
+
+
+class ControlServer:
+    def __init__(self, path: Path, handler: Handler) -> None:
+        self.path = path
+        self.handler = handler
+        self.listener: socket.socket | None = None
+        self.socket: PrivateSocket | None = None
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Serve at ``path``; RuntimeError if another daemon answers there (a
+        socket nobody listens on, left by a killed daemon, is replaced)."""
+        other = answering(self.path)
+        if other is not None:
+            raise RuntimeError(
+                f"controlSocket {self.path}: another rbd-reconciler daemon answers there "
+                f"(pid {other.get('pid', '?')}, stateDir {other.get('stateDir', '?')}); "
+                "give each daemon its own controlSocket")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+
+        def listen(path: str) -> None:
+            listener.bind(path)
+            listener.listen(BACKLOG)
+
+        sock = PrivateSocket(self.path, "the control socket")
+        try:
+            sock.bind(listen)
+        except BaseException:
+            listener.close()
+            raise
+        self.listener, self.socket = listener, sock
+        self.thread = threading.Thread(target=self._accept, name="control", daemon=True)
+        self.thread.start()
+        log.info("control socket ready at %s (root only)", self.path)
+
+    def stop(self) -> None:
+        """No new connection; those being served end with the daemon."""
+        if self.socket is not None:
+            self.socket.remove()
+            self.socket = None
+        if self.listener is not None:
+            with contextlib.suppress(OSError):
+                self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
+            self.listener.close()
+            self.listener = None
+        if self.thread is not None:
+            self.thread.join(timeout=2.0)
+            self.thread = None
+
+    def _accept(self) -> None:
+        listener = self.listener
+        assert listener is not None
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError as exc:
+                if exc.errno in (errno.EINTR, errno.ECONNABORTED):
+                    continue
+                return  # closed: stopping
+            threading.Thread(target=self._serve, args=(conn,), name="control-client",
+                             daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            reply = Reply(conn)
+            try:
+                uid = peer_uid(conn)
+                if uid != 0:
+                    log.warning("control socket: refused a client of uid %d (root only)", uid)
+                    # Its request read first (and dropped): closing on unread
+                    # data would reset the connection before it reads why.
+                    with contextlib.suppress(OSError, ValueError):
+                        self._read(conn)
+                    reply.finish(1, error=f"the control socket answers root only "
+                                          f"(this client runs as uid {uid})")
+                    return
+                request = self._read(conn)
+                conn.settimeout(SEND_TIMEOUT_S)
+                # At once, from this thread: the client tells a daemon at work
+                # from one that is stopped or stuck (nothing would come). A
+                # client gone meanwhile gave up on it: its request is dropped.
+                if not reply.event("accepted"):
+                    log.info("control: %s dropped: its client went away before the daemon "
+                             "read it", request["command"])
+                    return
+                self.handler(request, reply)
+            except (ValueError, TimeoutError) as exc:
+                reply.finish(64, error=f"bad request: {exc}")
+            except Exception as exc:  # one request never takes the daemon down
+                log.exception("control socket: request failed")
+                reply.finish(1, error=f"internal error in the daemon: {type(exc).__name__}: "
+                                      f"{exc}")
+            if not reply.finished:
+                reply.finish(1, error="internal error in the daemon: no answer")
+
+    def _read(self, conn: socket.socket) -> dict[str, Any]:
+        conn.settimeout(protocol.REQUEST_TIMEOUT_S)
+        buf = b""
+        while b"\n" not in buf:
+            chunk = conn.recv(4096)
+            if not chunk:
+                break
+            buf += chunk
+            if len(buf) > protocol.MAX_REQUEST_BYTES:
+                raise ValueError(f"longer than {protocol.MAX_REQUEST_BYTES} bytes")
+        request = protocol.parse(buf.split(b"\n", 1)[0])
+        if request.get("protocol") != protocol.PROTOCOL:
+            raise ValueError(f"protocol {request.get('protocol')!r}; this daemon speaks "
+                             f"{protocol.PROTOCOL}")
+        if request.get("command") not in protocol.COMMANDS:
+            raise ValueError(f"no command {request.get('command')!r}")
+        if not isinstance(request.get("args", {}), dict):
+            raise ValueError("args is not an object")
+        return request
