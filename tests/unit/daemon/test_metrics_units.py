@@ -341,7 +341,7 @@ def test_no_created_series_with_debian_12s_prometheus_client(
     import prometheus_client
     import prometheus_client.metrics
 
-    monkeypatch.delattr(prometheus_client, "disable_created_metrics")
+    monkeypatch.delattr(prometheus_client, "disable_created_metrics", raising=False)
     monkeypatch.setattr(prometheus_client.metrics, "_use_created", True)
     m = Metrics()
     assert prometheus_client.metrics._use_created is False
