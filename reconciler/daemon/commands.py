@@ -37,6 +37,7 @@ from reconciler.spec.config import Config
 from reconciler.spec.loader import LoadResult
 from reconciler.state.allowance import Allowance
 from reconciler.views import (
+    Selection,
     claim_doc,
     daemon_status,
     explain_exit,
@@ -168,16 +169,25 @@ class Commands:
             return None
         return d.view.loaded
 
-    def _status(self, targets: list[dict[str, str]], reply: Reply) -> None:
+    def _selected(self, targets: list[dict[str, str]], reply: Reply
+                  ) -> tuple[LoadResult, Selection] | None:
+        """The live view and what ``targets`` pick in it; None: answered."""
         loaded = self._current(reply)
         if loaded is None:
-            return
+            return None
         sel = select(loaded.volumes, loaded.frozen_names, loaded.failed_files,
                      loaded.diagnostics, targets)
         if sel.missing:
             reply.finish(1, error=f"no volume {', '.join(sel.missing)} in the daemon's "
                                   "desiredDir or csi.dir")
+            return None
+        return loaded, sel
+
+    def _status(self, targets: list[dict[str, str]], reply: Reply) -> None:
+        picked = self._selected(targets, reply)
+        if picked is None:
             return
+        loaded, sel = picked
         config, picked, seen = self.d.config, set(sel.names), self.d.view.all()
         ctx = context(config, self.d.node)
         rows = []
@@ -198,15 +208,10 @@ class Commands:
         reply.finish(status_exit(doc), result={"kind": "status", "doc": doc})
 
     def _plan(self, targets: list[dict[str, str]], reply: Reply) -> None:
-        loaded = self._current(reply)
-        if loaded is None:
+        picked = self._selected(targets, reply)
+        if picked is None:
             return
-        sel = select(loaded.volumes, loaded.frozen_names, loaded.failed_files,
-                     loaded.diagnostics, targets)
-        if sel.missing:
-            reply.finish(1, error=f"no volume {', '.join(sel.missing)} in the daemon's "
-                                  "desiredDir or csi.dir")
-            return
+        loaded, sel = picked
         seen, frozen = self.d.view.all(), set(loaded.frozen_names)
         plans = [frozen_plan(n) if n in frozen else seen[n].plan
                  for n in sel.names if n in frozen or n in seen]

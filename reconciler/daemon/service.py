@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -57,6 +56,7 @@ from reconciler.engine import (
     look,
     state_lock,
 )
+from reconciler.facts.clock import now_iso
 from reconciler.facts.observed import Observed
 from reconciler.observe.ceph import observe_images
 from reconciler.observe.node import Node
@@ -103,10 +103,6 @@ HELD = {"reason": "Held", "message": "released through the daemon (rbd-reconcile
 
 PHASE_NAMES = {"ABSENT": "Absent", "CREATED": "Created", "MAPPED": "Mapped",
                "STAGED": "Staged", "PUBLISHED": "Published"}
-
-
-def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="milliseconds")
 
 
 @dataclass
@@ -1088,7 +1084,7 @@ class Daemon:
             steps=[s.as_dict() for s in out.steps],
             conditions=[{"type": "Converged", "status": out.status != "failed",
                          "reason": "Applied" if out.status != "failed" else "StepFailed",
-                         "message": out.error or "", "lastTransitionTime": _now()}],
+                         "message": out.error or "", "lastTransitionTime": now_iso()}],
         ))
         self.wake()  # look again (a failed one when its backoff ends)
 
@@ -1131,7 +1127,7 @@ class Daemon:
             notes=vp.notes,
             device=actual["device"], staging=actual["staging"],
             published=actual["published"], size=actual["size"],
-            conditions=converged_conditions(problems, _now()),
+            conditions=converged_conditions(problems, now_iso()),
         ))
 
     def _write_status(self, name: str, status: VolumeStatus,
@@ -1146,7 +1142,7 @@ class Daemon:
         path = self.status_path(name)
         old = read_json(path, {}) or {}
         merged = {**{k: v for k, v in old.items() if k in ("lastError",)}, **data,
-                  "name": name, "updated": _now()}
+                  "name": name, "updated": now_iso()}
         if all(old.get(k) == merged.get(k) for k in STATUS_KEYS) and "steps" not in data:
             self.written[name] = key
             self.unwritten.pop(name, None)
@@ -1171,7 +1167,7 @@ class Daemon:
 
     def _retry_statuses(self) -> None:
         for name, content in sorted(self.unwritten.items()):
-            if self._write_status_file(name, {**content, "updated": _now()}):
+            if self._write_status_file(name, {**content, "updated": now_iso()}):
                 with self.progress:
                     self.progress_seq += 1
                     self.progress.notify_all()

@@ -12,6 +12,7 @@ it is never on a command line, in the environment or in a log; a private CA
 
 from __future__ import annotations
 
+import errno
 import os
 import shlex
 from collections.abc import Sequence
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from reconciler.drivers.run import Result, Runner
 from reconciler.spec.source import SourceConfig
-from reconciler.state.files import write_atomic
+from reconciler.state.files import CannotWrite, open_dir, write_atomic
 
 # The askpass program git runs for an https password: prints the user name or
 # the token, from files named in its environment (no secret in argv or env).
@@ -88,8 +89,16 @@ class Git:
     def prepare(self) -> None:
         """The home, the GnuPG home and the askpass program (idempotent)."""
         for d in (self.root, self.home, self.gnupg_home, self.no_ca_path):
-            d.mkdir(mode=0o700, exist_ok=True)
-            os.chmod(d, 0o700)  # ours, made just above (or kept): no one else's
+            # Made and moded through descriptors (state/files): a link put in
+            # its place is not followed, and the mode lands on what was opened.
+            fd = open_dir(d, create=True)
+            try:
+                if (st := os.fstat(fd)).st_uid != os.geteuid():
+                    raise CannotWrite(errno.EPERM, f"cannot write {d}: owned by uid "
+                                      f"{st.st_uid}, not by this process; not used")
+                os.fchmod(fd, 0o700)
+            finally:
+                os.close(fd)
         if self.config.credentials.token_file is not None:
             askpass = self.home / "askpass"
             if not askpass.exists() or askpass.read_text() != ASKPASS:

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import shutil
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from reconciler.drivers.run import CommandError, Runner
+from reconciler.facts.clock import now_iso
 from reconciler.source import verify
 from reconciler.source.cause import remote_cause
 from reconciler.source.gitenv import Git
@@ -28,17 +27,13 @@ from reconciler.source.tree import TreeRefused, list_tree, read_blobs, write_tre
 from reconciler.spec.config import Config
 from reconciler.spec.desired import load_desired
 from reconciler.spec.source import SHA1, SourceConfig
-from reconciler.state.files import write_json
+from reconciler.state.files import sync_dir, write_json
 
 log = logging.getLogger("rbd-reconciler.source")
 
 FETCHED = "refs/source/fetched"
 APPLIED = "refs/source/applied"
 MAX_MESSAGE = 600
-
-
-def now_iso() -> str:
-    return datetime.now(UTC).isoformat(timespec="milliseconds")
 
 
 @dataclass
@@ -238,7 +233,7 @@ class Syncer:
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-        _fsync_dir(self.layout.revs)
+        sync_dir(self.layout.revs)
 
     def _load_problems(self, exported: Path) -> list[str]:
         """The loader's verdict on the exported files, named as in the repository."""
@@ -372,10 +367,3 @@ def _step(name: str) -> None:
     """Where a sync is: a debug line (tests kill a sync at each of them)."""
     log.debug("source step: %s", name)
 
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
