@@ -57,23 +57,14 @@ MODULES=(virtio_pci virtio_blk virtio_net virtio_console virtio_rng 9pnet_virtio
 INITRD_MODULES=(virtio_pci virtio_blk crc32c_intel crc32c_generic ext4)
 
 log() { echo "node-tests: $*" >&2; }
+# shellcheck source=scripts/lib/testns.sh
+. "$REPO/scripts/lib/testns.sh"
 
 # ---------------------------------------------------------------- the namespace's first process
 if [[ ${1:-} == --inner ]]; then
   shift
   RUN=$1; shift
-  fail() { log "$*"; exit 125; }
-  ip link set lo up || fail "cannot bring up lo"
-  # No dummy driver on some kernels: a veth pair with both ends in here.
-  if ! ip link add d0 type dummy 2>/dev/null; then
-    ip link add d0 type veth peer name d0-peer && ip link set d0-peer up \
-      || fail "cannot create d0 (dummy or veth)"
-  fi
-  ip addr add "$ADDR/32" dev d0 && ip link set d0 up || fail "cannot put $ADDR/32 on d0"
-  [[ $(ip -4 route get "$ADDR") == local* ]] || fail "$ADDR is not local in the namespace"
-  RBD_RECONCILER_TEST_NETNS=$(stat -L -c %i /proc/self/ns/net)
-  export RBD_RECONCILER_TEST_NETNS
-  echo "$RBD_RECONCILER_TEST_NETNS" >"$RUN/ns"
+  testns_up "$RUN"
   cd "$REPO"
   # devcluster stops the cluster (by pid) when the boots return, or on TERM.
   exec .venv/bin/python -m reconciler.testing.devcluster run --addr "$ADDR" \
@@ -208,36 +199,8 @@ setup
 
 RUN=$(mktemp -d /tmp/rbd-reconciler-node.XXXXXX)
 chmod 755 "$RUN"
-CHILD=''
-ns_pids() {  # every process in the namespace the inner half made
-  local ns; ns=$(cat "$RUN/ns" 2>/dev/null) || return 0
-  { stat -L -c '%i %n' /proc/[0-9]*/ns/net 2>/dev/null || true; } |
-    awk -v ns="$ns" '$1 == ns { split($2, a, "/"); print a[3] }'
-}
-cleanup() {
-  local rc=$? pids end
-  trap - EXIT INT TERM
-  set +e
-  [[ -n $CHILD ]] && kill -0 "$CHILD" 2>/dev/null && kill -TERM "$CHILD"
-  end=$((SECONDS + 40))  # devcluster's own stop, then QEMU's: bounded
-  while [[ -n $CHILD ]] && kill -0 "$CHILD" 2>/dev/null && ((SECONDS < end)); do sleep 0.2; done
-  pids=$(ns_pids)
-  if [[ -n $pids ]]; then
-    log "stopping what is left in the test namespace: $pids"
-    # shellcheck disable=SC2086
-    kill -TERM $pids 2>/dev/null; end=$((SECONDS + 20))
-    while [[ -n $(ns_pids) ]] && ((SECONDS < end)); do sleep 0.2; done
-    # shellcheck disable=SC2046
-    kill -KILL $(ns_pids) 2>/dev/null
-  fi
-  if [[ -n ${RBD_RECONCILER_NODE_KEEP:-} ]]; then
-    log "kept $RUN (RBD_RECONCILER_NODE_KEEP)"
-  else
-    rm -rf -- "$RUN"
-  fi
-  exit "$rc"
-}
-trap cleanup EXIT
+CHILD='' KEEP_RUN=${RBD_RECONCILER_NODE_KEEP:+RBD_RECONCILER_NODE_KEEP}
+trap testns_cleanup EXIT
 trap 'exit 143' TERM
 trap 'exit 130' INT
 
