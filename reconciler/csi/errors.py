@@ -25,10 +25,14 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class CsiError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    """A call's error status. ``keep``: the change the call made stays (it was
+    done; what it made is not usable yet), so its file is not put back."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, keep: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.keep = keep
 
 
 def quoted(value: str, limit: int = QUOTE_CHARS) -> str:

@@ -170,7 +170,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                     want["mountOptions"] = list(access.mount_options)
             spec = doc["spec"]
             if spec.get("stage") == want:
-                self.volumes.settle(name, deadline)
+                self.volumes.settle(name, deadline, bring_up=True)
                 return pb.NodeStageVolumeResponse()
             if spec.get("stage"):
                 raise CsiError(grpc.StatusCode.ALREADY_EXISTS,
@@ -181,7 +181,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             if L_ENCRYPTION in labels:
                 spec["encryption"] = encryption_spec(labels[L_ENCRYPTION])
             spec["stage"] = want
-            self.volumes.converge(name, doc, deadline)
+            self.volumes.converge(name, doc, deadline, bring_up=True)
         return pb.NodeStageVolumeResponse()
 
     @rpc
@@ -258,7 +258,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                         raise CsiError(grpc.StatusCode.ALREADY_EXISTS,
                                        f"{quoted(target)} is already published "
                                        f"{'read-only' if entry.get('readOnly') else 'read-write'}")
-                    self.volumes.settle(name, deadline)
+                    self.volumes.settle(name, deadline, bring_up=True)
                     return pb.NodePublishVolumeResponse()
             if access.single_writer and publish:
                 raise precondition(f"volume {name} is SINGLE_NODE_SINGLE_WRITER and already "
@@ -273,7 +273,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             if (cgroup := podcgroup.find(target)) is not None:
                 entry["ioCgroup"] = cgroup  # io.max for the pod: the volume's QoS
             publish.append(entry)
-            self.volumes.converge(name, doc, deadline)
+            self.volumes.converge(name, doc, deadline, bring_up=True)
         return pb.NodePublishVolumeResponse()
 
     @rpc

@@ -602,7 +602,8 @@ class Volumes:
                         raise invalid(f"{my_kind} {quoted(mine_)} contains {theirs}; a volume "
                                       "is never mounted around another")
 
-    def converge(self, name: str, doc: dict[str, Any], deadline: float) -> dict[str, Any]:
+    def converge(self, name: str, doc: dict[str, Any], deadline: float,
+                 bring_up: bool = False) -> dict[str, Any]:
         """Write ``doc`` and wait for the engine. When the engine refuses or
         fails the change, the file is put back exactly as it was (or removed
         again) and the engine woken: a refused call changes nothing, and the
@@ -612,9 +613,10 @@ class Volumes:
         vol, tmp = self.check(name, doc)
         self.files.commit(name, tmp)
         try:
-            return self.wait(name, vol.spec_hash, deadline)
+            return self.wait(name, vol.spec_hash, deadline, bring_up)
         except CsiError as exc:
-            if exc.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INTERNAL):
+            if exc.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INTERNAL) \
+                    and not exc.keep:
                 self._restore(name, previous, exc)
             raise
 
@@ -630,7 +632,8 @@ class Volumes:
             return
         self.engine.wake_volume(name)
 
-    def wait(self, name: str, generation: str, deadline: float) -> dict[str, Any]:
+    def wait(self, name: str, generation: str, deadline: float,
+             bring_up: bool = False) -> dict[str, Any]:
         """Wake the engine for ``name`` and wait for a status that covers
         ``generation``: from a pass that began after the file was written
         (and the node was as the caller found it), with no chain for the
@@ -647,10 +650,12 @@ class Volumes:
         if end == "stopping":
             raise CsiError(grpc.StatusCode.UNAVAILABLE,
                            "rbd-reconciler is stopping; the work resumes when it restarts")
-        return self._answer(name, status)
+        return self._answer(name, status, bring_up)
 
-    def _answer(self, name: str, status: dict[str, Any]) -> dict[str, Any]:
-        phase = status.get("phase")
+    def _answer(self, name: str, status: dict[str, Any], bring_up: bool) -> dict[str, Any]:
+        """The engine's status as the call's answer. ``bring_up``: a stage or
+        publish, which is done only when what it made can be used."""
+        phase, why = status.get("phase"), status.get("message") or status.get("reason") or ""
         if phase == "Frozen":
             raise precondition(f"volume {name} is frozen: {status.get('message', '')} "
                                f"(see rbd-reconciler validate {self.config.csi_dir})")
@@ -659,18 +664,34 @@ class Volumes:
             raise CsiError(grpc.StatusCode.UNAVAILABLE,
                            f"volume {name}: cannot observe it now ({status.get('message', '')});"
                            " nothing was changed, retry later")
+        if phase == "Stalled":
+            # Held as it is (no step runs on a device whose I/O does not
+            # complete): the call is not done. Its file stays; the engine does
+            # it when Ceph answers again, and a retry then gets OK.
+            raise CsiError(grpc.StatusCode.UNAVAILABLE,
+                           f"volume {name}: its I/O is not completing ({why}); nothing was "
+                           "changed yet, the change is made once Ceph answers: retry")
+        if phase == "Fenced":
+            raise precondition(f"volume {name} is fenced, nothing was changed: {why}")
         if phase == "Failed" or status.get("lastResult") == "failed":
             if status.get("refusal"):
                 raise precondition(f"volume {name}: refused: {status['refusal']}")
             raise CsiError(grpc.StatusCode.INTERNAL,
                            f"volume {name}: {status.get('lastError') or 'a step failed'}")
+        if phase == "Degraded" and bring_up:
+            # Made, but not usable as asked (a read-only filesystem, a publish
+            # covered by another mount): kept as it is, never undone and made
+            # again at each retry; a retry answers OK once it is put right.
+            raise CsiError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"volume {name} is degraded ({status.get('reason', '')}): {why}; "
+                           "see rbd-reconciler explain " + name, keep=True)
         return status
 
-    def settle(self, name: str, deadline: float) -> dict[str, Any]:
+    def settle(self, name: str, deadline: float, bring_up: bool = False) -> dict[str, Any]:
         """Nothing to change: still wait until the engine confirms the file as
         it is (a retry after a timeout gets the real result, not a guess)."""
         res = load([self.files.path(name)], self.config)
         if res.diagnostics or len(res.volumes) != 1:
             raise precondition(f"volume {name}'s file does not load: "
                                + "; ".join(str(d) for d in res.diagnostics))
-        return self.wait(name, res.volumes[0].spec_hash, deadline)
+        return self.wait(name, res.volumes[0].spec_hash, deadline, bring_up)

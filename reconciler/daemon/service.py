@@ -65,7 +65,7 @@ from reconciler.source.report import applied_revision
 from reconciler.spec.config import Config, ConfigError, load_config
 from reconciler.spec.desired import claims, forgettable, load_desired
 from reconciler.spec.loader import LoadCache, LoadResult, discover
-from reconciler.spec.model import Volume, volume_from_dict, volume_to_dict
+from reconciler.spec.model import Phase, Volume, volume_from_dict, volume_to_dict
 from reconciler.spec.security import desired_dir_problems, directory_problems
 from reconciler.state import allowance, holds
 from reconciler.state.allowance import Allowance
@@ -1069,12 +1069,20 @@ class Daemon:
             if out.status != "failed":
                 self.dirty.add(vol.name)  # the next pass confirms what the chain did
                 self.confirm.add(vol.name)
+        # What no step fixes (a read-only filesystem, a covered publish) still
+        # holds after the chain while the stage it concerns stays: the volume
+        # is not what its phase would say (a CSI stage or publish waits on this).
+        problems = vp.problems if (down is None and out.status != "failed" and vp.wanted
+                                   is not None and vp.wanted >= Phase.STAGED) else {}
         phase = ("Released" if released or (down == "held" and out.status != "failed") else
-                 "Failed" if out.status == "failed" else
+                 "Failed" if out.status == "failed" else "Degraded" if problems else
                  PHASE_NAMES[vp.wanted.name] if vp.wanted is not None else "Pending")
+        said = HELD if down == "held" and out.status != "failed" else (
+            {"reason": next(iter(problems)), "message": "; ".join(problems.values())}
+            if problems else {})
         self._write_status(vol.name, VolumeStatus(
             phase,
-            **(HELD if down == "held" and out.status != "failed" else {}),
+            **said,
             observed_generation=vol.spec_hash,
             last_result=out.status,
             last_error=out.error,
@@ -1082,9 +1090,10 @@ class Daemon:
             notes=out.notes,
             undone=out.undone,
             steps=[s.as_dict() for s in out.steps],
-            conditions=[{"type": "Converged", "status": out.status != "failed",
-                         "reason": "Applied" if out.status != "failed" else "StepFailed",
-                         "message": out.error or "", "lastTransitionTime": now_iso()}],
+            conditions=converged_conditions(problems, now_iso()) if problems else [
+                {"type": "Converged", "status": out.status != "failed",
+                 "reason": "Applied" if out.status != "failed" else "StepFailed",
+                 "message": out.error or "", "lastTransitionTime": now_iso()}],
         ))
         self.wake()  # look again (a failed one when its backoff ends)
 

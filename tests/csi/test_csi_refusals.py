@@ -338,3 +338,55 @@ def test_mount_flags_are_allow_listed(start_csi: Callable[..., CsiNode]) -> None
     assert not c.files()
     assert "Traceback" not in c.daemon.log.read_text()
     assert c.stop() == 0
+
+
+def test_a_degraded_volume_is_not_answered_ok(start_csi: Callable[..., CsiNode]) -> None:
+    """A stage or publish that was made but cannot be used as asked (its
+    filesystem read-only, its publish covered by someone else's mount) is
+    not OK: FAILED_PRECONDITION naming why, the file kept as it is (no undo
+    and redo at each retry), OK again once it is put right. The way down
+    (unpublish, unstage) is not held up by it."""
+    c = start_csi()
+    vol = c.create("pvc-Degraded", size=16 * MiB)
+    name = name_of(vol)
+    staging, target = c.kubelet_paths("pv-degraded")
+    c.nodes.NodeStageVolume(stage_req(vol, staging), timeout=T)
+    c.nodes.NodePublishVolume(publish_req(vol, staging, target), timeout=T)
+
+    # Someone mounts over the pod's target: the publish is shadowed.
+    with foreign_mount(target):
+        c.daemon.wait_phase(name, "Degraded")
+        before = identity(c, vol)
+        got, details = error(lambda: c.nodes.NodePublishVolume(
+            publish_req(vol, staging, target), timeout=T))
+        assert got == Code.FAILED_PRECONDITION and "Shadowed" in details, (got, details)
+        assert identity(c, vol) == before
+    c.daemon.wait_phase(name, "Published")
+    c.nodes.NodePublishVolume(publish_req(vol, staging, target), timeout=T)
+
+    # The filesystem turns read-only under a stage that wants it read-write.
+    subprocess.run(["mount", "-o", "remount,ro", "--", str(staging)], check=True)
+    try:
+        c.daemon.wait_phase(name, "Degraded")
+        assert c.daemon.status(name)["reason"] == "FilesystemReadOnly"
+        before = identity(c, vol)
+        got, details = error(lambda: c.nodes.NodeStageVolume(stage_req(vol, staging), timeout=T))
+        assert got == Code.FAILED_PRECONDITION and "read-only" in details, (got, details)
+        assert identity(c, vol) == before
+        # A new publish is made, and said not usable; its file keeps it.
+        other = target.parent.parent.parent / "pod-2" / "volumes" / "mount"
+        other.parent.mkdir(parents=True)
+        got, details = error(lambda: c.nodes.NodePublishVolume(
+            publish_req(vol, staging, other), timeout=T))
+        assert got == Code.FAILED_PRECONDITION and "read-only" in details, (got, details)
+        assert [p["path"] for p in c.files()[name]["spec"]["publish"]] == [str(target), str(other)]
+        # The way down is not held up.
+        unpublish(c, vol, other)
+        assert [p["path"] for p in c.files()[name]["spec"]["publish"]] == [str(target)]
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", "--", str(staging)], check=True)
+    c.daemon.wait_phase(name, "Published")
+    c.nodes.NodeStageVolume(stage_req(vol, staging), timeout=T)
+    unpublish(c, vol, target)
+    unstage(c, vol, staging)
+    delete(c, vol)
