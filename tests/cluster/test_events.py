@@ -32,11 +32,17 @@ def _rbd(node: NodeUnderTest) -> list[str]:
             "--keyring", str(node.cluster.keyring)]
 
 
-def _settled(d: Daemon, name: str) -> None:
+def _settled(d: Daemon, name: str, after: str = "") -> None:
     """The pass after the chain has confirmed it (only that pass writes where
-    the volume is): a drift before it would be repaired by that pass."""
-    wait_for(lambda: d.status(name).get("staging") or d.status(name).get("device"),
-             "the confirming pass")
+    the volume is): a drift before it would be repaired by that pass. With
+    ``after`` (an earlier status's ``updated``), a confirmation written since:
+    the one from before the drift says nothing of the repair's chain, which
+    may still be at work on the mount."""
+    def confirmed() -> bool:
+        s = d.status(name)
+        return bool(s.get("staging") or s.get("device")) and s.get("updated", "") > after
+
+    wait_for(confirmed, "the confirming pass")
 
 
 def _mounted(point: str) -> int:
@@ -70,13 +76,14 @@ def test_publish_and_staging_unmounted_by_hand(node: NodeUnderTest,
     _settled(d, name)
     target = str(node.srv / "app")
     assert _mounted(target) == 1
+    before = d.status(name)["updated"]
     subprocess.run(["umount", target], check=True)
     assert _mounted(target) == 0
     wait_for(lambda: target in node.mounts(), "the publish target to be mounted again",
              EVENT_DEADLINE)
 
     staging = str(node.state / "staging" / name)
-    _settled(d, name)
+    _settled(d, name, after=before)
     assert staging in node.mounts()
     subprocess.run(["umount", target], check=True)  # the bind first: staging is then free
     subprocess.run(["umount", staging], check=True)
