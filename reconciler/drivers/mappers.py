@@ -6,6 +6,10 @@
   a loop device (``losetup --direct-io=on``) turns the file into a block
   device. Works where the kernel has neither rbd nor nbd. Teardown order
   matters: loop device first, then the FUSE mount.
+
+The helpers of the last two (rbd-nbd, rbd-fuse) outlive the command or the
+daemon that started them; with ``scopes`` each starts in a transient systemd
+scope of its own (drivers/scopes.py).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from reconciler.drivers import fuseforce, procfs
+from reconciler.drivers import fuseforce, procfs, scopes
 from reconciler.drivers.fs import block_device_size
 from reconciler.drivers.reaper import reap_later
 from reconciler.drivers.run import TIMED_OUT, CommandError, Runner
@@ -106,6 +110,9 @@ class KernelMapper:
     udev: Callable[[], bool] = udev_running
     records: NbdMappings | None = None  # nbd: what we mapped (a dead rbd-nbd is seen)
     connected: Callable[[str], bool] = field(default=lambda d: nbd_connected(d))
+    # nbd: `rbd device map` (and the rbd-nbd it daemonizes) in a systemd
+    # scope of its own, out of the daemon unit's cgroup (drivers/scopes.py).
+    scopes: bool = False
 
     def _type(self) -> list[str]:
         return ["-t", "nbd"] if self.kind == "nbd" else []
@@ -125,6 +132,8 @@ class KernelMapper:
             options = (*options, NBD_IO_TIMEOUT)
         if options:
             argv.append("--options=" + ",".join(options))
+        if self.kind == "nbd" and self.scopes:
+            return scopes.wrap(argv, self.kind, pool, image)
         return argv
 
     def map(self, pool: str, image: str, options: tuple[str, ...]) -> str:
@@ -198,6 +207,8 @@ class FuseMapper:
     root: Path  # <stateDir>/fuse: one private mount directory per image
     runner: Runner
     kind: str = "fuse"
+    # rbd-fuse in a systemd scope of its own (drivers/scopes.py).
+    scopes: bool = False
     _helpers: dict[str, int] = field(default_factory=dict, repr=False)  # mount -> pid
 
     def mount_point(self, pool: str, image: str) -> Path:
@@ -227,9 +238,15 @@ class FuseMapper:
         return ["rbd-fuse", *_ceph_args(self.ceph), f"--poolname={pool}", f"--image={image}",
                 "-o", "attr_timeout=0", str(mnt), "-f"]
 
+    def start_command(self, pool: str, image: str, mnt: Path) -> list[str]:
+        """What starts the helper: rbd-fuse, in a scope of its own if so set
+        (systemd-run execs it: the pid we get is rbd-fuse's)."""
+        argv = self.fuse_command(pool, image, mnt)
+        return scopes.wrap(argv, self.kind, pool, image) if self.scopes else argv
+
     def _start_fuse(self, pool: str, image: str, mnt: Path) -> None:
         logfile = mnt.with_suffix(".log")
-        argv = self.fuse_command(pool, image, mnt)
+        argv = self.start_command(pool, image, mnt)
         self.runner.history.append(argv)
         # O_NOFOLLOW: a symlink here is never appended through (the state dir is root's).
         with os.fdopen(os.open(logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW

@@ -216,6 +216,10 @@ def explain_map_failure(kind: str, returncode: int, stderr: str) -> MapError:
     lines = [line for line in stderr.strip().splitlines() if line.strip()]
     detail = lines[-1].strip() if lines else f"exit status {returncode}"
     low = stderr.lower()
+    # systemd-run's own words, before it ran rbd (drivers/scopes.py).
+    if "transient scope unit" in low or "failed to connect to bus" in low:
+        return MapError("systemd-run could not start the helper's scope (the node config's "
+                        "helperScopes: never starts helpers without one)", detail)
     # ENOENT after "sysfs write failed" comes from a loaded module (no such image
     # or pool); without the module, rbd fails before writing or says modprobe failed.
     if kind == "krbd" and ("modprobe" in low or "kernel module" in low or (

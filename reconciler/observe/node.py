@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from reconciler.drivers import iolimits, procfs
+from reconciler.drivers import iolimits, procfs, scopes
 from reconciler.drivers.bounded import Bounded, NoAnswer, StillStuck
 from reconciler.drivers.crypt import Cryptsetup, Pbkdf
 from reconciler.drivers.freeze import left_frozen
@@ -62,13 +62,14 @@ class Node:
         runner = runner or Runner(timeout=config.timeouts.command_seconds,
                                   long_timeout=config.timeouts.mkfs_seconds,
                                   halt=halt or Halt())
+        in_scopes = scopes.wanted(config.helper_scopes)
         return cls(
             config=config, runner=runner,
             fs=Filesystems(runner, CreatedPaths(config.state_dir / "created.json")),
-            fuse=FuseMapper(config.ceph, config.state_dir / "fuse", runner),
+            fuse=FuseMapper(config.ceph, config.state_dir / "fuse", runner, scopes=in_scopes),
             krbd=KernelMapper("krbd", config.ceph, runner),
             nbd=KernelMapper("nbd", config.ceph, runner,
-                             records=NbdMappings(config.state_dir)),
+                             records=NbdMappings(config.state_dir), scopes=in_scopes),
             crypt=Cryptsetup(runner, Pbkdf(config.encryption.pbkdf,
                                            config.encryption.iter_time_ms,
                                            config.encryption.iterations,

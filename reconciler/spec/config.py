@@ -145,6 +145,9 @@ class Config:
     # Where the daemon serves the command line (README: The command line
     # beside the daemon); the CLI finds the running daemon there.
     control_socket: Path = DEFAULT_CONTROL_SOCKET
+    # rbd-nbd and rbd-fuse in systemd scopes of their own: auto | never
+    # (drivers/scopes.py).
+    helper_scopes: str = "auto"
 
     @property
     def source_dir(self) -> Path:
@@ -235,6 +238,7 @@ def _build(data: dict, source: Path | None) -> Config:
             dev_roots=tuple(privileges.get("devRoots", ()))),
         git=git,
         control_socket=Path(data.get("controlSocket", str(DEFAULT_CONTROL_SOCKET))),
+        helper_scopes=data.get("helperScopes", "auto"),
     )
 
 

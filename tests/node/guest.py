@@ -3,13 +3,15 @@ the node (scripts/node-tests.sh), from the read-only share of the checkout,
 with the node's own /usr/bin/python3 and nothing but the standard library.
 
 Boot 1 installs the package as the README says and checks the product
-through its units: krbd with udev, LUKS2 through udev, rbd-nbd, the
-journal's fields, `systemd-analyze security`, QoS on a systemd unit, an
-upgrade and a crash while volumes are published; then it writes data and
+through its units: krbd with udev, LUKS2 through udev, rbd-nbd, rbd-fuse,
+the helpers' own scopes, the journal's fields, `systemd-analyze security`,
+QoS on a systemd unit, an upgrade and a crash (`systemctl kill`, every
+process of the unit) while volumes are published; then it writes data and
 reboots through systemd with an application using one volume. Boot 2
 checks that the units alone brought every volume back with the same data,
-and how the previous shutdown went (from the persistent journal); then it
-powers off with the volumes published.
+and how the previous shutdown went (from the persistent journal: the
+release before the helpers' scopes); then it powers off with the volumes
+published.
 
 Parameters, the packages and the node's Ceph config come from the run
 share (argv[1]); each check's result goes to results-bootN.jsonl there, the
@@ -51,6 +53,7 @@ VOLUMES: dict[str, tuple[str, str, str, bool]] = {
     "box-krbd": ("krbd", "ext4", "64Mi", False),
     "box-nbd": ("nbd", "xfs", "320Mi", False),
     "box-luks": ("krbd", "ext4", "64Mi", True),
+    "box-fuse": ("fuse", "ext4", "64Mi", False),
 }
 CRASH_VOLUME = "box-crash"
 ALL_VOLUMES = {**VOLUMES, CRASH_VOLUME: ("krbd", "ext4", "64Mi", False)}
@@ -215,6 +218,31 @@ def nbd_pids() -> dict[str, str]:
     return {p.parent.name: p.read_text().strip() for p in Path("/sys/block").glob("nbd*/pid")}
 
 
+def fuse_pids() -> dict[str, str]:
+    """Our rbd-fuse helpers: their mount point (the last path argument) -> pid."""
+    out = {}
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            args = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if args and args[0].endswith(b"rbd-fuse"):
+            paths = [a.decode() for a in args if a.startswith(str(STATE).encode())]
+            out[paths[-1] if paths else "?"] = d.name
+    return out
+
+
+def helper_pids() -> dict[str, str]:
+    """Every long-lived helper: nbd device or FUSE mount -> pid."""
+    return {**nbd_pids(), **fuse_pids()}
+
+
+def cgroup_of(pid: str) -> str:
+    """The process's cgroup v2 path (`0::/system.slice/X.scope`)."""
+    lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    return next(x.split("::", 1)[1] for x in lines if x.startswith("0::"))
+
+
 def dm_names() -> dict[str, str]:
     return {p.parent.parent.name: p.read_text().strip()
             for p in Path("/sys/block").glob("dm-*/dm/name")}
@@ -272,8 +300,9 @@ def first_pass(pid: str, volumes: int) -> str | None:
 
 def snapshot() -> dict[str, Any]:
     """What must not move while the daemon restarts: mounts (by id),
-    mappings, dm devices, rbd-nbd processes."""
-    return {"mounts": mounts(), "krbd": krbd_devices(), "nbd": nbd_pids(), "dm": dm_names()}
+    mappings, dm devices, rbd-nbd and rbd-fuse processes."""
+    return {"mounts": mounts(), "krbd": krbd_devices(), "nbd": nbd_pids(), "fuse": fuse_pids(),
+            "dm": dm_names()}
 
 
 def sha256(path: Path) -> str:
@@ -403,6 +432,70 @@ def nbd_mapped() -> str:
     return f"/dev/{dev} by rbd-nbd (pid {pid}), xfs"
 
 
+def fuse_mapped() -> str:
+    pids = fuse_pids()
+    mnt = str(STATE / "fuse" / f"{POOL}@box-fuse")
+    assert list(pids) == [mnt], f"rbd-fuse helpers: {pids}"
+    st = os.stat(mounts()["/srv/box-fuse"]["source"])
+    loop = f"/sys/dev/block/{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}/loop/backing_file"
+    backing = Path(loop).read_text().strip()
+    assert backing == f"{mnt}/box-fuse", f"{loop}: {backing}"
+    return (f"{mounts()['/srv/box-fuse']['source']} on {backing}, served by rbd-fuse "
+            f"(pid {pids[mnt]})")
+
+
+# A helper's scope (reconciler/drivers/scopes.py), under system.slice.
+HELPER_SCOPE = re.compile(r"^/system\.slice/(rbd-reconciler-helper-[A-Za-z0-9:_.-]+\.scope)$")
+
+
+def helper_scopes() -> str:
+    """Each rbd-nbd and rbd-fuse helper runs in a transient scope of its own,
+    out of the daemon unit's cgroup (so `systemctl kill rbd-reconciler`
+    cannot reach it), listed by `systemctl list-units 'rbd-reconciler-helper-*'`
+    and ordered before the release unit (stopped only after it)."""
+    helpers = helper_pids()
+    assert any(k.startswith("nbd") for k in helpers) and any(k.startswith("/") for k in helpers), \
+        f"no rbd-nbd or no rbd-fuse helper: {helpers}"
+    listed = sh("systemctl", "list-units", "--plain", "--no-legend", "--no-pager",
+                "rbd-reconciler-helper-*", quiet=True).stdout
+    active = {line.split()[0] for line in listed.splitlines() if line.strip()}
+    out, seen = [], set()
+    for what, pid in sorted(helpers.items()):
+        cg = cgroup_of(pid)
+        assert "/rbd-reconciler.service" not in cg, \
+            f"{what} (pid {pid}) is in the daemon's cgroup {cg}"
+        m = HELPER_SCOPE.match(cg)
+        assert m, f"{what} (pid {pid}) is not in a helper scope: {cg}"
+        scope = m.group(1)
+        assert scope not in seen, f"two helpers in {scope}"
+        seen.add(scope)
+        assert scope in active, \
+            f"systemctl list-units 'rbd-reconciler-helper-*' lacks {scope}: {listed}"
+        u = unit(scope, "ActiveState", "Before", "CollectMode", "Description")
+        assert u["ActiveState"] == "active", (scope, u)
+        assert "rbd-reconciler-shutdown.service" in u["Before"].split(), (scope, u)
+        assert u["CollectMode"] == "inactive-or-failed", (scope, u)
+        out.append(f"{scope} ({u['Description']}; pid {pid}; Before={u['Before']})")
+    assert len(active) == len(seen), f"helper scopes with no helper of ours: {active - seen}"
+    log("helper scopes:\n  " + "\n  ".join(out))
+    return "; ".join(out)
+
+
+def scope_overhead() -> str:
+    """What a scope adds to a helper's start: `systemd-run --scope` of
+    `true` against `true` alone (the best of three each)."""
+    took = []
+    for argv in (["true"], ["systemd-run", "--scope", "--quiet", "--collect", "--", "true"]):
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.monotonic()
+            sh(*argv, quiet=True)
+            best = min(best, time.monotonic() - t0)
+        took.append(best * 1000)
+    metric("scope_overhead_ms", round(took[1] - took[0]))
+    return f"{took[1] - took[0]:.0f} ms"
+
+
 def journal_fields() -> str:
     entries = journal("-u", "rbd-reconciler.service")
     steps = [e for e in entries if "STEP" in e]
@@ -418,7 +511,9 @@ def journal_fields() -> str:
             assert e["SYSLOG_IDENTIFIER"] == "rbd-reconciler", e["SYSLOG_IDENTIFIER"]
         kinds = [e["STEP"] for e in mine if e["RESULT"] == "changed"]
         assert "map" in kinds and "publish" in kinds, f"{name}: changed steps {kinds}"
-        out.append(f"{name}: {' '.join(kinds)}")
+        # The map step's time: for rbd-nbd and rbd-fuse, the helper's scope included.
+        ms = {e["STEP"]: int(e["DURATION_MS"]) for e in mine if e["RESULT"] == "changed"}
+        out.append(f"{name}: {' '.join(kinds)} (map {ms['map']} ms, all {sum(ms.values())} ms)")
     # journalctl's own field match, as the README shows it.
     by_field = journal("-u", "rbd-reconciler", f"VOLUME={APP_VOLUME}")
     assert by_field and all(e.get("VOLUME") == APP_VOLUME for e in by_field)
@@ -584,10 +679,10 @@ def crash() -> str:
     # mapping (sysfs, polled cheaply), before its publish.
     wait_for(f"the daemon to map {CRASH_VOLUME}", lambda: CRASH_VOLUME in krbd_devices(), 120,
              every=0.05)
-    # The daemon's process dies (what Restart=on-failure is for). Not the
-    # whole unit: `systemctl kill` defaults to every process of it, and the
-    # rbd-nbd helpers live in its cgroup (docs/daemon.md "Proven on a systemd node").
-    sh("systemctl", "kill", "--kill-who=main", "-s", "KILL", "rbd-reconciler")
+    # Every process of the unit dies (`systemctl kill` signals them all; what
+    # Restart=on-failure is for): the daemon and the commands it runs. The
+    # rbd-nbd and rbd-fuse helpers live in scopes of their own and stay.
+    sh("systemctl", "kill", "-s", "KILL", "rbd-reconciler")
     t0 = time.monotonic()
     midway = f"/srv/{CRASH_VOLUME}" not in mounts()
     d1 = wait_for("systemd to restart the daemon",
@@ -602,6 +697,12 @@ def crash() -> str:
     moved = {p: (m, after["mounts"].get(p)) for p, m in before["mounts"].items()
              if after["mounts"].get(p) != m}
     assert not moved, f"mounts changed by the crash: {moved}"
+    for key in ("nbd", "fuse", "dm"):
+        assert after[key] == before[key], \
+            f"{key} changed by the kill: {before[key]} -> {after[key]}"
+    gone = {k: v for k, v in before["krbd"].items() if after["krbd"].get(k) != v}
+    assert not gone, f"krbd mappings changed by the kill: {gone}"
+    scopes = helper_scopes()
 
     def steps(pid: str) -> list[str]:
         return [f"{e['STEP']} {e['RESULT']}" for e in journal("-u", "rbd-reconciler", f"_PID={pid}")
@@ -612,11 +713,14 @@ def crash() -> str:
         f"killed before the publish, yet the restarted daemon did no step (killed one: {old})"
     metric("crash_restart_s", round(restarted, 1))
     metric("crash_to_converged_s", round(converged, 1))
-    return (f"killed pid {d0['MainPID']} {'before' if midway else 'after'} the publish "
+    return (f"killed every process of the unit (main pid {d0['MainPID']}) "
+            f"{'before' if midway else 'after'} the publish "
             f"(its steps: {', '.join(old) or 'none logged'}); restarted as {d1['MainPID']} in "
             f"{restarted:.1f} s (NRestarts {d1['NRestarts']}), which did {', '.join(new)}; all "
-            f"{len(names)} Published {converged:.1f} s after the kill, the other volumes' mounts "
-            "untouched")
+            f"{len(names)} Published {converged:.1f} s after the kill, the other volumes' mounts, "
+            f"mappings and helpers untouched (rbd-nbd {', '.join(after['nbd'].values())}, "
+            f"rbd-fuse {', '.join(after['fuse'].values())}, still in their scopes: "
+            f"{scopes.count('.scope (')})")
 
 
 def data_and_reboot() -> None:
@@ -645,6 +749,9 @@ def boot1() -> str:
     check("krbd with udev", krbd_udev)
     check("LUKS2 through udev", luks_udev)
     check("rbd-nbd", nbd_mapped)
+    check("rbd-fuse", fuse_mapped)
+    check("helpers in their own scopes", lambda: f"{helper_scopes()}; a scope adds "
+          f"{scope_overhead()} to a start")
     check("journal fields", journal_fields)
     check("systemd-analyze security", security)
     app = check("application unit", application)
@@ -713,6 +820,42 @@ def beneath(path: str) -> dict[str, str]:
 
 STOPPING = "de5b426a63be47a7b6ac3eaac82e2f6f"
 STOPPED = "9d1aaa27d60140bd96365438aad20286"
+STARTED = "39f53479d3a045ac8e11786248231fbf"
+DEACTIVATED = "7ad2d189f7e94e70a38c781354912448"  # "UNIT: Deactivated successfully."
+HELPER_PREFIX = "rbd-reconciler-helper-"
+
+
+def helper_scope_ends(entries: list[dict[str, Any]], asked: float, release_stopping: float,
+                      release_stopped: float) -> str:
+    """The helpers' scopes alive when the shutdown was asked for went only
+    once the release ran: each ended (its helper exited: the release
+    unmapped it) after the release began, and systemd stopped none (SIGTERM
+    to its helper: "Stopping ...") before the release ended."""
+    seen: dict[str, list[tuple[float, str]]] = {}
+    for e in entries:
+        u = e.get("UNIT", "")
+        if e.get("_PID") == "1" and u.startswith(HELPER_PREFIX) and u.endswith(".scope"):
+            what = {STARTED: "started", STOPPING: "stopping", STOPPED: "stopped",
+                    DEACTIVATED: "deactivated"}.get(e.get("MESSAGE_ID", ""))
+            if what:
+                seen.setdefault(u, []).append((int(e["__MONOTONIC_TIMESTAMP"]) / 1e6, what))
+    alive = {u: ev for u, ev in seen.items()
+             if any(w == "started" and t < asked for t, w in ev)
+             and not any(w != "started" and t < asked for t, w in ev)}
+    assert len(alive) >= 2, f"fewer helper scopes than helpers alive at the shutdown: {seen}"
+    out = []
+    for u, ev in sorted(alive.items()):
+        ends = [(t, w) for t, w in ev if t >= asked and w != "started"]
+        assert ends, f"{u}: no end in the journal"
+        first = min(ends)
+        assert first[0] >= release_stopping, \
+            f"{u} {first[1]} at {first[0]:.3f}, before the release began ({release_stopping:.3f})"
+        early = [t for t, w in ends if w == "stopping" and t < release_stopped]
+        assert not early, f"systemd stopped {u} at {early[0]:.3f}, while the release ran " \
+            f"(it ended at {release_stopped:.3f})"
+        out.append(f"{u.removeprefix(HELPER_PREFIX)} {first[1]} "
+                   f"{first[0] - release_stopping:+.2f} s after the release began")
+    return "; ".join(out)
 
 
 def shutdown_order() -> str:
@@ -751,6 +894,9 @@ def shutdown_order() -> str:
     assert not rbdmap, f"rbdmap unmap-all touched devices: {rbdmap[:6]}"
     release_s = at(rel, "stopped") - at(rel, "stopping")
     asked = json.loads((RUN / f"shutdown-boot{BOOT - 1}").read_text())["uptime"]
+    # The helpers' scopes (drivers/scopes.py: Before= the release unit).
+    helpers = helper_scope_ends(entries, asked, at(rel, "stopping"), at(rel, "stopped"))
+    log(f"helper scopes at the shutdown: {helpers}")
     last = max(int(e["__MONOTONIC_TIMESTAMP"]) for e in entries) / 1e6
     metric("previous_shutdown_release_s", round(release_s, 1))
     metric("previous_shutdown_request_to_release_end_s", round(at(rel, "stopped") - asked, 1))
@@ -775,7 +921,8 @@ def shutdown_order() -> str:
         assert want == [x for x in steps if x in ("unpublish", "unstage", "close", "unmap")] \
             and "unpublish" in steps and "unmap" in steps, f"{name}: release steps {steps}"
     bad = [e.get("MESSAGE") for e in entries
-           if e.get("UNIT") in (app, dmn, rel) and int(e["__MONOTONIC_TIMESTAMP"]) / 1e6 >= asked
+           if (e.get("UNIT") in (app, dmn, rel) or e.get("UNIT", "").startswith(HELPER_PREFIX))
+           and int(e["__MONOTONIC_TIMESTAMP"]) / 1e6 >= asked
            and re.search(
                r"timed out|Killing process|SIGKILL|Failed with result",
                str(e.get("MESSAGE", "")))]
@@ -783,7 +930,7 @@ def shutdown_order() -> str:
     return (f"app stopped {at(dmn, 'stopping') - at(app, 'stopped'):.1f} s before the daemon "
             f"stopping; release took {release_s:.1f} s and ended "
             f"{at('network-online.target', 'stopped') - at(rel, 'stopped'):.2f} s before "
-            "network-online.target stopped")
+            f"network-online.target stopped; helper scopes: {helpers}")
 
 
 EXTRA: dict[str, tuple[str, str, str, bool]] = {
@@ -803,6 +950,7 @@ def more_volumes() -> str:
 
 def boot2() -> str:
     check("volumes back after reboot", back_after_reboot)
+    check("helpers in their own scopes", helper_scopes)
     check("application after reboot", app_after_reboot)
     check("shutdown order (previous boot)", shutdown_order)
     check("four more volumes", more_volumes)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -146,6 +147,35 @@ def boot(n: int, args: argparse.Namespace, share: Path, overlay: Path) -> dict:
     return out
 
 
+# systemd's console line when a stop job starts running ("Stopping UNIT -
+# DESCRIPTION..."); for a helper's scope that is systemd signalling the
+# helper (SIGTERM, SIGKILL at the scope's stop timeout). The line is cut in
+# its middle to the console's width ("rbd-reconciler-he…lper: rbd-nbd for
+# rbd/x..."), so a helper's is any of ours but the release unit's (its name
+# begins "rbd-reconciler-s", its description ends "unmap)") and the
+# daemon's ("rbd-reconciler.service").
+OURS_STOPPING = re.compile(r"Stopping (rbd-reconciler-.*?)(?:\.\.\.)?$", re.MULTILINE)
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def helper_stops(run: Path, n: int) -> dict:
+    """The shutdown that ended boot ``n``, from its console (the power-off
+    has no later boot whose journal could say): each helper's scope must
+    end by itself as the release unmaps its helper, before any stop job of
+    its own runs; one that runs is systemd killing a helper still serving."""
+    check = "helper scopes at the shutdown (console)"
+    try:
+        text = ANSI.sub("", (run / f"console-boot{n}.log").read_text(errors="replace"))
+    except OSError as exc:
+        return {"boot": n, "check": check, "ok": False, "seconds": 0,
+                "detail": f"no console log: {exc}"}
+    ours = [u.strip().rstrip(".") for u in OURS_STOPPING.findall(text.replace("\r", ""))]
+    stopped = [u for u in ours if not u.startswith("rbd-reconciler-s") and not u.endswith("unmap)")]
+    return {"boot": n, "check": check, "ok": not stopped, "seconds": 0,
+            "detail": "; ".join(f"systemd stopped {u}" for u in stopped)
+            or "systemd stopped none: each ended with its helper"}
+
+
 def results(share: Path) -> tuple[list[dict], list[dict]]:
     checks, metrics = [], []
     for f in sorted(share.glob("results-boot*.jsonl")):
@@ -189,6 +219,7 @@ def main() -> int:
         if b["end"] != "reboot":
             break
     checks, metrics = results(share)
+    checks += [helper_stops(args.run, b["boot"]) for b in boots if b["end"] is not None]
     say("results:")
     for c in checks:
         mark = "ok  " if c["ok"] else "FAIL"

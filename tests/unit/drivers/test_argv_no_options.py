@@ -13,7 +13,7 @@ import os
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -49,7 +49,12 @@ class Capture(Runner):
 def as_options(argv: list[str]) -> list[str]:
     """The hostile values in ``argv`` where its command could read them as an
     option: in a word before "--" that begins with "-", other than as the
-    value of one ``--opt=VALUE`` (a word beginning "/" is never an option)."""
+    value of one ``--opt=VALUE`` (a word beginning "/" is never an option).
+    A command run by ``systemd-run`` (a helper's scope) is checked as a
+    command of its own after the wrapper's "--"."""
+    if argv[:1] == ["systemd-run"] and "--" in argv:
+        end = argv.index("--")
+        return as_options(argv[:end]) + as_options(argv[end + 1:])
     end = argv.index("--") if "--" in argv else len(argv)
     found = []
     for word in argv[1:end]:
@@ -127,12 +132,17 @@ def calls(tmp_path: Path, mounted: Path) -> dict[str, Callable[[], object]]:
             out[f"rbd device unmap ({kind} by a device that is no /dev node)"] = \
                 lambda m=km, k=kind: m.unmap(Mapping(k, POOL, IMAGE, DEV))
             out[f"rbd device list ({kind})"] = KernelMapper(kind, CEPH, Capture(stdout="[]")).list
+    scoped = KernelMapper("nbd", CEPH, Capture(stdout="/dev/nbd0\n"), udev=lambda: True,
+                          scopes=True)
+    out["rbd device map (nbd, in a scope)"] = lambda: scoped.map(POOL, IMAGE, ("ro",))
     fuse = FuseMapper(CEPH, tmp_path / "fuse", Capture(stdout="/dev/loop7\n"))
     mnt = fuse.mount_point(POOL, IMAGE)
     out |= {
         # rbd-fuse is started by Popen, not the runner: its argv, run here.
         "rbd-fuse": lambda: fuse.runner.run(fuse.fuse_command(POOL, IMAGE, mnt)),
         "rbd-fuse (a relative mount point)": lambda: fuse.fuse_command(POOL, IMAGE, Path(MNT)),
+        "rbd-fuse (in a scope)": lambda: fuse.runner.run(
+            replace(fuse, scopes=True).start_command(POOL, IMAGE, mnt)),
         "losetup --find": lambda: fuse.map(POOL, IMAGE, ()),
         "losetup --detach, umount": lambda: fuse.unmap(Mapping("fuse", POOL, IMAGE, DEV,
                                                                fuse_mount=str(mnt))),
@@ -181,7 +191,7 @@ def test_no_value_reaches_an_option_position(tmp_path: Path, tmpfs: Path,
     for what, argvs in ran.items():
         for argv in argvs:
             if argv[0] in ("mount", "umount", "blkid", "mkfs.ext4", "mkfs.xfs", "e2fsck",
-                           "resize2fs", "xfs_growfs", "cryptsetup", "systemctl"):
+                           "resize2fs", "xfs_growfs", "cryptsetup", "systemctl", "systemd-run"):
                 assert "--" in argv, (what, argv)
 
 
