@@ -8,13 +8,24 @@ commands in a shell; and an encrypted volume (LUKS2, wrappedBy, pbkdf2 with
 fixed iterations) vs a plain one, both through apply on krbd. Trials are
 paired and interleaved; each side's teardown is not timed.
 
-Run it with: scripts/kernel-tests.sh --bench [--trials N]
+Run it with: scripts/kernel-tests.sh --bench [--trials N] [--breakdown NAME]
 (inside the VM it reads the cluster from RBD_RECONCILER_CEPH_CONF/...).
+
+--breakdown NAME: first, for krbd, nbd and krbd with LUKS2, where one
+apply's time goes: each raw command timed on its own; one apply traced by
+benchmarks/p14_trace.py (phases, steps, every command, Ceph calls, sleeps:
+trace-*.json, and the summary breakdown.txt); one under cProfile
+(profile-*.pstats, its top in breakdown.txt); one with -X importtime
+(importtime-*.txt). Written in the guest under $KERNEL_TESTS_OUT/NAME, which
+kernel-tests.sh copies to .p14-breakdown/NAME on the host. --trials 0: the
+breakdown alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
+import json
 import os
 import shutil
 import statistics
@@ -26,6 +37,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CLI = str(REPO / ".venv" / "bin" / "rbd-reconciler")
+PY = str(REPO / ".venv" / "bin" / "python")
+TRACE = str(REPO / "benchmarks" / "p14_trace.py")
 TIMEOUT = 600.0
 MKFS = "-q -m0 -E nodiscard,lazy_itable_init=1,lazy_journal_init=1"
 
@@ -46,9 +59,16 @@ echo "$dev"
 """
 
 
-def sh(argv: list[str], **kw: object) -> str:
-    return subprocess.run(argv, check=True, capture_output=True, text=True, timeout=TIMEOUT,
-                          **kw).stdout  # type: ignore[call-overload]
+def sh(argv: list[str], stderr: Path | None = None) -> str:
+    """stdout; ``stderr``: a file it goes to (else captured, shown on failure)."""
+    with open(stderr or os.devnull, "w") as err:
+        res = subprocess.run(argv, stdout=subprocess.PIPE,
+                             stderr=err if stderr else subprocess.PIPE, text=True,
+                             timeout=TIMEOUT)
+    if res.returncode:
+        said = (res.stderr or "")[-2000:] if not stderr else f"(stderr in {stderr})"
+        raise RuntimeError(f"{' '.join(argv)}: exit {res.returncode}: {said}")
+    return res.stdout
 
 
 class Node:
@@ -69,7 +89,10 @@ class Node:
             f"encryption:\n  keyRoot: {encrypted_keys}\n  pbkdf: pbkdf2\n  iterations: 1000\n")
         self.keys = encrypted_keys
 
-    def apply_one(self, name: str, mapper: str, encrypted: bool) -> float:
+    def apply_one(self, name: str, mapper: str, encrypted: bool,
+                  how: list[str] | None = None, stderr: Path | None = None) -> float:
+        """``how``: what runs the CLI (default: the console script itself);
+        ``stderr``: where the timed apply's stderr goes."""
         enc = (f"  encryption: {{type: luks2, key: {{wrappedBy: {self.keys / 'node.key'}}}}}\n"
                if encrypted else "")
         (self.desired / f"{name}.yaml").write_text(
@@ -79,7 +102,7 @@ class Node:
             f"  stage: {{fsType: ext4, path: {self.srv / 'stage' / name}}}\n"
             f"  publish:\n    - path: {self.srv / 'app' / name}\n")
         t0 = time.perf_counter()
-        sh([CLI, "--config", str(self.config), "apply"])
+        sh([*(how or [CLI]), "--config", str(self.config), "apply"], stderr)
         took = time.perf_counter() - t0
         # Down and gone (not timed): the file says absent, then it is removed.
         f = self.desired / f"{name}.yaml"
@@ -87,6 +110,33 @@ class Node:
         sh([CLI, "--config", str(self.config), "apply"])
         (self.desired / f"{name}.yaml").unlink()
         return took
+
+    def raw_steps(self, name: str, mapper: str) -> list[tuple[str, float]]:
+        """The raw sequence one command at a time, each timed (as RAW runs them)."""
+        staging, target = self.srv / "raw-stage" / name, self.srv / "raw-app" / name
+        spec = f"{self.pool}/{name}"
+        kind = ["-o", "noudev"] if mapper == "krbd" else ["-t", "nbd"]
+        out: list[tuple[str, float]] = []
+
+        def timed(label: str, argv: list[str]) -> str:
+            t0 = time.perf_counter()
+            got = sh(argv)
+            out.append((label, time.perf_counter() - t0))
+            return got
+
+        timed("rbd create", ["rbd", "create", "-c", self.conf, "--size", "64M", spec])
+        dev = timed(f"rbd device map ({mapper})",
+                    ["rbd", "device", "map", "-c", self.conf, *kind, spec]).strip()
+        timed("mkfs.ext4", ["mkfs.ext4", *MKFS.split(), dev])
+        timed("mkdir -p", ["mkdir", "-p", str(staging), str(target)])
+        timed("mount", ["mount", dev, str(staging)])
+        timed("mount --bind", ["mount", "--bind", str(staging), str(target)])
+        sh(["umount", str(target)])
+        sh(["umount", str(staging)])
+        sh(["rbd", "device", "unmap", "-c", self.conf, *(["-o", "noudev"] if mapper == "krbd"
+                                                         else ["-t", "nbd"]), dev])
+        sh(["rbd", "rm", "-c", self.conf, spec])
+        return out
 
     def raw_one(self, name: str, mapper: str) -> float:
         staging, target = self.srv / "raw-stage" / name, self.srv / "raw-app" / name
@@ -104,9 +154,71 @@ class Node:
         return took
 
 
+def breakdown(node: Node, out: Path) -> None:
+    """Where the time of one apply goes, per mapper (see the module's doc)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import pstats
+
+    from p14_trace import summarize
+
+    out.mkdir(parents=True, exist_ok=True)
+    text: list[str] = []
+    for label, mapper, encrypted in (("krbd", "krbd", False), ("nbd", "nbd", False),
+                                     ("krbd-luks2", "krbd", True)):
+        if not encrypted:
+            steps = node.raw_steps(f"p14-bd-raw-{mapper}", mapper)
+            text.append(f"== raw {mapper}, one command at a time: "
+                        f"{sum(t for _, t in steps):.2f} s")
+            text += [f"  {t:7.3f} s  {what}" for what, t in steps]
+        plain = node.apply_one(f"p14-bd-plain-{label}", mapper, encrypted)
+        text.append(f"== apply {label}, untraced: {plain:.2f} s wall")
+        trace = out / f"trace-{label}.json"
+        wall = node.apply_one(f"p14-bd-trace-{label}", mapper, encrypted,
+                              [PY, TRACE, "--out", str(trace), "--"])
+        text.append(summarize(json.loads(trace.read_text()), wall, f"apply {label}, traced"))
+        if encrypted:
+            continue
+        prof = out / f"profile-{label}.pstats"
+        wall = node.apply_one(f"p14-bd-prof-{label}", mapper, encrypted,
+                              [PY, TRACE, "--profile", str(prof), "--"])
+        buf = io.StringIO()
+        stats = pstats.Stats(str(prof), stream=buf)
+        stats.sort_stats("cumulative").print_stats(45)
+        stats.sort_stats("tottime").print_stats(30)
+        text.append(f"== apply {label} under cProfile: {wall:.2f} s wall\n{buf.getvalue()}")
+        imp = out / f"importtime-{label}.txt"
+        t0 = time.perf_counter()
+        name = f"p14-bd-imp-{label}"
+        node.apply_one(name, mapper, encrypted, [PY, "-X", "importtime", CLI], stderr=imp)
+        text.append(f"== apply {label} with -X importtime: {time.perf_counter() - t0:.2f} s "
+                    f"(incl. teardown); top imports (cumulative us):\n"
+                    + top_imports(imp.read_text()))
+        (out / "breakdown.txt").write_text("\n".join(text) + "\n")
+        print(text[-1] if len(text[-1]) < 2000 else text[-1][:2000], flush=True)
+    (out / "breakdown.txt").write_text("\n".join(text) + "\n")
+    print("\n".join(t for t in text if not t.startswith("== apply") or "traced" in t
+                    or "untraced" in t), flush=True)
+
+
+def top_imports(stderr: str, n: int = 25) -> str:
+    """-X importtime lines ("import time: self | cumulative | name"), by cumulative."""
+    rows = []
+    for line in stderr.splitlines():
+        parts = line.removeprefix("import time:").split("|")
+        if len(parts) == 3 and parts[1].strip().isdigit():
+            rows.append((int(parts[1]), int(parts[0]), parts[2].rstrip()))
+    total = sum(self_us for _, self_us, _ in rows)
+    rows.sort(reverse=True)
+    return (f"  all imports (sum of self): {total / 1e6:.3f} s\n"
+            + "\n".join(f"  {cum / 1e6:7.3f} s cum {own / 1e6:7.3f} s self {name}"
+                        for cum, own, name in rows[:n]))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--breakdown", type=Path, metavar="NAME",
+                    help="first, where one apply's time goes (see above)")
     args = ap.parse_args()
     if os.environ.get("RUN_IN_VM") != "1":
         print("p14: runs inside the VM: scripts/kernel-tests.sh --bench", file=sys.stderr)
@@ -119,6 +231,11 @@ def main() -> int:
     node = Node(root / "node", keys)
     times: dict[str, list[float]] = {}
     try:
+        if args.breakdown is not None:
+            breakdown(node, Path(os.environ.get("KERNEL_TESTS_OUT", REPO / ".p14-breakdown"))
+                      / args.breakdown)
+        if args.trials < 1:
+            return 0
         for _ in range(args.trials):  # what an emulated interpreter start costs here
             t0 = time.perf_counter()
             sh([CLI, "--version"])
