@@ -20,13 +20,14 @@ benchmarks/p14_kernel_paths.py --breakdown runs it in the VM.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -126,13 +127,23 @@ def install() -> None:
 
     time.sleep = sleep
 
+    real_connect = ceph.connect
+
+    @contextlib.contextmanager
+    def connect(*a: Any, **kw: Any) -> Iterator[Any]:
+        t0 = time.monotonic()
+        with real_connect(*a, **kw) as cluster:
+            _event("ceph", "connect (librados)", t0, time.monotonic())
+            yield cluster
+
+    ceph.connect = connect
     for mod in (ceph, claims, rbdheader):
         for attr, fn in list(vars(mod).items()):
             if callable(fn) and not attr.startswith("_") and not isinstance(fn, type) \
-                    and getattr(fn, "__module__", None) == mod.__name__:
+                    and getattr(fn, "__module__", None) == mod.__name__ and attr != "connect":
                 patch(mod, attr, "ceph")
     patch(oceph, "observe_images", "ceph")
-    patch(oceph, "_connect", "ceph", "connect (observe)")
+    patch(oceph, "_wait_connected", "wait", "observe waits for the connect")
     patch(onode, "observe", "phase", "observe")
     patch(onode, "_devices", "phase", "observe: probe devices")
     patch(onode, "open_crypts", "phase", "observe: open crypts")
@@ -190,7 +201,8 @@ def summarize(doc: dict[str, Any], wall: float | None = None, title: str = "") -
             wall - ended)
     for kind, head in (("step", "steps"), ("cmd", "external commands (Runner.run)"),
                        ("fork", "forks (Popen: fork+exec only)"),
-                       ("ceph", "Ceph driver calls (outermost)"), ("sleep", "sleeps")):
+                       ("ceph", "Ceph driver calls (outermost)"),
+                       ("wait", "waits for a connect begun earlier"), ("sleep", "sleeps")):
         these = [e for e in ev if e["kind"] == kind]
         if kind == "ceph":
             these = _outermost(these)

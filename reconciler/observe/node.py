@@ -56,9 +56,10 @@ class Node:
 
     @classmethod
     def from_config(cls, config: Config, runner: Runner | None = None,
-                    halt: Halt | None = None) -> Node:
+                    halt: Halt | None = None, session: Session | None = None) -> Node:
         """``halt``: the daemon's, shared by the Nodes it builds (a reload
-        makes a new one while chains of the old one still run)."""
+        makes a new one while chains of the old one still run). ``session``:
+        one whose connect a command began already (``Session.begin``)."""
         runner = runner or Runner(timeout=config.timeouts.command_seconds,
                                   long_timeout=config.timeouts.mkfs_seconds,
                                   halt=halt or Halt())
@@ -75,6 +76,7 @@ class Node:
                                            config.encryption.memory_kib)),
             mappers_available=available_mappers(),
             io_watch=IoWatch(config.events.io_stall_seconds),
+            ceph_session=session or Session(),
         )
 
     def mapper(self, kind: str) -> FuseMapper | KernelMapper:
