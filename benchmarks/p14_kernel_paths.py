@@ -9,6 +9,7 @@ fixed iterations) vs a plain one, both through apply on krbd. Trials are
 paired and interleaved; each side's teardown is not timed.
 
 Run it with: scripts/kernel-tests.sh --bench [--trials N] [--breakdown NAME]
+[--before CHECKOUT]
 (inside the VM it reads the cluster from RBD_RECONCILER_CEPH_CONF/...).
 
 --breakdown NAME: first, for krbd, nbd and krbd with LUKS2, where one
@@ -19,6 +20,11 @@ trace-*.json, and the summary breakdown.txt); one under cProfile
 (importtime-*.txt). Written in the guest under $KERNEL_TESTS_OUT/NAME, which
 kernel-tests.sh copies to .p14-breakdown/NAME on the host. --trials 0: the
 breakdown alone.
+
+--before CHECKOUT: another checkout of the project with its own .venv (the
+code before a change; outside /tmp, which the guest does not share): its
+apply is one more arm of every trial, so before, after and raw are measured
+paired and interleaved in one boot (the order of the arms rotates).
 """
 
 from __future__ import annotations
@@ -72,8 +78,8 @@ def sh(argv: list[str], stderr: Path | None = None) -> str:
 
 
 class Node:
-    def __init__(self, root: Path, encrypted_keys: Path) -> None:
-        self.root = root
+    def __init__(self, root: Path, encrypted_keys: Path, cli: str = CLI) -> None:
+        self.root, self.cli = root, cli
         self.desired, self.state, self.srv = root / "desired", root / "state", root / "srv"
         for d in (self.desired, self.state, self.srv):
             d.mkdir(parents=True)
@@ -102,12 +108,12 @@ class Node:
             f"  stage: {{fsType: ext4, path: {self.srv / 'stage' / name}}}\n"
             f"  publish:\n    - path: {self.srv / 'app' / name}\n")
         t0 = time.perf_counter()
-        sh([*(how or [CLI]), "--config", str(self.config), "apply"], stderr)
+        sh([*(how or [self.cli]), "--config", str(self.config), "apply"], stderr)
         took = time.perf_counter() - t0
         # Down and gone (not timed): the file says absent, then it is removed.
         f = self.desired / f"{name}.yaml"
         f.write_text(f.read_text().replace("spec:\n", "spec:\n  state: absent\n"))
-        sh([CLI, "--config", str(self.config), "apply"])
+        sh([self.cli, "--config", str(self.config), "apply"])
         (self.desired / f"{name}.yaml").unlink()
         return took
 
@@ -154,6 +160,29 @@ class Node:
         return took
 
 
+def start_costs(trials: int = 3) -> list[str]:
+    """What starting things costs here, each the median of ``trials``."""
+    mods = "reconciler.cli.reconcile, reconciler.engine, reconciler.observe.node"
+    what = [("a small C binary (true)", ["true"]),
+            ("mount --version", ["mount", "--version"]),
+            ("python3 -S -c pass (no site)", ["/usr/bin/python3", "-S", "-c", "pass"]),
+            (".venv/bin/python -c pass (site and every .pth)", [PY, "-c", "pass"]),
+            ("rbd-reconciler --version", [CLI, "--version"]),
+            ("python: import rados, rbd", [PY, "-c", "import rados, rbd"]),
+            ("python: import the apply path", [PY, "-c", f"import {mods}"]),
+            ("rbd --version (the C++ CLI, no cluster)", ["rbd", "--version"]),
+            ("rbd device list (krbd)", ["rbd", "device", "list", "--format", "json"])]
+    out = []
+    for label, argv in what:
+        took = []
+        for _ in range(trials):
+            t0 = time.perf_counter()
+            sh(argv)
+            took.append(time.perf_counter() - t0)
+        out.append(f"  {statistics.median(took):7.3f} s  {label}")
+    return out
+
+
 def breakdown(node: Node, out: Path) -> None:
     """Where the time of one apply goes, per mapper (see the module's doc)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
@@ -162,9 +191,11 @@ def breakdown(node: Node, out: Path) -> None:
     from p14_trace import summarize
 
     out.mkdir(parents=True, exist_ok=True)
-    text: list[str] = []
+    text = ["== starting things here (median of 3)", *start_costs()]
+    print("\n".join(text), flush=True)
     for label, mapper, encrypted in (("krbd", "krbd", False), ("nbd", "nbd", False),
                                      ("krbd-luks2", "krbd", True)):
+        node.apply_one(f"p14-bd-warm-{label}", mapper, encrypted)  # caches, modules
         if not encrypted:
             steps = node.raw_steps(f"p14-bd-raw-{mapper}", mapper)
             text.append(f"== raw {mapper}, one command at a time: "
@@ -187,14 +218,11 @@ def breakdown(node: Node, out: Path) -> None:
         stats.sort_stats("tottime").print_stats(30)
         text.append(f"== apply {label} under cProfile: {wall:.2f} s wall\n{buf.getvalue()}")
         imp = out / f"importtime-{label}.txt"
-        t0 = time.perf_counter()
-        name = f"p14-bd-imp-{label}"
-        node.apply_one(name, mapper, encrypted, [PY, "-X", "importtime", CLI], stderr=imp)
-        text.append(f"== apply {label} with -X importtime: {time.perf_counter() - t0:.2f} s "
-                    f"(incl. teardown); top imports (cumulative us):\n"
+        wall = node.apply_one(f"p14-bd-imp-{label}", mapper, encrypted,
+                              [PY, "-X", "importtime", CLI], stderr=imp)
+        text.append(f"== apply {label} with -X importtime: {wall:.2f} s wall; top imports:\n"
                     + top_imports(imp.read_text()))
         (out / "breakdown.txt").write_text("\n".join(text) + "\n")
-        print(text[-1] if len(text[-1]) < 2000 else text[-1][:2000], flush=True)
     (out / "breakdown.txt").write_text("\n".join(text) + "\n")
     print("\n".join(t for t in text if not t.startswith("== apply") or "traced" in t
                     or "untraced" in t), flush=True)
@@ -219,6 +247,9 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--breakdown", type=Path, metavar="NAME",
                     help="first, where one apply's time goes (see above)")
+    ap.add_argument("--before", type=Path, metavar="CHECKOUT",
+                    help="another checkout with its own .venv (the code before a change): "
+                         "its apply runs as one more arm of each trial, interleaved")
     args = ap.parse_args()
     if os.environ.get("RUN_IN_VM") != "1":
         print("p14: runs inside the VM: scripts/kernel-tests.sh --bench", file=sys.stderr)
@@ -229,6 +260,8 @@ def main() -> int:
     (keys / "node.key").write_bytes(os.urandom(64))
     (keys / "node.key").chmod(0o600)
     node = Node(root / "node", keys)
+    before = (Node(root / "node-before", keys, str(args.before / ".venv/bin/rbd-reconciler"))
+              if args.before else None)
     times: dict[str, list[float]] = {}
     try:
         if args.breakdown is not None:
@@ -241,28 +274,53 @@ def main() -> int:
             sh([CLI, "--version"])
             times.setdefault("cli start", []).append(time.perf_counter() - t0)
         for i in range(args.trials):
-            for mapper in ("krbd", "nbd"):
-                times.setdefault(f"apply {mapper}", []).append(
-                    node.apply_one(f"p14-{mapper}-{i}", mapper, False))
-                times.setdefault(f"raw {mapper}", []).append(
-                    node.raw_one(f"p14-raw-{mapper}-{i}", mapper))
-            times.setdefault("apply krbd LUKS2", []).append(
-                node.apply_one(f"p14-luks-{i}", "krbd", True))
+            groups = [[("apply", node, m, False), ("raw", node, m, False)]
+                      + ([("before", before, m, False)] if before else []) for m in ("krbd", "nbd")]
+            groups.append([("apply", node, "krbd", True)]
+                          + ([("before", before, "krbd", True)] if before else []))
+            for arms in groups:
+                for arm, n, mapper, enc in arms[i % len(arms):] + arms[:i % len(arms)]:
+                    name = f"p14-{arm}-{mapper}{'-luks' if enc else ''}-{i}"
+                    took = n.raw_one(name, mapper) if arm == "raw" else \
+                        n.apply_one(name, mapper, enc)
+                    times.setdefault(f"{arm} {mapper}{' LUKS2' if enc else ''}", []).append(took)
             print(f"  trial {i + 1}: " + ", ".join(f"{k} {v[-1]:.1f} s"
                                                    for k, v in times.items()), flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"\nP14 (in the VM, TCG; median of {args.trials}):")
-    for mapper in ("krbd", "nbd"):
-        ours, raw = med[f"apply {mapper}"], med[f"raw {mapper}"]
-        print(f"  apply one {mapper} volume vs the raw commands: {ours:.1f} s vs {raw:.1f} s, "
-              f"ratio {ours / raw:.2f}")
-    print(f"  (a cold `rbd-reconciler --version` alone takes {med['cli start']:.1f} s here: "
-          "the interpreter is emulated too)")
-    print(f"  encrypted (LUKS2) vs plain, krbd apply: {med['apply krbd LUKS2']:.1f} s vs "
-          f"{med['apply krbd']:.1f} s, ratio {med['apply krbd LUKS2'] / med['apply krbd']:.2f}")
+    print(report(times, args.trials))
     return 0
+
+
+def paired(times: dict[str, list[float]], a: str, b: str) -> float:
+    """The median of the per-trial ratios a/b (the trials are paired)."""
+    return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
+
+
+def report(times: dict[str, list[float]], trials: int) -> str:
+    med = {k: statistics.median(v) for k, v in times.items()}
+    lines = [f"\nP14 (in the VM, TCG; median of {trials}, paired ratio = median of the "
+             "per-trial ratios):"]
+    for mapper in ("krbd", "nbd"):
+        for arm in ("apply", "before"):
+            k = f"{arm} {mapper}"
+            if k in med:
+                lines.append(f"  {arm} one {mapper} volume vs the raw commands: {med[k]:.1f} s "
+                             f"vs {med[f'raw {mapper}']:.1f} s, paired ratio "
+                             f"{paired(times, k, f'raw {mapper}'):.2f}")
+        if f"before {mapper}" in med:
+            lines.append(f"  {mapper}: apply now vs before, paired ratio "
+                         f"{paired(times, f'apply {mapper}', f'before {mapper}'):.2f}")
+    lines.append(f"  (a cold `rbd-reconciler --version` alone takes {med['cli start']:.1f} s "
+                 "here: the interpreter is emulated too)")
+    for arm in ("apply", "before"):
+        if f"{arm} krbd LUKS2" in med:
+            lines.append(f"  {arm}: encrypted (LUKS2) vs plain, krbd apply: "
+                         f"{med[f'{arm} krbd LUKS2']:.1f} s vs {med[f'{arm} krbd']:.1f} s, "
+                         f"paired ratio {paired(times, f'{arm} krbd LUKS2', f'{arm} krbd'):.2f}")
+    lines.append("  every trial (s): " + "; ".join(
+        f"{k}: {', '.join(f'{x:.1f}' for x in v)}" for k, v in times.items()))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
