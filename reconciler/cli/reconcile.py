@@ -93,10 +93,10 @@ def local_pass(args: argparse.Namespace, config: Config, node: Node,
 def _left_frozen(config: Config) -> list[Record]:
     """Plan changes nothing, not even a thaw (apply and the daemon thaw first
     thing): it reports a freeze a dead run left, which Ceph need not answer."""
+    if not (config.state_dir / "freezes.json").exists():
+        return []  # nothing recorded: the freeze driver is not even loaded
     from reconciler.drivers.freeze import left_frozen
 
-    if not (config.state_dir / "freezes.json").exists():
-        return []
     return left_frozen(config.state_dir)
 
 
@@ -144,10 +144,10 @@ def _thaw_first(config: Config) -> list[str]:
     """A filesystem a dead run left frozen hangs every writer on it: thawed
     from the local record alone, before anything waits on Ceph (an outage
     must not keep it frozen). Freezes of a live run are left alone."""
+    if not (config.state_dir / "freezes.json").exists():
+        return []  # nothing recorded: the freeze driver is not even loaded
     from reconciler.drivers.freeze import thaw_recorded
 
-    if not (config.state_dir / "freezes.json").exists():
-        return []
     thawed = thaw_recorded(config.state_dir)
     for line in thawed:
         print(f"rbd-reconciler: {line}", file=sys.stderr)
@@ -162,11 +162,11 @@ def cmd_apply(args: argparse.Namespace, config: Config) -> int:
              args.output)
     if rc is not None:
         return rc
-    from reconciler.engine import Busy, state_lock
+    from reconciler.state.lock import Busy, locked
 
     thawed = _thaw_first(config)
     try:
-        with state_lock(config):
+        with locked(config.state_dir):
             done = _apply_here(args, config, release)
     except Busy as exc:
         print(f"rbd-reconciler: {exc}", file=sys.stderr)
