@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from reconciler.drivers import fuseforce, procfs
+from reconciler.drivers import procfs
 from reconciler.drivers.fs import block_device_size
 from reconciler.drivers.reaper import reap_later
 from reconciler.drivers.run import TIMED_OUT, CommandError, Runner
@@ -34,6 +34,10 @@ from reconciler.facts.parsers import (
 )
 from reconciler.spec.config import CephConfig
 from reconciler.state.registry import NbdMappings
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # loaded only to end a FUSE connection that does not answer
+    from reconciler.drivers import fuseforce
 
 log = logging.getLogger(__name__)
 
@@ -313,6 +317,8 @@ class FuseMapper:
                     raise
                 # Its umount ran into its deadline: the helper does not answer,
                 # and that umount (killed, in D state) waits on it for ever.
+                from reconciler.drivers import fuseforce
+
                 forced = self.force_off(str(mnt))
                 if forced is None:
                     raise
@@ -335,6 +341,8 @@ class FuseMapper:
         provably ours (an rbd-fuse mount in our own directory), or, with
         ``only_if_waiting``, when none of its requests waits for an answer.
         ``runner``: one a deadline has not halted, if ``self.runner``'s has."""
+        from reconciler.drivers import fuseforce
+
         if not mount_point.startswith(str(self.root) + "/"):
             return None
         top = fuseforce.top_mount(mount_point)

@@ -28,7 +28,6 @@ from typing import TypeVar
 import rados
 
 from reconciler.drivers import ceph, rbdheader
-from reconciler.drivers import groups as rbdgroups
 from reconciler.drivers.bounded import Bounded, NoAnswer, Task
 from reconciler.facts.observed import GroupState, ImageState
 from reconciler.spec.config import CephConfig
@@ -228,7 +227,7 @@ def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
         try:
             group_tasks[(pool, name)] = handle.submit(
                 ("group", cfg.conf, pool, name),
-                lambda c, pool=pool, name=name: rbdgroups.group_state(c, pool, name))
+                lambda c, pool=pool, name=name: _group_state(c, pool, name))
         except NoAnswer as exc:
             out.group_errors[(pool, name)] = str(exc)
     fences: Task[dict[str, str]] | None = None
@@ -299,6 +298,12 @@ def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
         session.discard()  # something did not answer: never reuse this connection
     handle.drop()
     return out
+
+
+def _group_state(cluster: rados.Rados, pool: str, name: str) -> GroupState | None:
+    from reconciler.drivers import groups  # only a pass that looks at a group loads it
+
+    return groups.group_state(cluster, pool, name)
 
 
 def _list_pool(cluster: rados.Rados, pool: str, names: set[str],

@@ -13,10 +13,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from reconciler.drivers import iolimits, procfs
+from reconciler.drivers import procfs
 from reconciler.drivers.bounded import Bounded, NoAnswer, StillStuck
 from reconciler.drivers.crypt import Cryptsetup, Pbkdf
-from reconciler.drivers.freeze import left_frozen
 from reconciler.drivers.fs import DeviceUnreadable, Filesystems, block_device_size
 from reconciler.drivers.mappers import FuseMapper, KernelMapper, available_mappers
 from reconciler.drivers.run import CommandError, Halt, Runner
@@ -245,7 +244,7 @@ def observe(node: Node, volumes: Iterable[Volume], all_watchers: bool = False,
                         path_rdev[p] = (os.major(st.st_rdev), os.minor(st.st_rdev))
     io_limits, io_errors = _io_limits(node, volumes, ours)
     intents = Intents(node.config.state_dir).images()
-    freezes = frozenset(r.path for r in left_frozen(node.config.state_dir))
+    freezes = _left_frozen(node.config.state_dir)
     imgs = ceph_pass.result() if ceph_pass is not None else CephView()
     return Observed(images=imgs.images, pools_listed=frozenset(imgs.listed),
                     pool_errors=imgs.errors, image_errors=imgs.image_errors,
@@ -254,6 +253,16 @@ def observe(node: Node, volumes: Iterable[Volume], all_watchers: bool = False,
                     freezes=freezes, crypts=crypts, io_limits=io_limits, io_errors=io_errors,
                     groups=imgs.groups, group_errors=imgs.group_errors, stalled=stalled,
                     blocklist=imgs.blocklist)
+
+
+def _left_frozen(state_dir: Path) -> frozenset[str]:
+    """Mount points a dead run left frozen (nothing recorded: the freeze
+    driver is not even loaded; every module costs a cold command)."""
+    if not (state_dir / "freezes.json").exists():
+        return frozenset()
+    from reconciler.drivers.freeze import left_frozen
+
+    return frozenset(r.path for r in left_frozen(state_dir))
 
 
 def _io_limits(node: Node, volumes: list[Volume], ours: list[Mapping]
@@ -270,6 +279,10 @@ def _io_limits(node: Node, volumes: list[Volume], ours: list[Mapping]
             targets.append(v.qos.io_target)
         for target in targets:
             wanted.setdefault(target, []).append(dev)
+    if not wanted:
+        return {}, {}
+    from reconciler.drivers import iolimits  # loaded only when a volume names a target
+
     limits, errors = {}, {}
     for target, devs in wanted.items():
         try:
