@@ -578,8 +578,7 @@ class _VolumeRun:
                         dev).signature:
                     ceph.remove_meta(cluster, step.pool, step.image, meta.FORMATTING)
             raise
-        ceph.set_meta(cluster, step.pool, step.image, meta.FORMATTED, step.fs_type)
-        ceph.remove_meta(cluster, step.pool, step.image, meta.FORMATTING)
+        _mark_done(cluster, step.pool, step.image, meta.FORMATTED, meta.FORMATTING, step.fs_type)
         redo = " (redoing an interrupted mkfs)" if interrupted else ""
         return "changed", f"mkfs.{step.fs_type} {dev}{redo}"
 
@@ -678,8 +677,8 @@ class _VolumeRun:
                 if not interrupted and not ceph.has_data(cluster, step.pool, step.image):
                     ceph.remove_meta(cluster, step.pool, step.image, meta.CRYPT_FORMATTING)
             raise
-        ceph.set_meta(cluster, step.pool, step.image, meta.CRYPT_FORMATTED, "luks2")
-        ceph.remove_meta(cluster, step.pool, step.image, meta.CRYPT_FORMATTING)
+        _mark_done(cluster, step.pool, step.image, meta.CRYPT_FORMATTED, meta.CRYPT_FORMATTING,
+                   "luks2")
         redo = " (redoing an interrupted luksFormat)" if interrupted else ""
         return "changed", f"luksFormat {dev}{redo}"
 
@@ -781,6 +780,21 @@ class _VolumeRun:
             raise StepRefused(f"{step.pool}/{step.image} still has snapshots: "
                               f"{', '.join(s.name for s in found.snaps)}")
         ceph.remove_image(cluster, step.pool, step.image)
+
+
+def _mark_done(cluster: rados.Rados, pool: str, image: str, done: str, doing: str,
+               value: str) -> None:
+    """After a format: ``done`` set and ``doing`` removed in one write on the
+    header (no moment with both or neither, one round trip instead of six);
+    as two writes where that cannot be (no header object, or ``doing`` was
+    changed meanwhile: then as before, done first)."""
+    try:
+        if ceph.update_meta(cluster, pool, image, {doing: value}, {done: value, doing: None}):
+            return
+    except ceph.CephError:
+        pass
+    ceph.set_meta(cluster, pool, image, done, value)
+    ceph.remove_meta(cluster, pool, image, doing)
 
 
 def _seals(cluster: rados.Rados, pool: str, image: str, accept_unbound: bool) -> ImageSeals:
