@@ -180,6 +180,19 @@ def start_costs(trials: int = 3) -> list[str]:
             sh(argv)
             took.append(time.perf_counter() - t0)
         out.append(f"  {statistics.median(took):7.3f} s  {label}")
+    # Why a module costs so much here: a stat of a file of the root (the
+    # host's, over 9p, uncached) against one on the guest's own tmpfs.
+    probe = ("import os, statistics, sys, time\n"
+             "def each(p, n=200):\n"
+             "    t = []\n"
+             "    for _ in range(n):\n"
+             "        t0 = time.perf_counter(); os.stat(p); t.append(time.perf_counter() - t0)\n"
+             "    return statistics.median(t)\n"
+             "print(each(sys.argv[1]), each(sys.argv[2]))")
+    nine, tmp = sh(["/usr/bin/python3", "-S", "-c", probe, str(REPO / "reconciler" / "engine.py"),
+                    tempfile.gettempdir()]).split()
+    out.append(f"  {float(nine) * 1e3:7.3f} ms one stat over 9p (the root: every module, "
+               f"every PATH lookup); {float(tmp) * 1e3:.3f} ms on the guest's tmpfs")
     return out
 
 
