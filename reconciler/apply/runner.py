@@ -160,6 +160,9 @@ class _VolumeRun:
         self.claims_after = False
         self.claim_unmap: StepOutcome | None = None
         self.gate: Callable[[str, Path, Step], str | None] | None = None
+        # LUKS2 passphrases this chain has unsealed already (a luksFormat, then
+        # the open): each unsealing is an scrypt, ~0.6 s in the VM of the kernel tests.
+        self._passphrases: dict[tuple[str, str, str, str], bytes] = {}
 
     def need_cluster(self) -> rados.Rados:
         if self.cluster is None:
@@ -589,6 +592,8 @@ class _VolumeRun:
         lists for it: then sealed again for this image); ``seal``: made and
         sealed first when there is none (only ever before our own luksFormat)."""
         enc = self.node.config.encryption
+        if (known := self._passphrases.get((kind, path, pool, image))) is not None:
+            return known
         try:
             key = keys.read_key_file(path, enc.key_root)
             if kind == "file":
@@ -602,10 +607,15 @@ class _VolumeRun:
                         f"{pool}/{image} has no sealed passphrase (image-meta {meta.LUKS_KEY}): "
                         "it was not formatted with key wrappedBy; see docs/encryption.md, "
                         "Recovery")
-                sealed = ceph.set_meta_once(cluster, pool, image, meta.LUKS_KEY,
-                                            seals.wrap(keys.new_passphrase(), key, path))
+                passphrase = keys.new_passphrase()
+                ours = seals.wrap(passphrase, key, path)
+                sealed = ceph.set_meta_once(cluster, pool, image, meta.LUKS_KEY, ours)
+                if sealed == ours:  # ours stands, sealed for this image: nothing to unseal
+                    self._passphrases[(kind, path, pool, image)] = passphrase
+                    return passphrase
             got = seals.unwrap(sealed, key, path)
             seals.reseal(sealed, got, key, path)
+            self._passphrases[(kind, path, pool, image)] = got.passphrase
             return got.passphrase
         except keys.KeyProblem as exc:
             raise StepRefused(str(exc)) from None
