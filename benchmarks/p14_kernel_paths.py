@@ -24,7 +24,8 @@ breakdown alone.
 --before CHECKOUT: another checkout of the project with its own .venv (the
 code before a change; outside /tmp, which the guest does not share): its
 apply is one more arm of every trial, so before, after and raw are measured
-paired and interleaved in one boot (the order of the arms rotates).
+paired and interleaved in one boot (the order of the arms rotates); with
+--breakdown, one apply of that code is traced too.
 """
 
 from __future__ import annotations
@@ -196,8 +197,10 @@ def start_costs(trials: int = 3) -> list[str]:
     return out
 
 
-def breakdown(node: Node, out: Path) -> None:
-    """Where the time of one apply goes, per mapper (see the module's doc)."""
+def breakdown(node: Node, out: Path, before: Node | None = None) -> None:
+    """Where the time of one apply goes, per mapper (see the module's doc);
+    with ``before``, one apply of that checkout's code traced too (its own
+    interpreter runs the same tracer)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import pstats
 
@@ -220,6 +223,13 @@ def breakdown(node: Node, out: Path) -> None:
         wall = node.apply_one(f"p14-bd-trace-{label}", mapper, encrypted,
                               [PY, TRACE, "--out", str(trace), "--"])
         text.append(summarize(json.loads(trace.read_text()), wall, f"apply {label}, traced"))
+        if before is not None:
+            old = out / f"trace-before-{label}.json"
+            wall = before.apply_one(f"p14-bd-before-{label}", mapper, encrypted,
+                                    [str(Path(before.cli).parent / "python"), TRACE, "--out",
+                                     str(old), "--"])
+            text.append(summarize(json.loads(old.read_text()), wall,
+                                  f"apply {label} (before), traced"))
         if encrypted:
             continue
         prof = out / f"profile-{label}.pstats"
@@ -237,8 +247,8 @@ def breakdown(node: Node, out: Path) -> None:
                     + top_imports(imp.read_text()))
         (out / "breakdown.txt").write_text("\n".join(text) + "\n")
     (out / "breakdown.txt").write_text("\n".join(text) + "\n")
-    print("\n".join(t for t in text if not t.startswith("== apply") or "traced" in t
-                    or "untraced" in t), flush=True)
+    print("\n".join(t for t in text if not t.startswith("== apply") or "traced" in t),
+          flush=True)
 
 
 def top_imports(stderr: str, n: int = 25) -> str:
@@ -279,7 +289,7 @@ def main() -> int:
     try:
         if args.breakdown is not None:
             breakdown(node, Path(os.environ.get("KERNEL_TESTS_OUT", REPO / ".p14-breakdown"))
-                      / args.breakdown)
+                      / args.breakdown, before)
         if args.trials < 1:
             return 0
         for _ in range(args.trials):  # what an emulated interpreter start costs here

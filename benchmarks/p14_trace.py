@@ -69,8 +69,10 @@ def timed(kind: str, name: str, fn: Callable[..., Any],
 
 def patch(module: Any, attr: str, kind: str, name: str | None = None,
           describe: Callable[..., dict[str, Any]] | None = None) -> None:
-    fn = getattr(module, attr)
-    if not getattr(fn, "__p14_traced__", False):
+    """Time ``module.attr`` (absent in the code traced, e.g. an older
+    checkout's: left alone)."""
+    fn = getattr(module, attr, None)
+    if fn is not None and not getattr(fn, "__p14_traced__", False):
         setattr(module, attr, timed(kind, name or f"{module.__name__.rsplit('.', 1)[-1]}.{attr}",
                                     fn, describe))
 
