@@ -9,7 +9,7 @@ fixed iterations) vs a plain one, both through apply on krbd. Trials are
 paired and interleaved; each side's teardown is not timed.
 
 Run it with: scripts/kernel-tests.sh --bench [--trials N] [--breakdown NAME]
-[--before CHECKOUT]
+[--daemon] [--before CHECKOUT]
 (inside the VM it reads the cluster from RBD_RECONCILER_CEPH_CONF/...).
 
 --breakdown NAME: first, for krbd, nbd and krbd with LUKS2, where one
@@ -20,6 +20,9 @@ trace-*.json, and the summary breakdown.txt); one under cProfile
 (importtime-*.txt). Written in the guest under $KERNEL_TESTS_OUT/NAME, which
 kernel-tests.sh copies to .p14-breakdown/NAME on the host. --trials 0: the
 breakdown alone.
+
+--daemon: one more arm, the same apply while `rbd-reconciler run` serves a
+node of its own (the command line hands the apply to it: no cold start).
 
 --before CHECKOUT: another checkout of the project with its own .venv (the
 code before a change; outside /tmp, which the guest does not share): its
@@ -95,6 +98,30 @@ class Node:
             f"allowedRoots: [{self.srv}]\n"
             f"encryption:\n  keyRoot: {encrypted_keys}\n  pbkdf: pbkdf2\n  iterations: 1000\n")
         self.keys = encrypted_keys
+        self.daemon: subprocess.Popen[bytes] | None = None
+
+    def start_daemon(self, deadline_s: float = 300.0) -> None:
+        """`rbd-reconciler run` for this node: its `apply` is then done by
+        the running daemon (the command line hands it over the control
+        socket), as on a node where the units run it."""
+        with open(self.root / "daemon.log", "ab") as log:
+            self.daemon = subprocess.Popen([self.cli, "--config", str(self.config), "run",
+                                            "--log-format", "plain"], stdout=log,
+                                           stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + deadline_s
+        while not (self.state / "control.sock").exists():
+            if self.daemon.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the daemon did not start (see {self.root}/daemon.log)")
+            time.sleep(0.1)  # a start-up wait, bounded above
+
+    def stop_daemon(self) -> None:
+        if self.daemon is not None and self.daemon.poll() is None:
+            self.daemon.terminate()
+            try:
+                self.daemon.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.daemon.kill()
+                self.daemon.wait(timeout=30)
 
     def apply_one(self, name: str, mapper: str, encrypted: bool,
                   how: list[str] | None = None, stderr: Path | None = None) -> float:
@@ -270,6 +297,9 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--breakdown", type=Path, metavar="NAME",
                     help="first, where one apply's time goes (see above)")
+    ap.add_argument("--daemon", action="store_true",
+                    help="one more arm: the same apply with the daemon running (`run`), "
+                         "which the command line hands the apply to")
     ap.add_argument("--before", type=Path, metavar="CHECKOUT",
                     help="another checkout with its own .venv (the code before a change): "
                          "its apply runs as one more arm of each trial, interleaved")
@@ -285,8 +315,11 @@ def main() -> int:
     node = Node(root / "node", keys)
     before = (Node(root / "node-before", keys, str(args.before / ".venv/bin/rbd-reconciler"))
               if args.before else None)
+    served = Node(root / "node-daemon", keys) if args.daemon else None
     times: dict[str, list[float]] = {}
     try:
+        if served is not None:
+            served.start_daemon()
         if args.breakdown is not None:
             breakdown(node, Path(os.environ.get("KERNEL_TESTS_OUT", REPO / ".p14-breakdown"))
                       / args.breakdown, before)
@@ -298,7 +331,9 @@ def main() -> int:
             times.setdefault("cli start", []).append(time.perf_counter() - t0)
         for i in range(args.trials):
             groups = [[("apply", node, m, False), ("raw", node, m, False)]
-                      + ([("before", before, m, False)] if before else []) for m in ("krbd", "nbd")]
+                      + ([("before", before, m, False)] if before else [])
+                      + ([("daemon", served, m, False)] if served else [])
+                      for m in ("krbd", "nbd")]
             groups.append([("apply", node, "krbd", True)]
                           + ([("before", before, "krbd", True)] if before else []))
             for arms in groups:
@@ -310,6 +345,8 @@ def main() -> int:
             print(f"  trial {i + 1}: " + ", ".join(f"{k} {v[-1]:.1f} s"
                                                    for k, v in times.items()), flush=True)
     finally:
+        if served is not None:
+            served.stop_daemon()
         shutil.rmtree(root, ignore_errors=True)
     print(report(times, args.trials))
     return 0
@@ -324,11 +361,14 @@ def report(times: dict[str, list[float]], trials: int) -> str:
     med = {k: statistics.median(v) for k, v in times.items()}
     lines = [f"\nP14 (in the VM, TCG; median of {trials}, paired ratio = median of the "
              "per-trial ratios):"]
+    words = {"apply": "apply (a cold command)", "before": "apply before the change",
+             "daemon": "apply with the daemon running"}
     for mapper in ("krbd", "nbd"):
-        for arm in ("apply", "before"):
+        for arm in ("apply", "before", "daemon"):
             k = f"{arm} {mapper}"
             if k in med:
-                lines.append(f"  {arm} one {mapper} volume vs the raw commands: {med[k]:.1f} s "
+                lines.append(f"  {words[arm]}, one {mapper} volume, vs the raw commands: "
+                             f"{med[k]:.1f} s "
                              f"vs {med[f'raw {mapper}']:.1f} s, paired ratio "
                              f"{paired(times, k, f'raw {mapper}'):.2f}")
         if f"before {mapper}" in med:

@@ -5,7 +5,7 @@
 #
 #   scripts/kernel-tests.sh [--timeout S] [PYTEST ARGS...]
 #   scripts/kernel-tests.sh [--timeout S] --bench [--trials N] [--breakdown NAME]
-#                           [--before CHECKOUT]   (benchmarks/p14; files in .p14-breakdown/NAME)
+#                           [--daemon] [--before CHECKOUT]  (benchmarks/p14; .p14-breakdown/NAME)
 #
 # PYTEST ARGS go to pytest in the guest, after `-m kernel tests/kernel`: a
 # subset is `-k partition` (or `-k "lifecycle and krbd"`), output `-s`.
