@@ -8,10 +8,7 @@ sees the node and changes it the same way."""
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
-import os
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -25,7 +22,8 @@ from reconciler.plan.steps import Step
 from reconciler.spec.config import Config
 from reconciler.spec.loader import LoadResult, load
 from reconciler.spec.model import Volume
-from reconciler.state.files import open_lock
+from reconciler.state.lock import Busy as Busy  # at home in state/lock.py
+from reconciler.state.lock import locked
 
 
 @dataclass
@@ -51,10 +49,6 @@ class Looked:
 # Asked of each volume after the observation, before the plan: None to plan
 # it, or why not (``release --all``: a mapping not provably ours).
 Admit = Callable[[Volume, Observed], str | None]
-
-
-class Busy(Exception):
-    pass
 
 
 # How a wait for a volume's status ended.
@@ -104,21 +98,9 @@ class Stoppable(Protocol):
 FrontDoor = Callable[[Served, str], Stoppable]
 
 
-@contextlib.contextmanager
-def state_lock(config: Config, wait: bool = False) -> Iterator[None]:
+def state_lock(config: Config, wait: bool = False) -> contextlib.AbstractContextManager[None]:
     """One actor per stateDir: the daemon, or one CLI apply, never both."""
-    fd = open_lock(config.state_dir / "lock")
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise Busy(f"{config.state_dir} is in use by another rbd-reconciler "
-                           "(the daemon, or another apply)") from None
-            raise
-        yield
-    finally:
-        os.close(fd)
+    return locked(config.state_dir, wait)
 
 
 def context(config: Config, node: Node) -> Context:

@@ -15,14 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reconciler.apply.runner import VolumeOutcome
-from reconciler.facts.observed import Observed
-from reconciler.plan.planner import actual_state
-from reconciler.plan.types import Context, VolumePlan
 from reconciler.spec.config import Config
 from reconciler.spec.diagnostics import Diagnostic
 from reconciler.spec.model import Volume
 from reconciler.state.files import read_json, space_problem
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the planner and runner are imported where a view needs them:
+    # selecting volumes (every cold command, before it connects) needs neither
+    from reconciler.apply.runner import VolumeOutcome
+    from reconciler.facts.observed import Observed
+    from reconciler.plan.types import Context, VolumePlan
 
 # The daemon's last status of a volume (its status file), or None.
 DaemonStatus = Callable[[str], dict[str, Any] | None]
@@ -89,6 +92,8 @@ def apply_exit(doc: dict[str, Any]) -> int:
 def status_row(vol: Volume, observed: Observed, ctx: Context,
                vp: VolumePlan | None) -> dict[str, Any]:
     """One volume as it was seen (planned already: its problems are not found again)."""
+    from reconciler.plan.planner import actual_state
+
     return actual_state(vol, observed, ctx, vp.problems if vp is not None else None)
 
 
@@ -163,6 +168,8 @@ def explanation(name: str, vol: Volume | None, vp: VolumePlan | None, observed: 
                 daemon: dict[str, Any] | None, claim: Claim) -> dict[str, Any]:
     """What ``explain NAME`` says, as the document ``-o json`` prints.
     ``claim``: the blocklist lookup for the claim's addresses (claim_doc)."""
+    from reconciler.plan.planner import actual_state
+
     actual = actual_state(vol, observed, ctx, vp.problems if vp else None) \
         if vol is not None else None
     holders: list[str] = []

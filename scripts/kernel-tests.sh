@@ -4,7 +4,8 @@
 # Ceph cluster on the host. This machine's kernel has none of those modules.
 #
 #   scripts/kernel-tests.sh [--timeout S] [PYTEST ARGS...]
-#   scripts/kernel-tests.sh [--timeout S] --bench [--trials N]   (benchmarks/p14)
+#   scripts/kernel-tests.sh [--timeout S] --bench [--trials N] [--breakdown NAME]
+#                           [--daemon] [--before CHECKOUT]  (benchmarks/p14; .p14-breakdown/NAME)
 #
 # PYTEST ARGS go to pytest in the guest, after `-m kernel tests/kernel`: a
 # subset is `-k partition` (or `-k "lifecycle and krbd"`), output `-s`.
@@ -54,6 +55,9 @@ if [[ ${1:-} == --vm ]]; then
       "$GUEST_PATH"
     printf 'export KERNEL_TESTS_BOOT=%q RBD_RECONCILER_KT_STATE=%q KERNEL_TESTS_AGENT=%q\n' \
       "$BOOT" "$RUN/state" "$RUN/agent"
+    # The repository is read-only in the guest: what a benchmark writes for
+    # the host goes here, and is copied to .p14-breakdown/ after the boot.
+    printf 'export KERNEL_TESTS_OUT=%q\n' "$RUN/out"
     # The partition tests' long cut (tests/kernel/test_partition.py); 0: none.
     printf 'export RBD_KT_LONG_PARTITION_S=%q\n' "${RBD_KT_LONG_PARTITION_S:-300}"
     # No udevd in the guest: libdevmapper makes /dev/mapper nodes itself.
@@ -135,8 +139,14 @@ if [[ ${1:-} == --boots ]]; then
   if [[ ${1:-} == --bench ]]; then
     shift
     log "one boot: benchmarks/p14_kernel_paths.py $*"
-    bash "$SELF" --vm "$RUN" "$KIMG" "$VM_TIMEOUT" 1 @bench "$@"
-    exit
+    mkdir -p "$RUN/out"
+    set +e
+    bash "$SELF" --vm "$RUN" "$KIMG" "$VM_TIMEOUT" 1 @bench "$@"; rc=$?
+    if [[ -n $(ls -A "$RUN/out") ]]; then
+      mkdir -p "$REPO/.p14-breakdown" && cp -a "$RUN/out/." "$REPO/.p14-breakdown/" \
+        && log "what the benchmark wrote: $REPO/.p14-breakdown/"
+    fi
+    exit "$rc"
   fi
   set +e
   log "boot 1: pytest -m kernel $*"

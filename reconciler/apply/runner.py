@@ -14,7 +14,6 @@ import os
 import stat
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,10 +21,8 @@ import rados
 import rbd
 
 from reconciler.apply import claims
-from reconciler.apply.groups import run_group_step
 from reconciler.apply.logfmt import log_not_run, log_step
-from reconciler.apply.sealing import ImageSeals
-from reconciler.drivers import ceph, freeze, iolimits, keys, procfs, safepath
+from reconciler.drivers import ceph, keys, procfs, safepath
 from reconciler.drivers.bounded import NoAnswer
 from reconciler.drivers.fs import OnlineGrowRefused, block_device_size, is_ours
 from reconciler.drivers.run import Aborted
@@ -71,6 +68,14 @@ from reconciler.plan.steps import (
 from reconciler.spec.model import Volume
 from reconciler.spec.qos import QOS_KEYS
 from reconciler.state.registry import Intents, intent_key
+
+# Imported where a step needs them, not at start-up (each module is ~0.05 s
+# of a cold command in the VM of the kernel tests): the group snapshots
+# (apply.groups), the freezes (drivers.freeze), io.max (drivers.iolimits),
+# the sealed passphrases (apply.sealing), parallel chains (a thread pool).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from reconciler.apply.sealing import ImageSeals
 
 log = logging.getLogger("reconciler.apply")  # the name log lines have always carried
 
@@ -155,6 +160,9 @@ class _VolumeRun:
         self.claims_after = False
         self.claim_unmap: StepOutcome | None = None
         self.gate: Callable[[str, Path, Step], str | None] | None = None
+        # LUKS2 passphrases this chain has unsealed already (a luksFormat, then
+        # the open): each unsealing is an scrypt, ~0.6 s in the VM of the kernel tests.
+        self._passphrases: dict[tuple[str, str, str, str], bytes] = {}
 
     def need_cluster(self) -> rados.Rados:
         if self.cluster is None:
@@ -270,6 +278,8 @@ class _VolumeRun:
                 ceph.set_qos(self.need_cluster(), step.pool, step.image, QOS_KEYS,
                              dict(step.new))
             case LimitDeviceIo():
+                from reconciler.drivers import iolimits
+
                 device = self.dev(step.device)
                 try:
                     iolimits.write(node.runner, step.target_name, device, dict(step.new))
@@ -344,12 +354,16 @@ class _VolumeRun:
             case DeleteSnapshot():
                 return self.delete_snapshot(step)
             case Thaw():
+                from reconciler.drivers import freeze
+
                 thawed = freeze.thaw_left(node.config.state_dir, step.path)
                 if thawed is None:
                     return "ok", "frozen by a snapshot in progress: left to it"
                 if not thawed:
                     return "ok", "was not frozen"
             case GroupStep():
+                from reconciler.apply.groups import run_group_step
+
                 return run_group_step(step, self.need_cluster, node.config.node_name,
                                       node.config.state_dir,
                                       node.config.snapshots.freeze_timeout_seconds,
@@ -392,6 +406,8 @@ class _VolumeRun:
         than snapshots.freezeTimeoutSeconds: a watchdog thaws it then, even
         while the call hangs, and the snapshot fails. The owner is recorded
         before the snapshot (ceph driver)."""
+        from reconciler.drivers import freeze
+
         cluster = self.need_cluster()
         limit = self.node.config.snapshots.freeze_timeout_seconds
         with freeze.frozen(step.freeze, self.node.config.state_dir, step.freeze_rdev,
@@ -565,8 +581,7 @@ class _VolumeRun:
                         dev).signature:
                     ceph.remove_meta(cluster, step.pool, step.image, meta.FORMATTING)
             raise
-        ceph.set_meta(cluster, step.pool, step.image, meta.FORMATTED, step.fs_type)
-        ceph.remove_meta(cluster, step.pool, step.image, meta.FORMATTING)
+        _mark_done(cluster, step.pool, step.image, meta.FORMATTED, meta.FORMATTING, step.fs_type)
         redo = " (redoing an interrupted mkfs)" if interrupted else ""
         return "changed", f"mkfs.{step.fs_type} {dev}{redo}"
 
@@ -577,12 +592,14 @@ class _VolumeRun:
         lists for it: then sealed again for this image); ``seal``: made and
         sealed first when there is none (only ever before our own luksFormat)."""
         enc = self.node.config.encryption
+        if (known := self._passphrases.get((kind, path, pool, image))) is not None:
+            return known
         try:
             key = keys.read_key_file(path, enc.key_root)
             if kind == "file":
                 return key
             cluster = self.need_cluster()
-            seals = ImageSeals(cluster, pool, image, enc.accept_unbound)
+            seals = _seals(cluster, pool, image, enc.accept_unbound)
             sealed = ceph.get_meta(cluster, pool, image).get(meta.LUKS_KEY)
             if sealed is None:
                 if not seal:
@@ -590,10 +607,15 @@ class _VolumeRun:
                         f"{pool}/{image} has no sealed passphrase (image-meta {meta.LUKS_KEY}): "
                         "it was not formatted with key wrappedBy; see docs/encryption.md, "
                         "Recovery")
-                sealed = ceph.set_meta_once(cluster, pool, image, meta.LUKS_KEY,
-                                            seals.wrap(keys.new_passphrase(), key, path))
+                passphrase = keys.new_passphrase()
+                ours = seals.wrap(passphrase, key, path)
+                sealed = ceph.set_meta_once(cluster, pool, image, meta.LUKS_KEY, ours)
+                if sealed == ours:  # ours stands, sealed for this image: nothing to unseal
+                    self._passphrases[(kind, path, pool, image)] = passphrase
+                    return passphrase
             got = seals.unwrap(sealed, key, path)
             seals.reseal(sealed, got, key, path)
+            self._passphrases[(kind, path, pool, image)] = got.passphrase
             return got.passphrase
         except keys.KeyProblem as exc:
             raise StepRefused(str(exc)) from None
@@ -609,7 +631,7 @@ class _VolumeRun:
         record opens through: sealed again for the clone first, or refused."""
         cluster, enc = self.need_cluster(), self.node.config.encryption
         try:
-            note = ImageSeals(cluster, step.pool, step.image, enc.accept_unbound).bind_all(
+            note = _seals(cluster, step.pool, step.image, enc.accept_unbound).bind_all(
                 self.seal_candidates(), enc.key_root)
         except keys.KeyProblem as exc:
             raise StepRefused(f"not flattened: {exc}") from None
@@ -621,6 +643,8 @@ class _VolumeRun:
         """A group-snapshot copy (no parent link): its records, sealed for
         its source (``source``: pool, image), sealed for the copy before it
         gets its name. KeyProblem: no node key here opens them."""
+        from reconciler.apply.sealing import ImageSeals
+
         cluster, enc = self.need_cluster(), self.node.config.encryption
         if not any(k in ImageSeals.RECORDS for k in ceph.get_meta(cluster, pool, image)):
             return
@@ -663,8 +687,8 @@ class _VolumeRun:
                 if not interrupted and not ceph.has_data(cluster, step.pool, step.image):
                     ceph.remove_meta(cluster, step.pool, step.image, meta.CRYPT_FORMATTING)
             raise
-        ceph.set_meta(cluster, step.pool, step.image, meta.CRYPT_FORMATTED, "luks2")
-        ceph.remove_meta(cluster, step.pool, step.image, meta.CRYPT_FORMATTING)
+        _mark_done(cluster, step.pool, step.image, meta.CRYPT_FORMATTED, meta.CRYPT_FORMATTING,
+                   "luks2")
         redo = " (redoing an interrupted luksFormat)" if interrupted else ""
         return "changed", f"luksFormat {dev}{redo}"
 
@@ -768,6 +792,27 @@ class _VolumeRun:
         ceph.remove_image(cluster, step.pool, step.image)
 
 
+def _mark_done(cluster: rados.Rados, pool: str, image: str, done: str, doing: str,
+               value: str) -> None:
+    """After a format: ``done`` set and ``doing`` removed in one write on the
+    header (no moment with both or neither, one round trip instead of six);
+    as two writes where that cannot be (no header object, or ``doing`` was
+    changed meanwhile: then as before, done first)."""
+    try:
+        if ceph.update_meta(cluster, pool, image, {doing: value}, {done: value, doing: None}):
+            return
+    except ceph.CephError:
+        pass
+    ceph.set_meta(cluster, pool, image, done, value)
+    ceph.remove_meta(cluster, pool, image, doing)
+
+
+def _seals(cluster: rados.Rados, pool: str, image: str, accept_unbound: bool) -> ImageSeals:
+    from reconciler.apply.sealing import ImageSeals
+
+    return ImageSeals(cluster, pool, image, accept_unbound)
+
+
 def apply(plans: list[VolumePlan], volumes: dict[str, Volume], observed: Observed,
           node: Node, parallel: int | None = None,
           claims_after: Connecting | None = None,
@@ -812,6 +857,8 @@ def apply(plans: list[VolumePlan], volumes: dict[str, Volume], observed: Observe
         if workers <= 1:
             out = [r.run() for r in runs]
         else:
+            from concurrent.futures import ThreadPoolExecutor
+
             # librados handles are thread-safe; chains share nothing else but
             # the registries, which lock.
             with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="apply") as pool:

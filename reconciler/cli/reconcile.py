@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from reconciler.cli.release import Released
     from reconciler.drivers.freeze import Record
     from reconciler.engine import Pass
+    from reconciler.observe.ceph import Session
     from reconciler.observe.node import Node
     from reconciler.spec.config import Config
     from reconciler.spec.loader import LoadResult
@@ -92,11 +93,24 @@ def local_pass(args: argparse.Namespace, config: Config, node: Node,
 def _left_frozen(config: Config) -> list[Record]:
     """Plan changes nothing, not even a thaw (apply and the daemon thaw first
     thing): it reports a freeze a dead run left, which Ceph need not answer."""
+    if not (config.state_dir / "freezes.json").exists():
+        return []  # nothing recorded: the freeze driver is not even loaded
     from reconciler.drivers.freeze import left_frozen
 
-    if not (config.state_dir / "freezes.json").exists():
-        return []
     return left_frozen(config.state_dir)
+
+
+def connect_early(config: Config, picked: Picked) -> Session | None:
+    """A Ceph connection begun now, for the pass about to observe the volumes
+    picked: it overlaps the imports and the look at the node that come
+    first. None when nothing is picked (the pass then reads nothing)."""
+    if not picked.loaded.volumes:
+        return None
+    from reconciler.observe.ceph import Session
+
+    session = Session()
+    session.begin(config.ceph)
+    return session
 
 
 def cmd_plan(args: argparse.Namespace, config: Config) -> int:
@@ -106,14 +120,18 @@ def cmd_plan(args: argparse.Namespace, config: Config) -> int:
         rc = ask(config, "plan", {"targets": targets(args.paths)}, args.output)
         if rc is not None:
             return rc
+    picked = pick(args, config)
+    if picked is None:
+        return EXIT_FAILED
+    session = connect_early(config, picked)
+    from reconciler.engine import pass_over
     from reconciler.observe.node import Node
     from reconciler.views import plan_doc, plan_exit
 
     left = _left_frozen(config)
-    done = local_pass(args, config, Node.from_config(config))
-    if done is None:
-        return EXIT_FAILED
-    p, sel = done
+    p = pass_over(picked.loaded, config, Node.from_config(config, session=session),
+                  only=picked.only)
+    sel = picked.selection
     doc = plan_doc(p.plans, sel.errors, [(r.path, r.owner) for r in left])
     if args.output == "json":
         show.as_json(doc)
@@ -126,10 +144,10 @@ def _thaw_first(config: Config) -> list[str]:
     """A filesystem a dead run left frozen hangs every writer on it: thawed
     from the local record alone, before anything waits on Ceph (an outage
     must not keep it frozen). Freezes of a live run are left alone."""
+    if not (config.state_dir / "freezes.json").exists():
+        return []  # nothing recorded: the freeze driver is not even loaded
     from reconciler.drivers.freeze import thaw_recorded
 
-    if not (config.state_dir / "freezes.json").exists():
-        return []
     thawed = thaw_recorded(config.state_dir)
     for line in thawed:
         print(f"rbd-reconciler: {line}", file=sys.stderr)
@@ -144,11 +162,11 @@ def cmd_apply(args: argparse.Namespace, config: Config) -> int:
              args.output)
     if rc is not None:
         return rc
-    from reconciler.engine import Busy, state_lock
+    from reconciler.state.lock import Busy, locked
 
     thawed = _thaw_first(config)
     try:
-        with state_lock(config):
+        with locked(config.state_dir):
             done = _apply_here(args, config, release)
     except Busy as exc:
         print(f"rbd-reconciler: {exc}", file=sys.stderr)
@@ -170,6 +188,11 @@ def _apply_here(args: argparse.Namespace, config: Config, release: bool
                 ) -> tuple[list[VolumeOutcome], Selection] | None:
     """Under the state lock: plan, run the chains, and go again while a
     clone or snapshot waits for one this pass created."""
+    picked = pick(args, config)
+    if picked is None:
+        return None
+    # A release reads nothing of Ceph before its teardown (it connects meanwhile).
+    session = None if release else connect_early(config, picked)
     from reconciler.engine import (
         MAX_FOLLOW_UP_PASSES,
         apply_pass,
@@ -181,10 +204,7 @@ def _apply_here(args: argparse.Namespace, config: Config, release: bool
     from reconciler.spec.loader import load
     from reconciler.state import holds
 
-    picked = pick(args, config)
-    if picked is None:
-        return None
-    node = Node.from_config(config)
+    node = Node.from_config(config, session=session)
     if release:
         p, outcomes = release_over(picked.loaded, config, node, picked.only)
     else:

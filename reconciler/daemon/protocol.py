@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import stat
 
 TYPE_CHECKING = False  # typing itself costs ~5 ms at start-up
 if TYPE_CHECKING:
+    import socket
     from collections.abc import Iterator
     from pathlib import Path
     from typing import Any
@@ -76,6 +76,9 @@ def connect(path: Path | str, timeout: float | None = None) -> socket.socket:
             raise Untrusted(f"controlSocket {path} is not a socket")
         if st.st_uid not in (0, os.geteuid()):
             raise Untrusted(f"controlSocket {path} is owned by uid {st.st_uid}, not root")
+        import socket  # only once there is a socket to talk to (a cold command without
+        # a daemon finds none: the module is not loaded for nothing)
+
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             sock.settimeout(timeout)

@@ -286,12 +286,13 @@ def create_image(cluster: rados.Rados, pool: str, name: str, size: int,
                               "since it was observed)") from None
         try:
             oid = header_oid(ioctx, name)
-            for k, v in meta.items():
-                if oid is not None:
-                    _meta_cas(ioctx, oid, k, v)
-                else:
-                    with open_image(ioctx, name) as img:
-                        img.metadata_set(k, v)
+            if oid is None or not _meta_set_absent(ioctx, oid, meta):
+                for k, v in meta.items():
+                    if oid is not None:
+                        _meta_cas(ioctx, oid, k, v)
+                    else:
+                        with open_image(ioctx, name) as img:
+                            img.metadata_set(k, v)
         except Exception:
             # An image without its owner record could never be deleted by us:
             # remove it now rather than leak it.
@@ -353,6 +354,28 @@ def header_oid(ioctx: rados.Ioctx, name: str) -> str | None:
     except UnicodeDecodeError:
         raise CephError(f"{name}: its id (rbd_id.{name}) is not UTF-8 text "
                         f"({metakeys.preview(raw[4:])})") from None
+
+
+def _meta_set_absent(ioctx: rados.Ioctx, oid: str, values: dict[str, str]) -> bool:
+    """Set every key of ``values`` in one write, each compared absent (a new
+    image's records: one round trip, not two a key). False when one was
+    there already (nothing written: the caller sets them one by one)."""
+    if not values:
+        return True
+    with rados.WriteOpCtx() as op:
+        for key in values:  # an absent key compares equal to "": ours are never empty
+            op.omap_cmp(META_PREFIX + key, "", rados.LIBRADOS_CMPXATTR_OP_EQ)
+        ioctx.set_omap(op, tuple(META_PREFIX + k for k in values),
+                       tuple(v.encode() for v in values.values()))
+        try:
+            ioctx.operate_write_op(op, oid)
+        except rados.ObjectNotFound:
+            raise rbd.ImageNotFound(f"{oid} is gone") from None
+        except rados.Error as exc:
+            if getattr(exc, "errno", None) == errno.ECANCELED:
+                return False
+            raise
+    return True
 
 
 def _meta_cas(ioctx: rados.Ioctx, oid: str, key: str, value: str | None) -> None:

@@ -23,13 +23,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from reconciler.drivers import fuseforce, procfs, scopes
+from reconciler.drivers import procfs, scopes
 from reconciler.drivers.fs import block_device_size
 from reconciler.drivers.reaper import reap_later
 from reconciler.drivers.run import TIMED_OUT, CommandError, Runner
 from reconciler.facts.observed import Mapping
 from reconciler.facts.parsers import (
     LoopDevice,
+    RbdDevice,
     explain_map_failure,
     parse_losetup_json,
     parse_mountinfo,
@@ -37,6 +38,10 @@ from reconciler.facts.parsers import (
 )
 from reconciler.spec.config import CephConfig
 from reconciler.state.registry import NbdMappings
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # loaded only to end a FUSE connection that does not answer
+    from reconciler.drivers import fuseforce
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +88,49 @@ def nbd_connected(device: str | None) -> bool:
     return device is not None and Path(f"/sys/block/{os.path.basename(device)}/pid").exists()
 
 
+def krbd_devices(sys_root: Path = Path("/sys")) -> tuple[RbdDevice, ...]:
+    """What ``rbd device list`` prints for krbd, read where rbd reads it
+    (Ceph's src/krbd.cc): each device on the rbd bus, its ``pool``,
+    ``pool_ns``, ``name`` and ``current_snap`` attributes (one without pool,
+    name or current_snap is skipped, as rbd skips it), its node
+    ``/dev/rbd<id>``. No process: an ``rbd`` start costs ~1 s in the VM of
+    the kernel tests, and this list is read by every observation."""
+    bus = sys_root / "bus" / "rbd" / "devices"
+    try:
+        ids = sorted(os.listdir(bus))  # as rbd lists them (udev sorts by path)
+    except FileNotFoundError:  # no rbd module: nothing mapped by krbd
+        return ()
+    out = []
+    for dev_id in ids:
+        def attr(name: str, d: Path = bus / dev_id) -> str:
+            return procfs.read_text(d / name).removesuffix("\n")
+
+        try:
+            pool, image, snap = attr("pool"), attr("name"), attr("current_snap")
+        except OSError:  # unmapped meanwhile, or not a mapping rbd would list
+            continue
+        try:
+            namespace = attr("pool_ns")
+        except OSError:  # a kernel without namespaces
+            namespace = ""
+        out.append(RbdDevice(pool=pool, namespace=namespace, image=image,
+                             snap=None if snap in ("", "-") else snap,
+                             device=f"/dev/rbd{dev_id}"))
+    return tuple(out)
+
+
+def nbd_any_connected(sys_root: Path = Path("/sys")) -> bool:
+    """Whether any nbd device has a connection (its ``pid`` file). rbd-nbd's
+    own list (``rbd device list -t nbd``) shows only those: with none, it
+    prints nothing, and it is not started (~1.5 s in the VM, two processes)."""
+    try:
+        names = os.listdir(sys_root / "block")
+    except FileNotFoundError:
+        return False
+    return any((sys_root / "block" / n / "pid").exists() for n in names
+               if n.startswith("nbd"))
+
+
 def _ceph_args(ceph: CephConfig) -> list[str]:
     """One word each, ``--opt=VALUE``: a value can never be read as an option."""
     args = [f"--conf={ceph.conf}", f"--id={ceph.user}"]
@@ -113,6 +161,7 @@ class KernelMapper:
     # nbd: `rbd device map` (and the rbd-nbd it daemonizes) in a systemd
     # scope of its own, out of the daemon unit's cgroup (drivers/scopes.py).
     scopes: bool = False
+    sys_root: Path = Path("/sys")  # where the kernel's devices are listed
 
     def _type(self) -> list[str]:
         return ["-t", "nbd"] if self.kind == "nbd" else []
@@ -174,14 +223,22 @@ class KernelMapper:
                                    f"grew to {size}: the {self.kind} client did not follow")
             time.sleep(0.05)
 
-    def list(self) -> list[Mapping]:
+    def listed(self) -> tuple[RbdDevice, ...]:
+        """Every mapping of this kind, as ``rbd device list`` shows it."""
+        if self.kind == "krbd":
+            return krbd_devices(self.sys_root)
+        if not nbd_any_connected(self.sys_root):
+            return ()
         argv = ["rbd", "device", "list", *self._type(), "--format", "json",
                 *_ceph_args(self.ceph)]
         out = self.runner.run(argv)
         try:
-            listed = parse_rbd_device_list(out.stdout)
+            return parse_rbd_device_list(out.stdout)
         except ValueError as exc:  # as if the command had failed: the caller says so
             raise CommandError(argv, 0, f"output that is not rbd's JSON ({exc})") from None
+
+    def list(self) -> list[Mapping]:
+        listed = self.listed()
         live = [Mapping(self.kind, d.pool, d.image, d.device)
                 for d in listed if d.snap is None and not d.namespace]
         if self.kind != "nbd" or self.records is None:
@@ -277,6 +334,8 @@ class FuseMapper:
                     raise
                 # Its umount ran into its deadline: the helper does not answer,
                 # and that umount (killed, in D state) waits on it for ever.
+                from reconciler.drivers import fuseforce
+
                 forced = self.force_off(str(mnt))
                 if forced is None:
                     raise
@@ -299,6 +358,8 @@ class FuseMapper:
         provably ours (an rbd-fuse mount in our own directory), or, with
         ``only_if_waiting``, when none of its requests waits for an answer.
         ``runner``: one a deadline has not halted, if ``self.runner``'s has."""
+        from reconciler.drivers import fuseforce
+
         if not mount_point.startswith(str(self.root) + "/"):
             return None
         top = fuseforce.top_mount(mount_point)

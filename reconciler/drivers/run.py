@@ -26,6 +26,8 @@ import contextlib
 import logging
 import math
 import os
+import select
+import selectors
 import shutil
 import signal
 import subprocess
@@ -43,7 +45,8 @@ DEFAULT_LONG_TIMEOUT = 600.0  # mkfs, e2fsck, offline resize2fs: whole-device wo
 KILL_WAIT_S = 2.0  # after the SIGKILL: the longest wait for the group's exit and output
 TIMED_OUT = 124  # a CommandError's returncode when the command ran into its deadline
 # The waiting thread looks at the stop flag this often while a command runs
-# (a command that ends sooner costs nothing extra; no helper thread).
+# (a command that ends sooner costs nothing extra: its exit wakes the wait;
+# no helper thread).
 STOP_CHECK_S = 0.5
 
 
@@ -141,13 +144,8 @@ class Runner:
         self.history.append(argv)
         log.debug("run: %s", " ".join(argv))
         self.halt.check(argv)
-        if shutil.which(argv[0]) is None:
-            raise CommandError(argv, 127, f"{argv[0]}: command not found")
         limit = timeout or self.timeout
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL if stdin is None else
-                                subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, env=env, pass_fds=pass_fds,
-                                start_new_session=True)
+        proc = _start(argv, env, pass_fds, stdin is not None)
         with self.halt.tracking(proc.pid, argv):
             out = self._wait(proc, argv, limit, stdin)
         if out.returncode not in ok_codes:
@@ -158,19 +156,21 @@ class Runner:
               stdin: bytes | None = None) -> Result:
         t0 = time.monotonic()
         deadline = t0 + limit
-        while True:
-            until = min(deadline, self.halt.kill_at)
-            left = until - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                stdout, stderr = proc.communicate(stdin, timeout=min(left, STOP_CHECK_S))
-            except subprocess.TimeoutExpired:
-                stdin = None  # handed over: a retry may not pass it again (ValueError)
-                continue
-            return Result(proc.returncode, _text(stdout), _text(stderr), stdout or b"")
-        stopping = time.monotonic() < deadline  # killed for the stop, not its deadline
-        said = _kill(proc)
+        pump = _Pump(proc, stdin)
+        try:
+            while True:
+                until = min(deadline, self.halt.kill_at)
+                left = until - time.monotonic()
+                if left <= 0:
+                    break
+                if pump.step(min(left, STOP_CHECK_S)):
+                    assert proc.returncode is not None
+                    return Result(proc.returncode, _text(pump.out), _text(pump.err),
+                                  bytes(pump.out))
+            stopping = time.monotonic() < deadline  # killed for the stop, not its deadline
+            said = _kill(proc, pump)
+        finally:
+            pump.close()
         took = time.monotonic() - t0
         if stopping:
             raise Aborted(f"{self.halt.reason}: {' '.join(argv)} killed after {took:.0f} s"
@@ -179,36 +179,150 @@ class Runner:
                            f"group){said}")
 
 
-def _kill(proc: subprocess.Popen[bytes]) -> str:
+# Where each command was found on PATH (a miss is looked up again next time).
+# Under emulation every stat on the way costs: PATH is searched once per
+# command name, and the command is started by its path (no execvp search).
+_FOUND: dict[tuple[str, str], str] = {}
+
+
+def _resolve(name: str, env: dict[str, str] | None) -> str | None:
+    path = (os.environ if env is None else env).get("PATH", os.defpath)
+    found = _FOUND.get((name, path))
+    if found is None:
+        found = shutil.which(name, path=path)
+        if found is not None:
+            _FOUND[(name, path)] = found
+    return found
+
+
+def _start(argv: list[str], env: dict[str, str] | None, pass_fds: Sequence[int],
+           stdin: bool) -> subprocess.Popen[bytes]:
+    """The command, in its own session (its whole group can be killed)."""
+    for attempt in (1, 2):
+        exe = _resolve(argv[0], env)
+        if exe is None:
+            break
+        try:
+            return subprocess.Popen(argv, executable=exe,
+                                    stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                    pass_fds=pass_fds, start_new_session=True)
+        except FileNotFoundError:
+            _FOUND.pop((argv[0], (os.environ if env is None else env).get("PATH", os.defpath)),
+                       None)  # gone since it was found: look again, once
+            if attempt == 2:
+                break
+    raise CommandError(argv, 127, f"{argv[0]}: command not found")
+
+
+class _Pump:
+    """A command's output read as it comes, its input written, and its exit
+    seen on a pidfd: ``step`` returns as soon as the command is done (pipes
+    closed and exited), never on a polling tick (``Popen.communicate`` with a
+    timeout sleeps up to 50 ms at a time waiting for the exit)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], stdin: bytes | None) -> None:
+        self.proc = proc
+        self.out, self.err = bytearray(), bytearray()
+        self._sel = selectors.PollSelector()
+        self._input = memoryview(stdin or b"")
+        assert proc.stdout is not None and proc.stderr is not None
+        self._bufs = {proc.stdout.fileno(): self.out, proc.stderr.fileno(): self.err}
+        for fd in self._bufs:
+            self._sel.register(fd, selectors.EVENT_READ)
+        self._stdin = proc.stdin.fileno() if proc.stdin is not None else None
+        if self._stdin is not None:
+            if self._input:
+                self._sel.register(self._stdin, selectors.EVENT_WRITE)
+            else:
+                self._close_stdin()
+        try:
+            self._pidfd: int | None = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):  # no pidfd here: wait() polls, as before
+            self._pidfd = None
+        else:
+            self._sel.register(self._pidfd, selectors.EVENT_READ)
+
+    def step(self, timeout: float) -> bool:
+        """Move data for up to ``timeout`` s; True once the command is done."""
+        end = time.monotonic() + timeout
+        while self._sel.get_map():
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            for key, _ in self._sel.select(left):
+                self._ready(key.fd)
+        if self._pidfd is None:  # pipes closed; the exit, the old way
+            try:
+                self.proc.wait(timeout=max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return False
+        else:
+            self.proc.wait()  # the pidfd said it exited: no wait here
+        return True
+
+    def _ready(self, fd: int) -> None:
+        if fd == self._pidfd:
+            self._sel.unregister(fd)
+        elif fd == self._stdin:
+            try:
+                n = os.write(fd, self._input[:select.PIPE_BUF])
+            except BrokenPipeError:  # it stopped reading: as communicate, not an error
+                n = len(self._input)
+            self._input = self._input[n:]
+            if not self._input:
+                self._close_stdin()
+        else:
+            data = os.read(fd, 65536)
+            if data:
+                self._bufs[fd] += data
+            else:
+                self._sel.unregister(fd)
+
+    def _close_stdin(self) -> None:
+        if self._stdin is not None and self._stdin in self._sel.get_map():
+            self._sel.unregister(self._stdin)
+        with contextlib.suppress(OSError):
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+
+    def close(self) -> None:
+        """Release every descriptor (what is still unread is abandoned)."""
+        self._sel.close()
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+
+
+def _kill(proc: subprocess.Popen[bytes], pump: _Pump) -> str:
     """SIGKILL the command's process group, then wait a bounded time for it.
     Returns what to add to the error: its last output, or that it was abandoned."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    try:
-        _, stderr = proc.communicate(timeout=KILL_WAIT_S)
-    except subprocess.TimeoutExpired as exc:
+    if not pump.step(KILL_WAIT_S):
         # A process outside the group (it made its own session) holds the
         # pipes, or the command is stuck in the kernel: give up on it honestly.
-        for pipe in (proc.stdout, proc.stderr):
-            if pipe is not None:
-                with contextlib.suppress(OSError):
-                    pipe.close()
-        tail = _tail(exc.stderr)
+        pump.close()
         log.warning("%s (pid %d): still not gone %g s after SIGKILL; output abandoned",
                     proc.args, proc.pid, KILL_WAIT_S)
         # Stuck in the kernel (D state), it may never exit: reaped from a
         # thread whenever it does, so no caller waits on it.
         reap_later(proc)
-        return f"; output abandoned{tail}"
+        return f"; output abandoned{_tail(pump.err)}"
     reap_group(proc.pid)  # its orphans came back to us if we are a subreaper
-    return _tail(stderr)
+    return _tail(pump.err)
 
 
-def _tail(stderr: bytes | str | None) -> str:
-    text = stderr.decode("utf-8", "replace") if isinstance(stderr, bytes) else stderr or ""
+def _tail(stderr: bytes | bytearray | str | None) -> str:
+    text = stderr.decode("utf-8", "replace") if isinstance(stderr, bytes | bytearray) \
+        else stderr or ""
     lines = text.strip().splitlines()[-3:]
     return f"; it said: {' | '.join(lines)}" if lines else ""
 
 
-def _text(b: bytes | None) -> str:
+def _text(b: bytes | bytearray | None) -> str:
     return b.decode("utf-8", "replace") if b else ""

@@ -28,7 +28,6 @@ from typing import TypeVar
 import rados
 
 from reconciler.drivers import ceph, rbdheader
-from reconciler.drivers import groups as rbdgroups
 from reconciler.drivers.bounded import Bounded, NoAnswer, Task
 from reconciler.facts.observed import GroupState, ImageState
 from reconciler.spec.config import CephConfig
@@ -116,7 +115,44 @@ class Session:
         self._kept: list[_Handle] = []  # at most one; a list the finalizer can share
         self._cfg: CephConfig | None = None
         self._since = 0.0
+        # A connect begun before the pass that takes it (and its handle, in a
+        # list the finalizer can share: dropped if no pass ever takes it).
+        self._begun: tuple[CephConfig, Task[None]] | None = None
+        self._begun_handle: list[_Handle] = []
         weakref.finalize(self, _drop_all, self._kept, self._lock)
+        weakref.finalize(self, _drop_all, self._begun_handle, self._lock)
+
+    def begin(self, cfg: CephConfig) -> None:
+        """Start connecting now, off this thread, for the next pass to take:
+        a cold command's connect then overlaps its imports and its look at
+        the node (in the VM of the kernel tests a connect takes ~0.6-0.9 s).
+        Nothing waits here; the pass waits for it within its own deadline,
+        and reports a connect that fails or hangs as if it had begun it."""
+        with self._lock:
+            if self._kept or self._begun is not None:
+                return
+        handle = _Handle()
+        try:
+            task = _start_connect(cfg, handle)
+        except NoAnswer:  # an earlier connect is still stuck: the pass says so
+            handle.drop()
+            return
+        with self._lock:
+            self._begun = (cfg, task)
+            self._begun_handle.append(handle)
+
+    def begun(self, cfg: CephConfig) -> tuple[_Handle, Task[None]] | None:
+        """The connect ``begin`` started for ``cfg``, handed over (once)."""
+        with self._lock:
+            begun, handles = self._begun, self._begun_handle[:]
+            self._begun = None
+            self._begun_handle.clear()
+        if begun is None or not handles:
+            return None
+        if begun[0] != cfg:  # the config changed since: not this pass's
+            handles[0].drop()
+            return None
+        return handles[0], begun[1]
 
     def take(self, cfg: CephConfig) -> _Handle | None:
         """The kept handle, held for one pass; None: connect."""
@@ -167,9 +203,11 @@ def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
     deadline = time.monotonic() + timeout
     handle = session.take(cfg) if session is not None else None
     if handle is None:
-        handle = _Handle()
+        begun = session.begun(cfg) if session is not None else None
+        handle = begun[0] if begun is not None else _Handle()
         try:
-            _connect(cfg, handle, timeout, deadline)
+            _wait_connected(cfg, begun[1] if begun is not None else
+                            _start_connect(cfg, handle), timeout, deadline)
         except (NoAnswer, ceph.CephError) as exc:
             handle.drop()
             out.errors.update({pool: f"cannot reach Ceph: {exc}" for pool in by_pool})
@@ -189,7 +227,7 @@ def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
         try:
             group_tasks[(pool, name)] = handle.submit(
                 ("group", cfg.conf, pool, name),
-                lambda c, pool=pool, name=name: rbdgroups.group_state(c, pool, name))
+                lambda c, pool=pool, name=name: _group_state(c, pool, name))
         except NoAnswer as exc:
             out.group_errors[(pool, name)] = str(exc)
     fences: Task[dict[str, str]] | None = None
@@ -260,6 +298,12 @@ def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
         session.discard()  # something did not answer: never reuse this connection
     handle.drop()
     return out
+
+
+def _group_state(cluster: rados.Rados, pool: str, name: str) -> GroupState | None:
+    from reconciler.drivers import groups  # only a pass that looks at a group loads it
+
+    return groups.group_state(cluster, pool, name)
 
 
 def _list_pool(cluster: rados.Rados, pool: str, names: set[str],
@@ -333,10 +377,6 @@ def _image_state(cluster: rados.Rados, pool: str, name: str,
         except rbdheader.Fallback:
             pass
     return ceph.image_state(cluster, pool, name)
-
-
-def _connect(cfg: CephConfig, handle: _Handle, timeout: float, deadline: float) -> None:
-    _wait_connected(cfg, _start_connect(cfg, handle), timeout, deadline)
 
 
 def _start_connect(cfg: CephConfig, handle: _Handle) -> Task[None]:

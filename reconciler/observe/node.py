@@ -13,10 +13,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from reconciler.drivers import iolimits, procfs, scopes
+from reconciler.drivers import procfs, scopes
 from reconciler.drivers.bounded import Bounded, NoAnswer, StillStuck
 from reconciler.drivers.crypt import Cryptsetup, Pbkdf
-from reconciler.drivers.freeze import left_frozen
 from reconciler.drivers.fs import DeviceUnreadable, Filesystems, block_device_size
 from reconciler.drivers.mappers import FuseMapper, KernelMapper, available_mappers
 from reconciler.drivers.run import CommandError, Halt, Runner
@@ -56,9 +55,10 @@ class Node:
 
     @classmethod
     def from_config(cls, config: Config, runner: Runner | None = None,
-                    halt: Halt | None = None) -> Node:
+                    halt: Halt | None = None, session: Session | None = None) -> Node:
         """``halt``: the daemon's, shared by the Nodes it builds (a reload
-        makes a new one while chains of the old one still run)."""
+        makes a new one while chains of the old one still run). ``session``:
+        one whose connect a command began already (``Session.begin``)."""
         runner = runner or Runner(timeout=config.timeouts.command_seconds,
                                   long_timeout=config.timeouts.mkfs_seconds,
                                   halt=halt or Halt())
@@ -76,6 +76,7 @@ class Node:
                                            config.encryption.memory_kib)),
             mappers_available=available_mappers(),
             io_watch=IoWatch(config.events.io_stall_seconds),
+            ceph_session=session or Session(),
         )
 
     def mapper(self, kind: str) -> FuseMapper | KernelMapper:
@@ -244,7 +245,7 @@ def observe(node: Node, volumes: Iterable[Volume], all_watchers: bool = False,
                         path_rdev[p] = (os.major(st.st_rdev), os.minor(st.st_rdev))
     io_limits, io_errors = _io_limits(node, volumes, ours)
     intents = Intents(node.config.state_dir).images()
-    freezes = frozenset(r.path for r in left_frozen(node.config.state_dir))
+    freezes = _left_frozen(node.config.state_dir)
     imgs = ceph_pass.result() if ceph_pass is not None else CephView()
     return Observed(images=imgs.images, pools_listed=frozenset(imgs.listed),
                     pool_errors=imgs.errors, image_errors=imgs.image_errors,
@@ -253,6 +254,16 @@ def observe(node: Node, volumes: Iterable[Volume], all_watchers: bool = False,
                     freezes=freezes, crypts=crypts, io_limits=io_limits, io_errors=io_errors,
                     groups=imgs.groups, group_errors=imgs.group_errors, stalled=stalled,
                     blocklist=imgs.blocklist)
+
+
+def _left_frozen(state_dir: Path) -> frozenset[str]:
+    """Mount points a dead run left frozen (nothing recorded: the freeze
+    driver is not even loaded; every module costs a cold command)."""
+    if not (state_dir / "freezes.json").exists():
+        return frozenset()
+    from reconciler.drivers.freeze import left_frozen
+
+    return frozenset(r.path for r in left_frozen(state_dir))
 
 
 def _io_limits(node: Node, volumes: list[Volume], ours: list[Mapping]
@@ -269,6 +280,10 @@ def _io_limits(node: Node, volumes: list[Volume], ours: list[Mapping]
             targets.append(v.qos.io_target)
         for target in targets:
             wanted.setdefault(target, []).append(dev)
+    if not wanted:
+        return {}, {}
+    from reconciler.drivers import iolimits  # loaded only when a volume names a target
+
     limits, errors = {}, {}
     for target, devs in wanted.items():
         try:

@@ -196,7 +196,10 @@ def test_dead_rbd_nbd_under_a_mount_is_degraded_never_reformatted(node: NodeUnde
 def test_the_real_device_list_parses(node: NodeUnderTest, mapper: str,
                                      capsys: pytest.CaptureFixture[str]) -> None:
     """What `rbd device list` really prints (recorded under tests/data for the
-    host tests: rbd_device_list_*_vm.json) is what the mapper lists."""
+    host tests: rbd_device_list_*_vm.json) is what the mapper lists; krbd's
+    own reading of sysfs finds exactly what rbd prints, and with an rbd-nbd
+    mapping the nbd list is asked of rbd-nbd."""
+    from reconciler.drivers.mappers import krbd_devices, nbd_any_connected
     from reconciler.facts.parsers import parse_rbd_device_list
 
     name = node.name(f"list-{mapper}")
@@ -210,3 +213,7 @@ def test_the_real_device_list_parses(node: NodeUnderTest, mapper: str,
     found = [d for d in parse_rbd_device_list(out) if d.image == name]
     assert [(d.pool, d.snap, d.device) for d in found] == [
         (node.cluster.pool, None, status_of(node, name)["device"])]
+    if mapper == "krbd":
+        assert krbd_devices() == parse_rbd_device_list(out)
+    else:
+        assert nbd_any_connected()

@@ -131,7 +131,11 @@ def calls(tmp_path: Path, mounted: Path) -> dict[str, Callable[[], object]]:
                 lambda m=km, k=kind: m.unmap(Mapping(k, POOL, IMAGE, None))
             out[f"rbd device unmap ({kind} by a device that is no /dev node)"] = \
                 lambda m=km, k=kind: m.unmap(Mapping(k, POOL, IMAGE, DEV))
-            out[f"rbd device list ({kind})"] = KernelMapper(kind, CEPH, Capture(stdout="[]")).list
+    # krbd's list runs nothing (sysfs); rbd-nbd's runs with a device connected.
+    (tmp_path / "sys" / "block" / "nbd0").mkdir(parents=True)
+    (tmp_path / "sys" / "block" / "nbd0" / "pid").write_text("1\n")
+    out["rbd device list (nbd)"] = KernelMapper("nbd", CEPH, Capture(stdout="[]"),
+                                                sys_root=tmp_path / "sys").list
     scoped = KernelMapper("nbd", CEPH, Capture(stdout="/dev/nbd0\n"), udev=lambda: True,
                           scopes=True)
     out["rbd device map (nbd, in a scope)"] = lambda: scoped.map(POOL, IMAGE, ("ro",))

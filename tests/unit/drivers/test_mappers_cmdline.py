@@ -8,6 +8,7 @@ stands in for the node and answers with output recorded on a real machine
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from reconciler.drivers import mappers
 from reconciler.drivers.mappers import FuseMapper, KernelMapper
 from reconciler.drivers.run import CommandError, Result, Runner
 from reconciler.facts.observed import Mapping
-from reconciler.facts.parsers import LoopDevice, MapError
+from reconciler.facts.parsers import LoopDevice, MapError, parse_rbd_device_list
 from reconciler.spec.config import CephConfig
 
 DATA = Path(__file__).resolve().parents[2] / "data"
@@ -60,10 +61,36 @@ def ok(stdout: str = "") -> Result:
     return Result(0, stdout, "")
 
 
-def kernel(kind: str, *replies: Result | Fail, udev: bool = True
+def kernel(kind: str, *replies: Result | Fail, udev: bool = True, sys_root: Path | None = None
            ) -> tuple[KernelMapper, RecordingRunner]:
     runner = RecordingRunner(replies=list(replies))
-    return KernelMapper(kind, CEPH, runner, udev=lambda: udev, connected=lambda _d: True), runner
+    return KernelMapper(kind, CEPH, runner, udev=lambda: udev, connected=lambda _d: True,
+                        **({"sys_root": sys_root} if sys_root else {})), runner
+
+
+def krbd_sysfs(root: Path, listing: str) -> Path:
+    """A /sys holding, as the rbd module lays it out (one directory per device
+    on the rbd bus, each attribute a line), the mappings a recorded
+    ``rbd device list --format json`` shows (rbd reads them from there)."""
+    bus = root / "bus" / "rbd" / "devices"
+    bus.mkdir(parents=True)
+    for d in json.loads(listing or "[]"):
+        dev = bus / d["id"]
+        dev.mkdir()
+        for attr, key in (("pool", "pool"), ("pool_ns", "namespace"), ("name", "name"),
+                          ("current_snap", "snap")):
+            (dev / attr).write_text(d[key] + "\n")
+        (dev / "major").write_text("254\n")
+    return root
+
+
+def nbd_sysfs(root: Path, connected: Sequence[int] = (0,), devices: int = 16) -> Path:
+    """A /sys with nbd0..nbdN-1, those in ``connected`` with a pid file."""
+    for i in range(devices):
+        (root / "block" / f"nbd{i}").mkdir(parents=True)
+        if i in connected:
+            (root / "block" / f"nbd{i}" / "pid").write_text("3177\n")
+    return root
 
 
 # --- krbd / nbd: map ---------------------------------------------------------------
@@ -255,35 +282,67 @@ def test_kernel_refresh_waits_for_the_device_and_runs_nothing(kind: str, loop8m:
     assert runner.history == []
 
 
-def test_krbd_list() -> None:
-    m, runner = kernel("krbd", ok(data("rbd_device_list_krbd.json")))
+def test_krbd_list_reads_sysfs_as_rbd_does(tmp_path: Path) -> None:
+    """krbd's mappings are read from the rbd bus in sysfs, where `rbd device
+    list` reads them: the same devices, and no process started."""
+    listing = data("rbd_device_list_krbd.json")
+    m, runner = kernel("krbd", sys_root=krbd_sysfs(tmp_path, listing))
+    assert m.listed() == parse_rbd_device_list(listing)
     # Snapshot and namespace mappings are not volumes this reconciler manages.
     assert m.list() == [Mapping("krbd", "rbd", "pgdata", "/dev/rbd0"),
                         Mapping("krbd", "fast", "metrics-xfs", "/dev/rbd3")]
-    assert runner.history == [["rbd", "device", "list", "--format", "json", *CEPH_ARGS]]
+    assert runner.history == []
 
 
-def test_nbd_list() -> None:
-    m, runner = kernel("nbd", ok(data("rbd_device_list_nbd.json")))
+def test_krbd_list_skips_what_rbd_skips(tmp_path: Path) -> None:
+    """A device without pool, name or current_snap (rbd lists none such); a
+    kernel without pool_ns; devices in rbd's (udev's) order; no rbd bus at
+    all: nothing mapped by krbd."""
+    root = krbd_sysfs(tmp_path, json.dumps([
+        {"id": str(i), "pool": "rbd", "namespace": "", "name": f"v{i}", "snap": "-"}
+        for i in (2, 10, 3)]))
+    bus = root / "bus" / "rbd" / "devices"
+    (bus / "3" / "current_snap").unlink()
+    (bus / "10" / "pool_ns").unlink()
+    m, _ = kernel("krbd", sys_root=root)
+    assert [(d.image, d.namespace, d.device) for d in m.listed()] == [
+        ("v10", "", "/dev/rbd10"), ("v2", "", "/dev/rbd2")]
+    assert kernel("krbd", sys_root=tmp_path / "none")[0].list() == []
+
+
+def test_nbd_list(tmp_path: Path) -> None:
+    m, runner = kernel("nbd", ok(data("rbd_device_list_nbd.json")),
+                       sys_root=nbd_sysfs(tmp_path, (0, 2)))
     assert m.list() == [Mapping("nbd", "rbd", "pgdata", "/dev/nbd0"),
                         Mapping("nbd", "fast", "metrics-xfs", "/dev/nbd2")]
     assert runner.history == [["rbd", "device", "list", "-t", "nbd", "--format", "json",
                                *CEPH_ARGS]]
 
 
+def test_nbd_list_without_a_connected_device_starts_nothing(tmp_path: Path) -> None:
+    """rbd-nbd lists only devices with a pid file: with none (or no nbd
+    module), its list is empty, and rbd and rbd-nbd are not started."""
+    for root in (nbd_sysfs(tmp_path / "idle", ()), tmp_path / "no-module"):
+        m, runner = kernel("nbd", ok(data("rbd_device_list_nbd.json")), sys_root=root)
+        assert m.list() == [] and runner.history == []
+
+
 @pytest.mark.parametrize(("kind", "name", "image", "device"), [
     ("krbd", "rbd_device_list_krbd_vm.json", "list-krbd-e3bdd1", "/dev/rbd0"),
     ("nbd", "rbd_device_list_nbd_vm.json", "list-nbd-18ef7a", "/dev/nbd0"),
 ])
-def test_lists_recorded_in_the_vm(kind: str, name: str, image: str, device: str) -> None:
-    m, _ = kernel(kind, ok(data(name)))
+def test_lists_recorded_in_the_vm(kind: str, name: str, image: str, device: str,
+                                  tmp_path: Path) -> None:
+    root = krbd_sysfs(tmp_path, data(name)) if kind == "krbd" else nbd_sysfs(tmp_path)
+    m, _ = kernel(kind, ok(data(name)), sys_root=root)
     assert m.list() == [Mapping(kind, "rbd", image, device)]
 
 
 @pytest.mark.parametrize(("kind", "name"), [("krbd", "rbd_device_list_krbd_empty.json"),
                                             ("nbd", "rbd_device_list_nbd_empty.json")])
-def test_list_recorded_empty(kind: str, name: str) -> None:
-    m, _ = kernel(kind, ok(data(name)))
+def test_list_recorded_empty(kind: str, name: str, tmp_path: Path) -> None:
+    root = krbd_sysfs(tmp_path, data(name)) if kind == "krbd" else nbd_sysfs(tmp_path)
+    m, _ = kernel(kind, ok(data(name)), sys_root=root)
     assert m.list() == []
 
 
@@ -557,7 +616,7 @@ def test_nbd_mapping_whose_rbd_nbd_died_is_listed_dead(tmp_path: Path) -> None:
     runner = RecordingRunner(replies=[ok("/dev/nbd5\n"), ok(data("rbd_device_list_nbd.json")),
                                       ok("")])
     m = KernelMapper("nbd", CEPH, runner, udev=lambda: True, records=records,
-                     connected=lambda _d: False)
+                     connected=lambda _d: False, sys_root=nbd_sysfs(tmp_path / "sys", (0, 2)))
     assert m.map("rbd", "web", ()) == "/dev/nbd5"
     records.record("/dev/nbd0", {"pool": "rbd", "image": "old-tenant"})  # nbd0 is pgdata's now
     listed = m.list()

@@ -173,10 +173,12 @@ def test_krbd_has_no_helper_to_scope() -> None:
     assert runner.history[0][:3] == ["rbd", "device", "map"]
 
 
-def test_unmap_and_list_are_never_wrapped() -> None:
+def test_unmap_and_list_are_never_wrapped(tmp_path: Path) -> None:
     runner = Capture(stdout="[]")
+    (tmp_path / "block" / "nbd0").mkdir(parents=True)  # list asks only with one connected
+    (tmp_path / "block" / "nbd0" / "pid").write_text("1\n")
     m = KernelMapper("nbd", CEPH, runner, udev=lambda: True, connected=lambda _d: True,
-                     scopes=True)
+                     scopes=True, sys_root=tmp_path)
     m.unmap(Mapping("nbd", "rbd", "pgdata", "/dev/nbd0"))
     m.list()
     assert [argv[:3] for argv in runner.history] == [["rbd", "device", "unmap"],

@@ -1,0 +1,36 @@
+"""One actor per stateDir: the daemon, or one command-line apply, never both.
+
+Apart from the engine, so that a cold command takes the lock (and begins
+its Ceph connect) before it imports the planner and the drivers."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from reconciler.state.files import open_lock
+
+
+class Busy(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def locked(state_dir: Path, wait: bool = False) -> Iterator[None]:
+    """Hold ``state_dir``'s lock; Busy at once when another holds it (unless ``wait``)."""
+    fd = open_lock(state_dir / "lock")
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise Busy(f"{state_dir} is in use by another rbd-reconciler "
+                           "(the daemon, or another apply)") from None
+            raise
+        yield
+    finally:
+        os.close(fd)
