@@ -335,9 +335,12 @@ class Volumes:
         for _ in range(ATTEMPTS):
             rec = self._record(name) if self.records is not None else None
             doc = self.files.read(name)
+            ours = self._in_flight(rec, doc)
             if self.records is not None:
-                doc = self._view(name, rec, doc)
-            if not change(doc):  # raises for an absent document
+                doc = ours if ours is not None else self._view(name, rec, doc)
+            # A change of our own still converging is recorded by this call
+            # even when it asks for nothing more (its finish would not be).
+            if not change(doc) and ours is None:  # raises for an absent document
                 assert doc is not None
                 self.settle_here(name, deadline, rec)
                 self.let_go(name, doc)
@@ -368,6 +371,25 @@ class Volumes:
             self.let_go(name, doc)
             return doc
         raise _contended(name)
+
+    def _in_flight(self, rec: Record | None, file: dict[str, Any] | None
+                   ) -> dict[str, Any] | None:
+        """The document a cut-off call of this replica's is still converging:
+        its lease stands and the file is of that revision. The record's own
+        document is what stood *before* that call, so a later call of ours
+        builds on this one: the CO saw the first cut off, not undone, and an
+        answer computed on the older document would be made untrue by the
+        first call's finish (a QoS removal acknowledged, then the cut-off
+        call's limit converged)."""
+        if self.records is None or rec is None or file is None or rec.state != "created" \
+                or rec.op_by != self.records.holder or rev_of(file) != rec.rev:
+            return None
+        out = copy.deepcopy(file)
+        labels = out["metadata"]["labels"]
+        labels.pop(L_RECORD_REV, None)
+        if not labels:
+            del out["metadata"]["labels"]
+        return out
 
     def _written(self, name: str, expect: Record, doc: dict[str, Any], state: str) -> bool:
         assert self.records is not None

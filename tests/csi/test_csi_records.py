@@ -58,9 +58,9 @@ def delete(c: CsiNode, vid: str) -> object:
     return c.controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id=vid), timeout=T)
 
 
-def modify(c: CsiNode, vid: str, **params: str) -> object:
+def modify(c: CsiNode, vid: str, timeout: float = T, **params: str) -> object:
     return c.controller.ControllerModifyVolume(pb.ControllerModifyVolumeRequest(
-        volume_id=vid, mutable_parameters=params), timeout=T)
+        volume_id=vid, mutable_parameters=params), timeout=timeout)
 
 
 def image_meta(node: NodeUnderTest, image: str) -> dict[str, str]:
@@ -220,6 +220,46 @@ def test_a_leftover_file_never_acts(start_csi: Callable[..., CsiNode],
     assert stays_gone(node, image), "a replica's leftover file re-created a deleted image"
     wait_for("A's leftover file to be dropped", lambda: name not in a.files())
     assert a.stop() == 0 and b.stop() == 0
+    drop_records(node)
+
+
+def test_the_next_call_builds_on_a_cut_off_one(start_csi: Callable[..., CsiNode],
+                                               node: NodeUnderTest) -> None:
+    """A's call is cut off (its file goes on converging under its lease), and
+    the CO's next call goes to A again. That call builds on the cut-off one,
+    not on the record's document from before it. Found by the history test:
+    a QoS removal answered OK was made untrue 0.2 s later, when the cut-off
+    call's limit converged; and an expand cut off before a modify was lost."""
+    drop_records(node)
+    a = start_csi(state(node))
+    vol, image, name = made(a, node, "pvc-after-cut-off")
+
+    def settled() -> bool:  # the last call recorded, no lease left
+        rec = records(node).get(name)
+        return rec is not None and rec["state"] == "created" and "op" not in rec
+
+    # Cut off at once (the server keeps 0.25 s of the caller's deadline).
+    code_, _ = error(lambda: modify(a, vol.volume_id, timeout=0.2, qosIopsLimit="1200"))
+    assert code_ == Code.DEADLINE_EXCEEDED
+    wait_for("A's cut-off modify to leave its file", lambda: name in a.files())
+    until_ok(lambda: modify(a, vol.volume_id, qosIopsLimit="0"))
+    assert "conf_rbd_qos_iops_limit" not in image_meta(node, image)
+    wait_for("the record to be let go", settled)
+    assert "iops" not in (records(node)[name]["doc"]["spec"].get("qos") or {})
+    assert "conf_rbd_qos_iops_limit" not in image_meta(node, image), "the removal did not hold"
+
+    code_, _ = error(lambda: expand(a, vol.volume_id, 64 * MiB, timeout=0.2))
+    assert code_ == Code.DEADLINE_EXCEEDED
+    wait_for("A's cut-off expand to leave its file", lambda: name in a.files())
+    until_ok(lambda: modify(a, vol.volume_id, qosWriteBpsLimit="1Mi"))
+    wait_for("the record to be let go", settled)
+    rec = records(node)[name]
+    assert rec["doc"]["spec"]["image"]["size"] == 64 * MiB, rec
+    assert rec["doc"]["spec"]["qos"] == {"writeBps": MiB}, rec
+    assert image_size(node, image) == 64 * MiB
+    assert image_meta(node, image).get("conf_rbd_qos_write_bps_limit") == str(MiB)
+    until_ok(lambda: delete(a, vol.volume_id))
+    assert a.stop() == 0
     drop_records(node)
 
 
