@@ -429,7 +429,9 @@ class Volumes:
                 raise CsiError(grpc.StatusCode.ABORTED,
                                f"{name} is being created by controller {rec.by}; retry")
             self._refuse_leased(name, rec)
-            present = merge(rec, file)
+            # A refused delete records this back: with a change of ours still
+            # converging, that change (the image may already have grown).
+            present = self._in_flight(rec, file) or merge(rec, file)
             check(present)  # a tombstone too: never tear down a node's side
             # The tombstone (ours now, a fresh lease: a dead replica's is
             # taken over) before the engine removes anything.
