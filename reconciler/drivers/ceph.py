@@ -367,14 +367,20 @@ def _meta_set_absent(ioctx: rados.Ioctx, oid: str, values: dict[str, str]) -> bo
             op.omap_cmp(META_PREFIX + key, "", rados.LIBRADOS_CMPXATTR_OP_EQ)
         ioctx.set_omap(op, tuple(META_PREFIX + k for k in values),
                        tuple(v.encode() for v in values.values()))
-        try:
-            ioctx.operate_write_op(op, oid)
-        except rados.ObjectNotFound:
-            raise rbd.ImageNotFound(f"{oid} is gone") from None
-        except rados.Error as exc:
-            if getattr(exc, "errno", None) == errno.ECANCELED:
-                return False
-            raise
+        return _operate_compared(ioctx, op, oid, oid)
+
+
+def _operate_compared(ioctx: rados.Ioctx, op: rados.WriteOp, oid: str, what: str) -> bool:
+    """Run a write op that holds compares; False when one failed (nothing
+    was written), ImageNotFound when the header is gone."""
+    try:
+        ioctx.operate_write_op(op, oid)
+    except rados.ObjectNotFound:
+        raise rbd.ImageNotFound(f"{what} is gone") from None
+    except rados.Error as exc:
+        if getattr(exc, "errno", None) == errno.ECANCELED:
+            return False
+        raise
     return True
 
 
@@ -470,15 +476,7 @@ def update_meta(cluster: rados.Rados, pool: str, name: str, expect: dict[str, st
                 ioctx.set_omap(op, tuple(sets), tuple(sets.values()))
             if gone:
                 ioctx.remove_omap_keys(op, tuple(gone))
-            try:
-                ioctx.operate_write_op(op, oid)
-            except rados.ObjectNotFound:
-                raise rbd.ImageNotFound(f"{pool}/{name} is gone") from None
-            except rados.Error as exc:
-                if getattr(exc, "errno", None) == errno.ECANCELED:
-                    return False
-                raise
-    return True
+            return _operate_compared(ioctx, op, oid, f"{pool}/{name}")
 
 
 def image_ref(cluster: rados.Rados, pool: str, name: str) -> ImageRef:
