@@ -13,7 +13,10 @@ OSD, fuse mapper). Each trial interleaves, pairwise:
   rbd-fuse, losetup --direct-io=on, mkfs.ext4, mount, mount --bind);
 - release vs raw: `rbd-reconciler release NAME` through the daemon vs the
   raw teardown in bash (umount target, umount staging, losetup -d, umount
-  the FUSE mount; like release, not waiting for rbd-fuse to exit).
+  the FUSE mount), and vs the same job by hand on another raw volume: that
+  teardown, then waiting for rbd-fuse to exit and removing the node's claim
+  (`rbd image-meta remove`), as `release` does before it answers so that
+  another node may map the image at once.
 
 Then, with --status-volumes (200) image-only volumes present and converged
 (images made with the rbd binding first, as P13 does), --status-trials cold
@@ -68,6 +71,7 @@ from harness import (
 )
 
 from reconciler.drivers.reaper import become_subreaper, reap_zombies
+from reconciler.facts import meta
 from reconciler.testing.devcluster import DevCluster, start_cluster
 
 GOALS = {"apply": 1.2, "release": 2.0}
@@ -110,6 +114,12 @@ umount "$1"
 umount "$2"
 losetup -d "$3"
 umount "$4"
+"""
+# The same job as `release`: the helper gone (exited: a zombie counts, its
+# parent here reaps later) and the claim dropped in Ceph.
+SAME_JOB = RAW_TEARDOWN + """\
+while read -r _ _ st _ 2>/dev/null <"/proc/$5/stat" && [[ $st != Z ]]; do :; done
+rbd image-meta remove -c "$6" "$7" "$8"
 """
 
 
@@ -177,7 +187,7 @@ class Bench:
         assert_clean(self.root)
         return a, rel
 
-    def raw(self, name: str) -> tuple[float, float]:
+    def raw(self, name: str, same_job: bool = False) -> tuple[float, float]:
         base = self.root / "shell"
         mnt, staging, target = base / "fuse" / name, base / "staging" / name, base / "pub" / name
         a, r = timed(["bash", "-c", SHELL_SEQUENCE, "p18-raw", str(self.cluster.conf),
@@ -187,8 +197,13 @@ class Bench:
             raise BenchError(f"raw sequence exited {r.returncode}:\n{r.stdout}{r.stderr}")
         out = dict(ln.split("=", 1) for ln in r.stdout.splitlines() if "=" in ln)
         assert_published(target, staging)
-        rel, r = timed(["bash", "-c", RAW_TEARDOWN, "p18-raw-teardown", str(target),
-                        str(staging), out["dev"], str(mnt)])
+        spec = f"{self.cluster.pool}/{name}"
+        if same_job:  # untimed: the claim a node holds, as `apply` takes it
+            run(["rbd", "image-meta", "set", "-c", str(self.cluster.conf), spec, meta.HOLDER,
+                 "p18-raw"])
+        rel, r = timed(["bash", "-c", SAME_JOB if same_job else RAW_TEARDOWN,
+                        "p18-raw-teardown", str(target), str(staging), out["dev"], str(mnt),
+                        out["fuse_pid"], str(self.cluster.conf), spec, meta.HOLDER])
         if r.returncode != 0:
             raise BenchError(f"raw teardown exited {r.returncode}:\n{r.stdout}{r.stderr}")
         problems = sweep(base)
@@ -267,15 +282,18 @@ def main(argv: list[str] | None = None) -> int:
                   f"load {os.getloadavg()[0]:.2f}", flush=True)
             b.ours("p18-warm")  # untimed warm-up: page cache, bytecode, the OSD
             b.raw("p18-warmraw")
+            b.raw("p18-warmsame", same_job=True)
             res: dict[str, list[float]] = {k: [] for k in (
-                "apply", "apply-raw", "release", "release-raw")}
+                "apply", "apply-raw", "release", "release-raw", "release-same")}
             for i in range(args.trials):
                 a, rel = b.ours(f"p18-a{i}")
                 ra, rrel = b.raw(f"p18-r{i}")
-                for k, x in zip(res, (a, ra, rel, rrel), strict=True):
+                _, rsame = b.raw(f"p18-s{i}", same_job=True)
+                for k, x in zip(res, (a, ra, rel, rrel, rsame), strict=True):
                     res[k].append(x)
                 print(f"trial {i + 1}: apply {a * 1000:6.1f} / raw {ra * 1000:6.1f} ms; "
-                      f"release {rel * 1000:6.1f} / raw {rrel * 1000:5.1f} ms", flush=True)
+                      f"release {rel * 1000:6.1f} / raw {rrel * 1000:5.1f} ms / the same job "
+                      f"by hand {rsame * 1000:5.1f} ms", flush=True)
             through: dict[str, list[float]] = {"human": [], "json": [], "alone": []}
             if args.status_volumes:
                 n = args.status_volumes
@@ -292,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nP18 (load {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs)")
             report("apply", res["apply"], res["apply-raw"], GOALS["apply"])
             report("release", res["release"], res["release-raw"], GOALS["release"])
+            print("  the same job by hand (the teardown, rbd-fuse's exit waited for, the "
+                  "claim removed with `rbd image-meta remove`):")
+            report("release", res["release"], res["release-same"], GOALS["release"])
             if through["human"]:
                 for label, key in (("status", "human"), ("status -o json", "json"),
                                    ("status alone", "alone")):
