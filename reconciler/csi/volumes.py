@@ -289,10 +289,16 @@ class Volumes:
         for _ in range(ATTEMPTS):
             rec = self._record(name)
             if rec is not None and rec.state == "created":
-                have = merge(rec, self.files.read(name))
+                file = self.files.read(name)
+                ours = self._in_flight(rec, file)
+                have = ours or merge(rec, file)
                 same(have)
-                self.settle_here(name, deadline, rec)
-                self.let_go(name, have)
+                if ours is None:
+                    self.settle_here(name, deadline, rec)
+                    self.let_go(name, have)
+                # else a cut-off call of ours goes on under its lease: its
+                # finish records it and lets the file go (letting it go here
+                # would leave the record at the document from before it).
                 return have
             if rec is not None and rec.state == "deleting" and gone is not None and \
                     self.records.leased(rec) is None and gone():

@@ -258,6 +258,16 @@ def test_the_next_call_builds_on_a_cut_off_one(start_csi: Callable[..., CsiNode]
     assert rec["doc"]["spec"]["qos"] == {"writeBps": MiB}, rec
     assert image_size(node, image) == 64 * MiB
     assert image_meta(node, image).get("conf_rbd_qos_write_bps_limit") == str(MiB)
+
+    # A CreateVolume retry meanwhile answers with the volume and leaves the
+    # cut-off call to finish (it let the file go, and the expand went unrecorded).
+    code_, _ = error(lambda: expand(a, vol.volume_id, 96 * MiB, timeout=0.2))
+    assert code_ == Code.DEADLINE_EXCEEDED
+    wait_for("A's cut-off expand to leave its file", lambda: name in a.files())
+    assert create_until_done(a, "pvc-after-cut-off").volume_id == vol.volume_id
+    wait_for("the record to be let go", settled)
+    assert records(node)[name]["doc"]["spec"]["image"]["size"] == 96 * MiB
+    assert image_size(node, image) == 96 * MiB
     until_ok(lambda: delete(a, vol.volume_id))
     assert a.stop() == 0
     drop_records(node)
