@@ -344,9 +344,12 @@ class Volumes:
             ours = self._in_flight(rec, doc)
             if self.records is not None:
                 doc = ours if ours is not None else self._view(name, rec, doc)
-            # A change of our own still converging is recorded by this call
-            # even when it asks for nothing more (its finish would not be).
-            if not change(doc) and ours is None:  # raises for an absent document
+            # With a record, a call that asks for nothing new still converges
+            # what the record says before it answers: Ceph may hold less (a
+            # failed call's half-set limits, a change made by hand), and an
+            # OK must be true. A change of our own still converging is
+            # recorded by this call too (its finish would not be).
+            if not change(doc) and rec is None:  # raises for an absent document
                 assert doc is not None
                 self.settle_here(name, deadline, rec)
                 self.let_go(name, doc)
@@ -370,8 +373,14 @@ class Volumes:
             changed = partial(self._written, name, lease, doc, "created")
             # Refused or failed later: the lease let go, the record as it was.
             unchanged = partial(self.records.write, name, lease, rec.doc, rec.state)
-            if not self._converge_at(name, doc, lease, deadline, finish=(changed, unchanged)):
-                continue
+            try:
+                if not self._converge_at(name, doc, lease, deadline,
+                                         finish=(changed, unchanged)):
+                    continue
+            except CsiError as exc:
+                if exc.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INTERNAL):
+                    unchanged()  # refused or failed: the name is free at once, not when stale
+                raise
             if not changed():
                 continue  # the lease was taken over (it outlived stale_s)
             self.let_go(name, doc)
