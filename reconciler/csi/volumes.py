@@ -290,10 +290,11 @@ class Volumes:
             rec = self._record(name)
             if rec is not None and rec.state == "created":
                 file = self.files.read(name)
-                ours = self._in_flight(rec, file)
-                have = ours or merge(rec, file)
+                # The record's document: what is done (a cut-off call's
+                # larger size is not acknowledged until it has converged).
+                have = merge(rec, file)
                 same(have)
-                if ours is None:
+                if self._in_flight(rec, file) is None:
                     self.settle_here(name, deadline, rec)
                     self.let_go(name, have)
                 # else a cut-off call of ours goes on under its lease: its
