@@ -145,10 +145,11 @@ def during(daemon: Daemon, node: NodeUnderTest, cut: float, seconds: float,
     assert doc["stalled"]["lastCompleted"], doc  # the daemon saw the last one complete
 
     def status_says_stalled() -> bool:
-        """`status` shows every volume STALLED. A request that does complete
-        while cut off (rbd-nbd answered a FLUSH with nothing to write, seen
-        in CI) makes one Unknown until the next write is stuck: that is
-        never "gone", and the check asks again within the cut."""
+        """`status` shows every volume STALLED. Seen once in CI: the stall
+        of an rbd-nbd volume (one FLUSH in flight) ended for a moment while
+        cut off, and it showed Unknown (Ceph does not answer) until the
+        next request was stuck. That is never "gone"; the check asks again
+        within the cut."""
         rc, out, took = cli(node.config, "status", "-o", "json")
         report.setdefault("statusSeconds", []).append(round(took, 1))
         doc, _ = json.JSONDecoder().raw_decode(out[out.index("{"):])
