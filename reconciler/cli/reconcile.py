@@ -93,7 +93,9 @@ def local_pass(args: argparse.Namespace, config: Config, node: Node,
 def _left_frozen(config: Config) -> list[Record]:
     """Plan changes nothing, not even a thaw (apply and the daemon thaw first
     thing): it reports a freeze a dead run left, which Ceph need not answer."""
-    if not (config.state_dir / "freezes.json").exists():
+    from reconciler.state.registry import freezes_recorded
+
+    if not freezes_recorded(config.state_dir):
         return []  # nothing recorded: the freeze driver is not even loaded
     from reconciler.drivers.freeze import left_frozen
 
@@ -144,7 +146,9 @@ def _thaw_first(config: Config) -> list[str]:
     """A filesystem a dead run left frozen hangs every writer on it: thawed
     from the local record alone, before anything waits on Ceph (an outage
     must not keep it frozen). Freezes of a live run are left alone."""
-    if not (config.state_dir / "freezes.json").exists():
+    from reconciler.state.registry import freezes_recorded
+
+    if not freezes_recorded(config.state_dir):
         return []  # nothing recorded: the freeze driver is not even loaded
     from reconciler.drivers.freeze import thaw_recorded
 

@@ -40,6 +40,7 @@ from reconciler.spec.desired import load_desired
 from reconciler.spec.loader import LoadResult
 from reconciler.spec.model import ImageSpec, MapSpec, Source, Volume, volume_from_dict
 from reconciler.state.files import read_json
+from reconciler.state.registry import freezes_recorded
 
 log = logging.getLogger("reconciler.shutdown")  # the name log lines have always carried
 
@@ -192,7 +193,7 @@ def thaw_first(config: Config, wait: float = THAW_WAIT_S) -> list[str]:
     anything else (as ``apply`` and ``release`` do): sync waits on a frozen
     filesystem, its writers keep its mounts busy, and one unmounted frozen
     lives on frozen in the kernel, to be mounted again still frozen."""
-    if not (config.state_dir / "freezes.json").exists():
+    if not freezes_recorded(config.state_dir):
         return []
     return thaw_recorded(config.state_dir, wait)
 

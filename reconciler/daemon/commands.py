@@ -36,6 +36,7 @@ from reconciler.plan.planner import frozen_plan
 from reconciler.spec.config import Config
 from reconciler.spec.loader import LoadResult
 from reconciler.state.allowance import Allowance
+from reconciler.state.registry import freezes_recorded
 from reconciler.views import (
     Selection,
     claim_doc,
@@ -218,7 +219,7 @@ class Commands:
         with self.d.lock:
             running = {n for n, i in self.d.inflight_info.items() if i.purpose != "job"}
         state_dir = self.d.config.state_dir
-        left = left_frozen(state_dir) if (state_dir / "freezes.json").exists() else []
+        left = left_frozen(state_dir) if freezes_recorded(state_dir) else []
         doc = plan_doc(plans, sel.errors, [(r.path, r.owner) for r in left], running)
         reply.finish(plan_exit(doc), result={"kind": "plan", "doc": doc})
 

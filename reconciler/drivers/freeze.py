@@ -35,7 +35,7 @@ from reconciler.drivers import procfs, safepath
 from reconciler.drivers.bounded import Bounded, NoAnswer
 from reconciler.state import boot
 from reconciler.state.files import open_lock
-from reconciler.state.registry import Registry
+from reconciler.state.registry import FREEZES, Registry
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class Freezes(Registry):
     one process's write would drop a record the other just made."""
 
     def __init__(self, state_dir: Path) -> None:
-        super().__init__(state_dir / "freezes.json")
+        super().__init__(state_dir / FREEZES)
 
     @contextlib.contextmanager
     def _across_processes(self) -> Iterator[None]:

@@ -29,7 +29,7 @@ from reconciler.observe.devprobe import ProbeCache, Probed, probe_full, probe_mo
 from reconciler.observe.iowatch import IoWatch
 from reconciler.spec.config import Config
 from reconciler.spec.model import Volume, resolve_mapper
-from reconciler.state.registry import CreatedPaths, Intents, NbdMappings
+from reconciler.state.registry import CreatedPaths, Intents, NbdMappings, freezes_recorded
 
 log = logging.getLogger("reconciler.observe")  # the name log lines have always carried
 
@@ -259,7 +259,7 @@ def observe(node: Node, volumes: Iterable[Volume], all_watchers: bool = False,
 def _left_frozen(state_dir: Path) -> frozenset[str]:
     """Mount points a dead run left frozen (nothing recorded: the freeze
     driver is not even loaded; every module costs a cold command)."""
-    if not (state_dir / "freezes.json").exists():
+    if not freezes_recorded(state_dir):
         return frozenset()
     from reconciler.drivers.freeze import left_frozen
 

@@ -21,8 +21,17 @@ from typing import Any
 from reconciler.state import boot
 from reconciler.state.files import read_json, write_json
 
+# Filesystems frozen for a snapshot (drivers/freeze.py keeps the records).
+FREEZES = "freezes.json"
+
 _locks: dict[Path, threading.Lock] = {}
 _locks_guard = threading.Lock()
+
+
+def freezes_recorded(state_dir: Path) -> bool:
+    """Whether any freeze was ever recorded here: without the file there is
+    nothing to thaw or report, and the freeze driver need not be loaded."""
+    return (state_dir / FREEZES).exists()
 
 
 def _lock_for(path: Path) -> threading.Lock:
