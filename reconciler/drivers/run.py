@@ -185,33 +185,24 @@ class Runner:
 _FOUND: dict[tuple[str, str], str] = {}
 
 
-def _resolve(name: str, env: dict[str, str] | None) -> str | None:
-    path = (os.environ if env is None else env).get("PATH", os.defpath)
-    found = _FOUND.get((name, path))
-    if found is None:
-        found = shutil.which(name, path=path)
-        if found is not None:
-            _FOUND[(name, path)] = found
-    return found
-
-
 def _start(argv: list[str], env: dict[str, str] | None, pass_fds: Sequence[int],
            stdin: bool) -> subprocess.Popen[bytes]:
     """The command, in its own session (its whole group can be killed)."""
-    for attempt in (1, 2):
-        exe = _resolve(argv[0], env)
+    key = (argv[0], (os.environ if env is None else env).get("PATH", os.defpath))
+    for _ in (1, 2):
+        exe = _FOUND.get(key) or shutil.which(key[0], path=key[1])
         if exe is None:
             break
         try:
-            return subprocess.Popen(argv, executable=exe,
+            proc = subprocess.Popen(argv, executable=exe,
                                     stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                                     pass_fds=pass_fds, start_new_session=True)
         except FileNotFoundError:
-            _FOUND.pop((argv[0], (os.environ if env is None else env).get("PATH", os.defpath)),
-                       None)  # gone since it was found: look again, once
-            if attempt == 2:
-                break
+            _FOUND.pop(key, None)  # gone since it was found: look again, once
+            continue
+        _FOUND[key] = exe
+        return proc
     raise CommandError(argv, 127, f"{argv[0]}: command not found")
 
 
