@@ -380,7 +380,11 @@ class Volumes:
                     continue
             except CsiError as exc:
                 if exc.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INTERNAL):
-                    unchanged()  # refused or failed: the name is free at once, not when stale
+                    # Refused or failed: the name is free at once (if Ceph does
+                    # not take this write either, the lease goes stale as before;
+                    # the call's own answer stands).
+                    with contextlib.suppress(Exception):
+                        unchanged()
                 raise
             if not changed():
                 continue  # the lease was taken over (it outlived stale_s)
