@@ -7,13 +7,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 from reconciler.source.layout import Layout
+from reconciler.source.reasons import verdict
 from reconciler.spec.config import Config
 from reconciler.spec.source import SourceConfig
 
-# Reasons that are verdicts on the revision (SourceVerified=False).
-VERIFY_REASONS = frozenset({
-    "Unsigned", "WrongFormat", "UnknownSigner", "Revoked", "BadSignature", "ExpiredKey",
-    "NotAllowed", "NotACommit", "NotATag", "KeysUnreadable", "TagMismatch"})
 STALLED_INTERVALS = 3  # no success for this many intervals: Stalled
 
 
@@ -73,10 +70,11 @@ def conditions(st: dict[str, Any], interval: float, now: datetime) -> list[dict[
         ready = _cond("Ready", "False", reason or "Pending",
                       f"{message}; {applied['revision']} stays applied" if message
                       else f"{applied['revision']} stays applied")
-    if result == "refused" and reason in VERIFY_REASONS:
+    kind = verdict(reason).kind
+    if result == "distrusted" or (result == "refused" and kind == "signature"):
         verified = _cond("SourceVerified", "False", reason, message)
     elif result in ("applied", "unchanged", "held") or (
-            result == "refused" and reason not in VERIFY_REASONS):
+            result == "refused" and kind == "revision"):
         who = ", ".join(f"{s.get('name')} ({s.get('format')} {s.get('fingerprint')})"
                         for s in (applied or {}).get("signers", [])) if up_to_date else ""
         verified = _cond("SourceVerified", "True", "Verified",

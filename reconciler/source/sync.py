@@ -174,7 +174,8 @@ class Syncer:
 
     def _verify(self, commit: str, tag: str | None) -> list[dict[str, str]]:
         verify.prepare_keys(self.git, self.src.verify)
-        signers = verify.verify_revision(self.git, commit, tag, self.src.verify)
+        name = self.src.ref.name if self.src.ref.kind == "tag" else None
+        signers = verify.verify_revision(self.git, commit, tag, self.src.verify, name)
         return [{"format": s.format, "fingerprint": s.fingerprint, "name": s.name}
                 for s in signers]
 

@@ -53,10 +53,12 @@ def list_tree(git: Git, commit: str, path: str, max_file: int, max_tree: int) ->
     if kind != "tree":
         raise TreeRefused("PathNotADirectory", f"{path} is a {kind} in {commit[:12]}, not a "
                                                "directory")
-    out = git.run(["ls-tree", "-r", "-l", "-z", "--", spec]).stdout
+    raw = git.run(["ls-tree", "-r", "-l", "-z", "--", spec]).raw
+    records = [r.partition(b"\t") for r in raw.split(b"\0") if r]
+    _refuse_undecodable(path, [name for _, _, name in records])
     entries, total = [], 0
-    for record in filter(None, out.split("\0")):
-        meta, _, name = record.partition("\t")
+    for meta_b, _, name_b in records:
+        meta, name = meta_b.decode("ascii"), name_b.decode("utf-8")
         mode, otype, oid, size = meta.split()
         where = f"{path}/{name}" if path else name
         if not all(SAFE_NAME.match(part) for part in name.split("/")):
@@ -81,6 +83,23 @@ def list_tree(git: Git, commit: str, path: str, max_file: int, max_tree: int) ->
                                               "(source.maxTreeBytes)")
         entries.append(Entry(name, oid, n))
     return entries
+
+
+def _refuse_undecodable(path: str, names: list[bytes]) -> None:
+    """A name that is not UTF-8 is refused, naming every such file: decoded
+    with replacement, two of them could become one name (``x\\xff.yaml`` and
+    ``x\\xfe.yaml`` both ``x\ufffd.yaml``), and the export would fail on the
+    second for good instead of refusing the revision."""
+    bad = []
+    for name in names:
+        try:
+            name.decode("utf-8")
+        except UnicodeDecodeError:
+            shown = name.decode("utf-8", "backslashreplace")
+            bad.append(f"{path}/{shown}" if path else shown)
+    if bad:
+        raise TreeRefused("BadFileName", f"{len(bad)} file name(s) not UTF-8: "
+                                         f"{', '.join(bad[:5])}: refused")
 
 
 def read_blobs(git: Git, entries: list[Entry]) -> dict[str, bytes]:

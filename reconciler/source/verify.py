@@ -117,16 +117,21 @@ def verify_commit(git: Git, sha: str, policy: SourceVerify) -> Signer:
     return _verify(git, "commit", sha, policy)
 
 
-def verify_tag(git: Git, tag_object_sha: str, policy: SourceVerify) -> Signer:
-    """An annotated tag object (not the commit it names)."""
-    return _verify(git, "tag", tag_object_sha, policy)
+def verify_tag(git: Git, tag_object_sha: str, policy: SourceVerify,
+               name: str | None = None) -> Signer:
+    """An annotated tag object (not the commit it names). ``name``: the tag
+    the node follows, which the object's own signed ``tag`` header must say:
+    else whoever can push could point ``refs/tags/prod`` at the signed tag
+    ``canary`` and have it applied as prod."""
+    return _verify(git, "tag", tag_object_sha, policy, name)
 
 
 def verify_revision(git: Git, commit: str, tag_object: str | None,
-                    policy: SourceVerify) -> list[Signer]:
+                    policy: SourceVerify, tag_name: str | None = None) -> list[Signer]:
     """What ``policy.mode`` asks: head, the commit; tag, the tag object
-    (which must peel to ``commit``); tagAndHead, both. Returns the signers,
-    the tag's first. For openpgp, imports a changed keyring first."""
+    (which must peel to ``commit`` and, given ``tag_name``, be named so);
+    tagAndHead, both. Returns the signers, the tag's first. For openpgp,
+    imports a changed keyring first."""
     if policy.format == "openpgp":
         prepare_keys(git, policy)
     signers = []
@@ -134,7 +139,7 @@ def verify_revision(git: Git, commit: str, tag_object: str | None,
         if tag_object is None:
             raise Refused("NoTag", f"commit {commit[:12]}: verify mode {policy.mode} needs a "
                                    "signed tag, and there is none")
-        signers.append(verify_tag(git, tag_object, policy))
+        signers.append(verify_tag(git, tag_object, policy, tag_name))
         peeled = git.run(["rev-parse", "--verify", "--quiet", "--end-of-options",
                           f"{tag_object}^{{commit}}"], ok_codes=(0, 1)).stdout.strip()
         if peeled != commit:
@@ -147,7 +152,8 @@ def verify_revision(git: Git, commit: str, tag_object: str | None,
     return signers
 
 
-def _verify(git: Git, kind: str, sha: str, policy: SourceVerify) -> Signer:
+def _verify(git: Git, kind: str, sha: str, policy: SourceVerify,
+            tag_name: str | None = None) -> Signer:
     what = f"{kind} {sha[:12]}"
     if not SHA1.match(sha):
         raise Refused("NotA" + kind.capitalize(), f"{kind} {sha[:40]!r}: not an object name "
@@ -172,8 +178,25 @@ def _verify(git: Git, kind: str, sha: str, policy: SourceVerify) -> Signer:
         raise Refused("WrongFormat", f"{what}: signed with {said}, the policy asks for "
                                      f"{policy.format}")
     if fmt == "ssh":
-        return _verify_ssh(git, kind, sha, policy, what)
-    return _verify_openpgp(git, kind, sha, policy, what)
+        signer = _verify_ssh(git, kind, sha, policy, what)
+    else:
+        signer = _verify_openpgp(git, kind, sha, policy, what)
+    if tag_name is not None:
+        _check_tag_name(raw, tag_name, what)
+    return signer
+
+
+def _check_tag_name(raw: str, want: str, what: str) -> None:
+    """The tag object's ``tag`` header (covered by its signature) is the name
+    the ref has. git writes object, type, tag, tagger, then a blank line;
+    exactly one ``tag`` header is accepted."""
+    headers = raw.split("\n\n", 1)[0].split("\n")
+    names = [h[4:] for h in headers if h.startswith("tag ")]
+    if names != [want]:
+        said = ", ".join(repr(n) for n in names) or "no name"
+        raise Refused("TagNameMismatch", f"{what}: the signed tag object is named {said}, "
+                                         f"not {want!r} (refs/tags/{want} points at another "
+                                         "tag's object: refused)")
 
 
 def _readable(path: Path | None, what: str, label: str) -> str:
