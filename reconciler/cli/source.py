@@ -75,10 +75,14 @@ def human(st: dict[str, Any]) -> str:
               f"attempted {last.get('revision') or '-'}: {last.get('result', '-')}"
               + (f" ({last['reason']}: {last['message']})" if last.get("reason") else ""),
               f"previous  {st['previous'] or '-'}",
+              f"newest    {st.get('newest') or '-'} (later revisions must descend from it)",
               f"fetched   {st['lastFetchAt'] or 'never'}; last success "
               f"{st['lastSuccessAt'] or 'never'}"]
     if st["held"]:
         lines.append(f"held      since {st['held']['at']} (source resume)")
+    if st.get("distrusted"):
+        d = st["distrusted"]
+        lines.append(f"distrusted since {d['at']}: {d['reason']}: every volume held as it is")
     for c in st["conditions"]:
         lines.append(f"{c['type']:<15} {c['status']:<7} {c['reason']}"
                      + (f": {c['message']}" if c["message"] else ""))

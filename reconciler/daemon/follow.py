@@ -92,6 +92,7 @@ class Follower:
         src = config.git
         assert src is not None
         syncer = Syncer(config, Runner(timeout=src.timeout_seconds, halt=self.halt))
+        was_distrusted = self.last is not None and self.last[0] == "distrusted"
         out = syncer.sync()
         failed_before = self._schedule(out.result, src.interval_seconds)
         self._report(config, out, failed_before)
@@ -100,6 +101,9 @@ class Follower:
             who = ", ".join(f"{s['name']} ({s['fingerprint']})" for s in out.signers)
             log.info("source: applied %s, signed by %s", rev, who or "nobody (not verified)")
             self.applied(rev)
+        elif was_distrusted != (out.result == "distrusted"):
+            # Held, or trusted again by a policy change: a pass says so now.
+            self.applied(applied_revision(config) or "")
         return out
 
     def _report(self, config: Config, out: Outcome, failed_before: int) -> None:
@@ -129,6 +133,7 @@ class Follower:
                     f"{src.interval_seconds:g} s; logged again when the result changes)")
             else:
                 level, then = logging.ERROR, f"looking again every {src.interval_seconds:g} s"
-            log.log(level, "source: %s %s: %s; %s stays applied; %s", out.result, out.reason,
-                    out.message, applied or "nothing", then)
+            stays = "stays applied, held" if out.result == "distrusted" else "stays applied"
+            log.log(level, "source: %s %s: %s; %s %s; %s", out.result, out.reason,
+                    out.message, applied or "nothing", stays, then)
         self.last = key

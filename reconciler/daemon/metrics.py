@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 
 from reconciler import __version__
 from reconciler.apply.logfmt import step_kind
+from reconciler.source.reasons import VERDICTS
 from reconciler.state.files import write_atomic
 
 if TYPE_CHECKING:
@@ -181,14 +182,9 @@ def disable_created_metrics() -> None:
 
 
 
-# Why a sync of the GitOps source applied nothing new (source/sync.py,
-# source/verify.py): their series exist from the start, at 0.
-SOURCE_FAILURE_REASONS = (
-    "Unsigned", "WrongFormat", "MultipleSignatures", "UnknownSigner", "Revoked",
-    "BadSignature", "ExpiredKey", "ExpiredSignature", "NotAllowed", "NotACommit", "NotATag",
-    "NoTag", "TagMismatch", "KeysUnreadable", "NotDescendant", "LoadFailed", "SymlinkInTree",
-    "SpecialFileInTree", "FileTooLarge", "TreeTooLarge", "PathNotADirectory", "BadFileName",
-    "FetchFailed", "RefNotFound", "GitFailed", "StateDirFailed", "BadPolicy", "InternalError")
+# Why a sync of the GitOps source applied nothing new (source/reasons.py, the
+# one table of them): their series exist from the start, at 0.
+SOURCE_FAILURE_REASONS = tuple(r for r, v in VERDICTS.items() if v.kind != "command")
 
 class Metrics:
     """One daemon's metrics, in a registry of its own (tests run several)."""

@@ -61,7 +61,7 @@ from reconciler.facts.observed import Observed
 from reconciler.observe.ceph import observe_images
 from reconciler.observe.node import Node
 from reconciler.plan.planner import VolumePlan, actual_state
-from reconciler.source.report import applied_revision
+from reconciler.source.report import applied_revision, distrust
 from reconciler.spec.config import Config, ConfigError, load_config
 from reconciler.spec.desired import claims, forgettable, load_desired
 from reconciler.spec.loader import LoadCache, LoadResult, discover
@@ -731,6 +731,10 @@ class Daemon:
         reap_zombies()
         self.source_revision = applied_revision(self.config)
         problems = self.preflight(files=False)
+        if not problems and (why := distrust(self.config)) is not None:
+            # The applied revision no longer verifies (a key revoked since):
+            # its files are not acted on, and nothing is taken down either.
+            problems = [f"the applied revision of the git source is held: {why}"]
         # Waiting for the source's first revision is expected at a first
         # start: said once, not as an error (source status says why if it lasts).
         self.conditions.update("preflight", [f"not reconciling: {p}" for p in problems],

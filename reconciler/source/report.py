@@ -39,6 +39,8 @@ def source_status(config: Config, now: datetime | None = None) -> dict[str, Any]
             "verifiedAt": applied.get("verifiedAt"), "files": applied.get("files")},
         "previous": None if previous is None else revision(src, previous["commit"]),
         "held": state.get("held"),
+        "distrusted": _distrusted(layout, state),
+        "newest": (state.get("newest") or {}).get("revision"),
         "lastFetchAt": state.get("lastFetchAt"),
         "lastSuccessAt": state.get("lastSuccessAt"),
         "lastAppliedAt": state.get("lastAppliedAt"),
@@ -59,6 +61,14 @@ def conditions(st: dict[str, Any], interval: float, now: datetime) -> list[dict[
     result, reason, message = last.get("result"), last.get("reason", ""), last.get("message", "")
     up_to_date = (applied is not None and result in ("applied", "unchanged")
                   and st["observed"] == applied["revision"])
+    distrusted = st.get("distrusted")
+    if distrusted is not None:
+        # The applied revision no longer verifies: whatever the last attempt
+        # did, what the daemon reads is held (source/sync.py _recheck_applied).
+        ready = _cond("Ready", "False", distrusted["reason"], distrusted["message"])
+        return [ready, _cond("SourceVerified", "False", distrusted["reason"],
+                             distrusted["message"]), _stalled(st, interval, now, reason,
+                                                              message)]
     if st["held"]:
         ready = _cond("Ready", "False", "Held", message or "held by `source rollback`")
     elif up_to_date:
@@ -82,6 +92,11 @@ def conditions(st: dict[str, Any], interval: float, now: datetime) -> list[dict[
     else:
         verified = _cond("SourceVerified", "Unknown", reason or "NotFetched",
                          message or "nothing fetched yet")
+    return [ready, verified, _stalled(st, interval, now, reason, message)]
+
+
+def _stalled(st: dict[str, Any], interval: float, now: datetime, reason: str,
+             message: str) -> dict[str, str]:
     stalled = _cond("Stalled", "False", "Syncing", "")
     since = st.get("lastSuccessAt")
     if since is not None:
@@ -93,7 +108,27 @@ def conditions(st: dict[str, Any], interval: float, now: datetime) -> list[dict[
     elif st["consecutiveFailures"] >= STALLED_INTERVALS:
         stalled = _cond("Stalled", "True", reason or "NoSuccess",
                         f"{st['consecutiveFailures']} attempts failed: {message}")
-    return [ready, verified, stalled]
+    return stalled
+
+
+def _distrusted(layout: Layout, state: dict[str, Any]) -> dict[str, Any] | None:
+    """The record that the applied revision no longer verifies, if it is
+    about what ``current`` points at now (a rollback moved it: the next sync
+    verifies that one again)."""
+    d = state.get("distrusted")
+    if not isinstance(d, dict) or d.get("name") != layout.target("current"):
+        return None
+    return d
+
+
+def distrust(config: Config) -> str | None:
+    """Why the daemon must hold every volume as it is: the applied revision
+    no longer verifies under the node's policy (None: it does, or no source)."""
+    if config.git is None:
+        return None
+    layout = Layout(config.source_dir)
+    d = _distrusted(layout, layout.read_state())
+    return None if d is None else f"{d['reason']}: {d['message']}"
 
 
 def applied_revision(config: Config) -> str | None:

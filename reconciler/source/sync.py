@@ -33,12 +33,16 @@ log = logging.getLogger("rbd-reconciler.source")
 
 FETCHED = "refs/source/fetched"
 APPLIED = "refs/source/applied"
+# The newest revision ever applied: the descent check's base. A rollback
+# moves APPLIED back and leaves this one, so a side commit on the revision
+# rolled back to is still refused (issue 36, item 6).
+NEWEST = "refs/source/newest"
 MAX_MESSAGE = 600
 
 
 @dataclass
 class Outcome:
-    result: str  # applied | unchanged | held | refused | failed
+    result: str  # applied | unchanged | held | refused | distrusted | failed
     reason: str = ""  # CamelCase: Unsigned, NotDescendant, LoadFailed, FetchFailed ...
     message: str = ""
     commit: str | None = None  # what the remote ref named (observed)
@@ -89,9 +93,12 @@ class Syncer:
             _step("fetched")
             applied = self.layout.applied()
             name = rev_name(out.commit, self.node_path)
+            distrust = self._recheck_applied(state, applied)
             if applied is not None and applied["name"] == name:
                 out.result, out.signers = "unchanged", applied.get("signers", [])
                 self._prune()  # what a sync killed before its prune left
+                if distrust is not None:
+                    out.result, out.reason, out.message = "distrusted", *distrust
                 return out
             out.signers = self._verify(out.commit, out.tag)
             _step("verified")
@@ -107,6 +114,8 @@ class Syncer:
             _step("exported")
             self._switch(name)
             out.result = "applied"
+            state.pop("distrusted", None)
+            state["verifiedPolicy"] = {"name": name, "digest": self._policy_digest()}
             return out
         except Failed as exc:
             out.result, out.reason, out.message = exc.result, exc.reason, exc.message
@@ -180,16 +189,71 @@ class Syncer:
                 for s in signers]
 
     def _check_descent(self, applied: str, new: str) -> None:
-        if applied == new or self._descends(applied, new):
+        """``new`` must descend from the newest revision ever applied (not
+        from ``applied``, which a rollback moves back). A pinned commit is
+        root's own choice, and ``allowNonDescendant`` root's waiver."""
+        if self.src.ref.kind == "commit":
             return
+        newest = self._resolve(NEWEST) or applied
+        if newest == new or self._descends(newest, new):
+            return
+        which = "the applied" if newest == applied else "the newest revision applied,"
         if self.src.allow_non_descendant:
-            log.warning("source: %s does not descend from the applied %s; applied anyway "
-                        "(allowNonDescendant)", new[:12], applied[:12])
+            log.warning("source: %s does not descend from %s %s; applied anyway "
+                        "(allowNonDescendant)", new[:12], which, newest[:12])
             return
         raise Failed("refused", "NotDescendant",
-                     f"{new[:12]} does not descend from the applied {applied[:12]} (a "
-                     "force-push back in time?); refused: set source.allowNonDescendant, or "
-                     "`rbd-reconciler source rollback`/a new commit on top")
+                     f"{new[:12]} does not descend from {which} {newest[:12]} (a force-push "
+                     "back in time, or onto a revision rolled back to?); refused: set "
+                     "source.allowNonDescendant, or push a new commit on top")
+
+    # -- trust follows the policy ----------------------------------------------
+    def _policy_digest(self) -> str:
+        """What verification depends on besides the object: the mode, the
+        format, and the bytes of root's key files (a file that cannot be read
+        is part of the digest too: it changes the verdict)."""
+        v = self.src.verify
+        h = hashlib.sha256(f"{v.mode}\0{v.format}\0{sorted(v.fingerprints)}\0".encode())
+        for path in (v.allowed_signers, v.revocation, v.keyring):
+            if path is None:
+                h.update(b"-\0")
+                continue
+            try:
+                h.update(hashlib.sha256(Path(path).read_bytes()).digest())
+            except OSError as exc:
+                h.update(f"unreadable {exc.errno}".encode())
+            h.update(b"\0")
+        return h.hexdigest()
+
+    def _recheck_applied(self, state: dict[str, Any],
+                         applied: dict[str, Any] | None) -> tuple[str, str] | None:
+        """The applied revision verified again once the policy changed since
+        it was last verified (a key revoked, removed from the allowed signers
+        or the keyring): (reason, message) when it no longer verifies, and
+        ``state["distrusted"]`` says so until a revision that verifies is
+        applied or the policy verifies it again. The daemon then holds every
+        volume as it is (docs/gitops-source.md, "Trust follows the policy")."""
+        if applied is None:
+            return None
+        digest = self._policy_digest()
+        kept = state.get("verifiedPolicy") or {}
+        if kept.get("name") == applied["name"] and kept.get("digest") == digest:
+            d = state.get("distrusted")
+            return None if d is None else (d["reason"], d["message"])
+        try:
+            self._verify(applied["commit"], applied.get("tag"))
+        except verify.Refused as exc:
+            what = revision(self.src, applied["commit"])
+            message = (f"{what}, applied, no longer verifies under the node's policy: "
+                       f"{exc.message}; held: no volume is changed until a revision that "
+                       "verifies is applied")[:MAX_MESSAGE]
+            state["distrusted"] = {"name": applied["name"], "commit": applied["commit"],
+                                   "reason": exc.reason, "message": message, "at": now_iso()}
+            state["verifiedPolicy"] = {"name": applied["name"], "digest": digest}
+            return exc.reason, message
+        state.pop("distrusted", None)  # verifies again (the follower logs it)
+        state["verifiedPolicy"] = {"name": applied["name"], "digest": digest}
+        return None
 
     def _descends(self, old: str, new: str) -> bool:
         for attempt in range(2):
@@ -253,6 +317,7 @@ class Syncer:
         _step("switched")
         commit = name.split("-")[0]
         self.git.run(["update-ref", APPLIED, commit])
+        self.git.run(["update-ref", NEWEST, commit])  # it passed the descent check
         _step("ref updated")
         self._prune()
         _step("pruned")
@@ -361,6 +426,7 @@ class Syncer:
             counts[out.reason] = int(counts.get(out.reason, 0)) + 1
         if out.result == "applied":
             state["lastAppliedAt"] = at
+            state["newest"] = {"commit": out.commit, "revision": revision(self.src, out.commit)}
         self.layout.write_state(state)
 
 

@@ -226,3 +226,44 @@ def source_state(node: NodeUnderTest) -> dict:
 def condition(node: NodeUnderTest, kind: str) -> tuple[str, str]:
     c = next(c for c in source_state(node)["conditions"] if c["type"] == kind)
     return c["status"], c["reason"]
+
+
+def test_a_revoked_key_holds_every_volume_until_trusted_again(
+        node: NodeUnderTest, repo: Repo, capsys: pytest.CaptureFixture[str]) -> None:
+    """Root revokes the key that signed the applied revision: `source sync`
+    says Revoked, and the daemon holds (a pass refuses: nothing is taken
+    down, nothing is changed) until the policy verifies it again."""
+    revoked = node.root / "revoked_keys"
+    revoked.write_text("")
+    before = node.config.read_text()
+    node.config.write_text(before.replace(
+        f"allowedSignersFile: {repo.allowed}}}",
+        f"allowedSignersFile: {repo.allowed}, revocationFile: {revoked}}}"))
+    assert node.config.read_text() != before
+    name = node.name("revoke")
+    d = Daemon(node)
+    try:
+        repo.push("a volume", {f"{NODE}/{name}.yaml": volume(node, name, "64Mi")})
+        rc, out = node.cli("source", "sync")
+        assert rc == 0, out
+        d.wait_phase(name, "Published")
+        repo.signer.revocation_list(revoked, repo.key)
+        rc, out = node.cli("source", "sync")
+        assert rc == 1 and out.startswith("distrusted:") and "Revoked" in out, out
+        assert condition(node, "SourceVerified") == ("False", "Revoked")
+        capsys.readouterr()
+        rc, _ = node.cli("apply")  # through the daemon: its pass refuses, and says why
+        said = capsys.readouterr().err
+        assert rc != 0 and "the applied revision of the git source is held" in said, said
+        assert d.status(name)["phase"] == "Published"
+        assert (node.srv / name).is_mount()
+        revoked.write_text("")  # root takes the revocation back
+        rc, out = node.cli("source", "sync")
+        assert rc == 0 and out.startswith("unchanged:"), out
+        rc, out = node.cli("apply")
+        assert rc == 0, out
+        wait_for(lambda: "no longer: not reconciling: the applied revision" in d.log.read_text(),
+                 "the daemon to say it reconciles again")
+    finally:
+        assert d.stop() == 0, d.log.read_text()[-4000:]
+    assert "Traceback" not in d.log.read_text()
