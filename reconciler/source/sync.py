@@ -335,6 +335,9 @@ class Syncer:
             self.git.run(["update-ref", APPLIED, prev.split("-")[0]])
             state = self.layout.read_state()
             state["held"] = {"at": now_iso(), "commit": prev.split("-")[0]}
+            # What it goes back to is verified under the policy of now: a
+            # revision signed by a key revoked since is held, not served.
+            self._recheck_applied(state, self.layout.applied())
             self.layout.write_state(state)
             return prev.split("-")[0]
 

@@ -20,7 +20,7 @@ from reconciler.source.layout import Layout
 from reconciler.source.report import source_status
 from reconciler.source.sync import Syncer
 from reconciler.spec.config import Config
-from reconciler.spec.source import SourceRef
+from reconciler.spec.source import SourceRef, SourceVerify
 
 REPO = Path(__file__).resolve().parents[3]
 VOLUME = VOLUME_YAML
@@ -221,6 +221,45 @@ def test_a_revoked_key_no_longer_verifies_what_is_applied(tmp_path: Path, signer
     out = Syncer(config).sync()
     assert (out.result, out.commit) == ("unchanged", two), out
     assert conditions(config)["SourceVerified"] == ("True", "Verified")
+
+
+def test_a_key_revoked_in_the_keyring_distrusts_what_it_signed(
+        tmp_path: Path, signer: Signing, alice: SshKey) -> None:
+    """OpenPGP: the keyring root exports again, now carrying the key's
+    revocation; the applied revision is verified again and held."""
+    ops = signer.gpg_key("Ops <ops@example.invalid>")
+    keyring = signer.keyring(tmp_path / "keys.gpg", ops)
+    config = make_config(tmp_path, signer, alice, verify=SourceVerify(
+        mode="head", format="openpgp", keyring=keyring, fingerprints=(ops.fingerprint,)))
+    push(signer, tmp_path, ops, "ops", {"nodes/a/v.yaml": VOLUME.format(name="v", size="1Gi")})
+    assert Syncer(config).sync().result == "applied"
+    signer.revoke(ops)
+    signer.keyring(keyring, ops)  # the export now carries the revocation
+    out = Syncer(config).sync()
+    assert (out.result, out.reason) == ("distrusted", "Revoked"), out
+    assert conditions(config)["SourceVerified"] == ("False", "Revoked")
+    # A rollback to a revision that does not verify either stays held.
+    assert "1Gi" in applied_files(config)["v.yaml"]
+
+
+def test_a_rollback_is_verified_under_the_policy_of_now(tmp_path: Path, signer: Signing,
+                                                        alice: SshKey) -> None:
+    revoked = signer.revocation_list(tmp_path / "revoked_keys")
+    config = make_config(tmp_path, signer, alice)
+    assert config.git is not None
+    config = replace(config, git=replace(config.git, verify=replace(
+        config.git.verify, revocation=revoked)))
+    bob = signer.ssh_key("bob")
+    signer.allowed_signers(tmp_path / "allowed_signers", ("alice", alice), ("bob", bob))
+    push(signer, tmp_path, alice, "one", {"nodes/a/v.yaml": VOLUME.format(name="v", size="1Gi")})
+    assert Syncer(config).sync().result == "applied"
+    push(signer, tmp_path, bob, "two", {"nodes/a/v.yaml": VOLUME.format(name="v", size="2Gi")})
+    assert Syncer(config).sync().result == "applied"
+    signer.revocation_list(revoked, alice)
+    assert Syncer(config).sync().result == "unchanged"  # bob's revision still verifies
+    Syncer(config).rollback()  # to alice's, revoked since
+    status = source_status(config)
+    assert status["distrusted"] is not None and status["distrusted"]["reason"] == "Revoked"
 
 
 # -- item 8: file names that are not UTF-8 --------------------------------------------
