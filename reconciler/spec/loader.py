@@ -9,6 +9,7 @@ parse error is never read as "absent").
 from __future__ import annotations
 
 import contextlib
+import errno
 import fnmatch
 import os
 import re
@@ -83,17 +84,21 @@ def is_ignored(name: str) -> bool:
     return _IGNORED.match(name) is not None
 
 
-def discover(paths: Iterable[Path]) -> tuple[list[Path], list[Diagnostic]]:
+def discover(paths: Iterable[Path], pins: _Pins | None = None
+             ) -> tuple[list[Path], list[Diagnostic]]:
     """The spec files named by ``paths``: YAML files directly inside a
     directory (not recursive; sorted by name), or files given by name.
     A directory is read with one scandir: an entry's type comes with it, so a
-    regular file costs no stat (a daemon pass lists every file)."""
+    regular file costs no stat (a daemon pass lists every file). A directory
+    in ``pins`` is listed from the real one pinned there; the paths returned
+    are named as given all the same."""
     files: list[Path] = []
     diags: list[Diagnostic] = []
     for p in paths:
-        if p.is_dir():
+        pin = pins.by_dir.get(p) if pins is not None else None
+        if pin is not None or p.is_dir():
             try:
-                names = _listing(p)
+                names = _listing(p, pin.fd if pin is not None else None)
             except OSError as exc:
                 diags.append(Diagnostic(p, 1, 1, "(directory)",
                                         f"cannot list it: {exc.strerror or exc}"))
@@ -110,16 +115,19 @@ def discover(paths: Iterable[Path]) -> tuple[list[Path], list[Diagnostic]]:
 _LISTINGS: dict[Path, tuple[Signature | None, tuple[Path, ...]]] = {}
 
 
-def _listing(directory: Path) -> tuple[Path, ...]:
-    """The spec files in ``directory``, sorted by name. A listing is kept while
-    the directory's signature is unchanged: adding, removing or renaming an
-    entry moves its mtime and ctime (not racy: see RACY_NS)."""
-    st = os.stat(directory)
+def _listing(directory: Path, fd: int | None = None) -> tuple[Path, ...]:
+    """The spec files in ``directory`` (or in the directory open as ``fd``,
+    named ``directory``), sorted by name. A listing is kept while the
+    directory's signature is unchanged: adding, removing or renaming an
+    entry moves its mtime and ctime (not racy: see RACY_NS). The signature
+    holds the inode: a listing of one revision never answers for another
+    that the same name leads to now."""
+    st = os.stat(directory) if fd is None else os.fstat(fd)
     kept = _LISTINGS.get(directory)
     if kept is not None and kept[0] == _signature(st):
         return kept[1]
     listed_at = time.time_ns()
-    with os.scandir(directory) as it:
+    with os.scandir(directory if fd is None else fd) as it:
         found = sorted(e.name for e in it if e.name.endswith(YAML_SUFFIXES)
                        and not is_ignored(e.name) and not _is_dir(e))
     # The same Path objects as last time where the names are the same: a
@@ -469,11 +477,31 @@ def _check_stat(real: Path, st: os.stat_result) -> None:
                      f"(a desired-volume file is small)")
 
 
-def _read_trusted(path: Path) -> tuple[bytes, os.stat_result]:
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _open_trusted(path: Path, pin: _Pin | None) -> tuple[int, Path]:
+    """A descriptor on what ``path`` names, and the path its checks name.
+    In a pinned directory a plain file is opened relative to it, so the
+    read is of the revision listed; a symlink there (a ConfigMap's ``..data``
+    links) must lead inside the pinned directory, and is opened by its real
+    path."""
+    if pin is None:
+        real = _trusted_path(path)
+        return os.open(real, _READ_FLAGS), real
+    try:
+        return os.open(path.name, _READ_FLAGS, dir_fd=pin.fd), path
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:  # O_NOFOLLOW met a symlink: checked below
+            raise
+    real = _trusted_path(pin.real / path.name)
+    return os.open(real, _READ_FLAGS), real
+
+
+def _read_trusted(path: Path, pin: _Pin | None = None) -> tuple[bytes, os.stat_result]:
     """The bytes of ``path``, checked on the descriptor they are read from,
     and that descriptor's stat."""
-    real = _trusted_path(path)
-    fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    fd, real = _open_trusted(path, pin)
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(fd)
         _check_stat(real, st)
@@ -488,6 +516,95 @@ Signature = tuple[int, int, int, int, int]
 
 def _signature(st: os.stat_result) -> Signature:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+# A load reads each directory it is given from one real directory, opened
+# once at its start: the desired directory may be named through a symlink
+# that is switched at any moment (the source's `current`, git-sync's
+# --link), and a listing through the link then reads through it again would
+# see a set that no revision has. A switch or a prune that still tears a
+# load (the pinned revision removed under it) makes it start again, at most
+# PIN_ATTEMPTS times and for PIN_DEADLINE_S.
+PIN_ATTEMPTS = 3
+PIN_DEADLINE_S = 5.0
+
+
+@dataclass(frozen=True)
+class _Pin:
+    """Directory ``logical`` as given (what every path the program sees is
+    named by) and the real one this load reads it from: ``fd``, at ``real``,
+    as it was when opened (``st``)."""
+
+    logical: Path
+    real: Path
+    fd: int
+    st: os.stat_result
+    moved: bool  # the name led elsewhere just after the open: ``real`` is unsure
+
+    def changed(self) -> str | None:
+        """Why what was read from it may not be one state of it, or None."""
+        if self.moved:
+            return "it was switched while it was opened"
+        st = os.fstat(self.fd)
+        if st.st_nlink == 0:
+            return "it was removed while it was read"
+        if _signature(st) != _signature(self.st):
+            return "it changed while it was read"
+        return None
+
+
+def _pin(directory: Path) -> _Pin | None:
+    """``directory`` opened once: the kernel walks its links in one go. None
+    for no directory (discover says what it is)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    real = Path(os.path.realpath(directory))
+    try:
+        now = os.stat(real)
+        moved = (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino)
+    except OSError:
+        moved = True
+    return _Pin(directory, real, fd, st, moved)
+
+
+class _Pins:
+    """The directories of one load, each pinned; files listed there are
+    stat'ed and opened there. ``missing``: listed, then gone when read."""
+
+    def __init__(self, paths: Iterable[Path]) -> None:
+        self.by_dir: dict[Path, _Pin] = {}
+        self.missing: list[Path] = []
+        for p in paths:
+            if p not in self.by_dir and (pin := _pin(p)) is not None:
+                self.by_dir[p] = pin
+
+    def __enter__(self) -> _Pins:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for pin in self.by_dir.values():
+            os.close(pin.fd)
+
+    def of(self, path: Path) -> _Pin | None:
+        return self.by_dir.get(path.parent)
+
+    def lstat(self, path: Path) -> os.stat_result:
+        pin = self.of(path)
+        if pin is None:
+            return os.lstat(path)
+        return os.stat(path.name, dir_fd=pin.fd, follow_symlinks=False)
+
+    def torn(self) -> tuple[Path, str] | None:
+        """A directory whose read may mix two states of it, and why."""
+        for pin in self.by_dir.values():
+            if (why := pin.changed()) is not None:
+                return pin.logical, why
+            if gone := [f.name for f in self.missing if f.parent == pin.logical]:
+                return pin.logical, f"{', '.join(gone[:3])} went while it was read"
+        return None
 
 
 def _copy(res: _FileResult) -> _FileResult:
@@ -526,9 +643,11 @@ class LoadCache:
             self.results.clear()
             self.config = config
 
-    def unchanged(self, paths: tuple[Path, ...], files: list[Path]) -> LoadResult | None:
+    def unchanged(self, paths: tuple[Path, ...], files: list[Path],
+                  lstat: Callable[[Path], os.stat_result] = os.lstat) -> LoadResult | None:
         """The last result for ``paths`` if the same files are there and every
-        one is unchanged and still trusted as it is now (one lstat each)."""
+        one is unchanged and still trusted as it is now (one ``lstat`` each:
+        the load's, where its directory is pinned)."""
         last = self.results.get(paths)
         if last is None or last[0] != tuple(files):
             return None
@@ -536,7 +655,7 @@ class LoadCache:
         for path in files:
             entry = self.entries.get(path)
             try:
-                st = os.lstat(path)
+                st = lstat(path)
             except OSError:
                 return None
             if entry is None or _signature(st) != entry[0] or not stat.S_ISREG(st.st_mode) \
@@ -550,16 +669,18 @@ class LoadCache:
         else:
             self.results.pop(paths, None)
 
-    def lookup(self, path: Path) -> _FileResult | None:
+    def lookup(self, path: Path, lstat: Callable[[Path], os.stat_result] = os.lstat
+               ) -> _FileResult | None:
         """The cached result of an unchanged file that passes the trust checks
         as it is now. A regular file (not a symlink) cannot lead out of its
         directory; anything else, or any doubt, is None: the full read decides
-        (and says why)."""
+        (and says why). The signature holds the inode: a file of one revision
+        never answers for another's file of the same name."""
         entry = self.entries.get(path)
         if entry is None:
             return None
         try:
-            st = os.lstat(path)
+            st = lstat(path)
         except OSError:
             return None
         if _signature(st) != entry[0] or not stat.S_ISREG(st.st_mode) or \
@@ -581,24 +702,29 @@ class LoadCache:
                 del self.entries[path]
 
 
-def _load_file(path: Path, config: Config, cache: LoadCache | None = None) -> _FileResult:
+def _load_file(path: Path, config: Config, cache: LoadCache | None = None,
+               pins: _Pins | None = None) -> _FileResult:
     res = _FileResult(path)
+    pin = pins.of(path) if pins is not None else None
 
     def fail(line: int, col: int, field_: str, msg: str) -> _FileResult:
         res.diags.append(Diagnostic(path, line, col, field_, msg))
         return res
 
     try:
-        if cache is not None and (hit := cache.lookup(path)) is not None:
+        if cache is not None and (hit := cache.lookup(
+                path, pins.lstat if pins is not None else os.lstat)) is not None:
             return hit
         read_at = time.time_ns()
-        raw, st = _read_trusted(path)
+        raw, st = _read_trusted(path, pin)
     except Untrusted as exc:
         res.untrusted = True
         return fail(1, 1, "(file)", f"refusing to read it: {exc}")
     except TooBig as exc:
         return fail(1, 1, "(file)", str(exc))
     except OSError as exc:
+        if pins is not None and pin is not None and exc.errno == errno.ENOENT:
+            pins.missing.append(path)  # listed, now gone: the load may be torn
         return fail(1, 1, "(file)", f"cannot read: {exc.strerror or exc}")
     try:
         text = raw.decode("utf-8")
@@ -641,12 +767,13 @@ def _load_file(path: Path, config: Config, cache: LoadCache | None = None) -> _F
     return res
 
 
-def _load_file_guarded(path: Path, config: Config, cache: LoadCache | None) -> _FileResult:
+def _load_file_guarded(path: Path, config: Config, cache: LoadCache | None,
+                       pins: _Pins | None = None) -> _FileResult:
     """The last line of defence: no content of a file may take the caller
     (the daemon) down. A bug that lets an exception out still fails only
     this file, and says so."""
     try:
-        return _load_file(path, config, cache)
+        return _load_file(path, config, cache, pins)
     except Exception as exc:
         log.exception("%s: unexpected error while loading", path)
         return _FileResult(path, diags=[Diagnostic(
@@ -914,12 +1041,19 @@ def _resolve_group_source(vol: Volume, by_name: dict[str, Volume],
     return replace(vol, image=replace(vol.image, source=replace(src, ref=src.group)))
 
 
-def _untrusted_dirs(paths: Iterable[Path]) -> list[Diagnostic]:
+def _untrusted_dirs(paths: Iterable[Path], pins: _Pins | None = None) -> list[Diagnostic]:
     """The directories read from (a named file's own directory too) must be
-    root's and not writable by others, up to /: else nothing is read at all."""
+    root's and not writable by others, up to /: else nothing is read at all.
+    So must each pinned directory as it was opened (the name may lead
+    elsewhere by the time the names on the way are checked)."""
     dirs = {p if p.is_dir() else p.parent for p in paths if p.exists()}
-    return [Diagnostic(d, 1, 1, "(directory)", f"refusing to read it: {problem}")
-            for d in sorted(dirs) for problem in security.directory_problems(d)]
+    found = [Diagnostic(d, 1, 1, "(directory)", f"refusing to read it: {problem}")
+             for d in sorted(dirs) for problem in security.directory_problems(d)]
+    for pin in (pins.by_dir.values() if pins is not None else ()):
+        if (problem := security.unsafe(pin.real, pin.st, "directory")) is not None:
+            found.append(Diagnostic(pin.logical, 1, 1, "(directory)",
+                                    f"refusing to read it: {problem}"))
+    return found
 
 
 def load(paths: Iterable[Path], config: Config, cache: LoadCache | None = None,
@@ -932,19 +1066,59 @@ def load(paths: Iterable[Path], config: Config, cache: LoadCache | None = None,
     Refuses (no volume at all, every file failed) when a directory, or any
     file, could have been written by someone other than root, or a file is a
     symlink out of its directory; such a file is never opened.
+
+    Each directory is read from one real directory (see _Pin), and every
+    path in the result is named as given. A directory that changed under
+    the load (a switched revision pruned) is read again; one that never
+    stays still long enough fails to load as a whole: never "absent".
     """
     paths = list(paths)
-    files, diags = discover(paths)
-    if refusals := _untrusted_dirs(paths):
+    deadline = time.monotonic() + PIN_DEADLINE_S
+    for attempt in range(1, PIN_ATTEMPTS + 1):
+        with _Pins(paths) as pins:
+            result, keep = _load_pinned(paths, config, cache, settled, pins)
+            torn = pins.torn()
+        if torn is None:
+            if cache is not None and keep:
+                cache.remember(tuple(paths), list(result.files), result)
+            return result
+        if cache is not None:
+            cache.results.pop(tuple(paths), None)
+        if attempt == PIN_ATTEMPTS or time.monotonic() > deadline:
+            break
+        log.info("%s: %s; reading it again (attempt %d of %d)", torn[0], torn[1],
+                 attempt + 1, PIN_ATTEMPTS)
+    return _never_still(result, torn, attempt)
+
+
+def _never_still(result: LoadResult, torn: tuple[Path, str], attempts: int) -> LoadResult:
+    """``result`` of a directory that changed under every attempt: it fails
+    to load as a whole (its volumes frozen, none taken as removed)."""
+    directory, why = torn
+    log.warning("%s: %s, %d time(s) running: it fails to load this time", directory, why,
+                attempts)
+    diag = Diagnostic(directory, 1, 1, "(directory)",
+                      f"changed while it was read, {attempts} time(s) running ({why}); "
+                      "nothing in it is taken as removed: it is read again at the next pass")
+    return replace(result, diagnostics=tuple(sorted({*result.diagnostics, diag})),
+                   failed_files=result.failed_files | {directory})
+
+
+def _load_pinned(paths: list[Path], config: Config, cache: LoadCache | None,
+                 settled: Settled | None, pins: _Pins) -> tuple[LoadResult, bool]:
+    """One load, through ``pins``; and whether the cache may keep its result
+    as the answer for these paths while the files stay as they are."""
+    files, diags = discover(paths, pins)
+    if refusals := _untrusted_dirs(paths, pins):
         return LoadResult(volumes=(), diagnostics=tuple(sorted({*diags, *refusals})),
                           files=tuple(files), failed_files=frozenset(files),
-                          frozen_names=frozenset(), refused=True)
+                          frozen_names=frozenset(), refused=True), False
     if cache is not None:
         cache.bind(config)
-        if (same := cache.unchanged(tuple(paths), files)) is not None:
-            return same
+        if (same := cache.unchanged(tuple(paths), files, pins.lstat)) is not None:
+            return same, False  # kept already
         cache.prune(paths, files)
-    results = [_load_file_guarded(f, config, cache) for f in files]
+    results = [_load_file_guarded(f, config, cache, pins) for f in files]
     refused = any(res.untrusted for res in results)
     decided = _cross_file_checks(results, settled)
     resolve_sources(results)
@@ -966,9 +1140,6 @@ def load(paths: Iterable[Path], config: Config, cache: LoadCache | None = None,
         frozen_names=frozenset(frozen),
         refused=refused,
     )
-    if cache is not None:
-        if decided:  # the result depends on more than the files: not kept as it is
-            cache.results.pop(tuple(paths), None)
-        else:
-            cache.remember(tuple(paths), files, result)
-    return result
+    if cache is not None and decided:  # depends on more than the files: not kept as it is
+        cache.results.pop(tuple(paths), None)
+    return result, cache is not None and not decided

@@ -39,10 +39,13 @@ def counts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Counts:
         c.parsed += 1
         return parse(text)
 
-    def counting_open(path: object, *args: object, **kwargs: object) -> int:
-        if str(path).startswith(str(tmp_path)):
+    def counting_open(path: object, flags: int, *args: object, **kwargs: object) -> int:
+        # A file by its path, or by its name in a pinned directory; not the
+        # directory's own open (once a load).
+        if not flags & os.O_DIRECTORY and (str(path).startswith(str(tmp_path))
+                                           or kwargs.get("dir_fd") is not None):
             c.opened += 1
-        return open_(path, *args, **kwargs)  # type: ignore[arg-type]
+        return open_(path, flags, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(loader, "load_documents", counting_parse)
     monkeypatch.setattr(os, "open", counting_open)
