@@ -188,7 +188,8 @@ SOURCE_FAILURE_REASONS = (
     "BadSignature", "ExpiredKey", "ExpiredSignature", "NotAllowed", "NotACommit", "NotATag",
     "NoTag", "TagMismatch", "KeysUnreadable", "NotDescendant", "LoadFailed", "SymlinkInTree",
     "SpecialFileInTree", "FileTooLarge", "TreeTooLarge", "PathNotADirectory", "BadFileName",
-    "FetchFailed", "RefNotFound", "GitFailed", "StateDirFailed", "BadPolicy", "InternalError")
+    "FetchFailed", "FetchTooLarge", "RefNotFound", "GitFailed", "StateDirFailed", "BadPolicy",
+    "InternalError")
 
 class Metrics:
     """One daemon's metrics, in a registry of its own (tests run several)."""

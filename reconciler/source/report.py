@@ -14,6 +14,8 @@ from reconciler.spec.source import SourceConfig
 VERIFY_REASONS = frozenset({
     "Unsigned", "WrongFormat", "UnknownSigner", "Revoked", "BadSignature", "ExpiredKey",
     "NotAllowed", "NotACommit", "NotATag", "KeysUnreadable", "TagMismatch"})
+# Refusals of a revision never fetched whole, so never verified (SourceVerified=Unknown).
+UNFETCHED_REASONS = frozenset({"FetchTooLarge"})
 STALLED_INTERVALS = 3  # no success for this many intervals: Stalled
 
 
@@ -76,7 +78,7 @@ def conditions(st: dict[str, Any], interval: float, now: datetime) -> list[dict[
     if result == "refused" and reason in VERIFY_REASONS:
         verified = _cond("SourceVerified", "False", reason, message)
     elif result in ("applied", "unchanged", "held") or (
-            result == "refused" and reason not in VERIFY_REASONS):
+            result == "refused" and reason not in VERIFY_REASONS | UNFETCHED_REASONS):
         who = ", ".join(f"{s.get('name')} ({s.get('format')} {s.get('fingerprint')})"
                         for s in (applied or {}).get("signers", [])) if up_to_date else ""
         verified = _cond("SourceVerified", "True", "Verified",
