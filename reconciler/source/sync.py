@@ -22,7 +22,7 @@ from reconciler.source import verify
 from reconciler.source.cause import remote_cause
 from reconciler.source.gitenv import Git
 from reconciler.source.layout import Layout
-from reconciler.source.mirror import FETCH_CONFIG, remove_leftovers
+from reconciler.source.mirror import FETCH_CONFIG, compact, remove_leftovers
 from reconciler.source.report import revision
 from reconciler.source.tree import TreeRefused, list_tree, read_blobs, write_tree
 from reconciler.spec.config import Config
@@ -74,13 +74,17 @@ class Syncer:
         self.git = Git(self.src, config.source_dir, runner or Runner(
             timeout=self.src.timeout_seconds))
         self.node_path = self.src.node_path(config.node_name)
+        self._moved = False  # a fetch brought something in: compact the mirror after
 
     # -- the whole sync, under the lock ----------------------------------------
     def sync(self) -> Outcome:
         with self.layout.locked(self.src.timeout_seconds * 4):
             state = self.layout.read_state()
+            self._moved = False
             out = self._sync(state)
             self._record(state, out)
+            if self._moved:  # an unchanged sync stays one ls-remote
+                self._compact()
             return out
 
     def _sync(self, state: dict[str, Any]) -> Outcome:
@@ -186,6 +190,7 @@ class Syncer:
                     commit) from None
             raise Failed("failed", "FetchFailed", f"fetching {what} from {self.src.url}: "
                                                   f"{self._cause(exc)}", commit) from None
+        self._moved = True
 
     def _cause(self, exc: CommandError) -> str:
         return remote_cause(exc, local=self.src.scheme == "file")
@@ -300,6 +305,7 @@ class Syncer:
         apply nothing."""
         out = Outcome("failed")
         with self.layout.locked(self.src.timeout_seconds * 4):
+            self._moved = False
             try:
                 self.git.init()
                 if rev in ("", "remote", self.src.ref.name):
@@ -325,6 +331,8 @@ class Syncer:
                 out.result, out.reason, out.message = "refused", exc.reason, exc.message
             except CommandError as exc:
                 out.result, out.reason, out.message = "failed", "GitFailed", str(exc)
+            if self._moved:
+                self._compact()
         return out
 
     # -- helpers ----------------------------------------------------------------
@@ -346,6 +354,17 @@ class Syncer:
             for p in self.layout.revs.glob(".tmp-*"):
                 shutil.rmtree(p, ignore_errors=True)
         remove_leftovers(self.git.repo)
+
+    def _compact(self) -> None:
+        """Drop what no kept revision needs (mirror.py). Housekeeping: a
+        failure is logged, and the next fetch that moves tries again."""
+        previous = self.layout.target("previous")
+        try:
+            compact(self.git, previous and previous.split("-")[0])
+        except (CommandError, OSError) as exc:
+            log.warning("source: pruning the mirror %s failed (it retries after the next "
+                        "fetch): %s", self.git.repo, exc)
+        _step("compacted")
 
     def _prune(self) -> None:
         keep = {self.layout.target("current"), self.layout.target("previous")} - {None}
