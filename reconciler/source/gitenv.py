@@ -141,12 +141,17 @@ class Git:
 
     def run(self, args: Sequence[str], *, ok_codes: Sequence[int] = (0,),
             stdin: bytes | None = None, timeout: float | None = None,
-            env: dict[str, str] | None = None) -> Result:
-        """``git --git-dir=REPO ARGS`` (the caller puts ``--`` before operands)."""
+            env: dict[str, str] | None = None, max_file_bytes: int | None = None) -> Result:
+        """``git --git-dir=REPO ARGS`` (the caller puts ``--`` before operands).
+        ``max_file_bytes``: no file git (or anything it starts) writes may
+        grow past it (RLIMIT_FSIZE: the write fails and the writer dies of
+        SIGXFSZ; no core file)."""
         argv = ["git", f"--git-dir={self.repo}", "-c", "protocol.version=2",
                 "-c", "core.fsync=objects,reference", "-c", "gc.auto=0",
                 "-c", "credential.helper=", "-c", "core.hooksPath=/dev/null",
                 "-c", "transfer.fsckObjects=true", *args]
+        if max_file_bytes is not None:
+            argv = ["prlimit", f"--fsize={max_file_bytes}", "--core=0", "--", *argv]
         return self.runner.run(argv, ok_codes=ok_codes, stdin=stdin,
                                timeout=timeout or self.config.timeout_seconds,
                                env=self.env(env))

@@ -22,11 +22,13 @@ from reconciler.source import verify
 from reconciler.source.cause import remote_cause
 from reconciler.source.gitenv import Git
 from reconciler.source.layout import Layout
+from reconciler.source.mirror import FETCH_CONFIG, compact, remove_leftovers
 from reconciler.source.report import revision
 from reconciler.source.tree import TreeRefused, list_tree, read_blobs, write_tree
 from reconciler.spec.config import Config
 from reconciler.spec.desired import load_desired
 from reconciler.spec.source import SHA1, SourceConfig
+from reconciler.spec.units import format_size
 from reconciler.state.files import sync_dir, write_json
 
 log = logging.getLogger("rbd-reconciler.source")
@@ -56,9 +58,11 @@ class Outcome:
 
 
 class Failed(Exception):
-    def __init__(self, result: str, reason: str, message: str) -> None:
+    def __init__(self, result: str, reason: str, message: str,
+                 commit: str | None = None) -> None:
         super().__init__(message)
         self.result, self.reason, self.message = result, reason, message[:MAX_MESSAGE]
+        self.commit = commit  # what the remote named, when known before the failure
 
 
 def rev_name(commit: str, node_path: str) -> str:
@@ -74,13 +78,17 @@ class Syncer:
         self.git = Git(self.src, config.source_dir, runner or Runner(
             timeout=self.src.timeout_seconds))
         self.node_path = self.src.node_path(config.node_name)
+        self._moved = False  # a fetch brought something in: compact the mirror after
 
     # -- the whole sync, under the lock ----------------------------------------
     def sync(self) -> Outcome:
         with self.layout.locked(self.src.timeout_seconds * 4):
             state = self.layout.read_state()
+            self._moved = False
             out = self._sync(state)
             self._record(state, out)
+            if self._moved:  # an unchanged sync stays one ls-remote
+                self._compact()
             return out
 
     def _sync(self, state: dict[str, Any]) -> Outcome:
@@ -119,6 +127,7 @@ class Syncer:
             return out
         except Failed as exc:
             out.result, out.reason, out.message = exc.result, exc.reason, exc.message
+            out.commit = out.commit or exc.commit
         except verify.Refused as exc:
             out.result, out.reason, out.message = "refused", exc.reason, exc.message
         except TreeRefused as exc:
@@ -139,13 +148,13 @@ class Syncer:
         ref = self.src.ref
         if ref.kind == "commit":
             if not self._has(ref.name):
-                self._run_fetch([ref.name], "the commit")
+                self._run_fetch([ref.name], "the commit", ref.name)
                 self.git.run(["update-ref", FETCHED, ref.name])
             return self._peel(ref.name), None
         remote = self._ls_remote(ref.remote)
         local = self._resolve(FETCHED)
         if remote != local or not self._has(remote):
-            self._run_fetch([f"+{ref.remote}:{FETCHED}"], ref.label)
+            self._run_fetch([f"+{ref.remote}:{FETCHED}"], ref.label, remote)
             local = self._resolve(FETCHED)
             if local != remote:  # moved between ls-remote and fetch: fetched is newer
                 remote = local
@@ -167,16 +176,30 @@ class Syncer:
                 return oid
         raise Failed("failed", "RefNotFound", f"{self.src.url} has no {want}")
 
-    def _run_fetch(self, refspecs: list[str], what: str) -> None:
-        args = ["fetch", "--quiet", "--no-tags", "--no-write-fetch-head",
+    def _run_fetch(self, refspecs: list[str], what: str, commit: str | None,
+                   unshallow: bool = False) -> None:
+        """A fetch into the mirror, no file it writes over maxFetchBytes
+        (mirror.py); what one cut short at the bound wrote is removed."""
+        args = [*FETCH_CONFIG, "fetch", "--quiet", "--no-tags", "--no-write-fetch-head",
                 "--no-recurse-submodules"]
-        if self.src.depth and self._resolve(APPLIED) is None:
+        if unshallow:
+            args.append("--unshallow")
+        elif self.src.depth and self._resolve(APPLIED) is None:
             args.append(f"--depth={self.src.depth}")
+        bound = self.src.max_fetch_bytes
         try:
-            self.git.run([*args, "--", self.src.url, *refspecs])
+            self.git.run([*args, "--", self.src.url, *refspecs], max_file_bytes=bound,
+                         timeout=self.src.timeout_seconds * (4 if unshallow else 1))
         except CommandError as exc:
+            if remove_leftovers(self.git.repo) >= bound:
+                raise Failed("refused", "FetchTooLarge", (
+                    f"fetching {what} from {self.src.url} wrote {format_size(bound)} before "
+                    "anything in it could be verified: stopped there, and nothing of it kept "
+                    "(source.maxFetchBytes; raise it if the repository is that large)"),
+                    commit) from None
             raise Failed("failed", "FetchFailed", f"fetching {what} from {self.src.url}: "
-                                                  f"{self._cause(exc)}") from None
+                                                  f"{self._cause(exc)}", commit) from None
+        self._moved = True
 
     def _cause(self, exc: CommandError) -> str:
         return remote_cause(exc, local=self.src.scheme == "file")
@@ -266,9 +289,8 @@ class Syncer:
             if attempt or shallow != "true" or self.src.ref.kind == "commit":
                 return False
             # A shallow mirror may just not see the link: the history, once.
-            self.git.run(["fetch", "--quiet", "--no-tags", "--no-write-fetch-head",
-                          "--unshallow", "--", self.src.url, f"+{self.src.ref.remote}:{FETCHED}"],
-                         timeout=self.src.timeout_seconds * 4)
+            self._run_fetch([f"+{self.src.ref.remote}:{FETCHED}"], "the history", new,
+                            unshallow=True)
         return False
 
     def _export(self, name: str, out: Outcome) -> None:
@@ -352,6 +374,7 @@ class Syncer:
         apply nothing."""
         out = Outcome("failed")
         with self.layout.locked(self.src.timeout_seconds * 4):
+            self._moved = False
             try:
                 self.git.init()
                 if rev in ("", "remote", self.src.ref.name):
@@ -372,10 +395,13 @@ class Syncer:
                                                        f"{self.node_path or '/'}"
             except Failed as exc:
                 out.result, out.reason, out.message = exc.result, exc.reason, exc.message
+                out.commit = out.commit or exc.commit
             except (verify.Refused, TreeRefused) as exc:
                 out.result, out.reason, out.message = "refused", exc.reason, exc.message
             except CommandError as exc:
                 out.result, out.reason, out.message = "failed", "GitFailed", str(exc)
+            if self._moved:
+                self._compact()
         return out
 
     # -- helpers ----------------------------------------------------------------
@@ -392,9 +418,22 @@ class Syncer:
                              f"{oid}^{{commit}}"]).stdout.strip()
 
     def _clean_temporaries(self) -> None:
+        """What a killed sync left: a half-written export, git's temporaries."""
         if self.layout.revs.is_dir():
             for p in self.layout.revs.glob(".tmp-*"):
                 shutil.rmtree(p, ignore_errors=True)
+        remove_leftovers(self.git.repo)
+
+    def _compact(self) -> None:
+        """Drop what no kept revision needs (mirror.py). Housekeeping: a
+        failure is logged, and the next fetch that moves tries again."""
+        previous = self.layout.target("previous")
+        try:
+            compact(self.git, previous and previous.split("-")[0])
+        except (CommandError, OSError) as exc:
+            log.warning("source: pruning the mirror %s failed (it retries after the next "
+                        "fetch): %s", self.git.repo, exc)
+        _step("compacted")
 
     def _prune(self) -> None:
         keep = {self.layout.target("current"), self.layout.target("previous")} - {None}

@@ -14,6 +14,11 @@ SHA1 = re.compile(r"^[0-9a-f]{40}$")
 FINGERPRINT = re.compile(r"^[0-9A-F]{40}$")  # an OpenPGP v4 fingerprint, upper case
 NODE_NAME = "{nodeName}"
 SCHEMES = ("ssh", "https", "file")
+# A fetch writes the pack before anything in it is verified: this bounds what
+# an untrusted pusher can make a node store. A config repository is small
+# (YAML packs ~5-10x); 4 x maxTreeBytes leaves room for a fleet's whole tree
+# at a depth-1 first fetch.
+MAX_FETCH_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,7 @@ class SourceConfig:
     allow_non_descendant: bool = False  # a force-push back in time is applied
     max_file_bytes: int = 1 << 20  # the loader's own limit per file
     max_tree_bytes: int = 64 << 20  # all files under the node's path together
+    max_fetch_bytes: int = MAX_FETCH_BYTES  # each file one fetch writes, before verification
 
     def node_path(self, node_name: str) -> str:
         return self.path.replace(NODE_NAME, node_name)
@@ -156,4 +162,5 @@ def build_source(data: dict) -> SourceConfig:
         depth=int(data.get("depth", 1)),
         allow_non_descendant=bool(data.get("allowNonDescendant", False)),
         max_tree_bytes=int(data.get("maxTreeBytes", 64 << 20)),
+        max_fetch_bytes=int(data.get("maxFetchBytes", MAX_FETCH_BYTES)),
     )

@@ -302,7 +302,7 @@ print(Syncer(load_config(Path(sys.argv[1]))).sync().result)
 """
 STEPS = [("fetched", 1), ("verified", 1), ("wrote", 1), ("wrote", 2), ("written", 1),
          ("meta written", 1), ("exported", 1), ("previous switched", 1), ("switched", 1),
-         ("ref updated", 1), ("pruned", 1)]
+         ("ref updated", 1), ("pruned", 1), ("repacked", 1)]
 
 
 def test_a_kill_at_every_step_leaves_the_old_or_the_new_revision(

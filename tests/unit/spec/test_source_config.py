@@ -40,6 +40,12 @@ def test_a_source_replaces_desired_dir(tmp_path: Path) -> None:
     assert c.git.ref.remote == "refs/heads/main" and c.git.ref.label == "main"
     assert c.git.verify.revocation == Path("/etc/rbd-reconciler/git/revoked")
     assert (c.git.interval_seconds, c.git.depth, c.git.allow_non_descendant) == (60, 1, False)
+    assert c.git.max_fetch_bytes == 256 << 20
+
+
+def test_max_fetch_bytes_is_read(tmp_path: Path) -> None:
+    c = load(tmp_path, GOOD.replace("  path:", "  maxFetchBytes: 1073741824\n  path:"))
+    assert c.git is not None and c.git.max_fetch_bytes == 1 << 30
 
 
 def test_openpgp_fingerprints_are_normalised(tmp_path: Path) -> None:
@@ -74,6 +80,7 @@ source:
     (("format: ssh", "format: x509"), "source.verify.format", ""),
     (("ref: {branch: main}", "ref: {branch: main, tag: v1}"), "source.ref", ""),
     (("ref: {branch: main}", "ref: {branch: -upload-pack=evil}"), "source.ref.branch", ""),
+    (("  path:", "  maxFetchBytes: 65536\n  path:"), "source.maxFetchBytes", "1048576"),
     (("nodeName: edge-1", "desiredDir: /etc/x\nnodeName: edge-1"), "desiredDir", "source"),
     (("    knownHostsFile:", "    caFile: /etc/rbd-reconciler/git/ca.pem\n    knownHostsFile:"),
      "source.credentials.caFile", "https URLs only"),
