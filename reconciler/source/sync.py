@@ -79,6 +79,7 @@ class Syncer:
             timeout=self.src.timeout_seconds))
         self.node_path = self.src.node_path(config.node_name)
         self._moved = False  # a fetch brought something in: compact the mirror after
+        self._state: dict[str, Any] = {}  # the sync's state.json (what _fetch remembers)
 
     # -- the whole sync, under the lock ----------------------------------------
     def sync(self) -> Outcome:
@@ -93,11 +94,13 @@ class Syncer:
 
     def _sync(self, state: dict[str, Any]) -> Outcome:
         out = Outcome("failed")
+        self._state = state
         try:
             self.git.init()
             self._clean_temporaries()
             out.commit, out.tag = self._fetch()
             out.fetched = True
+            state.pop("tooLarge", None)
             _step("fetched")
             applied = self.layout.applied()
             name = rev_name(out.commit, self.node_path)
@@ -128,6 +131,9 @@ class Syncer:
         except Failed as exc:
             out.result, out.reason, out.message = exc.result, exc.reason, exc.message
             out.commit = out.commit or exc.commit
+            if exc.reason == "FetchTooLarge":
+                state["tooLarge"] = {"commit": exc.commit, "bound": self.src.max_fetch_bytes,
+                                     "message": exc.message}
         except verify.Refused as exc:
             out.result, out.reason, out.message = "refused", exc.reason, exc.message
         except TreeRefused as exc:
@@ -154,6 +160,7 @@ class Syncer:
         remote = self._ls_remote(ref.remote)
         local = self._resolve(FETCHED)
         if remote != local or not self._has(remote):
+            self._refuse_known_too_large(remote)
             self._run_fetch([f"+{ref.remote}:{FETCHED}"], ref.label, remote)
             local = self._resolve(FETCHED)
             if local != remote:  # moved between ls-remote and fetch: fetched is newer
@@ -200,6 +207,14 @@ class Syncer:
             raise Failed("failed", "FetchFailed", f"fetching {what} from {self.src.url}: "
                                                   f"{self._cause(exc)}", commit) from None
         self._moved = True
+
+    def _refuse_known_too_large(self, remote: str) -> None:
+        """The revision the remote names was cut short at this very bound
+        before: refused again without downloading maxFetchBytes once more
+        (every interval, on every node). A new push or a raised bound tries."""
+        known = self._state.get("tooLarge") or {}
+        if known.get("commit") == remote and known.get("bound") == self.src.max_fetch_bytes:
+            raise Failed("refused", "FetchTooLarge", known.get("message", "too large"), remote)
 
     def _cause(self, exc: CommandError) -> str:
         return remote_cause(exc, local=self.src.scheme == "file")

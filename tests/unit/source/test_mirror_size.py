@@ -108,6 +108,12 @@ def test_a_fetch_over_max_fetch_bytes_is_refused_and_leaves_nothing(
     cond = conditions(config)
     assert cond["Ready"] == ("False", "FetchTooLarge")
     assert cond["SourceVerified"] == ("Unknown", "FetchTooLarge")  # never fetched, not verified
+    # The same remote revision, the same bound: not downloaded again (a
+    # fleet would pull maxFetchBytes each interval for nothing).
+    syncer = Syncer(config)
+    out = syncer.sync()
+    assert (out.result, out.reason, out.commit) == ("refused", "FetchTooLarge", big), out
+    assert not [a for a in syncer.git.runner.history if "fetch" in a], syncer.git.runner.history
     # The bound raised: the same revision is fetched, verified and applied.
     raised = replace(config, git=replace(config.git, max_fetch_bytes=8 << 20))
     out = Syncer(raised).sync()
