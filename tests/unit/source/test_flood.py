@@ -22,11 +22,15 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from gitserver import GitServer, keygen
+from gitserver import GitServer, commit, keygen
+from gitserver import git as git_cli
 
-from reconciler.drivers.run import STDERR_KILL, CommandError, Runner
+from reconciler.drivers.run import DEFAULT_MAX_STDOUT, STDERR_KILL, CommandError, Runner
 from reconciler.source.cause import remote_cause
+from reconciler.source.gitenv import Git
 from reconciler.source.sync import MAX_MESSAGE
+from reconciler.source.tree import list_tree, read_blobs
+from reconciler.spec.source import SourceConfig, SourceRef, SourceVerify
 
 # PROBE_ROOT: the probe imports another checkout's reconciler (to see an old Runner fail this)
 ROOT = Path(os.environ.get("PROBE_ROOT") or Path(__file__).resolve().parents[3])
@@ -122,3 +126,25 @@ def test_the_cause_shown_is_a_few_clipped_lines() -> None:
     cause = remote_cause(err.value)
     assert cause.endswith(" | fatal: the last line"), cause[-200:]
     assert cause.startswith("x" * 100) and len(cause) < 1000, len(cause)
+
+
+def test_a_tree_past_the_default_stdout_bound_is_read_whole(tmp_path: Path) -> None:
+    """``git cat-file --batch`` of a revision answers with every blob: the
+    tree's listed sizes bound it, not the Runner's default (a 17 MiB tree
+    is within maxTreeBytes)."""
+    line = "# file {:02}\n"  # 10 bytes: each blob its own (cat-file answers once per blob)
+    files = {f"nodes/a/f{i:02}.yaml": (line.format(i).encode() * (MiB // 10 + 1))[:MiB]
+             for i in range(17)}
+    assert sum(map(len, files.values())) > DEFAULT_MAX_STDOUT
+    work = tmp_path / "work"
+    sha = commit(work, files)
+    config = SourceConfig(url=f"file://{tmp_path / 'none.git'}", ref=SourceRef("branch", "main"),
+                          path="nodes/{nodeName}",
+                          verify=SourceVerify(mode="head", format="ssh",
+                                              allowed_signers=Path("/nonexistent")))
+    mirror = Git(config, tmp_path / "source", Runner())
+    mirror.init()
+    git_cli("push", "--quiet", "--", str(mirror.repo), "HEAD:refs/heads/main", cwd=work)
+    entries = list_tree(mirror, sha, "nodes/a", MiB, 64 * MiB)
+    blobs = read_blobs(mirror, entries)
+    assert {f"nodes/a/{e.path}": blobs[e.blob] for e in entries} == files
