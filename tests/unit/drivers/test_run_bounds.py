@@ -18,10 +18,12 @@ import signal
 import subprocess
 import sys
 import textwrap
+import tracemalloc
 from pathlib import Path
 
 import pytest
 
+from reconciler.drivers import mappers
 from reconciler.drivers.run import (
     DEFAULT_MAX_STDOUT,
     STDERR_KEEP,
@@ -177,3 +179,21 @@ def test_a_long_last_line_is_clipped_in_the_message() -> None:
         Runner().run(sh("head -c 40000 /dev/zero | tr '\\0' x >&2; exit 1"))
     assert len(str(err.value)) < 1000, len(str(err.value))
     assert "x" * 100 in str(err.value)
+
+
+def test_a_helpers_log_is_read_from_its_end_only(tmp_path: Path) -> None:
+    """rbd-fuse writes to a log of its own (appended across starts); a failed
+    start quotes its last lines, read from the end, not the whole file."""
+    log = tmp_path / "mnt.log"
+    with log.open("wb") as f:
+        for _ in range(16):
+            f.write(b"rbd-fuse: noise\n" * (MiB // 16))
+        f.write(b"rbd-fuse: the last line\n")
+    tracemalloc.start()
+    try:
+        said = mappers._tail(log)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert said.endswith("rbd-fuse: noise | rbd-fuse: the last line"), said
+    assert peak < MiB, f"reading the log's tail took {peak} bytes"
