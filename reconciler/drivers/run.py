@@ -24,9 +24,10 @@ gigabytes within one deadline):
   first error and the last lines, hundreds of lines of either, more than any
   diagnostic of ours; an error shows its last three) are kept, and what fell
   between is counted and said: ``[... N bytes dropped ...]``. Past
-  ``STDERR_KILL`` in all (64 MiB: no command of ours says that much; a flood
-  is not read for a whole deadline, nor is its sender's CPU spent on it) the
-  command's process group is killed and the call fails saying so.
+  ``STDERR_KILL`` in all (64 MiB: no command of ours says that much) the
+  command's process group is killed and the call fails saying so: a flood
+  costs neither memory nor a whole deadline of CPU (ours, and ssh's
+  decrypting it). The kill is at once: 64 MiB is read in well under a second.
 - stdout is parsed, so it is never cut short: past its bound (``max_stdout``,
   ``DEFAULT_MAX_STDOUT`` unless the caller knows better) the process group
   is killed at once and the call fails: "printed more than N bytes on
