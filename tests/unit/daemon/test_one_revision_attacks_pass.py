@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_one_revision import N, Source, doc
+from test_one_revision import N1, N, Source, after_listing, doc
 from test_one_revision_pass import one_pass
 
 from reconciler.daemon import service
@@ -74,3 +74,28 @@ def test_a_link_missing_for_the_load_releases_nothing(
     assert gaps[0] == 1
     assert "gx" not in release, f"the pass releases gx (looked at {sorted(looked)})"
     assert "gx" in d.records
+
+
+def test_a_directory_that_never_holds_still_releases_nothing(
+        daemon: tuple[Daemon, Source], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Switched and pruned under every attempt of the load: what the last
+    attempt could read is no removal (safety rule 3)."""
+    d, src = daemon
+    looked, release = one_pass(d, monkeypatch)
+    assert looked == {"gx", "c1"} and set(d.records) == {"gx", "c1"}
+
+    def churn() -> None:
+        src.made += 1
+        name = f"R{src.made}"
+        src.add(name, N1)
+        src.switch(name)
+        src.prune()
+        src.switch(name)
+        src.prune()
+
+    done = after_listing(monkeypatch, churn, times=1000)
+    d.dirty_all = True
+    looked, release = one_pass(d, monkeypatch)
+    assert 1 < done[0] <= loader.PIN_ATTEMPTS + 1  # bounded (the CSI dir lists too)
+    assert release == set(), f"released {sorted(release)} from a load that never held still"
+    assert {"gx", "c1"} <= set(d.records)

@@ -153,3 +153,83 @@ def test_a_failure_to_list_is_not_kept_for_the_directory_once_it_is_back(
     back = load([desired], CONFIG, cache)
     assert back.ok, [str(d) for d in back.diagnostics]
     assert not back.failed_files
+
+
+# --- what held (kept as regression tests) ----------------------------------------
+
+def test_a_switch_between_the_open_and_the_realpath_is_read_again(
+        source: Source, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pin opens the link, then asks where it led (for the symlinked
+    files' checks): a switch in between makes the pin unsure, and the load
+    starts again rather than check one revision's path for another's files."""
+    source.switch("N")
+    real_realpath, done = os.path.realpath, [0]
+
+    def realpath(path: object, **kwargs: object) -> str:
+        if not done[0] and path == source.current:
+            done[0] = 1
+            source.switch("N1")
+        return real_realpath(path, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os.path, "realpath", realpath)
+    result = load([source.current], CONFIG)
+    assert done[0]
+    assert result.ok, [str(d) for d in result.diagnostics]
+    assert names(result) == SETS["N1"]
+
+
+def test_a_world_writable_revision_pinned_is_refused_though_the_link_moved_on(
+        source: Source, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The names on the way are checked after the pin, where the link leads
+    then; the revision actually read is checked as it was opened."""
+    bad = source.layout.revs / rev("N")
+    bad.chmod(0o777)
+    source.switch("N")
+    switched = after_listing(monkeypatch, lambda: source.switch("N1"))
+    result = load([source.current], CONFIG)
+    assert switched[0] == 1
+    assert result.refused and result.volumes == ()
+    assert any("writable by group or others" in d.message for d in result.diagnostics)
+
+
+@pytest.mark.parametrize("target", ["other revision", "outside"])
+def test_a_symlinked_file_out_of_the_pinned_revision_is_never_opened(
+        source: Source, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: str) -> None:
+    elsewhere = (source.layout.revs / rev("N1") / "b.yaml" if target == "other revision"
+                 else tmp_path / "x.yaml")
+    if target == "outside":
+        elsewhere.write_text(doc("x"))
+    (source.layout.revs / rev("N") / "z.yaml").symlink_to(elsewhere)
+    source.switch("N")
+    opened: list[str] = []
+    real_open = os.open
+
+    def spy(path: object, *args: object, **kwargs: object) -> int:
+        opened.append(str(path))
+        return real_open(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", spy)
+    result = load([source.current], CONFIG, LoadCache())
+    assert result.refused and result.volumes == ()
+    assert str(elsewhere) not in opened
+
+
+def test_a_file_made_a_symlink_out_after_the_listing_is_refused_or_read_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a plain directory (no link to pin): a.yaml replaced by a symlink
+    to a file outside between the listing and the open."""
+    monkeypatch.setattr(loader, "_LISTINGS", {})
+    desired = tmp_path / "volumes.d"
+    desired.mkdir(mode=0o755)
+    (desired / "a.yaml").write_text(doc("gx"))
+    outside = tmp_path / "evil.yaml"
+    outside.write_text(doc("evil"))
+
+    def swap() -> None:
+        (desired / "a.yaml").unlink()
+        (desired / "a.yaml").symlink_to(outside)
+
+    after_listing(monkeypatch, swap)
+    result = load([desired], CONFIG)
+    assert "evil" not in names(result)
+    assert result.refused, [str(d) for d in result.diagnostics]
