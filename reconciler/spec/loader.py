@@ -95,6 +95,9 @@ def discover(paths: Iterable[Path], pins: _Pins | None = None
     files: list[Path] = []
     diags: list[Diagnostic] = []
     for p in paths:
+        if pins is not None and (why := pins.unopened.get(p)) is not None:
+            diags.append(Diagnostic(p, 1, 1, "(directory)", f"cannot open it: {why}"))
+            continue
         pin = pins.by_dir.get(p) if pins is not None else None
         if pin is not None or p.is_dir():
             try:
@@ -104,6 +107,8 @@ def discover(paths: Iterable[Path], pins: _Pins | None = None
                                         f"cannot list it: {exc.strerror or exc}"))
                 continue
             files.extend(names)
+            if pins is not None and pin is not None:  # found by the Path listed (hash kept)
+                pins.listed.update(dict.fromkeys(names, pin))
         elif p.exists():
             files.append(p)
         else:
@@ -555,11 +560,15 @@ class _Pin:
 
 def _pin(directory: Path) -> _Pin | None:
     """``directory`` opened once: the kernel walks its links in one go. None
-    for no directory (discover says what it is)."""
+    for nothing there or no directory (discover says what it is); any other
+    failure to open it raises (OSError, or ValueError for a path no open(2)
+    takes): a directory that cannot be opened is never read as empty."""
     try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return None
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return None
+        raise
     st = os.fstat(fd)
     real = Path(os.path.realpath(directory))
     try:
@@ -572,14 +581,29 @@ def _pin(directory: Path) -> _Pin | None:
 
 class _Pins:
     """The directories of one load, each pinned; files listed there are
-    stat'ed and opened there. ``missing``: listed, then gone when read."""
+    stat'ed and opened there. ``missing``: listed, then gone when read.
+    ``unopened``: paths that could not be opened, and why (discover fails
+    each: unreadable is not empty, safety rule 7)."""
 
     def __init__(self, paths: Iterable[Path]) -> None:
         self.by_dir: dict[Path, _Pin] = {}
         self.missing: list[Path] = []
-        for p in paths:
-            if p not in self.by_dir and (pin := _pin(p)) is not None:
-                self.by_dir[p] = pin
+        self.unopened: dict[Path, str] = {}
+        self.listed: dict[Path, _Pin] = {}  # file -> its pin, as discover listed it
+        try:
+            for p in paths:
+                if p in self.by_dir or p in self.unopened:
+                    continue
+                try:
+                    pin = _pin(p)
+                except (OSError, ValueError) as exc:
+                    self.unopened[p] = getattr(exc, "strerror", None) or str(exc)
+                    continue
+                if pin is not None:
+                    self.by_dir[p] = pin
+        except BaseException:
+            self.__exit__()  # those opened so far: never left open
+            raise
 
     def __enter__(self) -> _Pins:
         return self
@@ -589,7 +613,9 @@ class _Pins:
             os.close(pin.fd)
 
     def of(self, path: Path) -> _Pin | None:
-        return self.by_dir.get(path.parent)
+        # A file listed is found without path.parent: a new Path to hash,
+        # per file per pass, was half of an unchanged pass over 1000 files.
+        return self.listed.get(path) or self.by_dir.get(path.parent)
 
     def lstat(self, path: Path) -> os.stat_result:
         pin = self.of(path)
@@ -1109,6 +1135,10 @@ def _load_pinned(paths: list[Path], config: Config, cache: LoadCache | None,
     """One load, through ``pins``; and whether the cache may keep its result
     as the answer for these paths while the files stay as they are."""
     files, diags = discover(paths, pins)
+    # A path given that could not be listed or opened (a link switched by
+    # unlink + symlink, an I/O error) fails as a whole: what it declares is
+    # unknown, never absent (safety rules 3 and 7).
+    unreadable = {d.file for d in diags}
     if refusals := _untrusted_dirs(paths, pins):
         return LoadResult(volumes=(), diagnostics=tuple(sorted({*diags, *refusals})),
                           files=tuple(files), failed_files=frozenset(files),
@@ -1136,10 +1166,12 @@ def _load_pinned(paths: list[Path], config: Config, cache: LoadCache | None,
         volumes=tuple(sorted(volumes, key=lambda v: v.name)),
         diagnostics=tuple(sorted(set(diags))),
         files=tuple(files),
-        failed_files=frozenset(failed),
+        failed_files=frozenset(failed | unreadable),
         frozen_names=frozenset(frozen),
         refused=refused,
     )
-    if cache is not None and decided:  # depends on more than the files: not kept as it is
+    if cache is not None and (decided or unreadable):
+        # Depends on more than the files (on what the directory will list
+        # once it can be read, too): not kept as it is.
         cache.results.pop(tuple(paths), None)
-    return result, cache is not None and not decided
+    return result, cache is not None and not decided and not unreadable
