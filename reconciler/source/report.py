@@ -40,7 +40,7 @@ def source_status(config: Config, now: datetime | None = None) -> dict[str, Any]
         "previous": None if previous is None else revision(src, previous["commit"]),
         "held": state.get("held"),
         "distrusted": _distrusted(layout, state),
-        "newest": (state.get("newest") or {}).get("revision"),
+        "newest": _newest(src, state),
         "lastFetchAt": state.get("lastFetchAt"),
         "lastSuccessAt": state.get("lastSuccessAt"),
         "lastAppliedAt": state.get("lastAppliedAt"),
@@ -49,6 +49,13 @@ def source_status(config: Config, now: datetime | None = None) -> dict[str, Any]
     }
     out["conditions"] = conditions(out, src.interval_seconds, now or datetime.now(UTC))
     return out
+
+
+def _newest(src: SourceConfig, state: dict[str, Any]) -> str | None:
+    """The descent check's base, named as the ref followed now."""
+    newest = state.get("newest") or {}
+    commit = newest.get("commit") if isinstance(newest, dict) else None
+    return revision(src, commit) if isinstance(commit, str) else None
 
 
 def _cond(kind: str, status: str, reason: str, message: str) -> dict[str, str]:

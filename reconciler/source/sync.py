@@ -9,6 +9,7 @@ and the state says why; the caller retries with backoff.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import shutil
@@ -88,15 +89,27 @@ class Syncer:
         try:
             self.git.init()
             self._clean_temporaries()
-            out.commit, out.tag = self._fetch()
+            # The policy this sync verifies under, taken before anything is
+            # verified: a key revoked meanwhile differs from it next time.
+            digest = self._policy_digest()
+            try:
+                out.commit, out.tag = self._fetch()
+            except (Failed, CommandError):
+                # A server that stops answering keeps no revoked revision
+                # trusted: the policy is applied to what is applied anyway.
+                with contextlib.suppress(CommandError, OSError):
+                    self._recheck_applied(state, self.layout.applied(), digest)
+                raise
             out.fetched = True
             _step("fetched")
             applied = self.layout.applied()
             name = rev_name(out.commit, self.node_path)
-            distrust = self._recheck_applied(state, applied)
+            distrust = self._recheck_applied(state, applied, digest)
             if applied is not None and applied["name"] == name:
                 out.result, out.signers = "unchanged", applied.get("signers", [])
-                self._prune()  # what a sync killed before its prune left
+                # What a sync killed before its ref update and prune left.
+                self._advance_newest(applied["commit"])
+                self._prune()
                 if distrust is not None:
                     out.result, out.reason, out.message = "distrusted", *distrust
                 return out
@@ -107,6 +120,8 @@ class Syncer:
                 out.message = (f"held at {revision(self.src, applied and applied['commit'])} "
                                "by `rbd-reconciler source rollback`; `source resume` applies "
                                "new revisions again")
+                if distrust is not None:  # held, and what it is held at is distrusted
+                    out.result, out.reason, out.message = "distrusted", *distrust
                 return out
             if applied is not None:
                 self._check_descent(applied["commit"], out.commit)
@@ -115,7 +130,7 @@ class Syncer:
             self._switch(name)
             out.result = "applied"
             state.pop("distrusted", None)
-            state["verifiedPolicy"] = {"name": name, "digest": self._policy_digest()}
+            state["verifiedPolicy"] = {"name": name, "digest": digest}
             return out
         except Failed as exc:
             out.result, out.reason, out.message = exc.result, exc.reason, exc.message
@@ -225,8 +240,8 @@ class Syncer:
             h.update(b"\0")
         return h.hexdigest()
 
-    def _recheck_applied(self, state: dict[str, Any],
-                         applied: dict[str, Any] | None) -> tuple[str, str] | None:
+    def _recheck_applied(self, state: dict[str, Any], applied: dict[str, Any] | None,
+                         digest: str | None = None) -> tuple[str, str] | None:
         """The applied revision verified again once the policy changed since
         it was last verified (a key revoked, removed from the allowed signers
         or the keyring): (reason, message) when it no longer verifies, and
@@ -235,11 +250,12 @@ class Syncer:
         volume as it is (docs/gitops-source.md, "Trust follows the policy")."""
         if applied is None:
             return None
-        digest = self._policy_digest()
+        digest = digest or self._policy_digest()  # before the verification, not after
         kept = state.get("verifiedPolicy") or {}
         if kept.get("name") == applied["name"] and kept.get("digest") == digest:
             d = state.get("distrusted")
-            return None if d is None else (d["reason"], d["message"])
+            return None if not isinstance(d, dict) or d.get("name") != applied["name"] \
+                else (d["reason"], d["message"])
         try:
             self._verify(applied["commit"], applied.get("tag"))
         except verify.Refused as exc:
@@ -254,6 +270,16 @@ class Syncer:
         state.pop("distrusted", None)  # verifies again (the follower logs it)
         state["verifiedPolicy"] = {"name": applied["name"], "digest": digest}
         return None
+
+    def _advance_newest(self, commit: str) -> None:
+        """``refs/source/newest`` to ``commit`` when that is later in its
+        history (or there is none yet); never back: a pinned older commit, or
+        one rolled back to, leaves the base of the descent check where it is."""
+        newest = self._resolve(NEWEST)
+        if newest == commit:
+            return
+        if newest is None or self._descends(newest, commit):
+            self.git.run(["update-ref", NEWEST, commit])
 
     def _descends(self, old: str, new: str) -> bool:
         for attempt in range(2):
@@ -317,7 +343,10 @@ class Syncer:
         _step("switched")
         commit = name.split("-")[0]
         self.git.run(["update-ref", APPLIED, commit])
-        self.git.run(["update-ref", NEWEST, commit])  # it passed the descent check
+        if self.src.ref.kind == "commit":
+            self._advance_newest(commit)  # a pin is not checked: it moves no base back
+        else:
+            self.git.run(["update-ref", NEWEST, commit])  # it passed the descent check
         _step("ref updated")
         self._prune()
         _step("pruned")
@@ -429,7 +458,12 @@ class Syncer:
             counts[out.reason] = int(counts.get(out.reason, 0)) + 1
         if out.result == "applied":
             state["lastAppliedAt"] = at
-            state["newest"] = {"commit": out.commit, "revision": revision(self.src, out.commit)}
+        if out.ok:
+            # What the descent check's base is (a pin or a rollback does not
+            # move it back; a sync killed before its ref update moves it now).
+            with contextlib.suppress(CommandError, OSError):
+                if (newest := self._resolve(NEWEST)) is not None:
+                    state["newest"] = {"commit": newest, "revision": revision(self.src, newest)}
         self.layout.write_state(state)
 
 
