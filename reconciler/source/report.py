@@ -123,7 +123,12 @@ def _distrusted(layout: Layout, state: dict[str, Any]) -> dict[str, Any] | None:
     about what ``current`` points at now (a rollback moved it: the next sync
     verifies that one again)."""
     d = state.get("distrusted")
-    if not isinstance(d, dict) or d.get("name") != layout.target("current"):
+    if not isinstance(d, dict):
+        return None
+    cur = layout.target("current")
+    # "also": what was current while a rollback's verdict was written
+    # before its switch (sync.py rollback).
+    if d.get("name") != cur and cur not in (d.get("also") or ()):
         return None
     return d
 

@@ -94,12 +94,20 @@ class Syncer:
             digest = self._policy_digest()
             try:
                 out.commit, out.tag = self._fetch()
-            except (Failed, CommandError):
+            except (Failed, CommandError) as exc:
                 # A server that stops answering keeps no revoked revision
-                # trusted: the policy is applied to what is applied anyway.
+                # trusted: the policy is applied to what is applied anyway,
+                # and a distrust is the result (counted, alerted) over the
+                # failed fetch it comes with.
+                held = None
                 with contextlib.suppress(CommandError, OSError):
-                    self._recheck_applied(state, self.layout.applied(), digest)
-                raise
+                    held = self._recheck_applied(state, self.layout.applied(), digest)
+                if held is None:
+                    raise
+                why = exc.message if isinstance(exc, Failed) else str(exc)
+                out.result, out.reason = "distrusted", held[0]
+                out.message = f"{held[1]}; and the fetch failed: {why}"[:MAX_MESSAGE]
+                return out
             out.fetched = True
             _step("fetched")
             applied = self.layout.applied()
@@ -359,15 +367,29 @@ class Syncer:
             cur, prev = self.layout.target("current"), self.layout.target("previous")
             if prev is None or cur is None:
                 raise Failed("refused", "NoPrevious", "no previous revision is kept")
+            state = self.layout.read_state()
+            state["held"] = {"at": now_iso(), "commit": prev.split("-")[0]}
+            was = state.get("distrusted")
+            was = was if isinstance(was, dict) and was.get("name") == cur else None
+            # What it goes back to is verified under the policy of now (a
+            # revision signed by a key revoked since is held, not served),
+            # and the verdict written before the switch: a kill in between
+            # leaves no switched-to revision unjudged. Until the switch the
+            # record covers what is current too, if that was distrusted.
+            self._recheck_applied(state, self.layout.previous_meta())
+            if was is not None:
+                now = state.get("distrusted")
+                state["distrusted"] = was if now is None else {**now, "also": [cur]}
+            self.layout.write_state(state)
             self.layout.switch("current", prev)
             self.layout.switch("previous", cur)
             self.git.run(["update-ref", APPLIED, prev.split("-")[0]])
-            state = self.layout.read_state()
-            state["held"] = {"at": now_iso(), "commit": prev.split("-")[0]}
-            # What it goes back to is verified under the policy of now: a
-            # revision signed by a key revoked since is held, not served.
-            self._recheck_applied(state, self.layout.applied())
-            self.layout.write_state(state)
+            if was is not None:
+                if state["distrusted"] is was:
+                    state.pop("distrusted")  # about cur, no longer current
+                else:
+                    state["distrusted"].pop("also", None)
+                self.layout.write_state(state)
             return prev.split("-")[0]
 
     def resume(self) -> None:

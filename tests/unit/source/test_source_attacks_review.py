@@ -51,7 +51,11 @@ def test_a_server_that_stops_answering_does_not_keep_a_revoked_revision_trusted(
     (tmp_path / "fleet.git").rename(tmp_path / "gone.git")  # the server hangs up
     signer.revocation_list(revoked, alice)
     out = Syncer(config).sync()
-    assert (out.result, out.reason) == ("failed", "FetchFailed"), out
+    # Distrusted is the result (counted under Revoked: RbdSourceRefused
+    # fires), the failed fetch said with it.
+    assert (out.result, out.reason) == ("distrusted", "Revoked"), out
+    assert "fetch" in out.message, out.message
+    assert source_status(config)["refusals"] == {"Revoked": 1}
     assert distrust(config) is not None, source_status(config)
     assert conditions(config)["SourceVerified"] == ("False", "Revoked")
     # Back: still held (nothing new verifies), and said so.
@@ -132,14 +136,26 @@ class Killed(BaseException):
     pass
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "rollback switches current before it writes state.json with the verdict on what it "
-    "switched to; a kill in between leaves a revision signed by a revoked key applied "
-    "and not held until the next sync (distrusted is one slot, keyed by name: closing "
-    "the window needs the verdict kept per revision, e.g. in revs/<name>.json)"))
-def test_a_rollback_killed_before_its_state_is_written_does_not_serve_a_revoked_revision(
+def _kill_at_switch(monkeypatch: pytest.MonkeyPatch, nth: int) -> None:
+    """The ``nth`` Layout.switch (1: current, 2: previous) is killed."""
+    real, calls = Layout.switch, []
+
+    def switch(self: Layout, link: str, name: str) -> None:
+        calls.append(link)
+        if len(calls) == nth:
+            raise Killed
+        real(self, link, name)
+
+    monkeypatch.setattr(Layout, "switch", switch)
+
+
+def test_a_rollback_killed_at_each_step_never_serves_a_revoked_revision(
         tmp_path: Path, signer: Signing, alice: SshKey,
         monkeypatch: pytest.MonkeyPatch) -> None:
+    """rollback switched ``current`` first and wrote the verdict on what it
+    switched to after: a kill in between left alice's revision, revoked
+    since, current and not held (until the next sync). Now the verdict is
+    written first; each kill leaves what is current judged."""
     config, revoked, bob = revocable(tmp_path, signer, alice)
     push(signer, tmp_path, alice, "one", vol("1Gi"))
     assert Syncer(config).sync().result == "applied"
@@ -147,16 +163,39 @@ def test_a_rollback_killed_before_its_state_is_written_does_not_serve_a_revoked_
     assert Syncer(config).sync().result == "applied"
     signer.revocation_list(revoked, alice)
     assert Syncer(config).sync().result == "unchanged"  # bob's still verifies
-
-    def killed(self: Layout, state: dict[str, object]) -> None:
-        raise Killed
-
-    monkeypatch.setattr(Layout, "write_state", killed)
+    for nth, current in ((1, "2Gi"), (2, "1Gi")):
+        _kill_at_switch(monkeypatch, nth)
+        with pytest.raises(Killed):
+            Syncer(config).rollback()
+        monkeypatch.undo()
+        assert current in applied_files(config)["v.yaml"], nth
+        # bob's (trusted) stays served; alice's (revoked) is held.
+        assert (distrust(config) is None) == (current == "2Gi"), (nth, source_status(config))
+        if current == "1Gi":
+            break
+        Syncer(config).resume()
+        assert Syncer(config).sync().result == "unchanged"
+        assert distrust(config) is None
+    # (Killed between its two switches, previous is current too: bob's is
+    # applied again by the next sync once resumed.)
+    Syncer(config).resume()
+    assert Syncer(config).sync().result == "applied"
+    assert distrust(config) is None
+    Syncer(config).rollback()  # completed: to alice's, held for the revocation
+    assert distrust(config) is not None
+    # The other way: from alice's (distrusted) back to bob's, killed before
+    # the switch: alice's is still held.
+    _kill_at_switch(monkeypatch, 1)
     with pytest.raises(Killed):
         Syncer(config).rollback()
     monkeypatch.undo()
-    assert "1Gi" in applied_files(config)["v.yaml"]  # alice's, revoked, is current
-    assert distrust(config) is not None  # ... and must be held
+    assert "1Gi" in applied_files(config)["v.yaml"]
+    assert distrust(config) is not None
+    assert Syncer(config).rollback()  # completed: bob's, trusted
+    assert "2Gi" in applied_files(config)["v.yaml"]
+    assert distrust(config) is None
+    Syncer(config).resume()
+    assert Syncer(config).sync().result == "unchanged"
 
 
 def test_a_sync_killed_after_its_switch_still_moves_the_descent_base(
@@ -199,9 +238,8 @@ def test_the_daemon_is_woken_and_told_when_a_revision_is_distrusted_with_the_ser
         tmp_path: Path, signer: Signing, alice: SshKey,
         caplog: pytest.LogCaptureFixture) -> None:
     """The follower wakes a pass when the applied revision turns distrusted
-    (the pass then holds every volume), also when the sync's own result is
-    a failed fetch; its one log line says the revision is held, and a retry
-    logs nothing new."""
+    (the pass then holds every volume), also when the fetch failed; its one
+    log line says the revision is held, and a retry logs nothing new."""
     import logging
 
     from reconciler.daemon.follow import Follower
@@ -217,11 +255,11 @@ def test_the_daemon_is_woken_and_told_when_a_revision_is_distrusted_with_the_ser
     (tmp_path / "fleet.git").rename(tmp_path / "gone.git")
     signer.revocation_list(revoked, alice)
     caplog.set_level(logging.INFO, "rbd-reconciler")
-    assert follower.once(config).result == "failed"
+    assert follower.once(config).result == "distrusted"
     assert len(woken) == 2, woken  # a pass now holds every volume
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(lines) == 1 and "held" in lines[0], lines
-    assert follower.once(config).result == "failed"
+    assert follower.once(config).result == "distrusted"
     assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
     assert len(woken) == 2
 
@@ -296,3 +334,37 @@ def test_a_local_apply_does_not_act_on_a_distrusted_revision(
         out, err = capsys.readouterr()
         assert rc == 1, (out, err)
         assert "held" in err and "Revoked" in err, (out, err)
+
+
+# -- what held ------------------------------------------------------------------------
+
+def test_tag_name_tricks_a_pusher_can_play_are_refused(tmp_path: Path, signer: Signing,
+                                                       alice: SshKey) -> None:
+    """``ref: {tag: prod}``, mode tag. The pusher cannot sign; it can reuse
+    signed objects and make unsigned ones: a signed tag ``canary`` whose
+    message has a ``tag prod`` line; an unsigned tag named prod wrapping
+    the signed canary (nested). Each is refused; prod's revision stays."""
+    from test_source_attacks import push_tag, tag_config
+
+    config = tag_config(tmp_path, signer, alice, "prod", "tag")
+    one = push(signer, tmp_path, alice, "one", vol("1Gi"))
+    signer.git(*signer._sign_opts(alice), "tag", "-s", "-m", "prod\n\ntag prod\n", "prod", one)
+    signer.git("push", "--quiet", f"file://{tmp_path / 'fleet.git'}", "refs/tags/prod")
+    assert Syncer(config).sync().result == "applied"
+    two = push(signer, tmp_path, alice, "two", vol("2Gi"))
+    signer.git("tag", "-d", "prod")
+    signer.git(*signer._sign_opts(alice), "tag", "-s", "-m", "x\ntag prod\n\ntag prod",
+               "canary", two)
+    canary = signer.git("rev-parse", "refs/tags/canary")
+    signer.git("update-ref", "refs/keep/canary", canary)
+    push_tag(signer, tmp_path, "prod", canary)
+    out = Syncer(config).sync()
+    assert (out.result, out.reason) == ("refused", "TagNameMismatch"), out
+    # Nested: an unsigned tag object named prod on top of the signed canary.
+    raw = (f"object {canary}\ntype tag\ntag prod\ntagger P <p@x> 1700000000 +0000\n\n"
+           "nested\n").encode()
+    outer = signer.git("hash-object", "-t", "tag", "-w", "--stdin", stdin=raw)
+    push_tag(signer, tmp_path, "prod", outer)
+    out = Syncer(config).sync()
+    assert (out.result, out.reason) == ("refused", "Unsigned"), out
+    assert "1Gi" in applied_files(config)["v.yaml"]
