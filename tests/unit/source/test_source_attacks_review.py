@@ -368,3 +368,65 @@ def test_tag_name_tricks_a_pusher_can_play_are_refused(tmp_path: Path, signer: S
     out = Syncer(config).sync()
     assert (out.result, out.reason) == ("refused", "Unsigned"), out
     assert "1Gi" in applied_files(config)["v.yaml"]
+
+
+def test_a_kill_at_every_step_out_of_a_distrust_converges(
+        tmp_path: Path, signer: Signing, alice: SshKey) -> None:
+    """Distrusted (alice revoked); bob's revisions on top are applied, each
+    sync SIGKILLed at one step. Whatever the kill left, what is current is
+    never alice's revision served as trusted, and the next sync applies
+    bob's and clears the distrust."""
+    import signal
+    import subprocess
+    import sys
+
+    from test_sync import CHILD, STEPS
+
+    from reconciler.spec.config import load_config
+
+    revoked = signer.revocation_list(tmp_path / "revoked_keys")
+    bob = signer.ssh_key("bob")
+    allowed = signer.allowed_signers(tmp_path / "allowed_signers", ("alice", alice),
+                                     ("bob", bob))
+    bare = tmp_path / "fleet.git"
+    subprocess.run(["git", "init", "--quiet", "--bare", str(bare)], check=True)
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(f"""\
+stateDir: {tmp_path / "state"}
+nodeName: a
+allowedRoots: [/srv]
+source:
+  url: file://{bare}
+  ref: {{branch: main}}
+  path: nodes/{{nodeName}}
+  verify: {{mode: head, format: ssh, allowedSignersFile: {allowed},
+            revocationFile: {revoked}}}
+""")
+    config = load_config(cfg)
+    alices = push(signer, tmp_path, alice, "alice's", vol("1Gi"))
+    assert Syncer(config).sync().result == "applied"
+    for i, (step, nth) in enumerate(STEPS):
+        signer.revocation_list(revoked, alice)
+        # Each round starts from alice's revision, distrusted: rolled back to.
+        if Layout(config.source_dir).applied()["commit"] != alices:  # type: ignore[index]
+            Syncer(config).rollback()
+            Syncer(config).resume()
+        else:
+            assert Syncer(config).sync().result == "distrusted"
+        assert distrust(config) is not None, step
+        files: dict[str, str | None] = {
+            f"nodes/a/v{j}.yaml": VOLUME.format(name=f"v{j}", size=f"{i + 2}Gi")
+            for j in range(3)}
+        sha = push(signer, tmp_path, bob, f"bob {i}", {**files, "nodes/a/v.yaml": None}
+                   if i == 0 else files)
+        child = subprocess.run([sys.executable, "-c", CHILD, str(cfg), step, str(nth)],
+                               capture_output=True, text=True, timeout=120)
+        assert child.returncode == -signal.SIGKILL, (step, child.stdout, child.stderr)
+        cur = Layout(config.source_dir).applied()
+        assert cur is not None
+        # alice's, held; or bob's, trusted.
+        assert (distrust(config) is not None) == (cur["commit"] == alices), (step, cur)
+        out = Syncer(config).sync()
+        assert (out.result, out.commit) in (("applied", sha), ("unchanged", sha)), (step, out)
+        assert distrust(config) is None, step
+        assert f"{i + 2}Gi" in applied_files(config)["v0.yaml"]
