@@ -118,6 +118,10 @@ class Syncer:
                 # What a sync killed before its ref update and prune left.
                 self._advance_newest(applied["commit"])
                 self._prune()
+                if distrust is not None and out.tag is not None:
+                    # (the same tag too: a kill may have come between the
+                    # meta and the state; a few ms, while distrusted only)
+                    distrust = self._retag(state, applied, out, digest)
                 if distrust is not None:
                     out.result, out.reason, out.message = "distrusted", *distrust
                 return out
@@ -276,6 +280,26 @@ class Syncer:
             state["verifiedPolicy"] = {"name": applied["name"], "digest": digest}
             return exc.reason, message
         state.pop("distrusted", None)  # verifies again (the follower logs it)
+        state["verifiedPolicy"] = {"name": applied["name"], "digest": digest}
+        return None
+
+    def _retag(self, state: dict[str, Any], applied: dict[str, Any], out: Outcome,
+               digest: str) -> tuple[str, str] | None:
+        """The applied commit, distrusted, under another tag object: signed
+        again by a key still allowed (tag modes), it is trusted again with
+        no new commit. What was verified about it (revs/<name>.json) then
+        names that tag and its signers. Returns the distrust that stays."""
+        kept = state.get("distrusted")
+        try:
+            out.signers = self._verify(applied["commit"], out.tag)
+        except verify.Refused:
+            out.signers = applied.get("signers", [])
+            return None if kept is None else (kept["reason"], kept["message"])
+        meta = {k: v for k, v in applied.items() if k not in ("name", "commit")}
+        meta.update(commit=applied["commit"], tag=out.tag, signers=out.signers,
+                    verifiedAt=now_iso())
+        write_json(self.layout.meta_file(applied["name"]), meta)
+        state.pop("distrusted", None)
         state["verifiedPolicy"] = {"name": applied["name"], "digest": digest}
         return None
 

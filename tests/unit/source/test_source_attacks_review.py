@@ -430,3 +430,41 @@ source:
         assert (out.result, out.commit) in (("applied", sha), ("unchanged", sha)), (step, out)
         assert distrust(config) is None, step
         assert f"{i + 2}Gi" in applied_files(config)["v0.yaml"]
+
+
+def test_a_tag_signed_again_by_a_key_still_allowed_ends_the_distrust(
+        tmp_path: Path, signer: Signing, alice: SshKey) -> None:
+    """``ref: {tag: prod}``, mode tag: alice's prod tag applied, alice
+    revoked: held. Bob signs prod again, on the same commit (the remedy a
+    tag allows: no new commit needed). The sync found the commit applied
+    ("unchanged") and never looked at the new tag: held for good."""
+    from test_source_attacks import _tag_object, push_tag, tag_config
+
+    config = tag_config(tmp_path, signer, alice, "prod", "tag")
+    assert config.git is not None
+    revoked = signer.revocation_list(tmp_path / "revoked_keys")
+    config = replace(config, git=replace(config.git, verify=replace(
+        config.git.verify, revocation=revoked)))
+    bob = signer.ssh_key("bob")
+    signer.allowed_signers(tmp_path / "allowed_signers", ("alice", alice), ("bob", bob))
+    one = push(signer, tmp_path, alice, "one", vol("1Gi"))
+    push_tag(signer, tmp_path, "prod", _tag_object(signer, "prod", one, alice))
+    assert Syncer(config).sync().result == "applied"
+    signer.revocation_list(revoked, alice)
+    assert Syncer(config).sync().result == "distrusted"
+    bobs = _tag_object(signer, "prod", one, bob)
+    push_tag(signer, tmp_path, "prod", bobs)
+    out = Syncer(config).sync()
+    assert (out.result, out.commit) == ("unchanged", one), out
+    assert distrust(config) is None
+    applied = source_status(config)["applied"]
+    assert applied["tag"] == bobs and applied["signers"][0]["name"] == "bob", applied
+    assert conditions(config)["Ready"] == ("True", "UpToDate")
+    # An unsigned tag object on the same commit does not end a distrust.
+    signer.revocation_list(revoked, alice, bob)
+    assert Syncer(config).sync().result == "distrusted"
+    raw = (f"object {one}\ntype commit\ntag prod\ntagger P <p@x> 1700000000 +0000\n\n"
+           "x\n").encode()
+    push_tag(signer, tmp_path, "prod", signer.git("hash-object", "-t", "tag", "-w",
+                                                  "--stdin", stdin=raw))
+    assert Syncer(config).sync().result == "distrusted"
