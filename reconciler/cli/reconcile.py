@@ -166,6 +166,11 @@ def cmd_apply(args: argparse.Namespace, config: Config) -> int:
              args.output)
     if rc is not None:
         return rc
+    if (why := _source_distrusted(args, config)) is not None:
+        print(f"rbd-reconciler {'release' if release else 'apply'}: the applied revision of "
+              f"the git source is held: {why}; nothing done (`rbd-reconciler source status`)",
+              file=sys.stderr)
+        return EXIT_FAILED
     from reconciler.state.lock import Busy, locked
 
     thawed = _thaw_first(config)
@@ -186,6 +191,22 @@ def cmd_apply(args: argparse.Namespace, config: Config) -> int:
     else:
         show.applied(doc)
     return apply_exit(doc)
+
+
+def _source_distrusted(args: argparse.Namespace, config: Config) -> str | None:
+    """Why the git source's applied revision must not be acted on (the
+    daemon's passes hold it: source/sync.py ``_recheck_applied``), when the
+    arguments read it: no PATH, a NAME, or a PATH under desiredDir."""
+    if config.git is None:
+        return None
+    from reconciler.cli.ask import is_path
+    from reconciler.source.report import distrust
+
+    desired = os.path.abspath(config.desired_dir)
+    reads = not args.paths or any(
+        not is_path(str(a)) or os.path.abspath(a) == desired
+        or os.path.abspath(a).startswith(desired.rstrip("/") + "/") for a in args.paths)
+    return distrust(config) if reads else None
 
 
 def _apply_here(args: argparse.Namespace, config: Config, release: bool

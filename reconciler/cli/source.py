@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from reconciler.source.layout import SourceBusy
-from reconciler.source.report import revision, source_status
+from reconciler.source.report import distrust, revision, source_status
 from reconciler.source.sync import Failed, Syncer
 from reconciler.spec.config import Config
 
@@ -55,6 +55,11 @@ def cmd_source(args: argparse.Namespace, config: Config) -> int:
             commit = syncer.rollback()
             print(f"rolled back to {revision(config.git, commit)}; held there until "
                   "`rbd-reconciler source resume`")
+            if (why := distrust(config)) is not None:
+                # Verified under the policy of now, it does not pass: not served.
+                print(f"rbd-reconciler source rollback: {revision(config.git, commit)} is "
+                      f"distrusted: {why}", file=sys.stderr)
+                return EXIT_FAILED
             return EXIT_OK
         syncer.resume()
         print("resumed: the next sync applies the remote's revision")

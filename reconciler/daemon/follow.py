@@ -16,7 +16,7 @@ from datetime import datetime
 from reconciler.daemon.metrics import Metrics
 from reconciler.drivers.run import Aborted, Halt, Runner
 from reconciler.source.layout import SourceBusy
-from reconciler.source.report import applied_revision, revision
+from reconciler.source.report import applied_revision, distrust, revision
 from reconciler.source.sync import Outcome, Syncer
 from reconciler.spec.config import Config
 
@@ -92,7 +92,8 @@ class Follower:
         src = config.git
         assert src is not None
         syncer = Syncer(config, Runner(timeout=src.timeout_seconds, halt=self.halt))
-        was_distrusted = self.last is not None and self.last[0] == "distrusted"
+        was_distrusted = distrust(config) is not None
+        said_distrusted = self.last is not None and self.last[0] == "distrusted"
         out = syncer.sync()
         failed_before = self._schedule(out.result, src.interval_seconds)
         self._report(config, out, failed_before)
@@ -101,8 +102,11 @@ class Follower:
             who = ", ".join(f"{s['name']} ({s['fingerprint']})" for s in out.signers)
             log.info("source: applied %s, signed by %s", rev, who or "nobody (not verified)")
             self.applied(rev)
-        elif was_distrusted != (out.result == "distrusted"):
-            # Held, or trusted again by a policy change: a pass says so now.
+        elif (was_distrusted != (distrust(config) is not None)
+              or said_distrusted != (out.result == "distrusted")):
+            # Held, or trusted again by a policy change (whatever the sync's
+            # result: a fetch that failed still verified what is applied
+            # under the new policy; or a CLI's sync that did): a pass says so now.
             self.applied(applied_revision(config) or "")
         return out
 
@@ -133,7 +137,8 @@ class Follower:
                     f"{src.interval_seconds:g} s; logged again when the result changes)")
             else:
                 level, then = logging.ERROR, f"looking again every {src.interval_seconds:g} s"
-            stays = "stays applied, held" if out.result == "distrusted" else "stays applied"
+            held = out.result == "distrusted" or distrust(config) is not None
+            stays = "stays applied, held" if held else "stays applied"
             log.log(level, "source: %s %s: %s; %s %s; %s", out.result, out.reason,
                     out.message, applied or "nothing", stays, then)
         self.last = key

@@ -40,7 +40,7 @@ def source_status(config: Config, now: datetime | None = None) -> dict[str, Any]
         "previous": None if previous is None else revision(src, previous["commit"]),
         "held": state.get("held"),
         "distrusted": _distrusted(layout, state),
-        "newest": (state.get("newest") or {}).get("revision"),
+        "newest": _newest(src, state),
         "lastFetchAt": state.get("lastFetchAt"),
         "lastSuccessAt": state.get("lastSuccessAt"),
         "lastAppliedAt": state.get("lastAppliedAt"),
@@ -49,6 +49,13 @@ def source_status(config: Config, now: datetime | None = None) -> dict[str, Any]
     }
     out["conditions"] = conditions(out, src.interval_seconds, now or datetime.now(UTC))
     return out
+
+
+def _newest(src: SourceConfig, state: dict[str, Any]) -> str | None:
+    """The descent check's base, named as the ref followed now."""
+    newest = state.get("newest") or {}
+    commit = newest.get("commit") if isinstance(newest, dict) else None
+    return revision(src, commit) if isinstance(commit, str) else None
 
 
 def _cond(kind: str, status: str, reason: str, message: str) -> dict[str, str]:
@@ -116,7 +123,12 @@ def _distrusted(layout: Layout, state: dict[str, Any]) -> dict[str, Any] | None:
     about what ``current`` points at now (a rollback moved it: the next sync
     verifies that one again)."""
     d = state.get("distrusted")
-    if not isinstance(d, dict) or d.get("name") != layout.target("current"):
+    if not isinstance(d, dict):
+        return None
+    cur = layout.target("current")
+    # "also": what was current while a rollback's verdict was written
+    # before its switch (sync.py rollback).
+    if d.get("name") != cur and cur not in (d.get("also") or ()):
         return None
     return d
 

@@ -9,6 +9,7 @@ and the state says why; the caller retries with backoff.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import shutil
@@ -98,16 +99,40 @@ class Syncer:
         try:
             self.git.init()
             self._clean_temporaries()
-            out.commit, out.tag = self._fetch()
+            # The policy this sync verifies under, taken before anything is
+            # verified: a key revoked meanwhile differs from it next time.
+            digest = self._policy_digest()
+            try:
+                out.commit, out.tag = self._fetch()
+            except (Failed, CommandError) as exc:
+                # A server that stops answering keeps no revoked revision
+                # trusted: the policy is applied to what is applied anyway,
+                # and a distrust is the result (counted, alerted) over the
+                # failed fetch it comes with.
+                held = None
+                with contextlib.suppress(CommandError, OSError):
+                    held = self._recheck_applied(state, self.layout.applied(), digest)
+                if held is None:
+                    raise
+                why = exc.message if isinstance(exc, Failed) else str(exc)
+                out.result, out.reason = "distrusted", held[0]
+                out.message = f"{held[1]}; and the fetch failed: {why}"[:MAX_MESSAGE]
+                return out
             out.fetched = True
             state.pop("tooLarge", None)
             _step("fetched")
             applied = self.layout.applied()
             name = rev_name(out.commit, self.node_path)
-            distrust = self._recheck_applied(state, applied)
+            distrust = self._recheck_applied(state, applied, digest)
             if applied is not None and applied["name"] == name:
                 out.result, out.signers = "unchanged", applied.get("signers", [])
-                self._prune()  # what a sync killed before its prune left
+                # What a sync killed before its ref update and prune left.
+                self._advance_newest(applied["commit"])
+                self._prune()
+                if distrust is not None and out.tag is not None:
+                    # (the same tag too: a kill may have come between the
+                    # meta and the state; a few ms, while distrusted only)
+                    distrust = self._retag(state, applied, out, digest)
                 if distrust is not None:
                     out.result, out.reason, out.message = "distrusted", *distrust
                 return out
@@ -118,6 +143,8 @@ class Syncer:
                 out.message = (f"held at {revision(self.src, applied and applied['commit'])} "
                                "by `rbd-reconciler source rollback`; `source resume` applies "
                                "new revisions again")
+                if distrust is not None:  # held, and what it is held at is distrusted
+                    out.result, out.reason, out.message = "distrusted", *distrust
                 return out
             if applied is not None:
                 self._check_descent(applied["commit"], out.commit)
@@ -126,7 +153,7 @@ class Syncer:
             self._switch(name)
             out.result = "applied"
             state.pop("distrusted", None)
-            state["verifiedPolicy"] = {"name": name, "digest": self._policy_digest()}
+            state["verifiedPolicy"] = {"name": name, "digest": digest}
             return out
         except Failed as exc:
             out.result, out.reason, out.message = exc.result, exc.reason, exc.message
@@ -263,8 +290,8 @@ class Syncer:
             h.update(b"\0")
         return h.hexdigest()
 
-    def _recheck_applied(self, state: dict[str, Any],
-                         applied: dict[str, Any] | None) -> tuple[str, str] | None:
+    def _recheck_applied(self, state: dict[str, Any], applied: dict[str, Any] | None,
+                         digest: str | None = None) -> tuple[str, str] | None:
         """The applied revision verified again once the policy changed since
         it was last verified (a key revoked, removed from the allowed signers
         or the keyring): (reason, message) when it no longer verifies, and
@@ -273,11 +300,12 @@ class Syncer:
         volume as it is (docs/gitops-source.md, "Trust follows the policy")."""
         if applied is None:
             return None
-        digest = self._policy_digest()
+        digest = digest or self._policy_digest()  # before the verification, not after
         kept = state.get("verifiedPolicy") or {}
         if kept.get("name") == applied["name"] and kept.get("digest") == digest:
             d = state.get("distrusted")
-            return None if d is None else (d["reason"], d["message"])
+            return None if not isinstance(d, dict) or d.get("name") != applied["name"] \
+                else (d["reason"], d["message"])
         try:
             self._verify(applied["commit"], applied.get("tag"))
         except verify.Refused as exc:
@@ -292,6 +320,36 @@ class Syncer:
         state.pop("distrusted", None)  # verifies again (the follower logs it)
         state["verifiedPolicy"] = {"name": applied["name"], "digest": digest}
         return None
+
+    def _retag(self, state: dict[str, Any], applied: dict[str, Any], out: Outcome,
+               digest: str) -> tuple[str, str] | None:
+        """The applied commit, distrusted, under another tag object: signed
+        again by a key still allowed (tag modes), it is trusted again with
+        no new commit. What was verified about it (revs/<name>.json) then
+        names that tag and its signers. Returns the distrust that stays."""
+        kept = state.get("distrusted")
+        try:
+            out.signers = self._verify(applied["commit"], out.tag)
+        except verify.Refused:
+            out.signers = applied.get("signers", [])
+            return None if kept is None else (kept["reason"], kept["message"])
+        meta = {k: v for k, v in applied.items() if k not in ("name", "commit")}
+        meta.update(commit=applied["commit"], tag=out.tag, signers=out.signers,
+                    verifiedAt=now_iso())
+        write_json(self.layout.meta_file(applied["name"]), meta)
+        state.pop("distrusted", None)
+        state["verifiedPolicy"] = {"name": applied["name"], "digest": digest}
+        return None
+
+    def _advance_newest(self, commit: str) -> None:
+        """``refs/source/newest`` to ``commit`` when that is later in its
+        history (or there is none yet); never back: a pinned older commit, or
+        one rolled back to, leaves the base of the descent check where it is."""
+        newest = self._resolve(NEWEST)
+        if newest == commit:
+            return
+        if newest is None or self._descends(newest, commit):
+            self.git.run(["update-ref", NEWEST, commit])
 
     def _descends(self, old: str, new: str) -> bool:
         for attempt in range(2):
@@ -354,7 +412,10 @@ class Syncer:
         _step("switched")
         commit = name.split("-")[0]
         self.git.run(["update-ref", APPLIED, commit])
-        self.git.run(["update-ref", NEWEST, commit])  # it passed the descent check
+        if self.src.ref.kind == "commit":
+            self._advance_newest(commit)  # a pin is not checked: it moves no base back
+        else:
+            self.git.run(["update-ref", NEWEST, commit])  # it passed the descent check
         _step("ref updated")
         self._prune()
         _step("pruned")
@@ -367,15 +428,29 @@ class Syncer:
             cur, prev = self.layout.target("current"), self.layout.target("previous")
             if prev is None or cur is None:
                 raise Failed("refused", "NoPrevious", "no previous revision is kept")
+            state = self.layout.read_state()
+            state["held"] = {"at": now_iso(), "commit": prev.split("-")[0]}
+            was = state.get("distrusted")
+            was = was if isinstance(was, dict) and was.get("name") == cur else None
+            # What it goes back to is verified under the policy of now (a
+            # revision signed by a key revoked since is held, not served),
+            # and the verdict written before the switch: a kill in between
+            # leaves no switched-to revision unjudged. Until the switch the
+            # record covers what is current too, if that was distrusted.
+            self._recheck_applied(state, self.layout.previous_meta())
+            if was is not None:
+                now = state.get("distrusted")
+                state["distrusted"] = was if now is None else {**now, "also": [cur]}
+            self.layout.write_state(state)
             self.layout.switch("current", prev)
             self.layout.switch("previous", cur)
             self.git.run(["update-ref", APPLIED, prev.split("-")[0]])
-            state = self.layout.read_state()
-            state["held"] = {"at": now_iso(), "commit": prev.split("-")[0]}
-            # What it goes back to is verified under the policy of now: a
-            # revision signed by a key revoked since is held, not served.
-            self._recheck_applied(state, self.layout.applied())
-            self.layout.write_state(state)
+            if was is not None:
+                if state["distrusted"] is was:
+                    state.pop("distrusted")  # about cur, no longer current
+                else:
+                    state["distrusted"].pop("also", None)
+                self.layout.write_state(state)
             return prev.split("-")[0]
 
     def resume(self) -> None:
@@ -483,7 +558,12 @@ class Syncer:
             counts[out.reason] = int(counts.get(out.reason, 0)) + 1
         if out.result == "applied":
             state["lastAppliedAt"] = at
-            state["newest"] = {"commit": out.commit, "revision": revision(self.src, out.commit)}
+        if out.ok:
+            # What the descent check's base is (a pin or a rollback does not
+            # move it back; a sync killed before its ref update moves it now).
+            with contextlib.suppress(CommandError, OSError):
+                if (newest := self._resolve(NEWEST)) is not None:
+                    state["newest"] = {"commit": newest, "revision": revision(self.src, newest)}
         self.layout.write_state(state)
 
 
