@@ -26,7 +26,7 @@ from pathlib import Path
 from reconciler.drivers import procfs, scopes
 from reconciler.drivers.fs import block_device_size
 from reconciler.drivers.reaper import reap_later
-from reconciler.drivers.run import TIMED_OUT, CommandError, Runner
+from reconciler.drivers.run import TIMED_OUT, CommandError, Runner, last_lines
 from reconciler.facts.observed import Mapping
 from reconciler.facts.parsers import (
     LoopDevice,
@@ -496,11 +496,17 @@ def _retry_busy(fn: Callable[[], object], timeout: float = 10.0) -> None:
             time.sleep(0.05)
 
 
+LOG_TAIL = 64 * 1024  # read of a helper's log: its end only (appended across starts)
+
+
 def _tail(path: Path, lines: int = 5) -> str:
     try:
-        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - LOG_TAIL))
+            text = f.read(LOG_TAIL).decode(errors="replace")
     except OSError:
         return ""
+    return last_lines(text, lines)
 
 
 def reap_fuse_children() -> None:

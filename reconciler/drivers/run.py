@@ -16,6 +16,26 @@ caller). So each command runs in its own process group (session), the
 whole group is killed (SIGKILL) at its deadline, and the wait after the
 kill is bounded: output still held then is abandoned, and said so.
 
+Every command's output is bounded, whoever runs it (a git server that floods
+ssh's stderr took the daemon from 54 MB to 1.2 GB; a fast one sends
+gigabytes within one deadline):
+
+- stderr: its first and its last ``STDERR_KEEP`` bytes (32 KiB each: the
+  first error and the last lines, hundreds of lines of either, more than any
+  diagnostic of ours; an error shows its last three) are kept, and what fell
+  between is counted and said: ``[... N bytes dropped ...]``. Past
+  ``STDERR_KILL`` in all (64 MiB: no command of ours says that much) the
+  command's process group is killed and the call fails saying so: a flood
+  costs neither memory nor a whole deadline of CPU (ours, and ssh's
+  decrypting it). The kill is at once: 64 MiB is read in well under a second.
+- stdout is parsed, so it is never cut short: past its bound (``max_stdout``,
+  ``DEFAULT_MAX_STDOUT`` unless the caller knows better) the process group
+  is killed at once and the call fails: "printed more than N bytes on
+  stdout: killed". The largest legitimate answers are a LUKS2 header's JSON
+  (``cryptsetup luksDump``, at most 4 MiB) and a node's ``rbd device list``;
+  ``git cat-file --batch`` of a revision passes its own bound (the tree's
+  listed sizes), as may any caller that expects more.
+
 Long-lived helpers (rbd-fuse) are started elsewhere, in their own session,
 and never through a Runner: nothing here kills them.
 """
@@ -44,6 +64,13 @@ DEFAULT_TIMEOUT = 120.0
 DEFAULT_LONG_TIMEOUT = 600.0  # mkfs, e2fsck, offline resize2fs: whole-device work
 KILL_WAIT_S = 2.0  # after the SIGKILL: the longest wait for the group's exit and output
 TIMED_OUT = 124  # a CommandError's returncode when the command ran into its deadline
+TOO_MUCH_OUTPUT = 125  # ... when it printed past a bound and was killed
+KiB, MiB = 1 << 10, 1 << 20
+STDERR_KEEP = 32 * KiB  # kept of stderr: this much of its head, and of its tail
+STDERR_KILL = 64 * MiB  # stderr past this in all: killed
+DEFAULT_MAX_STDOUT = 16 * MiB  # 4x the largest legitimate answer (a LUKS2 header's JSON)
+SHOWN_LINE = 400  # an error's line is clipped to this many characters
+READ_SIZE = 65536
 # The waiting thread looks at the stop flag this often while a command runs
 # (a command that ends sooner costs nothing extra: its exit wakes the wait;
 # no helper thread).
@@ -52,8 +79,7 @@ STOP_CHECK_S = 0.5
 
 class CommandError(Exception):
     def __init__(self, argv: Sequence[str], returncode: int, stderr: str) -> None:
-        tail = stderr.strip().splitlines()[-3:]
-        said = " | ".join(tail) or "(no output)"
+        said = last_lines(stderr) or "(no output)"
         super().__init__(f"{' '.join(argv)}: exit {returncode}: {said}")
         self.argv = list(argv)
         self.returncode = returncode
@@ -120,8 +146,9 @@ class Halt:
 class Result:
     returncode: int
     stdout: str
-    stderr: str
+    stderr: str  # bounded: head and tail, with what was dropped between said
     raw: bytes = b""  # stdout as it came (a git blob is bytes, not text)
+    stderr_dropped: int = 0  # bytes of stderr not kept (a parser of stderr must refuse)
 
 
 @dataclass
@@ -136,10 +163,13 @@ class Runner:
 
     def run(self, argv: Sequence[str], *, ok_codes: Sequence[int] = (0,),
             timeout: float | None = None, env: dict[str, str] | None = None,
-            pass_fds: Sequence[int] = (), stdin: bytes | None = None) -> Result:
+            pass_fds: Sequence[int] = (), stdin: bytes | None = None,
+            max_stdout: int = DEFAULT_MAX_STDOUT) -> Result:
         """``pass_fds``: descriptors the command reaches as ``/proc/self/fd/N``
         (paths resolved without symlinks, see ``safepath``). ``stdin``: bytes
-        the command reads on its standard input (a key: never on argv)."""
+        the command reads on its standard input (a key: never on argv).
+        ``max_stdout``: past this many bytes on stdout it is killed (and
+        CommandError raised): what is returned is always whole."""
         argv = [str(a) for a in argv]
         self.history.append(argv)
         log.debug("run: %s", " ".join(argv))
@@ -147,31 +177,35 @@ class Runner:
         limit = timeout or self.timeout
         proc = _start(argv, env, pass_fds, stdin is not None)
         with self.halt.tracking(proc.pid, argv):
-            out = self._wait(proc, argv, limit, stdin)
+            out = self._wait(proc, argv, limit, stdin, max_stdout)
         if out.returncode not in ok_codes:
             raise CommandError(argv, out.returncode, out.stderr)
         return out
 
     def _wait(self, proc: subprocess.Popen[bytes], argv: list[str], limit: float,
-              stdin: bytes | None = None) -> Result:
+              stdin: bytes | None, max_stdout: int) -> Result:
         t0 = time.monotonic()
         deadline = t0 + limit
-        pump = _Pump(proc, stdin)
+        pump = _Pump(proc, stdin, max_stdout)
         try:
-            while True:
+            while pump.over is None:
                 until = min(deadline, self.halt.kill_at)
                 left = until - time.monotonic()
                 if left <= 0:
                     break
                 if pump.step(min(left, STOP_CHECK_S)):
                     assert proc.returncode is not None
-                    return Result(proc.returncode, _text(pump.out), _text(pump.err),
-                                  bytes(pump.out))
+                    return Result(proc.returncode, _text(pump.out), pump.err.text(),
+                                  bytes(pump.out), pump.err.dropped)
+            over = pump.over
             stopping = time.monotonic() < deadline  # killed for the stop, not its deadline
             said = _kill(proc, pump)
         finally:
             pump.close()
         took = time.monotonic() - t0
+        if over is not None:  # the bound, not a stop or the deadline: this command's fault
+            raise CommandError(argv, TOO_MUCH_OUTPUT, f"{over}: killed (its process group)"
+                                                      f"{said}")
         if stopping:
             raise Aborted(f"{self.halt.reason}: {' '.join(argv)} killed after {took:.0f} s"
                           f"{said}")
@@ -212,14 +246,17 @@ class _Pump:
     closed and exited), never on a polling tick (``Popen.communicate`` with a
     timeout sleeps up to 50 ms at a time waiting for the exit)."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], stdin: bytes | None) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], stdin: bytes | None,
+                 max_stdout: int = DEFAULT_MAX_STDOUT) -> None:
         self.proc = proc
-        self.out, self.err = bytearray(), bytearray()
+        self.out, self.err = bytearray(), HeadTail(STDERR_KEEP)
+        self.max_stdout = max_stdout
+        self.over: str | None = None  # which bound it passed: "printed more than ..."
         self._sel = selectors.PollSelector()
         self._input = memoryview(stdin or b"")
         assert proc.stdout is not None and proc.stderr is not None
-        self._bufs = {proc.stdout.fileno(): self.out, proc.stderr.fileno(): self.err}
-        for fd in self._bufs:
+        self._out_fd, self._err_fd = proc.stdout.fileno(), proc.stderr.fileno()
+        for fd in (self._out_fd, self._err_fd):
             self._sel.register(fd, selectors.EVENT_READ)
         self._stdin = proc.stdin.fileno() if proc.stdin is not None else None
         if self._stdin is not None:
@@ -234,8 +271,9 @@ class _Pump:
         else:
             self._sel.register(self._pidfd, selectors.EVENT_READ)
 
-    def step(self, timeout: float) -> bool:
-        """Move data for up to ``timeout`` s; True once the command is done."""
+    def step(self, timeout: float, *, until_over: bool = True) -> bool:
+        """Move data for up to ``timeout`` s; True once the command is done.
+        ``until_over``: False as soon as a bound is passed (see ``over``)."""
         end = time.monotonic() + timeout
         while self._sel.get_map():
             left = end - time.monotonic()
@@ -243,6 +281,8 @@ class _Pump:
                 return False
             for key, _ in self._sel.select(left):
                 self._ready(key.fd)
+                if until_over and self.over is not None:
+                    return False  # before its exit is reaped: its group can be killed
         if self._pidfd is None:  # pipes closed; the exit, the old way
             try:
                 self.proc.wait(timeout=max(0.0, end - time.monotonic()))
@@ -264,11 +304,18 @@ class _Pump:
             if not self._input:
                 self._close_stdin()
         else:
-            data = os.read(fd, 65536)
-            if data:
-                self._bufs[fd] += data
-            else:
+            data = os.read(fd, READ_SIZE)
+            if not data:
                 self._sel.unregister(fd)
+            elif fd == self._err_fd:
+                self.err.add(data)
+                if self.err.total > STDERR_KILL and self.over is None:
+                    self.over = f"printed more than {_size(STDERR_KILL)} on stderr"
+            elif self.over is None:  # past a bound, stdout is only drained
+                if len(self.out) + len(data) > self.max_stdout:
+                    self.over = f"printed more than {_size(self.max_stdout)} on stdout"
+                else:
+                    self.out += data
 
     def _close_stdin(self) -> None:
         if self._stdin is not None and self._stdin in self._sel.get_map():
@@ -289,12 +336,45 @@ class _Pump:
                     pipe.close()
 
 
+class HeadTail:
+    """The first and the last ``keep`` bytes of a stream; what fell between is
+    counted, not kept."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.head, self.tail = bytearray(), bytearray()
+        self.total = 0  # bytes seen
+        self.dropped = 0  # bytes neither in head nor in tail
+
+    def add(self, data: bytes) -> None:
+        self.total += len(data)
+        room = self.keep - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if data:
+            self.tail += data
+            extra = len(self.tail) - self.keep
+            if extra > 0:
+                del self.tail[:extra]  # a bytearray drops its front without copying
+                self.dropped += extra
+
+    def text(self) -> str:
+        if not self.dropped:
+            return _text(self.head + self.tail)
+        return f"{_text(self.head)}\n[... {self.dropped} bytes dropped ...]\n{_text(self.tail)}"
+
+
+def _size(n: int) -> str:
+    return f"{n // MiB} MiB" if n and n % MiB == 0 else f"{n} bytes"
+
+
 def _kill(proc: subprocess.Popen[bytes], pump: _Pump) -> str:
     """SIGKILL the command's process group, then wait a bounded time for it.
     Returns what to add to the error: its last output, or that it was abandoned."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    if not pump.step(KILL_WAIT_S):
+    if not pump.step(KILL_WAIT_S, until_over=False):
         # A process outside the group (it made its own session) holds the
         # pipes, or the command is stuck in the kernel: give up on it honestly.
         pump.close()
@@ -303,16 +383,20 @@ def _kill(proc: subprocess.Popen[bytes], pump: _Pump) -> str:
         # Stuck in the kernel (D state), it may never exit: reaped from a
         # thread whenever it does, so no caller waits on it.
         reap_later(proc)
-        return f"; output abandoned{_tail(pump.err)}"
+        return f"; output abandoned{_tail(pump.err.text())}"
     reap_group(proc.pid)  # its orphans came back to us if we are a subreaper
-    return _tail(pump.err)
+    return _tail(pump.err.text())
 
 
-def _tail(stderr: bytes | bytearray | str | None) -> str:
-    text = stderr.decode("utf-8", "replace") if isinstance(stderr, bytes | bytearray) \
-        else stderr or ""
-    lines = text.strip().splitlines()[-3:]
-    return f"; it said: {' | '.join(lines)}" if lines else ""
+def last_lines(text: str, n: int = 3) -> str:
+    """The last ``n`` lines of ``text``, each clipped to ``SHOWN_LINE``, as one."""
+    lines = text.strip().splitlines()[-n:]
+    return " | ".join(ln if len(ln) <= SHOWN_LINE else ln[:SHOWN_LINE] + "..." for ln in lines)
+
+
+def _tail(stderr: str) -> str:
+    said = last_lines(stderr)
+    return f"; it said: {said}" if said else ""
 
 
 def _text(b: bytes | bytearray | None) -> str:

@@ -8,13 +8,17 @@ push the cause out of a one-line message. And git's advice for a repository
 it refuses as not owned by the caller is to trust it (``safe.directory``):
 for a file:// repository the node must not take that advice, so it is not
 repeated; what to do instead is said.
+
+What is read is bounded: the Runner keeps the head and the tail of a
+flood (drivers/run.py), and of that only the last ``LOOKED_AT`` lines are
+looked at, and each line shown is clipped to ``SHOWN_LINE`` characters.
 """
 
 from __future__ import annotations
 
 import re
 
-from reconciler.drivers.run import CommandError
+from reconciler.drivers.run import SHOWN_LINE, CommandError
 
 BOILERPLATE = frozenset({
     "fatal: Could not read from remote repository.",
@@ -25,19 +29,25 @@ BOILERPLATE = frozenset({
 SAFE_DIRECTORY_HINT = "git config --global --add safe.directory"
 DUBIOUS = re.compile(r"detected dubious ownership in repository at '(?P<path>[^']*)'")
 SHOWN_LINES = 3
+LOOKED_AT = 50  # git's cause and its advice are its last few lines
 
 
 def remote_cause(exc: CommandError, local: bool = False) -> str:
     """The lines of ``exc`` that say why (at most the last three), one line.
     ``local``: the repository is a file:// one, read by git as the node's root."""
-    lines = [ln.strip() for ln in exc.stderr.splitlines()]
+    lines = [ln.strip() for ln in exc.stderr.splitlines()[-LOOKED_AT:]]
     for line in lines:
         found = DUBIOUS.search(line)
         if found and local:
             return not_owned(found["path"])
     kept = [ln for ln in lines if ln and ln not in BOILERPLATE
             and not ln.startswith(SAFE_DIRECTORY_HINT)]
-    return " | ".join(kept[-SHOWN_LINES:]) or f"exit {exc.returncode} (no output)"
+    return " | ".join(_clip(ln) for ln in kept[-SHOWN_LINES:]) \
+        or f"exit {exc.returncode} (no output)"
+
+
+def _clip(line: str) -> str:
+    return line if len(line) <= SHOWN_LINE else line[:SHOWN_LINE] + "..."
 
 
 def not_owned(path: str) -> str:

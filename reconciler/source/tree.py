@@ -83,15 +83,23 @@ def list_tree(git: Git, commit: str, path: str, max_file: int, max_tree: int) ->
     return entries
 
 
+# "<40 hex> blob <size>\n" before a blob and "\n" after it: at most this much
+BLOB_FRAMING = 80
+
+
 def read_blobs(git: Git, entries: list[Entry]) -> dict[str, bytes]:
-    """Every blob at once (one process), checked against its listed size."""
+    """Every blob at once (one process), checked against its listed size.
+    Its answer is bounded by those sizes (list_tree checked their sum
+    against maxTreeBytes), not by the Runner's default for a command."""
     if not entries:
         return {}
-    wanted = sorted({e.blob for e in entries})
+    sizes = {e.blob: e.size for e in entries}
+    wanted = sorted(sizes)
     out = git.runner.run(
         ["git", f"--git-dir={git.repo}", "cat-file", "--batch"],
         stdin="".join(f"{b}\n" for b in wanted).encode(), env=git.env(),
-        timeout=git.config.timeout_seconds).raw
+        timeout=git.config.timeout_seconds,
+        max_stdout=sum(sizes.values()) + BLOB_FRAMING * len(wanted)).raw
     blobs: dict[str, bytes] = {}
     at = 0
     for oid in wanted:

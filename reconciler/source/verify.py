@@ -193,7 +193,12 @@ def _readable(path: Path | None, what: str, label: str) -> str:
 def _git_verify(git: Git, kind: str, sha: str, config: list[str]) -> tuple[int, list[str]]:
     args = [a for kv in config for a in ("-c", kv)]
     res = git.run([*args, f"verify-{kind}", "--raw", "--", sha], ok_codes=VERDICT_CODES)
-    # --raw: the verifier's output on stderr (stdout stays empty).
+    # --raw: the verifier's output on stderr (stdout stays empty). Its
+    # verdict is read from those lines: with some not kept (the Runner keeps
+    # the head and tail of a flood), a second signature could go unseen.
+    if res.stderr_dropped:
+        raise Refused("BadSignature", f"{kind} {sha[:12]}: the verifier said too much to be "
+                                      f"read whole ({res.stderr_dropped} bytes not kept)")
     return res.returncode, (res.stderr + res.stdout).splitlines()
 
 

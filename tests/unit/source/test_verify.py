@@ -442,3 +442,24 @@ def test_object_types_are_checked(signer: Signing, alice: SshKey, tmp_path: Path
     refused("NotACommit", verify_commit, git, "f" * 40, policy)
     refused("NotACommit", verify_commit, git, "--help", policy)
     refused("NotATag", verify_tag, git, "HEAD", policy)
+
+
+
+
+def test_a_verdict_too_long_to_read_whole_is_refused(signer: Signing, pgp_a: GpgKey,
+                                                     pgp_b: GpgKey, tmp_path: Path) -> None:
+    """git's verdict is read from the verifier's lines; past what the Runner
+    keeps of stderr (its head and tail) a line could go unseen (a second
+    signature's NEWSIG), so the commit is refused, never judged on part of
+    them. Here three signatures, each with two notations of 4000 "%" (gpg
+    expands "%%" to one; its status escapes each as "%25"): ~85 KB of status."""
+    carol = signer.gpg_key("Carol <carol@example.invalid>")
+    unsigned = signer.raw(signer.commit("long notations"))
+    users = [a for k in (pgp_a, pgp_b, carol) for a in ("-u", f"{k.signs_with}!")]
+    notations = [a for name in ("n", "m")
+                 for a in ("--sig-notation", f"{name}@example.invalid=" + "%" * 8000)]
+    signature = signer.gpg(*users, "--detach-sign", "--armor", *notations, stdin=unsigned)
+    sha = signer.write_object("commit", with_signature(unsigned, ("gpgsig", signature)))
+    policy = pgp_policy(signer, tmp_path, (pgp_a, pgp_b, carol), (pgp_a,))
+    said = refused("BadSignature", verify_revision, synced(signer, tmp_path), sha, None, policy)
+    assert "the verifier said too much to be read whole" in said.message, said.message
