@@ -275,6 +275,7 @@ source:
     node = Node(proc)
     outcomes: collections.Counter[str] = collections.Counter()
     peaks: list[int] = []
+    slowest = 0.0
 
     def where(extra: str = "") -> str:
         """For a failure: the seed, and the server's last answers."""
@@ -319,6 +320,7 @@ source:
             out, took = node.sync(SYNC_BOUND)
             outcomes[f"{out['result']}:{out['reason']}"] += 1
             peaks.append(node.peak_rss())
+            slowest = max(slowest, took)
             print(f"sync {syncs}: {out['result']} {out['reason']} in {took:.1f} s, peak "
                   f"{peaks[-1] >> 20} MiB; the server: "
                   + ", ".join(f"#{c['n']} {c['do']}" for c in hostile.calls()[called:]))
@@ -354,7 +356,8 @@ source:
 
     calls = hostile.calls()
     seen = collections.Counter(c["do"] for c in calls)
-    print(f"{syncs} syncs in {time.monotonic() - t0:.0f} s: {dict(outcomes)}; "
+    print(f"{syncs} syncs in {time.monotonic() - t0:.0f} s (the slowest {slowest:.1f} s, "
+          f"bound {SYNC_BOUND:g} s): {dict(outcomes)}; "
           f"server calls: {dict(seen)}; peak RSS {max(peaks, default=baseline) >> 20} MiB "
           f"(baseline {baseline >> 20} MiB)")
     # Every hostile behaviour was met at least once (the first calls go
