@@ -368,3 +368,28 @@ def serve() -> Iterator[GitServer]:
             server.stop()
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def ssh_node_config(root: Path, server: GitServer, allowed: Path, *, key: Path | None = None,
+                    extra: str = "") -> Path:
+    """``root/config.yaml``: a node (``a``, state in ``root/state``) following
+    ``server``'s main over ssh as an operator writes it (the deploy key, or
+    ``key``; the pinned host key), commits verified against ``allowed``.
+    ``extra``: more ``source:`` keys, each line indented by two spaces."""
+    state = root / "state"
+    state.mkdir(mode=0o755, exist_ok=True)
+    cfg = root / "config.yaml"
+    cfg.write_text(f"""\
+stateDir: {state}
+nodeName: a
+allowedRoots: [/srv]
+source:
+  url: {server.url}
+  ref: {{branch: main}}
+  path: nodes/{{nodeName}}
+{extra}  credentials:
+    sshKeyFile: {key or server.deploy_key}
+    knownHostsFile: {server.known_hosts}
+  verify: {{mode: head, format: ssh, allowedSignersFile: {allowed}}}
+""")
+    return cfg

@@ -22,7 +22,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from gitserver import GitServer, commit, keygen
+from gitserver import GitServer, commit, keygen, ssh_node_config
 from gitserver import git as git_cli
 
 from reconciler.drivers.run import DEFAULT_MAX_STDOUT, STDERR_KILL, CommandError, Runner
@@ -88,23 +88,8 @@ def test_a_server_flooding_stderr_fails_the_sync_with_a_bounded_message(
     git_server.authorize(f'command="{FLOOD}",restrict {keygen(flood_key, "flood")}')
     allowed = tmp_path / "allowed_signers"
     allowed.write_text("")
-    state = tmp_path / "state"
-    state.mkdir(mode=0o755)
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(f"""\
-stateDir: {state}
-nodeName: a
-allowedRoots: [/srv]
-source:
-  url: {git_server.url}
-  ref: {{branch: main}}
-  path: nodes/{{nodeName}}
-  timeoutSeconds: 60
-  credentials:
-    sshKeyFile: {flood_key}
-    knownHostsFile: {git_server.known_hosts}
-  verify: {{mode: head, format: ssh, allowedSignersFile: {allowed}}}
-""")
+    cfg = ssh_node_config(tmp_path, git_server, allowed, key=flood_key,
+                          extra="  timeoutSeconds: 60\n")
     answer = probe_sync(cfg)
     assert (answer["result"], answer["reason"]) == ("failed", "FetchFailed"), answer
     message = str(answer["message"])

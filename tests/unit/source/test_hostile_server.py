@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gitserver import GitServer, keygen
+from gitserver import GitServer, keygen, ssh_node_config
 from hostile_git import BEHAVIOURS
 from source_signing import VOLUME_YAML, Signing, SshKey
 
@@ -245,24 +245,9 @@ def test_a_hostile_server_gets_nothing_applied_and_the_node_recovers(
                 lies=[str(r) for r in lies.values()], max_life=5 * TIMEOUT, fuzz_from=0)
 
     allowed = signer.allowed_signers(tmp_path / "allowed_signers", ("alice", alice))
+    cfg = ssh_node_config(tmp_path, git_server, allowed, key=key,
+                          extra=f"  timeoutSeconds: {TIMEOUT}\n  maxTreeBytes: 1048576\n")
     state = tmp_path / "state"
-    state.mkdir(mode=0o755)
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(f"""\
-stateDir: {state}
-nodeName: a
-allowedRoots: [/srv]
-source:
-  url: {git_server.url}
-  ref: {{branch: main}}
-  path: nodes/{{nodeName}}
-  timeoutSeconds: {TIMEOUT}
-  maxTreeBytes: 1048576
-  credentials:
-    sshKeyFile: {key}
-    knownHostsFile: {git_server.known_hosts}
-  verify: {{mode: head, format: ssh, allowedSignersFile: {allowed}}}
-""")
     pushes = Pushes(signer, alice, signer.ssh_key("mallory"), git_server.repo)
     first = pushes.push(alice)
     signer.git("push", "--quiet", str(lies["old"]), f"{first}:refs/heads/main")

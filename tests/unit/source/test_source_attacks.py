@@ -180,8 +180,9 @@ def test_a_rollback_does_not_forget_the_newest_revision(tmp_path: Path, signer: 
 
 # -- item 7: trust follows the revocation file ---------------------------------------
 
-def test_a_revoked_key_no_longer_verifies_what_is_applied(tmp_path: Path, signer: Signing,
-                                                          alice: SshKey) -> None:
+def revocable(tmp_path: Path, signer: Signing, alice: SshKey) -> tuple[Config, Path, SshKey]:
+    """alice and bob allowed, an empty revocation file: the config, that
+    file, and bob's key."""
     revoked = signer.revocation_list(tmp_path / "revoked_keys")
     config = make_config(tmp_path, signer, alice)
     assert config.git is not None
@@ -189,6 +190,12 @@ def test_a_revoked_key_no_longer_verifies_what_is_applied(tmp_path: Path, signer
         config.git.verify, revocation=revoked)))
     bob = signer.ssh_key("bob")
     signer.allowed_signers(tmp_path / "allowed_signers", ("alice", alice), ("bob", bob))
+    return config, revoked, bob
+
+
+def test_a_revoked_key_no_longer_verifies_what_is_applied(tmp_path: Path, signer: Signing,
+                                                          alice: SshKey) -> None:
+    config, revoked, bob = revocable(tmp_path, signer, alice)
     one = push(signer, tmp_path, alice, "one", {"nodes/a/v.yaml": VOLUME.format(
         name="v", size="1Gi")})
     assert Syncer(config).sync().result == "applied"
@@ -244,13 +251,7 @@ def test_a_key_revoked_in_the_keyring_distrusts_what_it_signed(
 
 def test_a_rollback_is_verified_under_the_policy_of_now(tmp_path: Path, signer: Signing,
                                                         alice: SshKey) -> None:
-    revoked = signer.revocation_list(tmp_path / "revoked_keys")
-    config = make_config(tmp_path, signer, alice)
-    assert config.git is not None
-    config = replace(config, git=replace(config.git, verify=replace(
-        config.git.verify, revocation=revoked)))
-    bob = signer.ssh_key("bob")
-    signer.allowed_signers(tmp_path / "allowed_signers", ("alice", alice), ("bob", bob))
+    config, revoked, bob = revocable(tmp_path, signer, alice)
     push(signer, tmp_path, alice, "one", {"nodes/a/v.yaml": VOLUME.format(name="v", size="1Gi")})
     assert Syncer(config).sync().result == "applied"
     push(signer, tmp_path, bob, "two", {"nodes/a/v.yaml": VOLUME.format(name="v", size="2Gi")})

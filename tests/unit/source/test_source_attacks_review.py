@@ -10,28 +10,16 @@ from pathlib import Path
 
 import pytest
 from source_signing import VOLUME_YAML, Signing, SshKey
+from test_source_attacks import revocable
 from test_sync import applied_files, conditions, make_config, push
 
 from reconciler.source import sync as sync_mod
 from reconciler.source.layout import Layout
 from reconciler.source.report import distrust, source_status
 from reconciler.source.sync import Syncer
-from reconciler.spec.config import Config
 from reconciler.spec.source import SourceRef
 
 VOLUME = VOLUME_YAML
-
-
-def revocable(tmp_path: Path, signer: Signing, alice: SshKey) -> tuple[Config, Path, SshKey]:
-    """alice and bob allowed, an empty revocation file."""
-    revoked = signer.revocation_list(tmp_path / "revoked_keys")
-    config = make_config(tmp_path, signer, alice)
-    assert config.git is not None
-    config = replace(config, git=replace(config.git, verify=replace(
-        config.git.verify, revocation=revoked)))
-    bob = signer.ssh_key("bob")
-    signer.allowed_signers(tmp_path / "allowed_signers", ("alice", alice), ("bob", bob))
-    return config, revoked, bob
 
 
 def vol(size: str) -> dict[str, str | None]:

@@ -22,7 +22,7 @@ from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
-from gitserver import HOST, GitServer, wait_for
+from gitserver import HOST, GitServer, ssh_node_config, wait_for
 from source_signing import VOLUME_YAML, Signing, SshKey
 
 from reconciler.cli import main as cli
@@ -42,25 +42,8 @@ VOLUME = VOLUME_YAML
 def config_file(tmp_path: Path, git_server: GitServer, signer: Signing, alice: SshKey) -> Path:
     """A node config following the server over ssh, as an operator writes it."""
     allowed = signer.allowed_signers(tmp_path / "allowed_signers", ("alice", alice))
-    state = tmp_path / "state"
-    state.mkdir(mode=0o755)
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(f"""\
-stateDir: {state}
-nodeName: a
-allowedRoots: [/srv]
-source:
-  url: {git_server.url}
-  ref: {{branch: main}}
-  path: nodes/{{nodeName}}
-  intervalSeconds: {INTERVAL}
-  timeoutSeconds: 10
-  credentials:
-    sshKeyFile: {git_server.deploy_key}
-    knownHostsFile: {git_server.known_hosts}
-  verify: {{mode: head, format: ssh, allowedSignersFile: {allowed}}}
-""")
-    return cfg
+    return ssh_node_config(tmp_path, git_server, allowed,
+                           extra=f"  intervalSeconds: {INTERVAL}\n  timeoutSeconds: 10\n")
 
 
 def publish(server: GitServer, signer: Signing, key: SshKey, size: str) -> str:
