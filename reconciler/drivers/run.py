@@ -86,6 +86,12 @@ class CommandError(Exception):
         self.stderr = stderr
 
 
+class OutputTooLarge(CommandError):
+    """Killed at an output bound (returncode ``TOO_MUCH_OUTPUT``). Unlike a
+    failure, the same command on the same input prints as much again: a
+    caller whose input is a revision refuses that revision."""
+
+
 class Aborted(Exception):
     """The daemon is stopping (or ``release --all`` reached its deadline): the
     command was not started, or was killed.
@@ -204,8 +210,8 @@ class Runner:
             pump.close()
         took = time.monotonic() - t0
         if over is not None:  # the bound, not a stop or the deadline: this command's fault
-            raise CommandError(argv, TOO_MUCH_OUTPUT, f"{over}: killed (its process group)"
-                                                      f"{said}")
+            raise OutputTooLarge(argv, TOO_MUCH_OUTPUT, f"{over}: killed (its process group)"
+                                                        f"{said}")
         if stopping:
             raise Aborted(f"{self.halt.reason}: {' '.join(argv)} killed after {took:.0f} s"
                           f"{said}")

@@ -72,6 +72,7 @@ VERDICTS: dict[str, Verdict] = {
     "TreeTooLarge": _REVISION,
     # before verification
     "FetchTooLarge": _UNVERIFIED,
+    "ObjectTooLarge": _UNVERIFIED,  # a commit or tag object past the Runner's stdout bound
     # nothing decided
     "FetchFailed": _FAILURE,
     "RefNotFound": _FAILURE,

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from reconciler.drivers.run import CommandError
+from reconciler.drivers.run import DEFAULT_MAX_STDOUT, CommandError, OutputTooLarge
 from reconciler.source.gitenv import Git
 
 log = logging.getLogger("rbd-reconciler.source")
@@ -53,7 +53,12 @@ def list_tree(git: Git, commit: str, path: str, max_file: int, max_tree: int) ->
     if kind != "tree":
         raise TreeRefused("PathNotADirectory", f"{path} is a {kind} in {commit[:12]}, not a "
                                                "directory")
-    raw = git.run(["ls-tree", "-r", "-l", "-z", "--", spec]).raw
+    try:
+        raw = git.run(["ls-tree", "-r", "-l", "-z", "--", spec]).raw
+    except OutputTooLarge:  # file names, not sizes: too many files (the revision's own)
+        raise TreeRefused("TreeTooLarge", f"{path or '/'} in {commit[:12]} lists more than "
+                                          f"{DEFAULT_MAX_STDOUT >> 20} MiB of file names "
+                                          "(too many files)") from None
     records = [r.partition(b"\t") for r in raw.split(b"\0") if r]
     _refuse_undecodable(path, [name for _, _, name in records])
     entries, total = [], 0

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote
 
+from reconciler.drivers.run import DEFAULT_MAX_STDOUT, OutputTooLarge
 from reconciler.source.gitenv import Git
 from reconciler.spec.source import SHA1, SourceVerify
 
@@ -162,7 +163,15 @@ def _verify(git: Git, kind: str, sha: str, policy: SourceVerify,
     # type is checked on the object itself. --batch: "<sha> <type> <size>"
     # (or "<sha> missing"), then the raw object; bytes that are not UTF-8
     # arrive as U+FFFD, the lines and the ASCII armor lines intact.
-    out = git.run(["cat-file", "--batch"], stdin=f"{sha}\n".encode()).stdout
+    # An object past the Runner's bound (a pusher's 17 MiB message costs a
+    # few kB of pack) is the revision's, at every attempt: refused, as a
+    # push the node will not take, not reported as git failing.
+    try:
+        out = git.run(["cat-file", "--batch"], stdin=f"{sha}\n".encode()).stdout
+    except OutputTooLarge:
+        raise Refused("ObjectTooLarge", f"{what}: the object is over "
+                                        f"{DEFAULT_MAX_STDOUT >> 20} MiB (no commit or tag "
+                                        "of a desired state is): refused unverified") from None
     header, _, raw = out.partition("\n")
     got = header.split(" ")[1] if header.count(" ") == 2 else "not in the mirror"
     if got != kind:
