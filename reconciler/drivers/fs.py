@@ -193,7 +193,7 @@ class Filesystems:
         interrupted mkfs (the caller decides, from image-meta)."""
         flag = ["-F" if fs_type == "ext4" else "-f"] if force else []
         self.runner.run([f"mkfs.{fs_type}", *MKFS_DEFAULTS[fs_type], *flag, *options, "--", device],
-                        timeout=self.runner.long_timeout)
+                        timeout=self.runner.long_timeout, max_stdout=None)  # a report
 
     def _mountpoint(self, path: str, kind: str) -> None:
         """Create the mount point (no symlink followed); remember it if we made it."""
@@ -336,9 +336,12 @@ class Filesystems:
         """ext4 before mounting: e2fsck must pass first (resize2fs insists)."""
         assert fs_type == "ext4"
         # e2fsck -p exits 1 when it fixed something: still fine to resize.
+        # Their stdout is a report nobody parses (e2fsck's can list every
+        # problem it fixed): kept as head and tail, never a reason to kill.
         self.runner.run(["e2fsck", "-f", "-p", "--", device], ok_codes=(0, 1),
-                        timeout=self.runner.long_timeout)
-        self.runner.run(["resize2fs", "--", device], timeout=self.runner.long_timeout)
+                        timeout=self.runner.long_timeout, max_stdout=None)
+        self.runner.run(["resize2fs", "--", device], timeout=self.runner.long_timeout,
+                        max_stdout=None)
 
 
 # Per-mount flags a bind remount sets that mountinfo shows as given.

@@ -34,7 +34,9 @@ gigabytes within one deadline):
   stdout: killed". The largest legitimate answers are a LUKS2 header's JSON
   (``cryptsetup luksDump``, at most 4 MiB) and a node's ``rbd device list``;
   ``git cat-file --batch`` of a revision passes its own bound (the tree's
-  listed sizes), as may any caller that expects more.
+  listed sizes), as may any caller that expects more. A stdout nothing
+  parses (``max_stdout=None``: e2fsck's report of what it fixed) is kept as
+  stderr is, head and tail, and never a reason to kill: the deadline ends it.
 
 Long-lived helpers (rbd-fuse) are started elsewhere, in their own session,
 and never through a Runner: nothing here kills them.
@@ -170,12 +172,14 @@ class Runner:
     def run(self, argv: Sequence[str], *, ok_codes: Sequence[int] = (0,),
             timeout: float | None = None, env: dict[str, str] | None = None,
             pass_fds: Sequence[int] = (), stdin: bytes | None = None,
-            max_stdout: int = DEFAULT_MAX_STDOUT) -> Result:
+            max_stdout: int | None = DEFAULT_MAX_STDOUT) -> Result:
         """``pass_fds``: descriptors the command reaches as ``/proc/self/fd/N``
         (paths resolved without symlinks, see ``safepath``). ``stdin``: bytes
         the command reads on its standard input (a key: never on argv).
         ``max_stdout``: past this many bytes on stdout it is killed (and
-        CommandError raised): what is returned is always whole."""
+        CommandError raised): what is returned is always whole. None: stdout
+        is not parsed (e2fsck's list of what it fixed): kept as stderr is,
+        its head and its tail, and never a reason to kill."""
         argv = [str(a) for a in argv]
         self.history.append(argv)
         log.debug("run: %s", " ".join(argv))
@@ -189,7 +193,7 @@ class Runner:
         return out
 
     def _wait(self, proc: subprocess.Popen[bytes], argv: list[str], limit: float,
-              stdin: bytes | None, max_stdout: int) -> Result:
+              stdin: bytes | None, max_stdout: int | None) -> Result:
         t0 = time.monotonic()
         deadline = t0 + limit
         pump = _Pump(proc, stdin, max_stdout)
@@ -201,8 +205,7 @@ class Runner:
                     break
                 if pump.step(min(left, STOP_CHECK_S)):
                     assert proc.returncode is not None
-                    return Result(proc.returncode, _text(pump.out), pump.err.text(),
-                                  bytes(pump.out), pump.err.dropped)
+                    return pump.result(proc.returncode)
             over = pump.over
             stopping = time.monotonic() < deadline  # killed for the stop, not its deadline
             said = _kill(proc, pump)
@@ -253,10 +256,12 @@ class _Pump:
     timeout sleeps up to 50 ms at a time waiting for the exit)."""
 
     def __init__(self, proc: subprocess.Popen[bytes], stdin: bytes | None,
-                 max_stdout: int = DEFAULT_MAX_STDOUT) -> None:
+                 max_stdout: int | None = DEFAULT_MAX_STDOUT) -> None:
         self.proc = proc
         self.out, self.err = bytearray(), HeadTail(STDERR_KEEP)
         self.max_stdout = max_stdout
+        # stdout nobody parses: its head and tail, as stderr (None: parsed)
+        self.out_kept = HeadTail(STDERR_KEEP) if max_stdout is None else None
         self.over: str | None = None  # which bound it passed: "printed more than ..."
         self._sel = selectors.PollSelector()
         self._input = memoryview(stdin or b"")
@@ -317,11 +322,21 @@ class _Pump:
                 self.err.add(data)
                 if self.err.total > STDERR_KILL and self.over is None:
                     self.over = f"printed more than {_size(STDERR_KILL)} on stderr"
+            elif self.out_kept is not None:
+                self.out_kept.add(data)
             elif self.over is None:  # past a bound, stdout is only drained
+                assert self.max_stdout is not None
                 if len(self.out) + len(data) > self.max_stdout:
                     self.over = f"printed more than {_size(self.max_stdout)} on stdout"
                 else:
                     self.out += data
+
+    def result(self, returncode: int) -> Result:
+        if self.out_kept is not None:
+            return Result(returncode, self.out_kept.text(), self.err.text(), b"",
+                          self.err.dropped)
+        return Result(returncode, _text(self.out), self.err.text(), bytes(self.out),
+                      self.err.dropped)
 
     def _close_stdin(self) -> None:
         if self._stdin is not None and self._stdin in self._sel.get_map():

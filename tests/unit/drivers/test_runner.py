@@ -144,7 +144,10 @@ def test_a_stop_kills_a_stuck_command_after_the_grace(stuck: tuple[Path, Path]) 
     t = threading.Thread(target=run, daemon=True)
     t.start()
     wait_until(lambda: pids.exists() and len(pids.read_text().split()) == 2, "the stand-in")
-    assert any(str(script) in r for r in halt.running())
+    # The script writes its pids as soon as it runs, which can be before the
+    # Runner has registered it (Popen returns, then tracking): wait for that.
+    wait_until(lambda: any(str(script) in r for r in halt.running()),
+               "the Runner to track the stand-in")
     halt.begin(grace=0.5)
     t.join(timeout=30)
     assert not t.is_alive(), "a stop waited for a stuck command's own deadline"
