@@ -1,0 +1,150 @@
+"""Attacks on the mirror's bounds (issue 36, item 4: "refused revisions fill
+the state dir"): what pruning must keep, and what a server or a fault can
+still make the mirror keep."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from source_signing import Signing, SshKey
+from test_mirror_size import BLOB, big_push, mirror_bytes, volume
+from test_source_attacks import tag_config
+from test_sync import make_config, push
+
+from reconciler.source.gitenv import Git
+from reconciler.source.layout import Layout
+from reconciler.source.sync import Syncer
+from reconciler.spec.config import Config
+
+# The server's side of an ssh connection, without sshd: ``ssh ... HOST CMD``
+# runs CMD here (the real upload-pack on the repository), and then, once it
+# answered with more than a few KB (a pack, not an advertisement), keeps the
+# session open: git waits for its ssh before it checks the pack and moves
+# the ref, so the call ends at its deadline with the pack in place.
+STALLING_SSH = """
+import subprocess, sys, time
+proc = subprocess.Popen(["sh", "-c", sys.argv[-1]], stdout=subprocess.PIPE)
+sent = 0
+while data := proc.stdout.read1(65536):
+    sent += len(data)
+    sys.stdout.buffer.write(data)
+    sys.stdout.flush()
+proc.wait()
+if sent > 65536:
+    time.sleep(3600)
+sys.exit(proc.returncode)
+"""
+
+
+def retag(signer: Signing, tmp_path: Path, name: str, target: str,
+          key: SshKey | None) -> str:
+    """``name`` moved to a new annotated tag object on ``target`` (signed by
+    ``key``, else unsigned), force-pushed; the tag object's sha."""
+    signer.git("update-ref", "-d", f"refs/tags/{name}")
+    sha = signer.tag(name, target, key)
+    signer.git("push", "--quiet", "--force", f"file://{tmp_path / 'fleet.git'}",
+               f"refs/tags/{name}")
+    return sha
+
+
+def distrusted(config: Config) -> object:
+    return Layout(config.source_dir).read_state().get("distrusted")
+
+
+# -- what pruning must keep: the tag objects of the kept revisions ------------------
+
+def test_rollback_in_tag_mode_finds_the_previous_tag(tmp_path: Path, signer: Signing,
+                                                     alice: SshKey) -> None:
+    """``verify: {mode: tag}``: rollback verifies ``previous`` again, its tag
+    object included. Once the tag moved on, no ref of the mirror reached
+    that tag object (refs/source/* name commits, fetched the new tag), and
+    the pruning dropped it: the rollback found "tag ...: is not in the
+    mirror" and held the node as distrusted, an honest operator's rollback."""
+    for mode in ("tag", "tagAndHead"):
+        root = tmp_path / mode
+        root.mkdir()
+        config = tag_config(root, signer, alice, "prod", mode)
+        one = push(signer, root, alice, "one", volume("1Gi"))
+        retag(signer, root, "prod", one, alice)
+        assert Syncer(config).sync().result == "applied"
+        two = push(signer, root, alice, "two", volume("2Gi"))
+        retag(signer, root, "prod", two, alice)
+        out = Syncer(config).sync()
+        assert (out.result, out.commit) == ("applied", two), out
+        assert Syncer(config).rollback() == one
+        assert distrusted(config) is None, distrusted(config)
+        out = Syncer(config).sync()
+        assert (out.result, out.commit) == ("held", two), out
+
+
+def test_a_policy_change_after_a_refused_tag_keeps_the_applied_tag(
+        tmp_path: Path, signer: Signing, alice: SshKey) -> None:
+    """A pusher moves the tag to an unsigned tag object: refused, and the
+    fetch moved refs/source/fetched off the applied tag object, which the
+    pruning then dropped. Root then changes the policy (another signer
+    allowed): the applied revision is verified again, its tag object is
+    gone, and the node was distrusted, by a pusher and a routine change."""
+    config = tag_config(tmp_path, signer, alice, "prod", "tag")
+    one = push(signer, tmp_path, alice, "one", volume("1Gi"))
+    retag(signer, tmp_path, "prod", one, alice)
+    assert Syncer(config).sync().result == "applied"
+    two = push(signer, tmp_path, None, "two, unsigned", volume("2Gi"))
+    retag(signer, tmp_path, "prod", two, None)
+    out = Syncer(config).sync()
+    assert (out.result, out.reason) == ("refused", "Unsigned"), out
+    bob = signer.ssh_key("bob")
+    assert config.git is not None
+    allowed = signer.allowed_signers(tmp_path / "allowed_signers", ("alice", alice),
+                                     ("bob", bob))
+    changed = replace(config, git=replace(config.git, verify=replace(
+        config.git.verify, allowed_signers=allowed)))
+    out = Syncer(changed).sync()
+    assert (out.result, out.reason) == ("refused", "Unsigned"), out
+    assert distrusted(changed) is None, distrusted(changed)
+
+
+# -- what a server can still make the mirror keep ------------------------------------
+
+def stalling_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every git of the node talks to STALLING_SSH as its ssh."""
+    script = tmp_path / "stalling_ssh.py"
+    script.write_text(STALLING_SSH)
+    env = Git.env
+
+    def stalled(self: Git, extra: dict[str, str] | None = None) -> dict[str, str]:
+        return {**env(self, extra), "GIT_SSH_COMMAND": f"{sys.executable} -I -S {script}",
+                "GIT_SSH_VARIANT": "simple"}
+
+    monkeypatch.setattr(Git, "env", stalled)
+
+
+def test_a_server_that_stalls_after_each_pack_does_not_fill_the_mirror(
+        tmp_path: Path, signer: Signing, alice: SshKey,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server sends the whole pack, then keeps the connection open until
+    the fetch's deadline kills it. index-pack has renamed the pack in by
+    then (its .keep, removed before the next sync, was all that marked it),
+    and the ref has not moved: the fetch "failed", nothing compacted, and
+    the next push (or anything the server makes up) is fetched again: one
+    more pack per interval, never dropped while the server goes on."""
+    config = make_config(tmp_path, signer, alice)
+    good = push(signer, tmp_path, alice, "good", volume("1Gi"))
+    assert Syncer(config).sync().result == "applied"
+    before = mirror_bytes(config)
+    assert config.git is not None
+    config = replace(config, git=replace(config.git, url=f"ssh://git@server{tmp_path}/fleet.git",
+                                         timeout_seconds=3))
+    stalling_server(tmp_path, monkeypatch)
+    sizes = []
+    for i in range(3):
+        big_push(signer, tmp_path, good, None, f"unsigned {i}")
+        t0 = time.monotonic()
+        out = Syncer(config).sync()
+        assert (out.result, out.reason) == ("failed", "FetchFailed"), out
+        assert time.monotonic() - t0 < 30
+        sizes.append(mirror_bytes(config))
+    assert sizes[-1] < before + 1.5 * BLOB, (before, sizes)
