@@ -131,6 +131,7 @@ class Syncer:
             state.pop("tooLarge", None)
             _step("fetched")
             applied = self.layout.applied()
+            self._repair_refs(applied)
             name = rev_name(out.commit, self.node_path)
             distrust = self._recheck_applied(state, applied, digest)
             if applied is not None and applied["name"] == name:
@@ -350,6 +351,18 @@ class Syncer:
         state["verifiedPolicy"] = {"name": applied["name"], "digest": digest}
         return None
 
+    def _repair_refs(self, applied: dict[str, Any] | None) -> None:
+        """What a sync killed between its switch and its ref update left:
+        refs/source/applied and newest on the revision before. Set from the
+        link before anything fetched is judged: left behind, the pruning
+        would drop the applied commit once fetched moved off it (a refused
+        revision), and the descent check would take the revision before as
+        its base."""
+        if applied is None or self._resolve(APPLIED) == applied["commit"]:
+            return
+        self.git.run(["update-ref", APPLIED, applied["commit"]])
+        self._advance_newest(applied["commit"])
+
     def _advance_newest(self, commit: str) -> None:
         """``refs/source/newest`` to ``commit`` when that is later in its
         history (or there is none yet); never back: a pinned older commit, or
@@ -528,7 +541,7 @@ class Syncer:
         failure is logged, and the next fetch that moves tries again."""
         try:
             cur, prev = self.layout.applied(), self.layout.previous_meta()
-            compact(self.git, {PREVIOUS: prev and prev["commit"],
+            compact(self.git, {APPLIED: cur and cur["commit"], PREVIOUS: prev and prev["commit"],
                                APPLIED_TAG: cur and cur.get("tag"),
                                PREVIOUS_TAG: prev and prev.get("tag")})
         except (CommandError, OSError) as exc:

@@ -4,6 +4,8 @@ still make the mirror keep."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -13,12 +15,12 @@ import pytest
 from source_signing import Signing, SshKey
 from test_mirror_size import BLOB, big_push, mirror_bytes, volume
 from test_source_attacks import tag_config
-from test_sync import make_config, push
+from test_sync import CHILD, make_config, push
 
 from reconciler.source.gitenv import Git
 from reconciler.source.layout import Layout
-from reconciler.source.sync import Syncer
-from reconciler.spec.config import Config
+from reconciler.source.sync import NEWEST, Syncer
+from reconciler.spec.config import Config, load_config
 
 # The server's side of an ssh connection, without sshd: ``ssh ... HOST CMD``
 # runs CMD here (the real upload-pack on the repository), and then, once it
@@ -148,3 +150,54 @@ def test_a_server_that_stalls_after_each_pack_does_not_fill_the_mirror(
         assert time.monotonic() - t0 < 30
         sizes.append(mirror_bytes(config))
     assert sizes[-1] < before + 1.5 * BLOB, (before, sizes)
+
+
+def test_a_kill_before_the_ref_update_then_a_refusal_keeps_the_applied_commit(
+        tmp_path: Path, signer: Signing, alice: SshKey) -> None:
+    """A sync killed between its switch and its ref update leaves
+    refs/source/applied and newest on the revision before. Only a sync that
+    found the remote unchanged set them right; one that fetched a refused
+    revision moved fetched off the applied commit, and no ref reached it
+    any more: pruned. A policy change then verified it again, "not in the
+    mirror": distrusted, by a kill and a pusher. And newest stayed behind:
+    a signed side commit on the revision before passed the descent check."""
+    allowed = signer.allowed_signers(tmp_path / "allowed_signers", ("alice", alice))
+    subprocess.run(["git", "init", "--quiet", "--bare", str(tmp_path / "fleet.git")],
+                   check=True)
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(f"""\
+stateDir: {tmp_path / "state"}
+nodeName: a
+allowedRoots: [/srv]
+source:
+  url: file://{tmp_path / "fleet.git"}
+  ref: {{branch: main}}
+  path: nodes/{{nodeName}}
+  verify: {{mode: head, format: ssh, allowedSignersFile: {allowed}}}
+""")
+    (tmp_path / "state").mkdir()
+    config = load_config(cfg)
+    one = push(signer, tmp_path, alice, "one", volume("1Gi"))
+    assert Syncer(config).sync().result == "applied"
+    two = push(signer, tmp_path, alice, "two", volume("2Gi"))
+    child = subprocess.run([sys.executable, "-c", CHILD, str(cfg), "switched", "1"],
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == -signal.SIGKILL, (child.stdout, child.stderr)
+    assert Layout(config.source_dir).applied()["commit"] == two  # type: ignore[index]
+    big_push(signer, tmp_path, one, None, "unsigned, on one")
+    out = Syncer(config).sync()
+    assert out.reason == "Unsigned", out
+    syncer = Syncer(config)
+    assert syncer._has(two) and syncer._has(one)
+    # newest, the descent check's base, is two: it was applied. Left on one,
+    # a signed side commit on one (an old signed revision a server offers)
+    # passed the descent check and took two back.
+    assert syncer._resolve(NEWEST) == two
+    signer.git("reset", "--quiet", "--hard", one)
+    side = push(signer, tmp_path, alice, "signed, on one", volume("3Gi"), force=True)
+    out = Syncer(config).sync()
+    assert (out.result, out.reason, out.commit) == ("refused", "NotDescendant", side), out
+    signer.allowed_signers(allowed, ("alice", alice), ("bob", signer.ssh_key("bob")))
+    out = Syncer(config).sync()
+    assert out.reason == "NotDescendant", out
+    assert distrusted(config) is None, distrusted(config)
