@@ -1,6 +1,7 @@
 """Where the source keeps things under ``<stateDir>/source``, and the switch.
 
-    repo.git/            the bare mirror (refs/source/fetched, applied, previous)
+    repo.git/            the bare mirror (refs/source/fetched, applied, newest, previous,
+                         applied-tag, previous-tag)
     home/ gnupg/         git's and GnuPG's own homes
     revs/<name>/         one exported revision (never changed once renamed in)
     revs/<name>.json     what was verified about it (commit, tag, signers, when)

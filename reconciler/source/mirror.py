@@ -7,14 +7,18 @@ decides how much that is, on every node that follows the repository.
   ``maxFetchBytes`` (``prlimit``, through the Runner), so no file it writes
   grows past the bound: the writer dies of SIGXFSZ at it, the fetch fails,
   and its temporary pack is removed here (``FetchTooLarge``).
-- **After a fetch that moved the fetched ref**: what no ref under
+- **After a fetch that brought something** (or whenever the mirror holds
+  more than one pack: a fetch that failed after its pack was in place, a
+  sync killed before compacting): what no ref under
   ``refs/source/`` reaches is dropped (``git repack -a -d``, then ``git
   prune --expire=now``, which also trims the shallow list). Those refs are
   the applied revision, ``previous`` (rollback switches back to it, and the
-  descent check then needs its commit), the newest fetched revision (still
-  refused, it is not fetched again every interval) and any other the sync
-  keeps there. So refused revisions cost at most one fetch's worth, until the
-  next one.
+  descent check then needs its commit), the annotated tag objects of both
+  (``applied-tag``, ``previous-tag``: a tag mode verifies them again when
+  the policy changes or on a rollback, and once the tag moved on, no other
+  ref reaches them), the newest fetched revision (still refused, it is not
+  fetched again every interval) and any other the sync keeps there. So
+  refused revisions cost at most one fetch's worth, until the next one.
 
 Everything here runs under the source's lock, so no other git works on the
 mirror: git's temporaries and lock files found in it are what a killed call
@@ -31,13 +35,17 @@ import contextlib
 import logging
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 from reconciler.source.gitenv import Git
+from reconciler.spec.source import SHA1
 
 log = logging.getLogger("rbd-reconciler.source")
 
 PREVIOUS = "refs/source/previous"
+APPLIED_TAG = "refs/source/applied-tag"
+PREVIOUS_TAG = "refs/source/previous-tag"
 # Forces what a fetch receives into one pack, which the size bound covers
 # whole (below the limit, git would explode it into loose objects).
 FETCH_CONFIG = ("-c", "fetch.unpackLimit=1")
@@ -77,14 +85,26 @@ def remove_leftovers(repo: Path) -> int:
     return largest
 
 
-def compact(git: Git, previous: str | None) -> None:
-    """Drop every object no ref under refs/source/ reaches. ``previous``:
-    the commit the ``previous`` link names (the link is the truth; the ref
-    follows it here), None when there is none."""
-    if previous is not None and _has(git, previous):
-        git.run(["update-ref", PREVIOUS, previous])
-    else:
-        git.run(["update-ref", "-d", PREVIOUS])
+def scattered(repo: Path) -> bool:
+    """More than one pack: what a compaction leaves is one. Another one is
+    what a fetch brought since, kept whole when it failed after git renamed
+    its pack in (the server keeps the connection open past the deadline
+    once the pack is sent: git waits for it before it moves the ref) or when
+    the sync was killed before compacting; no ref moved, so no later sync
+    would compact it, and a server could add a pack per interval."""
+    return sum(n.endswith(".pack") for n in _names(repo / "objects" / "pack")) > 1
+
+
+def compact(git: Git, keep: Mapping[str, str | None]) -> None:
+    """Drop every object no ref under refs/source/ reaches. ``keep``: the
+    refs the links name (``previous``, the tag objects of ``current`` and
+    ``previous``), each set to its object, or deleted when it is None or
+    not in the mirror (the links are the truth; the refs follow them here)."""
+    for ref, oid in keep.items():
+        if isinstance(oid, str) and SHA1.match(oid) and _has(git, oid):
+            git.run(["update-ref", ref, oid])
+        else:
+            git.run(["update-ref", "-d", ref])
     if (git.repo / "logs").is_dir():
         # A bare repository keeps no reflog by default; one that does would
         # keep every refused revision reachable.

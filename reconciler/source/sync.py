@@ -23,7 +23,15 @@ from reconciler.source import verify
 from reconciler.source.cause import remote_cause
 from reconciler.source.gitenv import Git
 from reconciler.source.layout import Layout
-from reconciler.source.mirror import FETCH_CONFIG, compact, remove_leftovers
+from reconciler.source.mirror import (
+    APPLIED_TAG,
+    FETCH_CONFIG,
+    PREVIOUS,
+    PREVIOUS_TAG,
+    compact,
+    remove_leftovers,
+    scattered,
+)
 from reconciler.source.report import revision
 from reconciler.source.tree import TreeRefused, list_tree, read_blobs, write_tree
 from reconciler.spec.config import Config
@@ -89,7 +97,8 @@ class Syncer:
             self._moved = False
             out = self._sync(state)
             self._record(state, out)
-            if self._moved:  # an unchanged sync stays one ls-remote
+            # An unchanged sync stays one ls-remote (and a directory listing).
+            if self._moved or scattered(self.git.repo):
                 self._compact()
             return out
 
@@ -122,6 +131,7 @@ class Syncer:
             state.pop("tooLarge", None)
             _step("fetched")
             applied = self.layout.applied()
+            self._repair_refs(applied)
             name = rev_name(out.commit, self.node_path)
             distrust = self._recheck_applied(state, applied, digest)
             if applied is not None and applied["name"] == name:
@@ -341,6 +351,18 @@ class Syncer:
         state["verifiedPolicy"] = {"name": applied["name"], "digest": digest}
         return None
 
+    def _repair_refs(self, applied: dict[str, Any] | None) -> None:
+        """What a sync killed between its switch and its ref update left:
+        refs/source/applied and newest on the revision before. Set from the
+        link before anything fetched is judged: left behind, the pruning
+        would drop the applied commit once fetched moved off it (a refused
+        revision), and the descent check would take the revision before as
+        its base."""
+        if applied is None or self._resolve(APPLIED) == applied["commit"]:
+            return
+        self.git.run(["update-ref", APPLIED, applied["commit"]])
+        self._advance_newest(applied["commit"])
+
     def _advance_newest(self, commit: str) -> None:
         """``refs/source/newest`` to ``commit`` when that is later in its
         history (or there is none yet); never back: a pinned older commit, or
@@ -490,7 +512,7 @@ class Syncer:
                 out.result, out.reason, out.message = "refused", exc.reason, exc.message
             except CommandError as exc:
                 out.result, out.reason, out.message = "failed", "GitFailed", str(exc)
-            if self._moved:
+            if self._moved or scattered(self.git.repo):
                 self._compact()
         return out
 
@@ -517,9 +539,11 @@ class Syncer:
     def _compact(self) -> None:
         """Drop what no kept revision needs (mirror.py). Housekeeping: a
         failure is logged, and the next fetch that moves tries again."""
-        previous = self.layout.target("previous")
         try:
-            compact(self.git, previous and previous.split("-")[0])
+            cur, prev = self.layout.applied(), self.layout.previous_meta()
+            compact(self.git, {APPLIED: cur and cur["commit"], PREVIOUS: prev and prev["commit"],
+                               APPLIED_TAG: cur and cur.get("tag"),
+                               PREVIOUS_TAG: prev and prev.get("tag")})
         except (CommandError, OSError) as exc:
             log.warning("source: pruning the mirror %s failed (it retries after the next "
                         "fetch): %s", self.git.repo, exc)
