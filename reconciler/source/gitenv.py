@@ -61,6 +61,25 @@ def ssh_deadlines(timeout: float) -> list[str]:
             "-o", f"ServerAliveCountMax={count}"]
 
 
+# Under a memory bound, git's own appetite is bounded too, so that the bound
+# is spent on objects: one index-pack thread (each glibc thread arena
+# reserves 64 MiB of address space; MALLOC_ARENA_MAX caps them), and pack
+# windows of at most 256 MiB mapped (64-bit defaults: 1 GiB windows, 8 GiB).
+MEMORY_BOUNDED_CONFIG = ("-c", "pack.threads=1", "-c", "core.packedGitWindowSize=32m",
+                         "-c", "core.packedGitLimit=256m")
+GIT_OWN_MEMORY = 512 << 20  # git, ssh, its libraries, mapped windows, arenas
+
+
+def memory_bound(max_fetch_bytes: int) -> int:
+    """The address space a fetch's git may use: what git itself needs plus
+    ``maxFetchBytes`` for the objects it inflates. index-pack inflates every
+    object it receives (to hash it) and resolves a delta into a buffer of the
+    size the delta names: a few hundred bytes on the wire can ask for GiBs (a
+    delta bomb). Every object in the mirror came through a fetch under this
+    bound, so later reads of them (verify, repack) need no bound of their own."""
+    return GIT_OWN_MEMORY + max_fetch_bytes
+
+
 @dataclass
 class Git:
     """Runs git on the source's mirror (``<source dir>/repo.git``)."""
@@ -141,17 +160,26 @@ class Git:
 
     def run(self, args: Sequence[str], *, ok_codes: Sequence[int] = (0,),
             stdin: bytes | None = None, timeout: float | None = None,
-            env: dict[str, str] | None = None, max_file_bytes: int | None = None) -> Result:
+            env: dict[str, str] | None = None, max_file_bytes: int | None = None,
+            max_memory_bytes: int | None = None) -> Result:
         """``git --git-dir=REPO ARGS`` (the caller puts ``--`` before operands).
         ``max_file_bytes``: no file git (or anything it starts) writes may
         grow past it (RLIMIT_FSIZE: the write fails and the writer dies of
-        SIGXFSZ; no core file)."""
+        SIGXFSZ; no core file). ``max_memory_bytes``: the address space of
+        git and of what it starts (RLIMIT_AS; see ``memory_bounded``)."""
         argv = ["git", f"--git-dir={self.repo}", "-c", "protocol.version=2",
                 "-c", "core.fsync=objects,reference", "-c", "gc.auto=0",
                 "-c", "credential.helper=", "-c", "core.hooksPath=/dev/null",
                 "-c", "transfer.fsckObjects=true", *args]
+        limits = []
         if max_file_bytes is not None:
-            argv = ["prlimit", f"--fsize={max_file_bytes}", "--core=0", "--", *argv]
+            limits += [f"--fsize={max_file_bytes}", "--core=0"]
+        if max_memory_bytes is not None:
+            argv[1:1] = MEMORY_BOUNDED_CONFIG
+            limits.append(f"--as={max_memory_bytes}")
+            env = {**(env or {}), "MALLOC_ARENA_MAX": "2"}
+        if limits:
+            argv = ["prlimit", *limits, "--", *argv]
         return self.runner.run(argv, ok_codes=ok_codes, stdin=stdin,
                                timeout=timeout or self.config.timeout_seconds,
                                env=self.env(env))

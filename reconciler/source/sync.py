@@ -21,7 +21,7 @@ from reconciler.drivers.run import CommandError, Runner
 from reconciler.facts.clock import now_iso
 from reconciler.source import verify
 from reconciler.source.cause import remote_cause
-from reconciler.source.gitenv import Git
+from reconciler.source.gitenv import Git, memory_bound
 from reconciler.source.layout import Layout
 from reconciler.source.mirror import (
     APPLIED_TAG,
@@ -49,6 +49,7 @@ APPLIED = "refs/source/applied"
 # rolled back to is still refused (issue 36, item 6).
 NEWEST = "refs/source/newest"
 MAX_MESSAGE = 600
+OUT_OF_MEMORY = "Out of memory"  # git's die() when malloc or mmap fails (wrapper.c)
 
 
 @dataclass
@@ -233,6 +234,7 @@ class Syncer:
         bound = self.src.max_fetch_bytes
         try:
             self.git.run([*args, "--", self.src.url, *refspecs], max_file_bytes=bound,
+                         max_memory_bytes=memory_bound(bound),
                          timeout=self.src.timeout_seconds * (4 if unshallow else 1))
         except CommandError as exc:
             if remove_leftovers(self.git.repo) >= bound:
@@ -241,6 +243,12 @@ class Syncer:
                     "anything in it could be verified: stopped there, and nothing of it kept "
                     "(source.maxFetchBytes; raise it if the repository is that large)"),
                     commit) from None
+            if OUT_OF_MEMORY in exc.stderr:  # a delta bomb, or an object past the bound
+                raise Failed("refused", "FetchTooLarge", (
+                    f"fetching {what} from {self.src.url}: an object in it needs more memory "
+                    f"than the fetch may use ({format_size(memory_bound(bound))}, from "
+                    "source.maxFetchBytes): refused before anything in it could be verified, "
+                    "and nothing of it kept"), commit) from None
             raise Failed("failed", "FetchFailed", f"fetching {what} from {self.src.url}: "
                                                   f"{self._cause(exc)}", commit) from None
         self._moved = True

@@ -21,7 +21,7 @@ from test_mirror_size import BLOB, big_push, mirror_bytes, volume
 from test_source_attacks import tag_config
 from test_sync import CHILD, make_config, push
 
-from reconciler.source.gitenv import Git
+from reconciler.source.gitenv import Git, memory_bound
 from reconciler.source.layout import Layout
 from reconciler.source.sync import NEWEST, Syncer
 from reconciler.spec.config import Config, load_config
@@ -177,6 +177,7 @@ source:
   url: file://{tmp_path / "fleet.git"}
   ref: {{branch: main}}
   path: nodes/{{nodeName}}
+  maxFetchBytes: 8388608  # the bound is not what this test is about
   verify: {{mode: head, format: ssh, allowedSignersFile: {allowed}}}
 """)
     (tmp_path / "state").mkdir()
@@ -266,21 +267,15 @@ print(json.dumps({"result": out.result, "reason": out.reason, "message": out.mes
 """
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the node's git runs without a memory bound: index-pack inflates every object whole "
-    "(below core.bigFileThreshold) and resolves a delta into a buffer of the size the "
-    "delta's header names, so a pack of a few KB costs the node GBs (a 20 GiB blob: "
-    "~300 bytes of delta; each of index-pack's threads resolves one). Fix: RLIMIT_AS on "
-    "the fetch (prlimit --as, with pack.threads=1 / MALLOC_ARENA_MAX: glibc reserves "
-    "64 MiB of address space per thread arena) or a memory cgroup; the bound is a "
-    "design choice (the largest object a repository may hold)"))
 def test_a_delta_bomb_does_not_take_the_nodes_memory(
         tmp_path: Path, signer: Signing, alice: SshKey) -> None:
     """The server (or a pusher, whose pack a git server hands out as it is:
     pack-objects reuses deltas) sends a 64 KiB blob and a 384 MiB one as a
     delta on it: about 66 KB on the wire, far below maxFetchBytes, and the
-    node's index-pack allocated the whole 384 MiB to hash it. Bounded here
-    at 128 MiB (an honest fetch of this repository: ~10 MiB)."""
+    node's index-pack allocated the whole 384 MiB to hash it. The fetch's
+    git now runs under RLIMIT_AS = 512 MiB + maxFetchBytes (gitenv
+    memory_bound): with maxFetchBytes at 1 MiB, a 1 GiB bomb is refused
+    (FetchTooLarge) and the node's git stays under that bound."""
     allowed = signer.allowed_signers(tmp_path / "allowed_signers", ("alice", alice))
     bare = tmp_path / "fleet.git"
     subprocess.run(["git", "init", "--quiet", "--bare", str(bare)], check=True)
@@ -293,6 +288,7 @@ source:
   url: file://{bare}
   ref: {{branch: main}}
   path: nodes/{{nodeName}}
+  maxFetchBytes: 1048576
   verify: {{mode: head, format: ssh, allowedSignersFile: {allowed}}}
 """)
     (tmp_path / "state").mkdir()
@@ -301,7 +297,7 @@ source:
     assert Syncer(config).sync().result == "applied"
     # The bomb, as the server's own pack (its index-pack pays the memory once,
     # here in the test), under an unsigned commit on good.
-    pack, base, bomb = delta_bomb(384)
+    pack, base, bomb = delta_bomb(1024)
     packfile = bare / "objects" / "pack" / "pack-bomb.pack"
     packfile.write_bytes(pack)
     subprocess.run(["git", "--git-dir", str(bare), "index-pack", str(packfile)], check=True,
@@ -321,5 +317,7 @@ source:
                           text=True, timeout=120, env=env)
     assert node.returncode == 0, node.stderr
     got = json.loads(node.stdout)
-    assert got["result"] != "applied", got
-    assert got["children_peak"] < 128 << 20, got
+    assert (got["result"], got["reason"]) == ("refused", "FetchTooLarge"), got
+    assert "needs more memory" in got["message"], got
+    assert got["children_peak"] < memory_bound(1 << 20), got
+    assert Layout(config.source_dir).target("current", ).startswith(good)  # type: ignore[union-attr]
