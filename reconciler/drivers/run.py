@@ -59,6 +59,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from reconciler.drivers.reaper import reap_group, reap_later
+from reconciler.spec.units import KiB, MiB
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,6 @@ DEFAULT_LONG_TIMEOUT = 600.0  # mkfs, e2fsck, offline resize2fs: whole-device wo
 KILL_WAIT_S = 2.0  # after the SIGKILL: the longest wait for the group's exit and output
 TIMED_OUT = 124  # a CommandError's returncode when the command ran into its deadline
 TOO_MUCH_OUTPUT = 125  # ... when it printed past a bound and was killed
-KiB, MiB = 1 << 10, 1 << 20
 STDERR_KEEP = 32 * KiB  # kept of stderr: this much of its head, and of its tail
 STDERR_KILL = 64 * MiB  # stderr past this in all: killed
 DEFAULT_MAX_STDOUT = 16 * MiB  # 4x the largest legitimate answer (a LUKS2 header's JSON)
@@ -411,8 +411,12 @@ def _kill(proc: subprocess.Popen[bytes], pump: _Pump) -> str:
 
 def last_lines(text: str, n: int = 3) -> str:
     """The last ``n`` lines of ``text``, each clipped to ``SHOWN_LINE``, as one."""
-    lines = text.strip().splitlines()[-n:]
-    return " | ".join(ln if len(ln) <= SHOWN_LINE else ln[:SHOWN_LINE] + "..." for ln in lines)
+    return " | ".join(clip_line(ln) for ln in text.strip().splitlines()[-n:])
+
+
+def clip_line(line: str) -> str:
+    """``line`` as an error shows it: at most ``SHOWN_LINE`` characters."""
+    return line if len(line) <= SHOWN_LINE else line[:SHOWN_LINE] + "..."
 
 
 def _tail(stderr: str) -> str:

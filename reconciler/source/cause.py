@@ -11,14 +11,14 @@ repeated; what to do instead is said.
 
 What is read is bounded: the Runner keeps the head and the tail of a
 flood (drivers/run.py), and of that only the last ``LOOKED_AT`` lines are
-looked at, and each line shown is clipped to ``SHOWN_LINE`` characters.
+looked at, and each line shown is clipped (``clip_line``).
 """
 
 from __future__ import annotations
 
 import re
 
-from reconciler.drivers.run import SHOWN_LINE, CommandError
+from reconciler.drivers.run import CommandError, clip_line
 
 BOILERPLATE = frozenset({
     "fatal: Could not read from remote repository.",
@@ -42,12 +42,8 @@ def remote_cause(exc: CommandError, local: bool = False) -> str:
             return not_owned(found["path"])
     kept = [ln for ln in lines if ln and ln not in BOILERPLATE
             and not ln.startswith(SAFE_DIRECTORY_HINT)]
-    return " | ".join(_clip(ln) for ln in kept[-SHOWN_LINES:]) \
+    return " | ".join(clip_line(ln) for ln in kept[-SHOWN_LINES:]) \
         or f"exit {exc.returncode} (no output)"
-
-
-def _clip(line: str) -> str:
-    return line if len(line) <= SHOWN_LINE else line[:SHOWN_LINE] + "..."
 
 
 def not_owned(path: str) -> str:

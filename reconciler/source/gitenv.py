@@ -166,7 +166,7 @@ class Git:
         ``max_file_bytes``: no file git (or anything it starts) writes may
         grow past it (RLIMIT_FSIZE: the write fails and the writer dies of
         SIGXFSZ; no core file). ``max_memory_bytes``: the address space of
-        git and of what it starts (RLIMIT_AS; see ``memory_bounded``)."""
+        git and of what it starts (RLIMIT_AS; see ``memory_bound``)."""
         argv = ["git", f"--git-dir={self.repo}", "-c", "protocol.version=2",
                 "-c", "core.fsync=objects,reference", "-c", "gc.auto=0",
                 "-c", "credential.helper=", "-c", "core.hooksPath=/dev/null",

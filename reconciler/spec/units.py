@@ -13,7 +13,7 @@ _SUFFIX = {
 # megabyte of digits.
 _SIZE = re.compile(r"^([1-9][0-9]{0,19})(Ki|Mi|Gi|Ti|K|M|G|T)?$")
 
-MiB = 2**20
+KiB, MiB = 2**10, 2**20
 # librbd takes a uint64_t size.
 MAX_SIZE = 2**64 - 1
 # The object map (a default feature) tracks at most 256,000,000 objects; with
