@@ -40,6 +40,7 @@ from reconciler.spec.model import (
     Volume,
 )
 from reconciler.spec.mountopts import check_mount_options
+from reconciler.spec.pinned import Pin, Pins, Signature, signature
 from reconciler.spec.qos import MAX_LIMIT, QosSpec, too_large
 from reconciler.spec.schemas import schema_errors
 from reconciler.spec.units import MAX_OBJECT_MAP_SIZE, MAX_SIZE, MiB, format_size, parse_size
@@ -84,7 +85,7 @@ def is_ignored(name: str) -> bool:
     return _IGNORED.match(name) is not None
 
 
-def discover(paths: Iterable[Path], pins: _Pins | None = None
+def discover(paths: Iterable[Path], pins: Pins | None = None
              ) -> tuple[list[Path], list[Diagnostic]]:
     """The spec files named by ``paths``: YAML files directly inside a
     directory (not recursive; sorted by name), or files given by name.
@@ -129,7 +130,7 @@ def _listing(directory: Path, fd: int | None = None) -> tuple[Path, ...]:
     that the same name leads to now."""
     st = os.stat(directory) if fd is None else os.fstat(fd)
     kept = _LISTINGS.get(directory)
-    if kept is not None and kept[0] == _signature(st):
+    if kept is not None and kept[0] == signature(st):
         return kept[1]
     listed_at = time.time_ns()
     with os.scandir(directory if fd is None else fd) as it:
@@ -141,7 +142,7 @@ def _listing(directory: Path, fd: int | None = None) -> tuple[Path, ...]:
     names = tuple(before.get(n) or directory / n for n in found)
     settled = max(st.st_mtime_ns, st.st_ctime_ns) < listed_at - LISTING_RACY_NS
     # A racy listing is kept for its Path objects only: never trusted as it is.
-    _LISTINGS[directory] = (_signature(st) if settled else None, names)
+    _LISTINGS[directory] = (signature(st) if settled else None, names)
     return names
 
 
@@ -485,7 +486,7 @@ def _check_stat(real: Path, st: os.stat_result) -> None:
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
-def _open_trusted(path: Path, pin: _Pin | None) -> tuple[int, Path]:
+def _open_trusted(path: Path, pin: Pin | None) -> tuple[int, Path]:
     """A descriptor on what ``path`` names, and the path its checks name.
     In a pinned directory a plain file is opened relative to it, so the
     read is of the revision listed; a symlink there (a ConfigMap's ``..data``
@@ -503,7 +504,7 @@ def _open_trusted(path: Path, pin: _Pin | None) -> tuple[int, Path]:
     return os.open(real, _READ_FLAGS), real
 
 
-def _read_trusted(path: Path, pin: _Pin | None = None) -> tuple[bytes, os.stat_result]:
+def _read_trusted(path: Path, pin: Pin | None = None) -> tuple[bytes, os.stat_result]:
     """The bytes of ``path``, checked on the descriptor they are read from,
     and that descriptor's stat."""
     fd, real = _open_trusted(path, pin)
@@ -516,13 +517,6 @@ def _read_trusted(path: Path, pin: _Pin | None = None) -> tuple[bytes, os.stat_r
     return raw, st
 
 
-Signature = tuple[int, int, int, int, int]
-
-
-def _signature(st: os.stat_result) -> Signature:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
 # A load reads each directory it is given from one real directory, opened
 # once at its start: the desired directory may be named through a symlink
 # that is switched at any moment (the source's `current`, git-sync's
@@ -532,105 +526,6 @@ def _signature(st: os.stat_result) -> Signature:
 # PIN_ATTEMPTS times and for PIN_DEADLINE_S.
 PIN_ATTEMPTS = 3
 PIN_DEADLINE_S = 5.0
-
-
-@dataclass(frozen=True)
-class _Pin:
-    """Directory ``logical`` as given (what every path the program sees is
-    named by) and the real one this load reads it from: ``fd``, at ``real``,
-    as it was when opened (``st``)."""
-
-    logical: Path
-    real: Path
-    fd: int
-    st: os.stat_result
-    moved: bool  # the name led elsewhere just after the open: ``real`` is unsure
-
-    def changed(self) -> str | None:
-        """Why what was read from it may not be one state of it, or None."""
-        if self.moved:
-            return "it was switched while it was opened"
-        st = os.fstat(self.fd)
-        if st.st_nlink == 0:
-            return "it was removed while it was read"
-        if _signature(st) != _signature(self.st):
-            return "it changed while it was read"
-        return None
-
-
-def _pin(directory: Path) -> _Pin | None:
-    """``directory`` opened once: the kernel walks its links in one go. None
-    for nothing there or no directory (discover says what it is); any other
-    failure to open it raises (OSError, or ValueError for a path no open(2)
-    takes): a directory that cannot be opened is never read as empty."""
-    try:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
-            return None
-        raise
-    st = os.fstat(fd)
-    real = Path(os.path.realpath(directory))
-    try:
-        now = os.stat(real)
-        moved = (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino)
-    except OSError:
-        moved = True
-    return _Pin(directory, real, fd, st, moved)
-
-
-class _Pins:
-    """The directories of one load, each pinned; files listed there are
-    stat'ed and opened there. ``missing``: listed, then gone when read.
-    ``unopened``: paths that could not be opened, and why (discover fails
-    each: unreadable is not empty, safety rule 7)."""
-
-    def __init__(self, paths: Iterable[Path]) -> None:
-        self.by_dir: dict[Path, _Pin] = {}
-        self.missing: list[Path] = []
-        self.unopened: dict[Path, str] = {}
-        self.listed: dict[Path, _Pin] = {}  # file -> its pin, as discover listed it
-        try:
-            for p in paths:
-                if p in self.by_dir or p in self.unopened:
-                    continue
-                try:
-                    pin = _pin(p)
-                except (OSError, ValueError) as exc:
-                    self.unopened[p] = getattr(exc, "strerror", None) or str(exc)
-                    continue
-                if pin is not None:
-                    self.by_dir[p] = pin
-        except BaseException:
-            self.__exit__()  # those opened so far: never left open
-            raise
-
-    def __enter__(self) -> _Pins:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for pin in self.by_dir.values():
-            os.close(pin.fd)
-
-    def of(self, path: Path) -> _Pin | None:
-        # A file listed is found without path.parent: a new Path to hash,
-        # per file per pass, was half of an unchanged pass over 1000 files.
-        return self.listed.get(path) or self.by_dir.get(path.parent)
-
-    def lstat(self, path: Path) -> os.stat_result:
-        pin = self.of(path)
-        if pin is None:
-            return os.lstat(path)
-        return os.stat(path.name, dir_fd=pin.fd, follow_symlinks=False)
-
-    def torn(self) -> tuple[Path, str] | None:
-        """A directory whose read may mix two states of it, and why."""
-        for pin in self.by_dir.values():
-            if (why := pin.changed()) is not None:
-                return pin.logical, why
-            if gone := [f.name for f in self.missing if f.parent == pin.logical]:
-                return pin.logical, f"{', '.join(gone[:3])} went while it was read"
-        return None
 
 
 def _copy(res: _FileResult) -> _FileResult:
@@ -684,7 +579,7 @@ class LoadCache:
                 st = lstat(path)
             except OSError:
                 return None
-            if entry is None or _signature(st) != entry[0] or not stat.S_ISREG(st.st_mode) \
+            if entry is None or signature(st) != entry[0] or not stat.S_ISREG(st.st_mode) \
                     or security.unsafe(path, st, "file", owners) is not None:
                 return None
         return last[1]
@@ -709,14 +604,14 @@ class LoadCache:
             st = lstat(path)
         except OSError:
             return None
-        if _signature(st) != entry[0] or not stat.S_ISREG(st.st_mode) or \
+        if signature(st) != entry[0] or not stat.S_ISREG(st.st_mode) or \
                 st.st_size > MAX_FILE_BYTES or security.unsafe(path, st, "file") is not None:
             return None
         return _copy(entry[1])
 
     def store(self, res: _FileResult, st: os.stat_result, read_at_ns: int) -> None:
         if max(st.st_mtime_ns, st.st_ctime_ns) < read_at_ns - RACY_NS:
-            self.entries[res.path] = (_signature(st), _copy(res))
+            self.entries[res.path] = (signature(st), _copy(res))
         else:
             self.entries.pop(res.path, None)
 
@@ -729,7 +624,7 @@ class LoadCache:
 
 
 def _load_file(path: Path, config: Config, cache: LoadCache | None = None,
-               pins: _Pins | None = None) -> _FileResult:
+               pins: Pins | None = None) -> _FileResult:
     res = _FileResult(path)
     pin = pins.of(path) if pins is not None else None
 
@@ -794,7 +689,7 @@ def _load_file(path: Path, config: Config, cache: LoadCache | None = None,
 
 
 def _load_file_guarded(path: Path, config: Config, cache: LoadCache | None,
-                       pins: _Pins | None = None) -> _FileResult:
+                       pins: Pins | None = None) -> _FileResult:
     """The last line of defence: no content of a file may take the caller
     (the daemon) down. A bug that lets an exception out still fails only
     this file, and says so."""
@@ -1067,7 +962,7 @@ def _resolve_group_source(vol: Volume, by_name: dict[str, Volume],
     return replace(vol, image=replace(vol.image, source=replace(src, ref=src.group)))
 
 
-def _untrusted_dirs(paths: Iterable[Path], pins: _Pins | None = None) -> list[Diagnostic]:
+def _untrusted_dirs(paths: Iterable[Path], pins: Pins | None = None) -> list[Diagnostic]:
     """The directories read from (a named file's own directory too) must be
     root's and not writable by others, up to /: else nothing is read at all.
     So must each pinned directory as it was opened (the name may lead
@@ -1093,7 +988,7 @@ def load(paths: Iterable[Path], config: Config, cache: LoadCache | None = None,
     file, could have been written by someone other than root, or a file is a
     symlink out of its directory; such a file is never opened.
 
-    Each directory is read from one real directory (see _Pin), and every
+    Each directory is read from one real directory (see Pin), and every
     path in the result is named as given. A directory that changed under
     the load (a switched revision pruned) is read again; one that never
     stays still long enough fails to load as a whole: never "absent".
@@ -1101,7 +996,7 @@ def load(paths: Iterable[Path], config: Config, cache: LoadCache | None = None,
     paths = list(paths)
     deadline = time.monotonic() + PIN_DEADLINE_S
     for attempt in range(1, PIN_ATTEMPTS + 1):
-        with _Pins(paths) as pins:
+        with Pins(paths) as pins:
             result, keep = _load_pinned(paths, config, cache, settled, pins)
             torn = pins.torn()
         if torn is None:
@@ -1131,7 +1026,7 @@ def _never_still(result: LoadResult, torn: tuple[Path, str], attempts: int) -> L
 
 
 def _load_pinned(paths: list[Path], config: Config, cache: LoadCache | None,
-                 settled: Settled | None, pins: _Pins) -> tuple[LoadResult, bool]:
+                 settled: Settled | None, pins: Pins) -> tuple[LoadResult, bool]:
     """One load, through ``pins``; and whether the cache may keep its result
     as the answer for these paths while the files stay as they are."""
     files, diags = discover(paths, pins)

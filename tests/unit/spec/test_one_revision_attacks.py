@@ -1,7 +1,7 @@
 """Attacks on "a pass reads exactly one revision" (issue 36, item 1).
 
 Each test plays a desired-file author, a racing deploy tool, or a fault,
-against the loader's pinned directory (loader._Pin, loader._Pins), and
+against the loader's pinned directory (spec/pinned.py: Pin, Pins), and
 states what must hold: one revision read, nothing unreadable taken as
 absent (safety rules 3 and 7), nothing followed out (rules 6 and 8), no
 descriptor left open.
