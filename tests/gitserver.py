@@ -376,20 +376,8 @@ def ssh_node_config(root: Path, server: GitServer, allowed: Path, *, key: Path |
     ``server``'s main over ssh as an operator writes it (the deploy key, or
     ``key``; the pinned host key), commits verified against ``allowed``.
     ``extra``: more ``source:`` keys, each line indented by two spaces."""
-    state = root / "state"
-    state.mkdir(mode=0o755, exist_ok=True)
-    cfg = root / "config.yaml"
-    cfg.write_text(f"""\
-stateDir: {state}
-nodeName: a
-allowedRoots: [/srv]
-source:
-  url: {server.url}
-  ref: {{branch: main}}
-  path: nodes/{{nodeName}}
-{extra}  credentials:
-    sshKeyFile: {key or server.deploy_key}
-    knownHostsFile: {server.known_hosts}
-  verify: {{mode: head, format: ssh, allowedSignersFile: {allowed}}}
-""")
-    return cfg
+    from source_signing import node_config_file
+
+    return node_config_file(root, server.url, allowed, extra=(
+        f"{extra}  credentials:\n    sshKeyFile: {key or server.deploy_key}\n"
+        f"    knownHostsFile: {server.known_hosts}\n"))

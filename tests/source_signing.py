@@ -265,6 +265,28 @@ source:
 """
 
 
+
+def node_config_file(root: Path, url: str, allowed: Path, *, extra: str = "",
+                     verify_extra: str = "") -> Path:
+    """``root/config.yaml``: node ``a`` (state in ``root/state``) following
+    ``url``'s main, commits verified against ``allowed``, as an operator
+    writes it. ``extra``: more ``source:`` keys, each line indented by two
+    spaces; ``verify_extra``: more keys of ``verify:`` (", revocationFile: F")."""
+    state = root / "state"
+    state.mkdir(mode=0o755, exist_ok=True)
+    cfg = root / "config.yaml"
+    cfg.write_text(f"""\
+stateDir: {state}
+nodeName: a
+allowedRoots: [/srv]
+source:
+  url: {url}
+  ref: {{branch: main}}
+  path: nodes/{{nodeName}}
+{extra}  verify: {{mode: head, format: ssh, allowedSignersFile: {allowed}{verify_extra}}}
+""")
+    return cfg
+
 def mirror(root: Path, verify: SourceVerify | None = None) -> Git:
     """A bare mirror as the daemon keeps it (``<root>/repo.git``); ``verify``
     only fills in the config (the verify functions take the policy)."""

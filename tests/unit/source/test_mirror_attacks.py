@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from source_signing import Signing, SshKey
+from source_signing import Signing, SshKey, node_config_file
 from test_mirror_size import BLOB, big_push, mirror_bytes, volume
 from test_source_attacks import tag_config
 from test_sync import CHILD, make_config, push
@@ -168,19 +168,8 @@ def test_a_kill_before_the_ref_update_then_a_refusal_keeps_the_applied_commit(
     allowed = signer.allowed_signers(tmp_path / "allowed_signers", ("alice", alice))
     subprocess.run(["git", "init", "--quiet", "--bare", str(tmp_path / "fleet.git")],
                    check=True)
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(f"""\
-stateDir: {tmp_path / "state"}
-nodeName: a
-allowedRoots: [/srv]
-source:
-  url: file://{tmp_path / "fleet.git"}
-  ref: {{branch: main}}
-  path: nodes/{{nodeName}}
-  maxFetchBytes: 8388608  # the bound is not what this test is about
-  verify: {{mode: head, format: ssh, allowedSignersFile: {allowed}}}
-""")
-    (tmp_path / "state").mkdir()
+    cfg = node_config_file(tmp_path, f"file://{tmp_path / 'fleet.git'}", allowed,
+                           extra="  maxFetchBytes: 8388608\n")  # not what this test is about
     config = load_config(cfg)
     one = push(signer, tmp_path, alice, "one", volume("1Gi"))
     assert Syncer(config).sync().result == "applied"
@@ -279,19 +268,7 @@ def test_a_delta_bomb_does_not_take_the_nodes_memory(
     allowed = signer.allowed_signers(tmp_path / "allowed_signers", ("alice", alice))
     bare = tmp_path / "fleet.git"
     subprocess.run(["git", "init", "--quiet", "--bare", str(bare)], check=True)
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(f"""\
-stateDir: {tmp_path / "state"}
-nodeName: a
-allowedRoots: [/srv]
-source:
-  url: file://{bare}
-  ref: {{branch: main}}
-  path: nodes/{{nodeName}}
-  maxFetchBytes: 1048576
-  verify: {{mode: head, format: ssh, allowedSignersFile: {allowed}}}
-""")
-    (tmp_path / "state").mkdir()
+    cfg = node_config_file(tmp_path, f"file://{bare}", allowed, extra="  maxFetchBytes: 1048576\n")
     config = load_config(cfg)
     good = push(signer, tmp_path, alice, "good", volume("1Gi"))
     assert Syncer(config).sync().result == "applied"

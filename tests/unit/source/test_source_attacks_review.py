@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from source_signing import VOLUME_YAML, Signing, SshKey
+from source_signing import VOLUME_YAML, Signing, SshKey, node_config_file
 from test_source_attacks import revocable
 from test_sync import applied_files, conditions, make_config, push
 
@@ -378,18 +378,8 @@ def test_a_kill_at_every_step_out_of_a_distrust_converges(
                                      ("bob", bob))
     bare = tmp_path / "fleet.git"
     subprocess.run(["git", "init", "--quiet", "--bare", str(bare)], check=True)
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(f"""\
-stateDir: {tmp_path / "state"}
-nodeName: a
-allowedRoots: [/srv]
-source:
-  url: file://{bare}
-  ref: {{branch: main}}
-  path: nodes/{{nodeName}}
-  verify: {{mode: head, format: ssh, allowedSignersFile: {allowed},
-            revocationFile: {revoked}}}
-""")
+    cfg = node_config_file(tmp_path, f"file://{bare}", allowed,
+                           verify_extra=f", revocationFile: {revoked}")
     config = load_config(cfg)
     alices = push(signer, tmp_path, alice, "alice's", vol("1Gi"))
     assert Syncer(config).sync().result == "applied"

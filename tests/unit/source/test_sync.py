@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from source_signing import VOLUME_YAML, Signing, SshKey
+from source_signing import VOLUME_YAML, Signing, SshKey, node_config_file
 
 from reconciler.source.layout import Layout
 from reconciler.source.report import source_status
@@ -310,18 +310,7 @@ def test_a_kill_at_every_step_leaves_the_old_or_the_new_revision(
     allowed = signer.allowed_signers(tmp_path / "allowed_signers", ("alice", alice))
     bare = tmp_path / "fleet.git"
     subprocess.run(["git", "init", "--quiet", "--bare", str(bare)], check=True)
-    state = tmp_path / "state"
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(f"""\
-stateDir: {state}
-nodeName: a
-allowedRoots: [/srv]
-source:
-  url: file://{bare}
-  ref: {{branch: main}}
-  path: nodes/{{nodeName}}
-  verify: {{mode: head, format: ssh, allowedSignersFile: {allowed}}}
-""")
+    cfg = node_config_file(tmp_path, f"file://{bare}", allowed)
     from reconciler.spec.config import load_config
 
     config = load_config(cfg)
