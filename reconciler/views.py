@@ -81,11 +81,18 @@ def apply_doc(outcomes: Iterable[VolumeOutcome | dict[str, Any]],
               diagnostics: Iterable[dict[str, Any]], thawed: list[str]) -> dict[str, Any]:
     volumes = [o if isinstance(o, dict) else o.as_dict() for o in outcomes]
     counts = {k: sum(v["status"] == k for v in volumes) for k in ("ok", "changed", "failed")}
+    # Cut short (the daemon stopped, SIGTERM): not done, so never exit 0. A
+    # key of its own, there only when it happened (scripts that compare the
+    # usual recap keep working).
+    if aborted := sum(v["status"] == "aborted" for v in volumes):
+        counts["aborted"] = aborted
     return {"recap": counts, "errors": list(diagnostics), "thawed": thawed, "volumes": volumes}
 
 
 def apply_exit(doc: dict[str, Any]) -> int:
-    return 1 if doc["recap"]["failed"] or doc["errors"] else 0
+    """0 only when every volume is done: none failed, none cut short."""
+    recap = doc["recap"]
+    return 1 if recap["failed"] or recap.get("aborted") or doc["errors"] else 0
 
 
 # -- status ---------------------------------------------------------------------------

@@ -14,8 +14,17 @@ daemon's chain, and prints it). A volume whose plan waits for another one
 (a clone for its snapshot) is looked at again after this ask's chains
 changed something, as often as ``apply`` would (engine.MAX_FOLLOW_UP_PASSES).
 
-The pass thread calls ``resolve``, ``looked`` and ``pass_ended``; a chain's
-thread calls ``finished``; the control socket's thread reads the events.
+Every ask ends, by construction: each volume it names is answered by a
+chain it counts (``finished``), by a pass that looks at it (``looked``),
+or, when the pass that was due to look at it ended without doing so (its
+file and record gone, or frozen meanwhile), by ``pass_ended`` with what that
+pass knew. Which chains run is kept here, under the same lock as the asks
+(``started``, ``finished``): a chain is either running when an ask is
+resolved, and its end is seen by it, or it is not, and a pass looks.
+
+The pass thread calls ``started``, ``resolve``, ``looked`` and
+``pass_ended``; a chain's thread (or a job's end) calls ``finished``; the
+control socket's thread reads the events.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from reconciler.plan.planner import FROZEN
 from reconciler.spec.loader import LoadResult
 from reconciler.spec.model import Volume
 from reconciler.state.allowance import Allowance
-from reconciler.views import apply_doc, select
+from reconciler.views import apply_doc, apply_exit, select
 
 Kind = Literal["apply", "release", "removal", "job"]
 
@@ -56,7 +65,6 @@ class PassContext:
     held_back: dict[str, str]  # vanished, but held back: why
     unrecorded: set[str]  # new or changed, held back until stateDir takes their record
     state_line: str  # why they are held back
-    inflight: dict[str, Inflight]
     hold: Callable[[set[str]], str | None]  # hold these down; None, or why it could not
     lift: Callable[[set[str] | None], str | None]  # lift these holds (None: all)
     reserve: Callable[[str], bool]  # a job's volume, if no chain runs for it
@@ -73,6 +81,7 @@ class Ask:
         self.resolved_in: int | None = None  # the pass that named its volumes
         self.order: list[str] = []
         self.pending: set[str] = set()  # named, no final result yet
+        self.due: dict[str, int] = {}  # pending, not counted: the pass due to look at it
         self.counted: set[str] = set()  # the result of their chain in flight is the answer
         self.provisional: dict[str, VolumeOutcome] = {}  # waiting for another object
         self.outcomes: dict[str, VolumeOutcome] = {}
@@ -91,19 +100,29 @@ class Ask:
             if "exit" in ev or ev.get("event") == "reserved":
                 return
 
+    def overdue(self, pass_no: int, running: dict[str, Inflight]) -> list[str]:
+        """Named, waiting for a look that pass ``pass_no`` was due to make,
+        and no chain of theirs runs: that pass ended without answering them."""
+        return sorted(n for n, due in self.due.items()
+                      if due <= pass_no and n in self.pending and n not in self.counted
+                      and n not in running)
+
     def emit(self, obj: dict[str, Any]) -> None:
         self._events.put(obj)
 
 
 class Asks:
-    def __init__(self, look_again: Callable[[set[str], str], None]) -> None:
+    def __init__(self, look_again: Callable[[set[str], str], None],
+                 next_pass: Callable[[], int] = lambda: 0) -> None:
         # Asks the daemon for one more pass over these names, at once.
         self.look_again = look_again
+        self.next_pass = next_pass  # the number of the first pass that begins after now
         # The pass thread and the chains' threads both move an ask along:
         # every change to one is made under this lock (re-entered when an
         # answer closes an ask and drops it).
         self._lock = threading.RLock()
         self._open: list[Ask] = []
+        self._running: dict[str, Inflight] = {}  # the chains (and jobs) in flight
 
     def add(self, ask: Ask) -> None:
         with self._lock:
@@ -120,6 +139,10 @@ class Asks:
             return list(self._open)
 
     # -- the pass thread ----------------------------------------------------------
+    def started(self, name: str, what: Inflight) -> None:
+        """A chain (or a job) starts for ``name``; ``finished`` ends it."""
+        with self._lock:
+            self._running[name] = what
     def allowance(self, pass_no: int) -> Allowance:
         """What the removal asks this pass answers let go (with the file's)."""
         with self._lock:
@@ -160,7 +183,7 @@ class Asks:
             a.pending = set(names)
             a.emit({"event": "started", "volumes": a.order, "errors": a.errors})
             for n in a.order:
-                look |= self._first_look(a, n, ctx)
+                look |= self._first_look(a, n, ctx, pass_no)
             self._check(a)
         return look
 
@@ -193,7 +216,7 @@ class Asks:
             a.left.append(f"{n}: {why}")
         return picked
 
-    def _first_look(self, a: Ask, name: str, ctx: PassContext) -> set[str]:
+    def _first_look(self, a: Ask, name: str, ctx: PassContext, pass_no: int) -> set[str]:
         if name in ctx.frozen:
             self._deliver(a, name, VolumeOutcome(name, status="failed", error=FROZEN))
             return set()
@@ -201,16 +224,20 @@ class Asks:
             self._deliver(a, name, VolumeOutcome(
                 name, status="failed", error=f"not converged: {ctx.state_line}"))
             return set()
-        running = ctx.inflight.get(name)
+        running = self._running.get(name)  # now, under the lock ``finished`` takes
         vol = ctx.current.get(name)
         if running is not None and (
                 (a.kind == "apply" and running.purpose == "converge"
                  and vol is not None and running.spec_hash == vol.spec_hash)
+                # Its file is gone: the release running is the removal asked for.
+                or (a.kind == "apply" and running.purpose == "release" and vol is None)
                 or (a.kind != "apply" and running.purpose == "release")):
             a.counted.add(name)  # that chain is the work asked for
             return set()
-        # After a chain in flight (its end marks the volume), or now.
-        return set() if running is not None else {name}
+        if running is not None:
+            return set()  # looked at after that chain: its end sets when (``finished``)
+        a.due[name] = pass_no
+        return {name}
 
     def _reserve(self, a: Ask, pass_no: int, ctx: PassContext) -> None:
         [name] = [t["name"] for t in a.targets]
@@ -243,23 +270,64 @@ class Asks:
             else:
                 self._deliver(a, name, outcome, waiting)
 
-    def finished(self, name: str, outcome: VolumeOutcome) -> None:
-        """A chain ended (its thread): the answer of the asks that count it."""
+    def finished(self, name: str, outcome: VolumeOutcome | None) -> None:
+        """A chain ended (its thread; ``outcome`` None: a job ended): the
+        answer of the asks that count it; those that waited for it to end
+        are looked at by the next pass."""
         with self._lock:
+            self._running.pop(name, None)
+            waited = False
             for a in self._current():
-                if name in a.counted:
+                if name in a.counted and outcome is not None:
                     a.counted.discard(name)
                     self._deliver(a, name, outcome)
+                elif a.resolved_in is not None and name in a.pending \
+                        and name not in a.counted and name not in a.provisional:
+                    a.due[name] = self.next_pass()
+                    waited = True
+            if waited:
+                self.look_again({name}, f"{name}: the chain an ask waited for ended")
 
-    def pass_ended(self, pass_no: int, refused: str | None) -> None:
+    def pass_ended(self, pass_no: int, refused: str | None, *,
+                   current: set[str] = frozenset(), released: set[str] = frozenset(),
+                   frozen: set[str] = frozenset()) -> None:
         """``refused``: why the pass did not get to the asks (it refused to
-        look, or failed): those it should have answered fail with that."""
+        look, or failed): those it should have answered fail with that.
+        Otherwise what it was due to look at and did not (``overdue``) is
+        answered with what it knew: the volumes it declared (``current``),
+        released and froze."""
         with self._lock:
             for a in self._current():
                 if a.closed or a.first > pass_no:
                     continue
-                if refused is not None and (a.resolved_in is None or a.resolved_in == pass_no):
-                    self._fail(a, refused)
+                overdue = a.overdue(pass_no, self._running)
+                if refused is not None:
+                    if a.resolved_in is None or a.resolved_in == pass_no or overdue:
+                        self._fail(a, refused)
+                    continue
+                for name in overdue:
+                    if name in a.provisional:  # its one more look did not come: as it was
+                        a.due.pop(name)
+                        self._settle(a, name, a.provisional.pop(name))
+                        self._check(a)
+                    else:
+                        self._deliver(a, name, self._unlooked(a, name, pass_no, current,
+                                                              released, frozen))
+
+    @staticmethod
+    def _unlooked(a: Ask, name: str, pass_no: int, current: set[str], released: set[str],
+                  frozen: set[str]) -> VolumeOutcome:
+        """The answer for a volume the pass due to look at it did not."""
+        if name in frozen:
+            return VolumeOutcome(name, status="failed", error=FROZEN)
+        if name in current or name in released:
+            return VolumeOutcome(name, status="failed", error=(
+                f"pass {pass_no} did not get to it (the daemon's log says why); nothing done"))
+        if a.kind == "apply" and a.targets:
+            return VolumeOutcome(name, status="failed", error=(
+                "its file is gone and it is no longer managed: nothing done"))
+        # Every volume, a release or a removal: gone is what was asked.
+        return VolumeOutcome(name, notes=["no longer declared nor managed: nothing to do"])
 
     def stop(self, why: str) -> None:
         """The daemon stops: every ask still open ends with what it has."""
@@ -271,6 +339,7 @@ class Asks:
     def _deliver(self, a: Ask, name: str, outcome: VolumeOutcome, waiting: bool = False) -> None:
         if a.closed or name not in a.pending:
             return
+        a.due.pop(name, None)
         before = a.provisional.pop(name, None)
         merged = merge_outcomes([before], [outcome])[0] if before is not None else outcome
         if outcome.status == "changed":
@@ -278,10 +347,14 @@ class Asks:
         if waiting and a.kind == "apply":
             a.provisional[name] = merged  # looked at again if this ask changes something
         else:
-            a.pending.discard(name)
-            a.outcomes[name] = merged
-            a.emit({"event": "volume", "volume": merged.as_dict()})
+            self._settle(a, name, merged)
         self._check(a)
+
+    @staticmethod
+    def _settle(a: Ask, name: str, outcome: VolumeOutcome) -> None:
+        a.pending.discard(name)
+        a.outcomes[name] = outcome
+        a.emit({"event": "volume", "volume": outcome.as_dict()})
 
     def _check(self, a: Ask) -> None:
         """Done when nothing is pending but what waits for another object
@@ -291,18 +364,18 @@ class Asks:
         if a.provisional and a.changed and a.rounds < MAX_FOLLOW_UP_PASSES:
             a.rounds += 1
             a.changed = False
+            due = self.next_pass()
+            for name in a.provisional:
+                a.due[name] = due
             self.look_again(set(a.provisional), "apply: one more pass for what waits")
             return
         for name, out in sorted(a.provisional.items()):
-            a.pending.discard(name)
-            a.outcomes[name] = out
-            a.emit({"event": "volume", "volume": out.as_dict()})
+            self._settle(a, name, out)
         a.provisional.clear()
         doc = apply_doc((a.outcomes[n] for n in sorted(a.outcomes)), a.errors, [])
         if a.left:
             doc["notReleased"] = a.left
-        failed = doc["recap"]["failed"] or doc["errors"]
-        self._close(a, {"exit": 1 if failed else 0, "result": {"kind": "applied", "doc": doc}})
+        self._close(a, {"exit": apply_exit(doc), "result": {"kind": "applied", "doc": doc}})
 
     def _fail(self, a: Ask, why: str) -> None:
         """The results that came were sent as they came; this says why no more will."""

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -106,6 +106,16 @@ PHASE_NAMES = {"ABSENT": "Absent", "CREATED": "Created", "MAPPED": "Mapped",
 
 
 @dataclass
+class PassKnew:
+    """What the pass under way knew of the volumes, for the asks it was due
+    to answer and did not look at (daemon/asks.py ``pass_ended``)."""
+
+    current: set[str] = field(default_factory=set)  # declared
+    released: set[str] = field(default_factory=set)  # vanished, released by it
+    frozen: set[str] = field(default_factory=set)
+
+
+@dataclass
 class Backoff:
     failures: int
     until: float
@@ -177,12 +187,13 @@ class Daemon:
         # The command line's way in (daemon/control.py): what it asks of the
         # passes, what they saw, and what `release` holds down until `apply`.
         self.control: ControlServer | None = None
-        self.asks = Asks(self.look_again)
+        self.asks = Asks(self.look_again, self.first_pass_after_now)
         self.view = LiveView()
         self.holds: set[str] = set()
         self.inflight_info: dict[str, Inflight] = {}  # what each chain in flight is for
         self.confirm: set[str] = set()  # a chain ended, no pass has looked at it since
         self.refusing = ""  # why the pass under way refused to look, for the asks
+        self.pass_knew = PassKnew()  # what the pass under way knew, for the asks
         self.not_reconciling: str | None = None  # why the last pass refused; None: it looked
         self.metrics = Metrics()
         self.metrics.in_backoff.set_function(lambda: len(self.backoff))
@@ -287,7 +298,8 @@ class Daemon:
             fut.set_running_or_notify_cancel()
             self.inflight[name] = fut
             self.inflight_info[name] = Inflight("", "job")
-            return True
+        self.asks.started(name, Inflight("", "job"))
+        return True
 
     def unreserve(self, name: str) -> None:
         """The job is done: the volume is looked at again at once."""
@@ -296,16 +308,15 @@ class Daemon:
             self.inflight_info.pop(name, None)
         if fut is not None and not fut.done():
             fut.set_result(None)  # a stop waiting for it goes on
+        self.asks.finished(name, None)
         self.look_again({name}, f"{name}: after a job of the command line")
 
     def _answer_asks(self, loaded: LoadResult, current: dict[str, Volume], frozen: set[str],
                      release: list[Volume], held: dict[str, str], unrecorded: set[str]) -> None:
-        with self.lock:
-            inflight = dict(self.inflight_info)
         look = self.asks.resolve(self.passes_started, PassContext(
             loaded=loaded, current=current, frozen=frozen,
             released={v.name for v in release}, held_back=held, unrecorded=unrecorded,
-            state_line=self._state_line(), inflight=inflight, hold=self._hold_down,
+            state_line=self._state_line(), hold=self._hold_down,
             lift=self._lift_holds, reserve=self._reserve))
         if look:
             with self.lock:
@@ -709,13 +720,17 @@ class Daemon:
             self.passes_started += 1
         t0, result = time.monotonic(), "error"
         self.refusing = "its pass failed (the daemon's log says why)"
+        self.pass_knew = PassKnew()
         try:
             result = "ok" if self._reconcile() else "refused"
         finally:
             # What the command line asked of this pass, if it never got to it.
             self.not_reconciling = None if result == "ok" else \
                 f"the daemon is not reconciling: {self.refusing}"
-            self.asks.pass_ended(self.passes_started, self.not_reconciling)
+            knew = self.pass_knew
+            self.asks.pass_ended(self.passes_started, self.not_reconciling,
+                                 current=knew.current, released=knew.released,
+                                 frozen=knew.frozen)
             self.metrics.pass_done(time.monotonic() - t0, result)
             if self.config.metrics.textfile is not None:
                 self.metrics.write_textfile(self.config.metrics.textfile)
@@ -761,6 +776,7 @@ class Daemon:
         with self.lock:
             unrecorded = self.unrecorded & set(current)
             self.dirty |= unrecorded  # looked at again once it can be recorded
+        self.pass_knew = PassKnew(set(current), {v.name for v in release}, frozen)
         # What the command line asked for: its volumes are looked at in this pass.
         self._answer_asks(loaded, current, frozen, release, held, unrecorded)
         # Released by hand through the daemon: kept down until `apply` names them.
@@ -812,8 +828,10 @@ class Daemon:
             vol = by_name[vp.name]
             down: Down = ("vanished" if vol.name in vanished else
                           "held" if vol.name in kept_down else None)
-            if vol.name in unrecorded:
-                continue  # not recorded, not done (its status says so)
+            if vol.name in unrecorded:  # not recorded, not done (its status says so)
+                self.asks.looked(n, vol.name, False, VolumeOutcome(
+                    vol.name, status="failed", error=f"not converged: {self._state_line()}"))
+                continue
             if vp.fenced or vp.stalled:
                 # Never touched automatically, a release included: a fence
                 # waits for `recover`, a stall for I/O to complete again.
@@ -1027,24 +1045,28 @@ class Daemon:
             self._write_status(vol.name, VolumeStatus("Deleting"))
         # Before the chain can end: its end is the answer of the asks counting it.
         self.asks.looked(self.passes_started, vol.name, False, None)
+        purpose: Literal["converge", "release"] = "converge" if down is None else "release"
+        self.asks.started(vol.name, Inflight(vol.spec_hash, purpose))
         with self.lock:
             fut = self.pool.submit(self._converge, vol, vp, observed, down)
             self.inflight[vol.name] = fut
-            self.inflight_info[vol.name] = Inflight(
-                vol.spec_hash, "converge" if down is None else "release")
+            self.inflight_info[vol.name] = Inflight(vol.spec_hash, purpose)
 
     def _converge(self, vol: Volume, vp: VolumePlan, observed: object, down: Down) -> None:
         log.info("%s: %d step(s) start", vol.name, len(vp.steps), extra={"volume": vol.name})
         crashed = False
+        outcome = VolumeOutcome(vol.name, status="failed", error="the chain's thread failed")
         try:
             [outcome] = act([vp], {vol.name: vol}, observed, self.node,  # type: ignore[arg-type]
                             gate=self.gate)
         except Exception as exc:  # a driver bug must not kill the worker silently
             log.exception("%s: apply crashed", vol.name, extra={"volume": vol.name})
             outcome, crashed = VolumeOutcome(vol.name, status="failed", error=str(exc)), True
-        self.metrics.outcome(vp, outcome, crashed)
-        self._record_outcome(vol, vp, outcome, down)
-        self.asks.finished(vol.name, outcome)
+        try:
+            self.metrics.outcome(vp, outcome, crashed)
+            self._record_outcome(vol, vp, outcome, down)
+        finally:  # whatever recording did: the asks counting it get their answer
+            self.asks.finished(vol.name, outcome)
 
     def _record_outcome(self, vol: Volume, vp: VolumePlan, out: VolumeOutcome,
                         down: Down) -> None:

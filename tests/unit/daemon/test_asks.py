@@ -27,8 +27,7 @@ class Pass:
     """One pass's context, and what the asks did to the daemon."""
 
     def __init__(self, *names: str, frozen: tuple[str, ...] = (),
-                 released: tuple[str, ...] = (), inflight: dict[str, Inflight] | None = None,
-                 unrecorded: tuple[str, ...] = ()) -> None:
+                 released: tuple[str, ...] = (), unrecorded: tuple[str, ...] = ()) -> None:
         self.current = {n: vol(n) for n in names}
         self.held: set[str] = set()
         self.lifted: list[set[str] | None] = []
@@ -38,7 +37,7 @@ class Pass:
                               files=(), failed_files=frozenset(), frozen_names=frozenset(frozen)),
             current=self.current, frozen=set(frozen), released=set(released), held_back={},
             unrecorded=set(unrecorded), state_line="stateDir is full",
-            inflight=inflight or {}, hold=self.hold, lift=self.lift, reserve=self.reserve)
+            hold=self.hold, lift=self.lift, reserve=self.reserve)
 
     def hold(self, names: set[str]) -> str | None:
         self.held |= names
@@ -91,8 +90,9 @@ def test_a_chain_in_flight_for_the_same_spec_is_the_answer() -> None:
     asks = Asks(lambda names, why: None)
     ask = Ask("apply", [], first=1)
     asks.add(ask)
-    running = {"a": Inflight(vol("a").spec_hash, "converge"), "b": Inflight("old", "converge")}
-    p = Pass("a", "b", inflight=running)
+    asks.started("a", Inflight(vol("a").spec_hash, "converge"))
+    asks.started("b", Inflight("old", "converge"))
+    p = Pass("a", "b")
     # a: adopted; b: its chain is for another spec, looked at after it ends.
     assert asks.resolve(1, p.ctx) == set()
     assert ask.counted == {"a"} and ask.pending == {"a", "b"}
@@ -163,3 +163,114 @@ def test_a_job_reserves_its_volume_and_the_stop_ends_the_rest() -> None:
     assert job not in asks._current()  # reserved: the passes are done with it
     asks.stop("the daemon is stopping")
     assert drain(other)[-1]["exit"] == 1 and not drain(job)  # the job's reserver ends it
+
+
+# -- every ask ends (issue 37) ----------------------------------------------------------
+class Counter:
+    """The daemon's pass numbers and its looks again, as the asks see them."""
+
+    def __init__(self) -> None:
+        self.next = 1
+        self.again: list[set[str]] = []
+
+    def asks(self) -> Asks:
+        return Asks(lambda names, _why: self.again.append(names), lambda: self.next)
+
+
+def test_apply_of_every_volume_counts_the_release_running_for_a_removed_file() -> None:
+    # A commit removed gone.yaml: the daemon's release of it runs; root types
+    # `apply`. The release is the removal asked for: its end is the answer
+    # (before, the ask waited for a look no pass would make: its record is
+    # dropped when the release ends).
+    c = Counter()
+    asks = c.asks()
+    asks.started("gone", Inflight("h", "release"))
+    ask = Ask("apply", [], first=1)
+    asks.add(ask)
+    assert asks.resolve(1, Pass("v1", released=("gone",)).ctx) == {"v1"}
+    asks.looked(1, "v1", False, VolumeOutcome("v1"))
+    asks.pass_ended(1, None, current={"v1"}, released={"gone"})
+    assert not ask.closed
+    asks.finished("gone", changed("gone"))
+    final = drain(ask)[-1]
+    assert final["exit"] == 0 and final["result"]["doc"]["recap"] == {
+        "ok": 1, "changed": 1, "failed": 0}
+
+
+def test_a_volume_the_due_pass_did_not_look_at_is_answered_when_that_pass_ends() -> None:
+    # Every volume and a removal whose release ended before the pass looked:
+    # record and file gone, no pass will ever plan it again.
+    c = Counter()
+    asks = c.asks()
+    every, named = Ask("apply", [], first=2), Ask("apply", [{"name": "v2"}], first=2)
+    asks.add(every)
+    asks.add(named)
+    assert asks.resolve(2, Pass("v1", "v2", released=("gone",)).ctx) == {"v1", "v2", "gone"}
+    asks.looked(2, "v1", False, VolumeOutcome("v1"))
+    asks.pass_ended(2, None, current={"v1"}, released=set())  # v2's file went meanwhile
+    by = {v["name"]: v for v in drain(every)[-1]["result"]["doc"]["volumes"]}
+    assert by["gone"]["status"] == "ok" and by["gone"]["notes"]
+    assert by["v2"]["status"] == "ok"  # every volume: it is not declared, so nothing to do
+    final = drain(named)[-1]
+    assert final["exit"] == 1 and "its file is gone" in final["result"]["doc"]["volumes"][0][
+        "error"]
+
+
+def test_a_chain_an_ask_waited_for_ends_and_the_next_pass_must_answer() -> None:
+    # apply v1 while a chain for v1's older spec runs: looked at after it
+    # ends, at once (a failed chain's backoff forgotten), by the next pass.
+    c = Counter()
+    asks = c.asks()
+    asks.started("v1", Inflight("old", "converge"))
+    ask = Ask("apply", [{"name": "v1"}], first=1)
+    asks.add(ask)
+    assert asks.resolve(1, Pass("v1").ctx) == set()
+    c.next = 2
+    asks.finished("v1", VolumeOutcome("v1", status="failed", error="old spec"))
+    assert c.again == [{"v1"}] and not ask.closed
+    asks.pass_ended(1, None, current={"v1"})  # the pass under way: not due
+    assert not ask.closed
+    asks.pass_ended(2, None, current={"v1"})  # pass 2 was due and did not look
+    final = drain(ask)[-1]
+    assert final["exit"] == 1 and "did not get to it" in final["result"]["doc"]["volumes"][0][
+        "error"]
+
+
+def test_a_chain_that_ended_before_the_ask_was_resolved_is_never_counted() -> None:
+    # The daemon used to hand the asks a copy of the chains in flight: one
+    # that ended between the copy and the resolution was counted, and its
+    # answer never came. Now the chains are kept under the asks' own lock.
+    asks = Counter().asks()
+    asks.started("a", Inflight(vol("a").spec_hash, "converge"))
+    asks.finished("a", changed("a"))
+    ask = Ask("apply", [{"name": "a"}], first=1)
+    asks.add(ask)
+    assert asks.resolve(1, Pass("a").ctx) == {"a"}
+    assert ask.counted == set()
+    asks.looked(1, "a", False, VolumeOutcome("a"))
+    assert drain(ask)[-1]["exit"] == 0
+
+
+def test_an_aborted_chain_fails_the_ask_and_the_recap_counts_it() -> None:
+    # SIGTERM during the format: `apply v3 && start-app` must not start the app.
+    asks = Counter().asks()
+    ask = Ask("apply", [{"name": "v3"}], first=1)
+    asks.add(ask)
+    asks.resolve(1, Pass("v3").ctx)
+    asks.looked(1, "v3", False, None)
+    asks.finished("v3", VolumeOutcome("v3", status="aborted", error="daemon stopping"))
+    final = drain(ask)[-1]
+    assert final["exit"] == 1
+    assert final["result"]["doc"]["recap"] == {"ok": 0, "changed": 0, "failed": 0, "aborted": 1}
+
+
+def test_a_job_ending_lets_a_waiting_ask_be_looked_at() -> None:
+    c = Counter()
+    asks = c.asks()
+    asks.started("a", Inflight("", "job"))
+    ask = Ask("release", [{"name": "a"}], first=1)
+    asks.add(ask)
+    assert asks.resolve(1, Pass("a").ctx) == set()
+    c.next = 3
+    asks.finished("a", None)
+    assert ask.due == {"a": 3} and c.again == [{"a"}]
