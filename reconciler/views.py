@@ -1,8 +1,8 @@
 """What ``plan``, ``status``, ``explain`` and ``apply`` report, as documents.
 
-Built from what a pass saw (the volumes, the observation, the plans): by the
-command line from its own pass when no daemon runs, by the daemon from its
-live view (daemon/liveview.py) when one does. The command line prints the
+Built from what a look saw (the volumes, the observation, the plans): by the
+command line from its own look when no daemon runs, by the daemon from a
+look it makes for the question (daemon/liveview.py) when one does. The command line prints the
 same document either way (``-o json`` as it is, or in words: cli/show.py),
 so what it says cannot depend on who looked.
 """
@@ -10,6 +10,7 @@ so what it says cannot depend on who looked.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ if TYPE_CHECKING:  # the planner and runner are imported where a view needs them
     from reconciler.apply.runner import VolumeOutcome
     from reconciler.facts.observed import Observed
     from reconciler.plan.types import Context, VolumePlan
+    from reconciler.spec.loader import LoadResult
 
 # The daemon's last status of a volume (its status file), or None.
 DaemonStatus = Callable[[str], dict[str, Any] | None]
@@ -120,6 +122,28 @@ def status_doc(config: Config, rows: list[dict[str, Any]], frozen: Iterable[str]
         doc["source"] = source_status(config)
     if full is not None:
         doc["stateDirProblem"] = full
+    return doc
+
+
+def status_of(config: Config, ctx: Context, loaded: LoadResult, observed: Observed,
+              plans: Iterable[VolumePlan], diagnostics: Iterable[Diagnostic]
+              ) -> dict[str, Any]:
+    """``status -o json`` of a look (the command's own, or the daemon's made
+    for it): one function, so both say the same words."""
+    planned = {vp.name: vp for vp in plans}  # planned already: problems are not found again
+    rows = [status_row(v, observed, ctx, planned.get(v.name)) for v in loaded.volumes
+            if v.name in planned]
+    frozen = [n for n in loaded.frozen_names if n in planned]
+    return status_doc(config, rows, frozen, diagnostics, daemon_status(config))
+
+
+def answered(doc: dict[str, Any], by: str, at: float) -> dict[str, Any]:
+    """Where an answer of status, plan or explain came from, and when what it
+    reports was observed (the only fields in which the daemon's answer and
+    the command's own may differ)."""
+    doc["answeredBy"] = by
+    doc["observedAt"] = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(at)) + \
+        f".{int(at % 1 * 1000):03d}Z"
     return doc
 
 

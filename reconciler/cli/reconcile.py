@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,13 +129,15 @@ def cmd_plan(args: argparse.Namespace, config: Config) -> int:
     session = connect_early(config, picked)
     from reconciler.engine import pass_over
     from reconciler.observe.node import Node
-    from reconciler.views import plan_doc, plan_exit
+    from reconciler.views import answered, plan_doc, plan_exit
 
     left = _left_frozen(config)
+    at = time.time()
     p = pass_over(picked.loaded, config, Node.from_config(config, session=session),
                   only=picked.only)
     sel = picked.selection
-    doc = plan_doc(p.plans, sel.errors, [(r.path, r.owner) for r in left])
+    doc = answered(plan_doc(p.plans, sel.errors, [(r.path, r.owner) for r in left]),
+                   "this command", at)
     if args.output == "json":
         show.as_json(doc)
     else:

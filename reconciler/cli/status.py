@@ -1,7 +1,7 @@
 """``status`` and ``explain``: what is there, and why a volume is as it is.
 
-With the daemon running, answered from its live view (cli/ask.py): what its
-passes saw, no second look at the node or Ceph from here. Else this process
+With the daemon running, answered by it (cli/ask.py): a look it makes for
+the question, through its Ceph connection; none from here. Else this process
 looks for itself, as it always has."""
 
 from __future__ import annotations
@@ -25,21 +25,20 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
         rc = ask(config, "status", {"targets": targets(args.paths)}, args.output)
         if rc is not None:
             return rc
+    import time
+
     from reconciler.engine import context
     from reconciler.observe.node import Node
-    from reconciler.views import daemon_status, status_doc, status_exit, status_row
+    from reconciler.views import answered, status_exit, status_of
 
     node = Node.from_config(config)
+    at = time.time()
     done = local_pass(args, config, node, all_watchers=True)
     if done is None:
         return EXIT_FAILED
     p, sel = done
-    ctx = context(config, node)
-    plans = {vp.name: vp for vp in p.plans}  # planned already: problems are not found again
-    rows = [status_row(v, p.observed, ctx, plans.get(v.name)) for v in p.loaded.volumes
-            if v.name in plans]
-    frozen = [n for n in p.loaded.frozen_names if n in plans]
-    doc = status_doc(config, rows, frozen, sel.errors, daemon_status(config))
+    doc = answered(status_of(config, context(config, node), p.loaded, p.observed, p.plans,
+                             sel.errors), "this command", at)
     if args.output == "json":
         show.as_json(doc)
     else:
@@ -53,11 +52,14 @@ def cmd_explain(args: argparse.Namespace, config: Config) -> int:
     rc = ask(config, "explain", {"name": args.name}, args.output)
     if rc is not None:
         return rc
+    import time
+
     from reconciler.engine import context, plan_pass
     from reconciler.observe.node import Node
-    from reconciler.views import claim_doc, daemon_status, explain_exit, explanation
+    from reconciler.views import answered, claim_doc, daemon_status, explain_exit, explanation
 
     node = Node.from_config(config)
+    at = time.time()
     p = plan_pass(default_paths(config), config, node, all_watchers=True)
     if p.loaded.refused:  # an untrusted directory or file: say so, explain nothing
         for d in p.loaded.diagnostics:
@@ -72,6 +74,7 @@ def cmd_explain(args: argparse.Namespace, config: Config) -> int:
     doc = explanation(args.name, vols.get(args.name), vp, p.observed, context(config, node),
                       args.name in p.loaded.frozen_names, p.loaded.diagnostics, daemon,
                       lambda actual: claim_doc(actual, lambda: _blocklist(config)))
+    answered(doc, "this command", at)
     if args.output == "json":
         show.as_json(doc)
     else:

@@ -5,10 +5,10 @@ answered from the daemon's passes and its live view, under its own locks.
 - ``apply``, ``release`` and ``allow-removal`` are asks of the passes
   (daemon/asks.py): each volume's steps are sent as its chain ends, then a
   recap, as ``apply`` prints them.
-- ``status``, ``plan`` and ``explain`` answer from what the passes saw
-  (daemon/liveview.py), once every chain that ended has been looked at
-  again: no second look at the node or Ceph (but ``explain``'s watchers
-  and blocklist of its one image, through the daemon's connection).
+- ``status``, ``plan`` and ``explain`` answer from a look begun after the
+  question (daemon/liveview.py): the files as the daemon loaded them, the
+  node and Ceph as they are now, planned as the command alone plans them,
+  so both say the same; the answer says who looked and when.
 - ``rotate-key`` and ``takeover`` run here while the daemon holds the
   volume: no chain of it runs meanwhile, and it is looked at right after
   (rotate-key looks at it first too: where it is mapped).
@@ -27,18 +27,20 @@ from reconciler.apply.rotate import mapped_device, rotate_key
 from reconciler.apply.takeover import takeover
 from reconciler.daemon.asks import Ask, Asks, Inflight, Kind
 from reconciler.daemon.control import Reply
-from reconciler.daemon.liveview import LiveView, Seen
+from reconciler.daemon.liveview import LiveView, Looked
 from reconciler.drivers.freeze import left_frozen
-from reconciler.engine import NOTHING_OBSERVED, context, look
-from reconciler.observe.ceph import CephView, observe_images
+from reconciler.engine import context, look
+from reconciler.observe.ceph import observe_images
 from reconciler.observe.node import Node
-from reconciler.plan.planner import frozen_plan
+from reconciler.plan.types import VolumePlan
 from reconciler.spec.config import Config
 from reconciler.spec.loader import LoadResult
+from reconciler.spec.model import Volume
 from reconciler.state.allowance import Allowance
 from reconciler.state.registry import freezes_recorded
 from reconciler.views import (
     Selection,
+    answered,
     claim_doc,
     daemon_status,
     explain_exit,
@@ -46,9 +48,8 @@ from reconciler.views import (
     plan_doc,
     plan_exit,
     select,
-    status_doc,
     status_exit,
-    status_row,
+    status_of,
 )
 
 log = logging.getLogger("rbd-reconciler.control")
@@ -57,11 +58,6 @@ log = logging.getLogger("rbd-reconciler.control")
 Say = Callable[[str, bool], None]
 # A job's work, given its volume's name: True when done.
 Job = Callable[[str, Say], bool]
-
-# Longest a view command waits for the daemon's first pass, or for the pass
-# that looks again at what a chain just did, beyond the observe deadline.
-VIEW_WAIT_S = 30.0
-
 
 class Running(Protocol):
     """What of the running daemon the commands use (daemon/service.py)."""
@@ -80,8 +76,6 @@ class Running(Protocol):
     def first_pass_after_now(self) -> int: ...
 
     def wait_pass(self, number: int, deadline: float) -> bool: ...
-
-    def unconfirmed(self) -> bool: ...
 
     def look_again(self, names: set[str] | None, why: str) -> None: ...
 
@@ -151,18 +145,14 @@ class Commands:
         self._ask("removal", [], reply, Allowance(frozenset(names), every))
 
     # -- the live view ------------------------------------------------------------
-    def _current(self, reply: Reply) -> LoadResult | None:
-        """The view, once it says what the daemon did: after its first pass,
-        and after a look at every chain that ended since."""
+    def _loaded(self, reply: Reply) -> LoadResult | None:
+        """The files as the daemon's last pass loaded them (what it converges
+        the node to), once it has made one; None: answered (alone, or why not)."""
         d = self.d
-        deadline = time.monotonic() + VIEW_WAIT_S + 2 * d.config.observe_timeout_seconds
+        deadline = time.monotonic() + self._budget()
         if d.passes_done == 0 and not d.wait_pass(1, deadline):
-            reply.finish(1, error="the daemon has not finished its first pass yet; try again")
+            reply.finish(1, alone="the daemon has not finished its first pass yet")
             return None
-        if d.unconfirmed():
-            number = d.first_pass_after_now()
-            d.look_again(set(), "the command line waits for the view")
-            d.wait_pass(number, deadline)  # late: what it has is still the best it knows
         if d.not_reconciling is not None or d.view.loaded is None:
             # Its view is not what is there now (an untrusted directory, no
             # source revision yet): the command looks for itself, and says why.
@@ -170,10 +160,25 @@ class Commands:
             return None
         return d.view.loaded
 
+    def _budget(self) -> float:
+        """How long a view command waits in the daemon: one look ahead of its
+        own and its own (each bounded by observeTimeoutSeconds), and a little."""
+        return 2 * self.d.config.observe_timeout_seconds + 2.0
+
+    def _look(self, loaded: LoadResult, names: set[str] | None, all_watchers: bool,
+              asked: float, reply: Reply) -> Looked | None:
+        """A look begun after the question; None: answered (the command looks
+        alone: the look before it did not end in time)."""
+        looked = self.d.view.look(loaded, names, all_watchers, asked,
+                                  asked + self._budget() - time.monotonic())
+        if looked is None:
+            reply.finish(1, alone="the daemon's look at the node did not end in time")
+        return looked
+
     def _selected(self, targets: list[dict[str, str]], reply: Reply
                   ) -> tuple[LoadResult, Selection] | None:
-        """The live view and what ``targets`` pick in it; None: answered."""
-        loaded = self._current(reply)
+        """The loaded files and what ``targets`` pick in them; None: answered."""
+        loaded = self._loaded(reply)
         if loaded is None:
             return None
         sel = select(loaded.volumes, loaded.frozen_names, loaded.failed_files,
@@ -185,46 +190,39 @@ class Commands:
         return loaded, sel
 
     def _status(self, targets: list[dict[str, str]], reply: Reply) -> None:
+        asked = time.monotonic()
         picked = self._selected(targets, reply)
         if picked is None:
             return
         loaded, sel = picked
-        config, picked, seen = self.d.config, set(sel.names), self.d.view.all()
-        ctx = context(config, self.d.node)
-        rows = []
-        for v in loaded.volumes:
-            if v.name not in picked:
-                continue
-            s = seen.get(v.name)
-            if s is None:
-                row = status_row(v, NOTHING_OBSERVED, ctx, None)
-                row.update(phase="UNKNOWN", unknown="the daemon has not looked at it yet")
-            else:
-                if s.row is None:  # made once per look: the next asks copy it
-                    s.row = status_row(s.volume, s.observed, ctx, s.plan)
-                row = dict(s.row)
-            rows.append(row)
-        frozen = [n for n in loaded.frozen_names if n in picked]
-        doc = status_doc(config, rows, frozen, sel.errors, daemon_status(config))
-        reply.finish(status_exit(doc), result={"kind": "status", "doc": doc})
+        looked = self._look(loaded, set(sel.names) if targets else None, True, asked, reply)
+        if looked is None:
+            return
+        p, config = looked.result, self.d.config
+        doc = status_of(config, context(config, self.d.node), p.loaded, p.observed,
+                        _only(p.plans, sel, targets), sel.errors)
+        reply.finish(status_exit(doc), result={"kind": "status", "doc": self._by(doc, looked)})
 
     def _plan(self, targets: list[dict[str, str]], reply: Reply) -> None:
+        asked = time.monotonic()
         picked = self._selected(targets, reply)
         if picked is None:
             return
         loaded, sel = picked
-        seen, frozen = self.d.view.all(), set(loaded.frozen_names)
-        plans = [frozen_plan(n) if n in frozen else seen[n].plan
-                 for n in sel.names if n in frozen or n in seen]
+        looked = self._look(loaded, set(sel.names) if targets else None, False, asked, reply)
+        if looked is None:
+            return
         with self.d.lock:
             running = {n for n, i in self.d.inflight_info.items() if i.purpose != "job"}
         state_dir = self.d.config.state_dir
         left = left_frozen(state_dir) if freezes_recorded(state_dir) else []
-        doc = plan_doc(plans, sel.errors, [(r.path, r.owner) for r in left], running)
-        reply.finish(plan_exit(doc), result={"kind": "plan", "doc": doc})
+        doc = plan_doc(_only(looked.result.plans, sel, targets), sel.errors,
+                       [(r.path, r.owner) for r in left], running)
+        reply.finish(plan_exit(doc), result={"kind": "plan", "doc": self._by(doc, looked)})
 
     def _explain(self, name: str, reply: Reply) -> None:
-        loaded = self._current(reply)
+        asked = time.monotonic()
+        loaded = self._loaded(reply)
         if loaded is None:
             return
         config = self.d.config
@@ -238,27 +236,32 @@ class Commands:
         if vol is None and not frozen and daemon is None:
             reply.finish(1, error=f"no volume {name!r} in {config.desired_dir}")
             return
-        seen = self.d.view.get(name)
-        observed = seen.observed if seen is not None else NOTHING_OBSERVED
-        fresh = self._image_now(seen)
-        doc = explanation(name, vol, seen.plan if seen else None, observed,
-                          context(config, self.d.node), frozen, loaded.diagnostics, daemon,
-                          lambda actual: claim_doc(actual, lambda: _blocklist(fresh)))
-        image = fresh.images.get(_key(seen)) if fresh is not None and seen else None
-        if image is not None and doc["actual"] and doc["actual"].get("watchers") is not None:
-            doc["actual"]["watchers"] = list(image.watchers)
-        reply.finish(explain_exit(doc), result={"kind": "explain", "doc": doc})
+        looked = self._look(loaded, {name}, True, asked, reply)
+        if looked is None:
+            return
+        p = looked.result
+        vp = next((x for x in p.plans if x.name == name), None)
+        doc = explanation(name, vol, vp, p.observed, context(config, self.d.node), frozen,
+                          loaded.diagnostics, daemon,
+                          lambda actual: claim_doc(actual, lambda: self._blocklist(vol)))
+        reply.finish(explain_exit(doc), result={"kind": "explain", "doc": self._by(doc, looked)})
 
-    def _image_now(self, seen: Seen | None) -> CephView | None:
-        """Who watches the volume's image, and Ceph's blocklist, now: asked
-        through the daemon's connection, bounded like a pass's (the passes
-        list watchers only where the planner needs them)."""
-        if seen is None or seen.volume.kind != "Volume" or not seen.volume.image.pool:
-            return None
+    def _blocklist(self, vol: Volume | None) -> dict[str, str]:
+        """Ceph's blocklist, through the daemon's connection, bounded like a
+        look's (asked only when a claim's holder must be judged)."""
         node = self.d.node
-        return observe_images(node.config.ceph, [_key(seen)],
-                              node.config.observe_timeout_seconds, None, node.ceph_session,
+        if vol is None or vol.kind != "Volume" or not vol.image.pool:
+            raise RuntimeError("no image to ask Ceph about")
+        view = observe_images(node.config.ceph, [(vol.image.pool, vol.image.name)],
+                              node.config.observe_timeout_seconds, set(), node.ceph_session,
                               blocklist=True)
+        if view.blocklist is None:
+            raise RuntimeError("Ceph did not answer for its blocklist in time")
+        return dict(view.blocklist)
+
+    @staticmethod
+    def _by(doc: dict[str, Any], looked: Looked) -> dict[str, Any]:
+        return answered(doc, f"the daemon (pid {os.getpid()})", looked.at)
 
     # -- jobs under the daemon's hold on a volume ---------------------------------
     def _job(self, name: str, reply: Reply, work: Job) -> None:
@@ -314,15 +317,13 @@ class Commands:
         return work
 
 
-def _key(seen: Seen | None) -> tuple[str, str]:
-    assert seen is not None
-    return (seen.volume.image.pool, seen.volume.image.name)
-
-
-def _blocklist(fresh: CephView | None) -> dict[str, str]:
-    if fresh is None or fresh.blocklist is None:
-        raise RuntimeError("Ceph did not answer for its blocklist in time")
-    return dict(fresh.blocklist)
+def _only(plans: list[VolumePlan], sel: Selection, targets: list[dict[str, str]]
+          ) -> list[VolumePlan]:
+    """The plans of what was asked (a look may have served a wider question)."""
+    if not targets:
+        return plans
+    names = set(sel.names)
+    return [vp for vp in plans if vp.name in names]
 
 
 def _targets(args: dict[str, Any]) -> list[dict[str, str]]:

@@ -1,61 +1,85 @@
-"""What the daemon's passes saw, kept for the command line: ``status``,
-``plan`` and ``explain`` answer from it (daemon/commands.py), never from a
-look of their own at the node or Ceph.
+"""What ``status``, ``plan`` and ``explain`` through the daemon answer from
+(daemon/commands.py): the files as the daemon's last pass loaded them (what
+it converges the node to), and a look at the node and Ceph begun after the
+question, as true as the command's own look would be.
 
-Each volume keeps what the last pass that looked at it saw (its spec, that
-pass's observation, its plan); a pass looks at a volume whenever something
-of it may have changed (daemon/service.py), so the view is as fresh as the
-daemon's own idea of the node. Written by the pass thread, read by the
-control socket's threads: entries are replaced whole, under a lock.
+A view the passes keep goes stale exactly when it matters: nothing wakes an
+idle volume's pass when Ceph stops answering or another node takes the
+image over, so it said ``MAPPED`` where a look said ``UNKNOWN`` or
+``FENCED`` (issue 37). So every answer looks again: the same observe and
+planner as the command alone (engine.pass_over), through the daemon's warm
+Ceph connection and with its I/O history (a stall it has watched for
+longer than the command's one-second sample). Looks run one at a time, and
+a question is served by a look that began after it was asked, so a burst of
+health checks costs one or two looks, not one each.
+
+Written by the pass thread (``loaded``) and read by the control socket's
+threads; looks are made in those threads, never in the pass thread (a
+command never holds up a pass, nor a pass a command beyond one look).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
-from reconciler.facts.observed import Observed
-from reconciler.plan.types import VolumePlan
+from reconciler.engine import Pass
 from reconciler.spec.loader import LoadResult
-from reconciler.spec.model import Volume
+
+# A look, given the loaded files, the names to look at (None: all) and
+# whether every image's watchers are listed.
+Look = Callable[[LoadResult, frozenset[str] | None, bool], Pass]
 
 
-@dataclass
-class Seen:
-    volume: Volume
-    observed: Observed  # shared by every volume that pass looked at
-    plan: VolumePlan
-    pass_no: int
-    at: float  # time.time() of that pass
-    row: dict[str, Any] | None = field(default=None)  # its status row, made when first asked
+@dataclass(frozen=True)
+class Looked:
+    """One look, and when it began (time.monotonic and the wall clock)."""
+
+    loaded: LoadResult
+    names: frozenset[str] | None
+    all_watchers: bool
+    began: float
+    at: float
+    result: Pass
+
+    def serves(self, loaded: LoadResult, names: frozenset[str] | None, all_watchers: bool,
+               asked: float) -> bool:
+        return (self.began >= asked and self.loaded is loaded
+                and (self.names is None or (names is not None and names <= self.names))
+                and (self.all_watchers or not all_watchers))
 
 
 class LiveView:
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._seen: dict[str, Seen] = {}
+    def __init__(self, look: Look | None = None) -> None:
         self.loaded: LoadResult | None = None  # the files as the last pass loaded them
+        self._look = look
+        self._one = threading.Lock()  # one look at a time
+        self._last: Looked | None = None
 
-    def update(self, pass_no: int, loaded: LoadResult, volumes: Iterable[Volume],
-               observed: Observed, plans: Iterable[VolumePlan]) -> None:
-        by_name = {v.name: v for v in volumes}
-        now = time.time()
-        seen = {vp.name: Seen(by_name[vp.name], observed, vp, pass_no, now)
-                for vp in plans if vp.name in by_name}
-        keep = {v.name for v in loaded.volumes}
-        with self._lock:
-            self.loaded = loaded
-            self._seen.update(seen)
-            for name in [n for n in self._seen if n not in keep]:
-                del self._seen[name]  # its file is gone (released, or forgotten)
+    def update(self, loaded: LoadResult) -> None:
+        self.loaded = loaded
 
-    def get(self, name: str) -> Seen | None:
-        with self._lock:
-            return self._seen.get(name)
+    def set_look(self, look: Look) -> None:
+        self._look = look
 
-    def all(self) -> dict[str, Seen]:
-        with self._lock:
-            return dict(self._seen)
+    def look(self, loaded: LoadResult, names: Collection[str] | None, all_watchers: bool,
+             asked: float, wait: float) -> Looked | None:
+        """A look at ``names`` begun at or after ``asked`` (time.monotonic);
+        None when the look before it did not end within ``wait`` seconds."""
+        want = None if names is None else frozenset(names)
+        if not self._one.acquire(timeout=max(0.0, wait)):
+            return None
+        try:
+            last = self._last
+            if last is not None and last.serves(loaded, want, all_watchers, asked):
+                return last  # begun after the question: as fresh as a look of its own
+            assert self._look is not None
+            began, at = time.monotonic(), time.time()
+            looked = Looked(loaded, want, all_watchers, began, at,
+                            self._look(loaded, want, all_watchers))
+            self._last = looked
+            return looked
+        finally:
+            self._one.release()

@@ -50,10 +50,12 @@ from reconciler.engine import (
     Busy,
     FrontDoor,
     Gate,
+    Pass,
     Stoppable,
     act,
     context,
     look,
+    pass_over,
     state_lock,
 )
 from reconciler.facts.clock import now_iso
@@ -188,10 +190,9 @@ class Daemon:
         # passes, what they saw, and what `release` holds down until `apply`.
         self.control: ControlServer | None = None
         self.asks = Asks(self.look_again, self.first_pass_after_now)
-        self.view = LiveView()
+        self.view = LiveView(self._look_for_view)
         self.holds: set[str] = set()
         self.inflight_info: dict[str, Inflight] = {}  # what each chain in flight is for
-        self.confirm: set[str] = set()  # a chain ended, no pass has looked at it since
         self.refusing = ""  # why the pass under way refused to look, for the asks
         self.pass_knew = PassKnew()  # what the pass under way knew, for the asks
         self.not_reconciling: str | None = None  # why the last pass refused; None: it looked
@@ -282,11 +283,13 @@ class Daemon:
                 self.progress.wait(min(left, 1.0))
         return True
 
-    def unconfirmed(self) -> bool:
-        """A chain ended that no pass has looked at since (the live view is
-        behind what the daemon did)."""
-        with self.lock:
-            return bool(self.confirm)
+    def _look_for_view(self, loaded: LoadResult, names: frozenset[str] | None,
+                       all_watchers: bool) -> Pass:
+        """A look for status, plan or explain (daemon/liveview.py), made as the
+        command alone makes it, through this daemon's Node: its Ceph
+        connection, probe cache and I/O history."""
+        return pass_over(loaded, self.config, self.node, all_watchers=all_watchers,
+                         only=names)
 
     def _reserve(self, name: str) -> bool:
         """For a job (rotate-key, takeover): no chain may start for ``name``
@@ -764,7 +767,7 @@ class Daemon:
             sdnotify.notify("STATUS=refusing: the desired directory is not trusted")
             self.refusing = "the desired directory is not trusted: " + "; ".join(
                 str(d) for d in loaded.diagnostics)
-            self.view.loaded = loaded  # status says why
+            self.view.update(loaded)  # status says why
             return False
         current = {v.name: v for v in loaded.volumes}
         failed_files = sorted(str(f) for f in loaded.failed_files)
@@ -801,10 +804,7 @@ class Daemon:
         observed, plans = looked.observed, looked.plans
         t_obs = time.monotonic() - t_obs
         by_name = {v.name: v for v in candidates}
-        self.view.update(self.passes_started, loaded, candidates, observed, plans)
-        with self.lock:
-            self.confirm &= set(current) | {v.name for v in release}
-            self.confirm -= set(by_name)
+        self.view.update(loaded)
         self._update_interest(candidates, observed, current, plans)
         self.metrics.observed(plans, current.values(),
                               ceph_reachable(observed.pools_listed, observed.pool_errors))
@@ -1094,7 +1094,6 @@ class Daemon:
                          extra={"volume": vol.name, "result": out.status})
             if out.status != "failed":
                 self.dirty.add(vol.name)  # the next pass confirms what the chain did
-                self.confirm.add(vol.name)
         # What no step fixes (a read-only filesystem, a covered publish) still
         # holds after the chain while the stage it concerns stays: the volume
         # is not what its phase would say (a CSI stage or publish waits on this).
