@@ -274,3 +274,33 @@ def test_a_job_ending_lets_a_waiting_ask_be_looked_at() -> None:
     c.next = 3
     asks.finished("a", None)
     assert ask.due == {"a": 3} and c.again == [{"a"}]
+
+
+# -- review of issue 37 (fault injection) ---------------------------------------------
+def test_a_chain_whose_end_comes_late_never_answers_for_the_chain_that_replaced_it() -> None:
+    # `apply a` while a chain for a's older spec runs: not counted, looked at
+    # after it. That chain's thread drops it from the daemon's inflight
+    # (_record_outcome) before it tells the asks (finished): a pass in that
+    # window looks at `a` (dirty) and starts the chain for the new spec, and
+    # the ask counts it. The old chain's late `finished` must neither answer
+    # for the new one (its result, for the old spec, exit 0) nor forget that
+    # the new one runs.
+    c = Counter()
+    asks = c.asks()
+    old = Inflight("old", "converge")
+    asks.started("a", old)
+    ask = Ask("apply", [{"name": "a"}], first=1)
+    asks.add(ask)
+    assert asks.resolve(1, Pass("a").ctx) == set()
+    new = Inflight(vol("a").spec_hash, "converge")
+    # Pass 2, in the old chain's window: the chain for the new spec starts.
+    asks.started("a", new)
+    asks.looked(2, "a", False, None)
+    assert ask.counted == {"a"}
+    asks.finished("a", changed("a"), old)  # the old chain's end reaches the asks now
+    assert not ask.closed, drain(ask)
+    assert asks._running.get("a") is new  # the new chain still runs
+    asks.finished("a", VolumeOutcome("a", status="failed", error="mkfs failed"), new)
+    final = drain(ask)[-1]
+    assert final["exit"] == 1 and final["result"]["doc"]["volumes"][0]["error"] == "mkfs failed"
+
