@@ -304,3 +304,23 @@ def test_a_chain_whose_end_comes_late_never_answers_for_the_chain_that_replaced_
     final = drain(ask)[-1]
     assert final["exit"] == 1 and final["result"]["doc"]["volumes"][0]["error"] == "mkfs failed"
 
+
+def test_a_job_waiting_behind_a_chain_gets_a_pass_when_the_chain_ends() -> None:
+    # `rotate-key a` while a's chain runs: the pass cannot reserve it and the
+    # job waits. When the chain ends, a pass must come at once to reserve it
+    # (else the job waits for the resync, or a failed chain's backoff: a
+    # succeeded chain only marks the volume dirty, it wakes nothing).
+    c = Counter()
+    asks = c.asks()
+    chain = Inflight(vol("a").spec_hash, "converge")
+    asks.started("a", chain)
+    job = Ask("job", [{"name": "a"}], first=1)
+    asks.add(job)
+    p = Pass("a")
+    p.reserve = lambda name: False  # type: ignore[method-assign]  # a chain runs for it
+    p.ctx.reserve = p.reserve
+    asks.resolve(1, p.ctx)
+    assert job.resolved_in is None and not job.closed
+    c.next = 2
+    asks.finished("a", changed("a"))
+    assert c.again == [{"a"}]  # a pass at once, to reserve it
