@@ -4,13 +4,21 @@ before one began (issue 37: never the passes' stale view)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
+import pytest
+
+from reconciler import engine
 from reconciler.daemon.liveview import LiveView
+from reconciler.daemon.service import Daemon
 from reconciler.engine import NOTHING_OBSERVED, Pass
-from reconciler.spec.loader import LoadResult
+from reconciler.facts.observed import ImageState, Observed
+from reconciler.spec.config import default_config
+from reconciler.spec.loader import LoadResult, load
 
 LOADED = LoadResult(volumes=(), diagnostics=(), files=(), failed_files=frozenset(),
                     frozen_names=frozenset())
@@ -85,3 +93,35 @@ def test_a_look_stuck_ahead_of_the_question_gives_up_at_the_deadline() -> None:
     assert view.look(LOADED, None, True, time.monotonic(), 0.2) is None
     looks.gate.set()
     t.join(10)
+
+
+# -- review of issue 37 (fault injection) ---------------------------------------------
+def test_a_volume_release_holds_down_is_planned_by_the_view_as_the_passes_plan_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `release a` through the daemon: it keeps `a` down (held.json) until an
+    # apply names it; its passes plan `a` released. `plan` through the daemon
+    # must say what the daemon will do: nothing (before issue 37's look, the
+    # passes' plan answered). A look that forgets the holds plans a map, a
+    # format, a mount and the publishes, exit 2: steps that never run.
+    desired = tmp_path / "desired"
+    desired.mkdir()
+    (desired / "a.yaml").write_text(
+        "apiVersion: rbd-reconciler/v1\nkind: Volume\nmetadata:\n  name: a\nspec:\n"
+        "  image: {pool: rbd, size: 256Mi}\n  map: {mapper: krbd}\n"
+        "  stage: {fsType: ext4}\n  publish:\n    - path: /srv/held-a\n")
+    config = dataclasses.replace(default_config(), desired_dir=desired,
+                                 state_dir=tmp_path / "state")
+    d = Daemon(config, None)
+    try:
+        d.holds = {"a"}  # released through the daemon, kept down
+        nothing_mapped = Observed(
+            images={("rbd", "a"): ImageState("rbd", "a", 256 << 20, frozenset({"layering"}))},
+            pools_listed=frozenset({"rbd"}), pool_errors={}, mappings=(), devices={},
+            mounts=())
+        monkeypatch.setattr(engine, "observe", lambda *_a, **_k: nothing_mapped)
+        loaded = load([desired], config)
+        p = d._look_for_view(loaded, None, False)
+        [vp] = p.plans
+        assert vp.steps == [], [type(s).__name__ for s in vp.steps]
+    finally:
+        d.pool.shutdown(wait=True)
