@@ -83,6 +83,7 @@ class Ask:
         self.pending: set[str] = set()  # named, no final result yet
         self.due: dict[str, int] = {}  # pending, not counted: the pass due to look at it
         self.counted: set[str] = set()  # the result of their chain in flight is the answer
+        self.chains: dict[str, Inflight] = {}  # counted: which chain (started's)
         self.provisional: dict[str, VolumeOutcome] = {}  # waiting for another object
         self.outcomes: dict[str, VolumeOutcome] = {}
         self.errors: list[dict[str, Any]] = []
@@ -233,6 +234,7 @@ class Asks:
                 or (a.kind == "apply" and running.purpose == "release" and vol is None)
                 or (a.kind != "apply" and running.purpose == "release")):
             a.counted.add(name)  # that chain is the work asked for
+            a.chains[name] = running
             return set()
         if running is not None:
             return set()  # looked at after that chain: its end sets when (``finished``)
@@ -267,20 +269,32 @@ class Asks:
                 continue
             if outcome is None:
                 a.counted.add(name)
+                if (chain := self._running.get(name)) is not None:
+                    a.chains[name] = chain  # started before this, by the same pass
             else:
                 self._deliver(a, name, outcome, waiting)
 
-    def finished(self, name: str, outcome: VolumeOutcome | None) -> None:
+    def finished(self, name: str, outcome: VolumeOutcome | None,
+                 chain: Inflight | None = None) -> None:
         """A chain ended (its thread; ``outcome`` None: a job ended): the
         answer of the asks that count it; those that waited for it to end
-        are looked at by the next pass."""
+        are looked at by the next pass. ``chain``: the one given to
+        ``started`` (the daemon drops a chain from its own books before it
+        tells the asks, so a pass may have started the next one meanwhile:
+        that one still runs, and its end is the answer of those counting it)."""
         with self._lock:
-            self._running.pop(name, None)
+            replaced = chain is not None and self._running.get(name) is not chain
+            if not replaced:
+                self._running.pop(name, None)
             waited = False
             for a in self._current():
-                if name in a.counted and outcome is not None:
+                if name in a.counted and outcome is not None \
+                        and (chain is None or a.chains.get(name, chain) is chain):
                     a.counted.discard(name)
+                    a.chains.pop(name, None)
                     self._deliver(a, name, outcome)
+                elif replaced:
+                    continue  # waited for the chain running now: its end says when
                 elif a.resolved_in is not None and name in a.pending \
                         and name not in a.counted and name not in a.provisional:
                     a.due[name] = self.next_pass()

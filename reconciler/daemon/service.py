@@ -300,18 +300,18 @@ class Daemon:
             fut: Future[None] = Future()
             fut.set_running_or_notify_cancel()
             self.inflight[name] = fut
-            self.inflight_info[name] = Inflight("", "job")
-        self.asks.started(name, Inflight("", "job"))
+            self.inflight_info[name] = what = Inflight("", "job")
+        self.asks.started(name, what)
         return True
 
     def unreserve(self, name: str) -> None:
         """The job is done: the volume is looked at again at once."""
         with self.lock:
             fut = self.inflight.pop(name, None)
-            self.inflight_info.pop(name, None)
+            what = self.inflight_info.pop(name, None)
         if fut is not None and not fut.done():
             fut.set_result(None)  # a stop waiting for it goes on
-        self.asks.finished(name, None)
+        self.asks.finished(name, None, what)
         self.look_again({name}, f"{name}: after a job of the command line")
 
     def _answer_asks(self, loaded: LoadResult, current: dict[str, Volume], frozen: set[str],
@@ -1043,16 +1043,19 @@ class Daemon:
             self._write_status(vol.name, VolumeStatus("Pending"))
         elif vol.state == "absent" and vp.refusal is None:
             self._write_status(vol.name, VolumeStatus("Deleting"))
-        # Before the chain can end: its end is the answer of the asks counting it.
-        self.asks.looked(self.passes_started, vol.name, False, None)
+        # Before the chain can end: its end is the answer of the asks counting
+        # it (this chain: ``what``, a late end of the one before is not).
         purpose: Literal["converge", "release"] = "converge" if down is None else "release"
-        self.asks.started(vol.name, Inflight(vol.spec_hash, purpose))
+        what = Inflight(vol.spec_hash, purpose)
+        self.asks.started(vol.name, what)
+        self.asks.looked(self.passes_started, vol.name, False, None)
         with self.lock:
-            fut = self.pool.submit(self._converge, vol, vp, observed, down)
+            fut = self.pool.submit(self._converge, vol, vp, observed, down, what)
             self.inflight[vol.name] = fut
-            self.inflight_info[vol.name] = Inflight(vol.spec_hash, purpose)
+            self.inflight_info[vol.name] = what
 
-    def _converge(self, vol: Volume, vp: VolumePlan, observed: object, down: Down) -> None:
+    def _converge(self, vol: Volume, vp: VolumePlan, observed: object, down: Down,
+                  what: Inflight) -> None:
         log.info("%s: %d step(s) start", vol.name, len(vp.steps), extra={"volume": vol.name})
         crashed = False
         outcome = VolumeOutcome(vol.name, status="failed", error="the chain's thread failed")
@@ -1066,7 +1069,7 @@ class Daemon:
             self.metrics.outcome(vp, outcome, crashed)
             self._record_outcome(vol, vp, outcome, down)
         finally:  # whatever recording did: the asks counting it get their answer
-            self.asks.finished(vol.name, outcome)
+            self.asks.finished(vol.name, outcome, what)
 
     def _record_outcome(self, vol: Volume, vp: VolumePlan, out: VolumeOutcome,
                         down: Down) -> None:
