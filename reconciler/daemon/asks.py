@@ -295,6 +295,8 @@ class Asks:
                     self._deliver(a, name, outcome)
                 elif replaced:
                     continue  # waited for the chain running now: its end says when
+                elif a.kind == "job" and a.resolved_in is None and a.targets[0]["name"] == name:
+                    waited = True  # a pass at once reserves it (no chain runs now)
                 elif a.resolved_in is not None and name in a.pending \
                         and name not in a.counted and name not in a.provisional:
                     a.due[name] = self.next_pass()
