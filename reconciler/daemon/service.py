@@ -55,7 +55,6 @@ from reconciler.engine import (
     act,
     context,
     look,
-    pass_over,
     state_lock,
 )
 from reconciler.facts.clock import now_iso
@@ -287,9 +286,15 @@ class Daemon:
                        all_watchers: bool) -> Pass:
         """A look for status, plan or explain (daemon/liveview.py), made as the
         command alone makes it, through this daemon's Node: its Ceph
-        connection, probe cache and I/O history."""
-        return pass_over(loaded, self.config, self.node, all_watchers=all_watchers,
-                         only=names)
+        connection, probe cache and I/O history. What ``release`` holds down
+        is planned released, as the passes plan it (what the daemon does)."""
+        held = self.holds  # replaced whole by the pass thread, never changed in place
+        volumes = [v for v in loaded.volumes if names is None or v.name in names]
+        looked = look(volumes, self.config, self.node,
+                      frozen=[n for n in loaded.frozen_names if names is None or n in names],
+                      release=[v.name for v in volumes if v.name in held],
+                      all_watchers=all_watchers)
+        return Pass(loaded, looked.observed, looked.plans)
 
     def _reserve(self, name: str) -> bool:
         """For a job (rotate-key, takeover): no chain may start for ``name``
