@@ -262,12 +262,15 @@ class Selection:
 
 
 def select(volumes: Iterable[Volume], frozen: Iterable[str], failed_files: Iterable[Path],
-           diagnostics: Iterable[Diagnostic], targets: list[dict[str, str]]) -> Selection:
+           diagnostics: Iterable[Diagnostic], targets: list[dict[str, str]],
+           frozen_in: dict[Path, frozenset[str]] | None = None) -> Selection:
     """What ``targets`` ({"name": N} or {"path": P}, P absolute) pick among
     loaded volumes: a name, or every volume declared in a file or under a
-    directory. None at all: every volume, and every load error. Else the
-    load errors of the files a path picks, or all of them when a name is
-    frozen or missing (a file that fails to load may be where it lives)."""
+    directory (``frozen_in``: those a failed file declares too, frozen, as
+    the command alone loading that file reports them). None at all: every
+    volume, and every load error. Else the load errors of the files a path
+    picks, or all of them when a name is frozen or missing (a file that
+    fails to load may be where it lives)."""
     volumes, frozen, diagnostics = list(volumes), set(frozen), list(diagnostics)
     if not targets:
         return Selection(sorted({v.name for v in volumes} | frozen), [], diagnostics)
@@ -292,6 +295,8 @@ def select(volumes: Iterable[Volume], frozen: Iterable[str], failed_files: Itera
         found = {v.name for v in volumes if _under(v.source.file, path)}
         broken = {f for f in failed if _under(f, path)}
         picked |= found
+        for f in broken:
+            picked |= (frozen_in or {}).get(f, frozenset()) & frozen
         bad_files |= broken
         if not found and not broken:
             missing.append(str(path))

@@ -191,7 +191,7 @@ class Asks:
     def _pick(self, a: Ask, ctx: PassContext) -> set[str] | None:
         loaded = ctx.loaded
         sel = select(loaded.volumes, ctx.frozen, loaded.failed_files, loaded.diagnostics,
-                     a.targets)
+                     a.targets, loaded.frozen_in)
         if sel.missing:
             self._fail(a, f"no volume {', '.join(sel.missing)} in the daemon's desiredDir or "
                           "csi.dir (nothing done)")

@@ -182,7 +182,7 @@ class Commands:
         if loaded is None:
             return None
         sel = select(loaded.volumes, loaded.frozen_names, loaded.failed_files,
-                     loaded.diagnostics, targets)
+                     loaded.diagnostics, targets, loaded.frozen_in)
         if sel.missing:
             reply.finish(1, error=f"no volume {', '.join(sel.missing)} in the daemon's "
                                   "desiredDir or csi.dir")

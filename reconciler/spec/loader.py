@@ -72,6 +72,9 @@ class LoadResult:
     failed_files: frozenset[Path]
     frozen_names: frozenset[str]  # declared by a file that failed: do not touch
     refused: bool = False  # an untrusted directory or file: nothing was loaded
+    # The frozen names by the failed file that declares them (a PATH picks them).
+    frozen_in: dict[Path, frozenset[str]] = field(default_factory=dict, hash=False,
+                                                  compare=False)
 
     @property
     def ok(self) -> bool:
@@ -1050,11 +1053,13 @@ def _load_pinned(paths: list[Path], config: Config, cache: LoadCache | None,
     volumes: list[Volume] = []
     failed: set[Path] = set()
     frozen: set[str] = set()
+    frozen_in: dict[Path, frozenset[str]] = {}
     for res in results:
         diags.extend(res.diags)
         if res.diags or refused:
             failed.add(res.path)
             frozen |= res.names
+            frozen_in[res.path] = frozenset(res.names)
         else:
             volumes.extend(v for _, v in res.docs)
     result = LoadResult(
@@ -1064,6 +1069,7 @@ def _load_pinned(paths: list[Path], config: Config, cache: LoadCache | None,
         failed_files=frozenset(failed | unreadable),
         frozen_names=frozenset(frozen),
         refused=refused,
+        frozen_in=frozen_in,
     )
     if cache is not None and (decided or unreadable):
         # Depends on more than the files (on what the directory will list
