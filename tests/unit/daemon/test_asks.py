@@ -324,3 +324,15 @@ def test_a_job_waiting_behind_a_chain_gets_a_pass_when_the_chain_ends() -> None:
     c.next = 2
     asks.finished("a", changed("a"))
     assert c.again == [{"a"}]  # a pass at once, to reserve it
+
+
+def test_an_ask_made_after_the_stop_ended_the_asks_ends_at_once() -> None:
+    # SIGTERM: the chains end, `stop` answers the open asks; the control
+    # socket still serves a few seconds (the other threads stop first). An
+    # `apply` typed then was never answered: no pass would come.
+    asks = Counter().asks()
+    asks.stop("the daemon is stopping (SIGTERM)")
+    late = Ask("apply", [{"name": "a"}], first=9)
+    asks.add(late)
+    assert late.closed and drain(late)[-1] == {"exit": 1,
+                                               "error": "the daemon is stopping (SIGTERM)"}
