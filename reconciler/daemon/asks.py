@@ -124,10 +124,13 @@ class Asks:
         self._lock = threading.RLock()
         self._open: list[Ask] = []
         self._running: dict[str, Inflight] = {}  # the chains (and jobs) in flight
+        self._stopped: str | None = None  # why no pass comes any more (``stop``)
 
     def add(self, ask: Ask) -> None:
         with self._lock:
             self._open.append(ask)
+            if self._stopped is not None:
+                self._fail(ask, self._stopped)
 
     def drop(self, ask: Ask) -> None:
         """No longer open: answered, failed, or a job's volume reserved."""
@@ -348,6 +351,7 @@ class Asks:
     def stop(self, why: str) -> None:
         """The daemon stops: every ask still open ends with what it has."""
         with self._lock:
+            self._stopped = why  # and those asked later, at once
             for a in self._current():
                 self._fail(a, why)
 
