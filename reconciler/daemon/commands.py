@@ -168,9 +168,17 @@ class Commands:
     def _look(self, loaded: LoadResult, names: set[str] | None, all_watchers: bool,
               asked: float, reply: Reply) -> Looked | None:
         """A look begun after the question; None: answered (the command looks
-        alone: the look before it did not end in time)."""
-        looked = self.d.view.look(loaded, names, all_watchers, asked,
-                                  asked + self._budget() - time.monotonic())
+        alone: the look before it did not end in time, or this one failed)."""
+        # The look ahead of this one gets what is left once this one's own
+        # (bounded by observeTimeoutSeconds) is set aside: the budget holds.
+        ahead = asked + self._budget() - self.d.config.observe_timeout_seconds - 1.0
+        try:
+            looked = self.d.view.look(loaded, names, all_watchers, asked,
+                                      ahead - time.monotonic())
+        except Exception as exc:  # a driver bug: the command's own look may still answer
+            log.exception("control: the look for a view failed")
+            reply.finish(1, alone=f"the daemon's look failed ({type(exc).__name__}: {exc})")
+            return None
         if looked is None:
             reply.finish(1, alone="the daemon's look at the node did not end in time")
         return looked

@@ -115,3 +115,22 @@ def test_a_path_to_a_file_that_fails_to_load_says_the_same_either_way(
         assert theirs == mine
     finally:
         d.pool.shutdown(wait=True)
+
+
+@pytest.mark.parametrize("command", ["status", "plan"])
+def test_a_look_that_fails_in_the_daemon_has_the_command_look_alone(
+        setup: tuple[Config, Daemon], command: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    config, d = setup
+
+    def broken(*_a: object, **_k: object) -> None:
+        raise RuntimeError("a driver bug")
+
+    monkeypatch.setattr(d.view, "_look", broken)
+    reply = Reply()
+    try:
+        Commands(d).handle({"command": command, "stateDir": str(config.state_dir),
+                            "args": {"targets": []}}, reply)
+    finally:
+        d.pool.shutdown(wait=True)
+    assert reply.final == {"exit": 1, "alone": "the daemon's look failed (RuntimeError: "
+                                                "a driver bug)"}
