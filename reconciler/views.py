@@ -198,9 +198,13 @@ def explanation(name: str, vol: Volume | None, vp: VolumePlan | None, observed: 
                 ctx: Context, frozen: bool, diagnostics: Iterable[Diagnostic],
                 daemon: dict[str, Any] | None, claim: Claim) -> dict[str, Any]:
     """What ``explain NAME`` says, as the document ``-o json`` prints.
-    ``claim``: the blocklist lookup for the claim's addresses (claim_doc)."""
-    from reconciler.plan.planner import actual_state
+    ``claim``: the blocklist lookup for the claim's addresses (claim_doc).
+    A frozen volume's plan is the refusal of a file that fails to load,
+    whoever asks (the daemon's view keeps no plan of it)."""
+    from reconciler.plan.planner import actual_state, frozen_plan
 
+    if frozen and vp is None:
+        vp = frozen_plan(name)
     actual = actual_state(vol, observed, ctx, vp.problems if vp else None) \
         if vol is not None else None
     holders: list[str] = []
