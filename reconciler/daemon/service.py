@@ -13,6 +13,7 @@ with jitter, until its spec changes).
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import json
 import logging
@@ -290,7 +291,9 @@ class Daemon:
         is planned released, as the passes plan it (what the daemon does)."""
         held = self.holds  # replaced whole by the pass thread, never changed in place
         volumes = [v for v in loaded.volumes if names is None or v.name in names]
-        looked = look(volumes, self.config, self.node,
+        # A stall judged as the command alone judges it (the same words).
+        node = dataclasses.replace(self.node, io_watch=self.node.io_watch.as_a_command_judges())
+        looked = look(volumes, self.config, node,
                       frozen=[n for n in loaded.frozen_names if names is None or n in names],
                       release=[v.name for v in volumes if v.name in held],
                       all_watchers=all_watchers)

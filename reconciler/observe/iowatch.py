@@ -83,6 +83,20 @@ class IoWatch:
         self._read, self._clock, self._wall = read, clock, wall
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
+        # wait_needed: until what is in flight has been quiet for the window
+        # (not only watched for it): a command's 1 s look, on a long record.
+        self._quiet_for_window = False
+
+    def as_a_command_judges(self) -> IoWatch:
+        """The same record (shared, not copied), judged as a command alone
+        judges a stall: requests in flight and none completed for ``WINDOW_S``.
+        The daemon's answers to status, plan and explain use it, so they say
+        what the command would say alone; its own passes keep
+        ``stall_seconds`` before they hold a volume for it."""
+        judged = IoWatch(min(self.stall_seconds, WINDOW_S), self._read, self._clock, self._wall)
+        judged._lock, judged._entries = self._lock, self._entries
+        judged._quiet_for_window = True
+        return judged
 
     def sample(self, devices: Iterable[str], forget: bool = False) -> None:
         """Read each device's counters once; ``forget``: drop the devices not
@@ -117,7 +131,9 @@ class IoWatch:
         now = self._clock()
         with self._lock:
             entries = [self._entries[d] for d in devices if d in self._entries]
-            return max([0.0] + [window - (now - e.watched) for e in entries if e.in_flight])
+            return max([0.0] + [window - (now - (max(e.watched, e.progress)
+                                                 if self._quiet_for_window else e.watched))
+                                for e in entries if e.in_flight])
 
     def stall(self, device: str, window: float = WINDOW_S) -> IoStall | None:
         """Stalled: requests in flight and none completed for ``stall_seconds``,

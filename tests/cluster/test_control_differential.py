@@ -26,13 +26,20 @@ that differs is a difference the issue forbids:
 - ``stalled.seconds``, and the ``N`` in "none completed for N s" of the
   stall's words: how long the stall had lasted when it was looked at, i.e.
   how old the look is; two looks a moment apart count differently.
+- ``stalled.since``, ``stalled.lastCompleted`` and their words ("(the last
+  I/O completed at T)" or "(none completed since watching began at T)"):
+  how old the stall is. The daemon has watched the device all along and
+  knows when its last I/O completed; a command alone has watched it for a
+  second. The verdict (STALLED, the refusal, the exit code) is the same:
+  the daemon judges a stall for these answers as the command does
+  (observe/iowatch.py ``as_a_command_judges``).
 - "(no answer within N s)" and "(no answer: the previous call is still
   waiting)", both made "(no answer)": which of the looking process's calls
   to Ceph went unanswered (this one, at its deadline, or one of its earlier
   looks still stuck: drivers/bounded.py), i.e. the looker's own history.
 - ``PROVENANCE``: the keys the answers carry to say where they came from and
-  how old they are (the issue asks for them). None exist yet; the change that
-  adds them names them here, and nowhere else is anything forgiven.
+  how old they are (the issue asks for them): ``answeredBy`` (the daemon,
+  with its pid, or this command) and ``observedAt`` (when the look began).
 
 The states, in this order (each test its own; ~50 s for the module):
 
@@ -92,8 +99,8 @@ OBSERVE_TIMEOUT_S = 2  # Ceph paused: every answer within ~2x this
 IO_STALL_S = 15  # events.ioStallSeconds: long enough to ask within it
 
 # Keys that say where an answer came from or how old it is (the issue's
-# "say how old what they report is"): forgiven wherever they appear. None yet.
-PROVENANCE: frozenset[str] = frozenset()
+# "say how old what they report is"): forgiven wherever they appear.
+PROVENANCE: frozenset[str] = frozenset({"answeredBy", "observedAt"})
 
 
 # -- the gate: a command held on the daemon's PATH ----------------------------------
@@ -269,6 +276,8 @@ def ask(b: Bed, how: str, explain: list[str]) -> Answers:
 
 # -- comparing ----------------------------------------------------------------------
 _STALL_FOR = re.compile(r"(none completed for) \d+ s")
+_STALL_SINCE = re.compile(r"\((?:the last I/O completed at|none completed since watching began "
+                          r"at) [^)]*\)")
 _NO_ANSWER = re.compile(r"\(no answer(?: within [\d.]+ s|: the previous call is still waiting)\)")
 
 
@@ -279,14 +288,15 @@ def normalised(doc: Any, key: str = "") -> Any:
         for k, v in doc.items():
             if k in PROVENANCE or k in ("daemon", "applying"):
                 continue
-            if key == "stalled" and k == "seconds":
+            if key == "stalled" and k in ("seconds", "since", "lastCompleted"):
                 continue
             out[k] = normalised(v, k)
         return out
     if isinstance(doc, list):
         return [normalised(v, key) for v in doc]
     if isinstance(doc, str):
-        return _NO_ANSWER.sub("(no answer)", _STALL_FOR.sub(r"\1 N s", doc))
+        return _STALL_SINCE.sub("(since T)", _NO_ANSWER.sub(
+            "(no answer)", _STALL_FOR.sub(r"\1 N s", doc)))
     return doc
 
 

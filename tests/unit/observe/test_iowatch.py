@@ -147,3 +147,30 @@ def test_read_counters_adds_what_blk_mq_debugfs_says_the_driver_holds(tmp_path: 
     (hctx / "busy").write_text("00000000b5a1e2c4 {.op=FLUSH, .cmd_flags=, .rq_flags=FLUSH_SEQ, "
                                ".state=in_flight, .tag=5, .internal_tag=-1}\n")
     assert read_counters("/dev/null", str(tmp_path)) == (rdev, IoCounters(37, 1))
+
+
+def test_the_daemon_judges_a_stall_for_the_command_line_as_the_command_alone_does() -> None:
+    # The daemon holds a volume after ioStallSeconds; its answers to status,
+    # plan and explain say what a command alone says after its 1 s watch
+    # (issue 37: the same verdict either way), on the daemon's own record.
+    f = Fake()
+    daemon = f.watch(stall=15)
+    f.set(100, 0)
+    daemon.sample([DEV])
+    f.t = 30.0
+    daemon.sample([DEV])  # its sampler: nothing in flight at 30 s
+    f.t = 30.25
+    f.set(100, 3)  # a write that does not complete; a status asked now
+    judged = daemon.as_a_command_judges()
+    judged.sample([DEV])
+    assert judged.wait_needed([DEV]) == WINDOW_S - 0.25  # quiet for a second first
+    f.t = 30.0 + WINDOW_S
+    judged.sample([DEV])  # the same record: the daemon's own sees it too
+    assert daemon.stall(DEV) is None  # not 15 s yet for the daemon's passes
+    s = judged.stall(DEV)
+    assert s is not None and s.in_flight == 3 and s.seconds == WINDOW_S
+    # A device whose I/O completes is not judged stalled by either.
+    f.set(140, 3)
+    f.t += WINDOW_S
+    judged.sample([DEV])
+    assert judged.stall(DEV) is None and judged.wait_needed([DEV]) == WINDOW_S
