@@ -91,6 +91,14 @@ class Ask:
             if "exit" in ev or ev.get("event") == "reserved":
                 return
 
+    def next_event(self, timeout: float) -> dict[str, Any] | None:
+        """The next event to send, or None when none came within ``timeout``
+        (the control socket's thread then looks whether its client is gone)."""
+        try:
+            return self._events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
     def emit(self, obj: dict[str, Any]) -> None:
         self._events.put(obj)
 
