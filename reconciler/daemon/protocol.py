@@ -46,7 +46,6 @@ LINE_TIMEOUT_S = 10.0
 # A daemon that stopped accepting fills its listen backlog; a connect then
 # fails at once (EAGAIN) and is tried again until this has passed.
 CONNECT_TIMEOUT_S = 10.0
-ACCEPT_TIMEOUT_S = LINE_TIMEOUT_S  # the first line's alone (cli/ask.py, for now)
 
 # The commands the daemon answers; every other is refused.
 COMMANDS = ("ping", "apply", "release", "plan", "status", "explain", "rotate-key", "takeover",

@@ -275,7 +275,7 @@ def test_root_only_a_stopped_daemon_and_a_stale_socket(
     # made alone, with a warning; what changes the node is not asked at all.
     from reconciler.daemon import protocol
 
-    monkeypatch.setattr(protocol, "ACCEPT_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(protocol, "LINE_TIMEOUT_S", 1.0)
     d.proc.send_signal(signal.SIGSTOP)
     try:
         capsys.readouterr()
