@@ -286,7 +286,10 @@ def test_root_only_a_stopped_daemon_and_a_stale_socket(
         assert rc == 1 and "nothing asked of it" in capsys.readouterr().err
     finally:
         d.proc.send_signal(signal.SIGCONT)
+        monkeypatch.setattr(protocol, "LINE_TIMEOUT_S", 10.0)
+    capsys.readouterr()
     assert node.cli("plan")[0] == 0  # awake: through it again
+    assert "looking without it" not in capsys.readouterr().err
     wait_for(lambda: "control: apply dropped: its client went away" in d.log.read_text(),
              "the request of the command gone to be dropped", 30)
 
