@@ -37,6 +37,9 @@ pytestmark = pytest.mark.ceph
 KINDS = ("status", "plan", "explain", "apply")
 EACH = 100
 AT_ONCE = 10  # commands running at a time (most of them wait on the daemon)
+# The commands are spread over this long (no faster than one per
+# SPREAD_S / 400 s): the first round of faults, a long stop in it, falls among them.
+SPREAD_S = 75.0
 OBSERVE_S = 5.0  # observeTimeoutSeconds (the default)
 # What a command of its own process costs beyond its bound on a loaded
 # machine: the interpreter's start, the imports of the long way, a look at
@@ -84,6 +87,7 @@ class Faults:
         self.up = threading.Event()
         self.daemon = self._started()
         self.done: list[str] = []
+        self.amid: list[str] = []  # the faults made while commands ran
 
     def _started(self) -> Daemon:
         """A daemon that serves its socket: started again while a command
@@ -101,13 +105,15 @@ class Faults:
             assert "in use by another" in log and time.monotonic() < end, log[-3000:]
 
     def round(self, busy: Callable[[], bool]) -> None:
-        """One of each fault, in a random order, at random moments, while
-        commands run."""
-        faults = [*FAULTS] if self.done else [*FAULTS, "long stop"]
+        """One of each fault, in a random order, at random moments; after
+        the first round, only while commands run."""
+        first = not self.done
+        faults = [*FAULTS, "long stop"] if first else [*FAULTS]
         for what in self.rng.sample(faults, len(faults)):
-            pause(self.rng.uniform(1.0, 4.0))
-            if not busy():
+            pause(self.rng.uniform(0.5, 3.0))
+            if not (first or busy()):
                 return
+            self.amid += [what] if busy() else []
             self.one(what)
 
     def one(self, what: str) -> None:
@@ -137,8 +143,8 @@ class Faults:
 
 
 def pause(seconds: float) -> None:
-    """The faults' own timing (how long a stop lasts, when the next comes):
-    nothing is waited for here."""
+    """The test's own timing (how long a stop lasts, when the next fault or
+    command comes): nothing is waited for here."""
     time.sleep(seconds)
 
 
@@ -148,8 +154,9 @@ def serves(node: NodeUnderTest) -> bool:
     return False
 
 
-def run_one(node: NodeUnderTest, up: threading.Event, kind: str, args: tuple[str, ...],
-            names: list[str]) -> Ran:
+def run_one(node: NodeUnderTest, up: threading.Event, not_before: float, kind: str,
+            args: tuple[str, ...], names: list[str]) -> Ran:
+    pause(max(0.0, not_before - time.monotonic()))  # spread over SPREAD_S
     assert up.wait(120), "the daemon was not started again"
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "reconciler", "--config", str(node.config),
@@ -168,8 +175,9 @@ def truthful(r: Ran, names: list[str]) -> str | None:
     if r.rc not in {"status": (0, 1), "plan": (0, 1, 2), "explain": (0, 1),
                     "apply": (0, 1)}[r.kind]:
         return f"exit {r.rc}"
-    if r.rc != 0:
-        return None if r.err.strip() else "a failure with nothing said"
+    if r.rc != 0:  # said on stderr, or what is wrong shown as the command shows it
+        shown = re.search(r"unknown|degraded|stalled|fenced|refused", r.out, re.I)
+        return None if r.err.strip() or shown else "a failure with nothing said"
     if r.kind == "status":  # the whole answer (the daemon's, or its own look)
         missing = [n for n in names if not re.search(rf"^{n}\s+PUBLISHED\b", r.out, re.M)]
         return f"status 0 without {missing} PUBLISHED" if missing else None
@@ -196,29 +204,9 @@ def test_commands_beside_a_daemon_stopped_killed_and_terminated_at_random(
     for n in names:
         faults.daemon.wait_phase(n, "Published")
 
-    commands = [(k, _args(k, names, rng)) for k in KINDS for _ in range(EACH)]
-    rng.shuffle(commands)
     t0 = time.monotonic()
-    try:
-        with ThreadPoolExecutor(AT_ONCE) as pool:
-            futures = [pool.submit(run_one, node, faults.up, k, a, _named(k, a, names))
-                       for k, a in commands]
-            while not all(f.done() for f in futures):
-                faults.round(lambda: not all(f.done() for f in futures))
-            ran = [f.result() for f in futures]
-    finally:
-        faults.resume()
-    took = time.monotonic() - t0
-    print(f"{len(ran)} commands in {took:.0f} s; faults: {', '.join(faults.done)}")
-    for k in KINDS:
-        times = sorted(r.took for r in ran if r.kind == k)
-        codes = sorted({r.rc for r in ran if r.kind == k})
-        print(f"  {k}: exits {[(c, sum(r.rc == c for r in ran if r.kind == k)) for c in codes]}"
-              f", median {times[len(times) // 2]:.1f} s, longest {times[-1]:.1f} s")
-    said = Counter(re.sub(r"\d+(\.\d+)? s|\[[^]]*\]|/\S+", "_", r.err.splitlines()[-1])[:110]
-                   for r in ran if r.rc != 0 or r.err)
-    print("  said:\n" + "\n".join(f"    {n} x {line}" for line, n in said.most_common()))
-
+    ran = run_all(node, faults, names, rng)
+    tally(ran, faults, time.monotonic() - t0)
     late = [(r.kind, r.args, round(r.took, 1)) for r in ran
             if r.took > (APPLY_BOUND_S if r.kind == "apply" else LOOK_BOUND_S)]
     assert not late, f"past their bound (seed {seed}): {late}"
@@ -226,17 +214,48 @@ def test_commands_beside_a_daemon_stopped_killed_and_terminated_at_random(
               if (why := truthful(r, names)) is not None]
     assert not untrue, f"untruthful (seed {seed}): {untrue[:5]}"
     assert {r.kind for r in ran if r.rc == 0} == set(KINDS), f"seed {seed}"
+    assert set(faults.amid) == {*FAULTS, "long stop"}, f"seed {seed}: {faults.amid}"
 
     # Once the daemon runs on, nothing of the commands is left in it.
-    d = faults.daemon
     sock = node.state / "control.sock"
     wait_for(lambda: (answering(sock) or {}).get("connections") == 0,
              f"no connection left in the daemon (seed {seed})", 30)
     for n in names:
-        d.wait_phase(n, "Published")
+        faults.daemon.wait_phase(n, "Published")
     for log in node.root.glob("daemon-*.log"):
         text = log.read_text()
         assert "Traceback" not in text and "request failed" not in text, text[-3000:]
+
+
+def run_all(node: NodeUnderTest, faults: Faults, names: list[str], rng: random.Random
+            ) -> list[Ran]:
+    """EACH commands of each kind, in a random order, AT_ONCE at a time,
+    spread over SPREAD_S, while the faults come."""
+    commands = [(k, _args(k, names, rng)) for k in KINDS for _ in range(EACH)]
+    rng.shuffle(commands)
+    t0 = time.monotonic()
+    try:
+        with ThreadPoolExecutor(AT_ONCE) as pool:
+            futures = [pool.submit(run_one, node, faults.up, t0 + i * SPREAD_S / len(commands),
+                                   k, a, _named(k, a, names))
+                       for i, (k, a) in enumerate(commands)]
+            while not all(f.done() for f in futures):
+                faults.round(lambda: not all(f.done() for f in futures))
+            return [f.result() for f in futures]
+    finally:
+        faults.resume()
+
+
+def tally(ran: list[Ran], faults: Faults, took: float) -> None:
+    """What happened, for the log of a run (and of a failure)."""
+    print(f"{len(ran)} commands in {took:.0f} s; faults: {', '.join(faults.done)}")
+    for k in KINDS:
+        times = sorted(r.took for r in ran if r.kind == k)
+        codes = sorted({r.rc for r in ran if r.kind == k})
+        print(f"  {k}: exits {[(c, sum(r.rc == c for r in ran if r.kind == k)) for c in codes]}"
+              f", median {times[len(times) // 2]:.1f} s, longest {times[-1]:.1f} s")
+    said = Counter(_gist(r) for r in ran if r.rc != 0 or r.err)
+    print("  said:\n" + "\n".join(f"    {n} x {line}" for line, n in said.most_common()))
 
 
 def _args(kind: str, names: list[str], rng: random.Random) -> tuple[str, ...]:
@@ -250,3 +269,9 @@ def _args(kind: str, names: list[str], rng: random.Random) -> tuple[str, ...]:
 def _named(kind: str, args: tuple[str, ...], names: list[str]) -> list[str]:
     """The volumes an apply answers for (none named: every one)."""
     return (list(args) or names) if kind == "apply" else []
+
+
+def _gist(r: Ran) -> str:
+    """What ``r`` said last, its numbers and paths left out (for the tally)."""
+    last = (r.err.strip() or r.out.strip() or "-").splitlines()[-1]
+    return f"{r.kind} {r.rc}: " + re.sub(r"\d+(\.\d+)? s|\[[^]]*\]|/\S+", "_", last)[:100]
