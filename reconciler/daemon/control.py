@@ -125,7 +125,13 @@ class ControlServer:
     def start(self) -> None:
         """Serve at ``path``; RuntimeError if another daemon answers there (a
         socket nobody listens on, left by a killed daemon, is replaced)."""
-        other = answering(self.path)
+        try:
+            other = answering(self.path)
+        except (TimeoutError, ValueError):  # it listens, but is stopped or stuck
+            raise RuntimeError(
+                f"controlSocket {self.path}: a daemon listens there but does not answer "
+                "(stopped or stuck?); stop it, or give each daemon its own "
+                "controlSocket") from None
         if other is not None:
             raise RuntimeError(
                 f"controlSocket {self.path}: another rbd-reconciler daemon answers there "

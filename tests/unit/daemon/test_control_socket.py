@@ -241,3 +241,21 @@ def test_a_full_listen_backlog_is_waited_for_within_the_deadline(tmp_path: Path)
         for s in queued:
             s.close()
         listener.close()
+
+
+def test_a_daemon_stopped_at_the_socket_is_not_replaced(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from reconciler.daemon import control
+
+    monkeypatch.setattr(control, "PROBE_TIMEOUT_S", 0.3)
+    path = tmp_path / "run" / "control.sock"
+    path.parent.mkdir(mode=0o700)
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(path))
+    listener.listen(1)  # it accepts nothing: SIGSTOPped
+    try:
+        with pytest.raises(RuntimeError, match="a daemon listens there but does not answer"):
+            ControlServer(path, handler).start()
+        assert path.exists()
+    finally:
+        listener.close()
