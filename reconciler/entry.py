@@ -15,6 +15,16 @@ NEVER_HERE = ("msvcrt", "org", "backports_abc")
 
 
 def main() -> int:
+    try:
+        return _main()
+    except KeyboardInterrupt:  # Ctrl-C anywhere: one line, never a traceback
+        from reconciler.cli.exits import EXIT_INTERRUPTED
+
+        print("rbd-reconciler: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main() -> int:
     for name in NEVER_HERE:
         sys.modules.setdefault(name, None)  # type: ignore[arg-type]
     if sys.argv[1:] == ["--version"]:
@@ -37,4 +47,4 @@ def main() -> int:
         return rc
     from reconciler.cli.main import main as cli_main
 
-    return cli_main()
+    return cli_main(after_fast=True)

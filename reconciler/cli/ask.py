@@ -5,19 +5,26 @@ answer printed here as the command would print its own.
 ``ask`` returns None when no daemon serves this node's stateDir (no socket,
 a stale one, or a daemon of another stateDir): the command then runs in this
 process, as it always has.
+
+No wait is unbounded (docs/cli.md): the connection (a full listen backlog),
+each line of the answer (a daemon at work says ``working`` every few
+seconds, a stopped one nothing), and for what only reports, the whole
+answer. Past a bound, or when the answer breaks off, ``status``, ``plan``
+and ``explain`` look here instead, with a warning; the others print what
+came, say what did not, and exit 1. Ctrl-C: one line, exit 130.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 from reconciler.cli import show
 from reconciler.cli.exits import EXIT_FAILED, EXIT_INTERRUPTED
 
 TYPE_CHECKING = False  # typing itself costs ~5 ms at start-up
 if TYPE_CHECKING:
-    import socket
     from collections.abc import Iterable, Iterator
     from pathlib import Path
     from typing import Any
@@ -43,111 +50,263 @@ def is_path(text: str) -> bool:
             or os.path.lexists(text))
 
 
-def connect(path: Path | str) -> socket.socket | None:
-    """The daemon's control socket, or None when no daemon listens there."""
-    from reconciler.daemon.protocol import connect as connect_to
+# What only reports: with a daemon that does not answer, made here instead.
+LOOKS = ("plan", "status", "explain")
+OBSERVE_TIMEOUT_S = 5.0  # observeTimeoutSeconds when the config does not say
+VIEW_MARGIN_S = 2.0
 
-    try:
-        return connect_to(path)
-    except (FileNotFoundError, ConnectionRefusedError):
-        return None
+
+def view_bound(observe_timeout: float) -> float:
+    """How long ``status``, ``plan`` and ``explain`` wait for the daemon,
+    from the command's start: its answer takes a look of its passes and
+    (explain) one of the image, each within ``observe_timeout``; the margin
+    is for the rest. Past it they look here instead."""
+    return 2 * observe_timeout + VIEW_MARGIN_S
+
+
+class _Command:
+    """What this command found of the daemon. cli/fast.py may ask it before
+    cli/main.py does: a daemon that did not answer the first is not asked
+    again (one wait, one warning), and the bound counts from the start."""
+
+    def __init__(self) -> None:
+        self.begin(time.monotonic())
+
+    def begin(self, started: float) -> None:
+        self.started = started
+        self.alone: set[tuple[str, str]] = set()  # (socket, stateDir): looked here instead
+
+
+_COMMAND = _Command()
+
+
+def begin(started: float | None = None) -> None:
+    """A command starts (at ``started``, time.monotonic()): nothing found yet."""
+    _COMMAND.begin(time.monotonic() if started is None else started)
 
 
 def ask(config: Config, command: str, args: dict[str, Any], output: str = "human"
         ) -> int | None:
     """Have the running daemon do ``command``; print what it says. None: no
     daemon serves this stateDir (run here instead)."""
-    return ask_at(config.control_socket, config.state_dir, command, args, output)
+    return ask_at(config.control_socket, config.state_dir, command, args, output,
+                  config.observe_timeout_seconds)
 
 
 def ask_at(path: Path | str, state_dir: Path | str, command: str, args: dict[str, Any],
-           output: str = "human") -> int | None:
+           output: str = "human", observe_timeout: float = OBSERVE_TIMEOUT_S) -> int | None:
     """``ask``, given where the daemon is and which stateDir the command is for."""
-    from reconciler.daemon.protocol import ACCEPT_TIMEOUT_S, PROTOCOL, Untrusted, line, lines
+    from reconciler.daemon.protocol import PROTOCOL
 
+    key = (os.fspath(path), os.path.normpath(os.fspath(state_dir)))
+    if key in _COMMAND.alone:
+        return None  # found (and said) earlier in this command
+    bound = view_bound(observe_timeout) if command in LOOKS else None
+    talk = _Talk(str(path), command, output, bound)
     try:
-        sock = connect(path)
-    except Untrusted as exc:
-        print(f"rbd-reconciler: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    except OSError as exc:
-        print(f"rbd-reconciler: cannot reach the daemon at controlSocket "
-              f"{path}: {exc.strerror or exc}", file=sys.stderr)
-        return EXIT_FAILED
-    if sock is None:
+        return talk.run({"protocol": PROTOCOL, "command": command, "stateDir": str(state_dir),
+                         "args": args})
+    except _Alone as exc:
+        _COMMAND.alone.add(key)
+        if str(exc):
+            print(f"rbd-reconciler: warning: {exc}; looking without it", file=sys.stderr)
         return None
-    with sock:
+    except KeyboardInterrupt:
+        return talk.interrupted()
+
+
+class _Alone(Exception):
+    """Made here instead: the daemon serves another stateDir (no message),
+    or does not answer, or says its view is not what is there (a warning)."""
+
+
+class _Talk:
+    """One request and its answer, every wait bounded: the connection, each
+    line (the daemon says ``working`` while it works; a stopped one says
+    nothing), and for what only reports, the whole answer."""
+
+    def __init__(self, path: str, command: str, output: str, bound: float | None) -> None:
+        self.path, self.command, self.output, self.bound = path, command, output, bound
+        self.deadline = None if bound is None else _COMMAND.started + bound
+        self.sent = False  # the request went out
+        self.accepted = False  # the daemon took it
+        self.reserved = False  # a job (rotate-key, takeover): it began
+        self.named: list[str] | None = None  # the volumes it answers for (``started``)
+        self.errors: list[dict[str, Any]] = []
+        self.volumes = _InOrder(output == "human")
+
+    def run(self, request: dict[str, Any]) -> int | None:
+        from reconciler.daemon.protocol import (
+            CONNECT_TIMEOUT_S,
+            LINE_TIMEOUT_S,
+            Untrusted,
+            connect,
+            line,
+            lines,
+        )
+
         try:
-            sock.settimeout(ACCEPT_TIMEOUT_S)
-            sock.sendall(line({"protocol": PROTOCOL, "command": command,
-                               "stateDir": str(state_dir), "args": args}))
-            answer = lines(sock)
-            first = next(answer, None)
-            sock.settimeout(None)  # the work itself takes what it takes (mkfs...)
-            return _answer(answer if first is None else _chain(first, answer), output)
-        except TimeoutError:
-            if command in LOOKS:
-                print(f"rbd-reconciler: warning: the daemon at controlSocket {path} does not "
-                      f"answer (stopped or stuck?); looking without it", file=sys.stderr)
-                return None
-            print(f"rbd-reconciler: the daemon at controlSocket {path} does not answer "
-                  f"within {ACCEPT_TIMEOUT_S:g} s (stopped or stuck? `kill -USR1` writes its "
-                  "threads' stacks to its log); nothing asked of it (a request it reads "
-                  "later, from a command gone, is dropped)", file=sys.stderr)
-            return EXIT_FAILED
-        except _Elsewhere:
+            sock = connect(self.path, self._within(CONNECT_TIMEOUT_S))
+        except (FileNotFoundError, ConnectionRefusedError):
             return None
-        except KeyboardInterrupt:
-            print("rbd-reconciler: interrupted; the daemon goes on with what it started "
-                  "(rbd-reconciler status)", file=sys.stderr)
-            return EXIT_INTERRUPTED
-        except (OSError, ValueError) as exc:
-            print(f"rbd-reconciler: the daemon's answer broke off ({exc}); what it started "
-                  "goes on or ended with it (see its log, and rbd-reconciler status)",
-                  file=sys.stderr)
+        except Untrusted as exc:
+            print(f"rbd-reconciler: {exc}", file=sys.stderr)
             return EXIT_FAILED
+        except TimeoutError:  # its listen backlog stayed full: it accepts nothing
+            return self._silent()
+        except OSError as exc:
+            print(f"rbd-reconciler: cannot reach the daemon at controlSocket "
+                  f"{self.path}: {exc.strerror or exc}", file=sys.stderr)
+            return EXIT_FAILED
+        with sock:
+            try:
+                sock.settimeout(self._within(LINE_TIMEOUT_S))
+                sock.sendall(line(request))
+            except TimeoutError:
+                return self._silent()
+            except OSError as exc:
+                return self._broke(_why(exc))
+            self.sent = True
+            try:
+                return self._read(lines(sock, LINE_TIMEOUT_S, self.deadline))
+            except BrokenPipeError:
+                raise  # the reader of our output went away (`| head`): not the daemon
+            except TimeoutError:
+                return self._silent()
+            except (OSError, ValueError) as exc:  # reset, or a line that is not ours
+                return self._broke(_why(exc))
 
+    def _within(self, limit: float) -> float:
+        if self.deadline is None:
+            return limit
+        return max(0.001, min(limit, self.deadline - time.monotonic()))
 
-# What only reports: with a daemon that does not answer, made here instead.
-LOOKS = ("plan", "status", "explain")
+    # -- the answer ---------------------------------------------------------------
+    def _read(self, answer: Iterator[dict[str, Any]]) -> int:
+        for obj in answer:
+            if "exit" in obj:
+                return self._final(obj)
+            self._event(obj)
+        return self._broke("it closed the connection before its last line")
 
-
-def _chain(first: dict[str, Any], rest: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    yield first
-    yield from rest
-
-
-class _Elsewhere(Exception):
-    """The daemon at the socket serves another stateDir."""
-
-
-def _answer(answer: Iterator[dict[str, Any]], output: str) -> int:
-    volumes = _InOrder(output == "human")
-    for obj in answer:
-        if "exit" in obj:
-            if "elsewhere" in obj:
-                raise _Elsewhere(obj["elsewhere"])
-            if "alone" in obj:  # its view is not what is there: look without it
-                print(f"rbd-reconciler: warning: {obj['alone']}; looking without it",
-                      file=sys.stderr)
-                raise _Elsewhere(obj["alone"])
-            volumes.flush()
-            if obj.get("error"):
-                print(f"rbd-reconciler: {obj['error']}", file=sys.stderr)
-            if "result" in obj:
-                _result(obj["result"], output)
-            return int(obj["exit"])
+    def _event(self, obj: dict[str, Any]) -> None:
         event = obj.get("event")
-        if event == "started":
-            volumes.expect(obj.get("volumes", []))
-            if output == "human":
-                show.diagnostics(obj.get("errors", []))
+        if event == "accepted":
+            self.accepted = True
+        elif event == "reserved":
+            self.reserved = True
+        elif event == "started":
+            self.named = [str(n) for n in obj.get("volumes", [])]
+            self.errors = list(obj.get("errors", []))
+            self.volumes.expect(self.named)
+            if self.output == "human":
+                show.diagnostics(self.errors)
         elif event == "volume":
-            volumes.add(obj["volume"])
+            self.volumes.add(obj["volume"])
         elif event == "say":
             print(obj["text"], file=sys.stderr if obj.get("stream") == "err" else sys.stdout,
                   flush=True)
-    raise OSError("the daemon closed the connection before its final line")
+        # "working" (the daemon is at it), and events this client does not know: nothing
+
+    def _final(self, obj: dict[str, Any]) -> int:
+        if "elsewhere" in obj:
+            raise _Alone("")
+        if "alone" in obj:  # its view is not what is there: look without it
+            raise _Alone(str(obj["alone"]))
+        if "result" not in obj and self.named is not None:
+            # Its volumes named, then an error (the daemon stops): what came
+            # is printed, and what did not is said.
+            print(f"rbd-reconciler: {obj.get('error')}", file=sys.stderr)
+            self._came()
+            print(f"rbd-reconciler: {self._untold()}", file=sys.stderr)
+            return int(obj["exit"]) or EXIT_FAILED
+        self.volumes.flush()
+        if obj.get("error"):
+            print(f"rbd-reconciler: {obj['error']}", file=sys.stderr)
+        if "result" in obj:
+            _result(obj["result"], self.output)
+        return int(obj["exit"])
+
+    # -- when it does not come ----------------------------------------------------
+    def _silent(self) -> int:
+        """Nothing came in time: the daemon is stopped or stuck (or, for a
+        look, slower than its bound)."""
+        from reconciler.daemon.protocol import LINE_TIMEOUT_S
+
+        stuck = "stopped or stuck? `kill -USR1` writes its threads' stacks to its log"
+        if self.command in LOOKS:
+            if self.deadline is not None and time.monotonic() >= self.deadline:
+                raise _Alone(f"the daemon at controlSocket {self.path} has not answered "
+                             f"within {self.bound:g} s")
+            raise _Alone(f"the daemon at controlSocket {self.path} does not answer "
+                         "(stopped or stuck?)")
+        if not self.accepted:
+            print(f"rbd-reconciler: the daemon at controlSocket {self.path} does not answer "
+                  f"within {LINE_TIMEOUT_S:g} s ({stuck}); nothing asked of it (a request it "
+                  "reads later, from a command gone, is dropped)", file=sys.stderr)
+            return EXIT_FAILED
+        return self._cut(f"the daemon at controlSocket {self.path} said nothing for "
+                         f"{LINE_TIMEOUT_S:g} s ({stuck})")
+
+    def _broke(self, why: str) -> int:
+        """The answer ended before its final line: the daemon died (or was
+        stopped), or the connection broke."""
+        if self.command in LOOKS:
+            raise _Alone(f"the daemon's answer broke off ({why})")
+        if not self.accepted:
+            print(f"rbd-reconciler: the daemon at controlSocket {self.path} ended the "
+                  f"connection before it took the request ({why}); nothing asked of it",
+                  file=sys.stderr)
+            return EXIT_FAILED
+        return self._cut(f"the daemon's answer broke off ({why})")
+
+    def _cut(self, why: str) -> int:
+        """What came was done: printed; then what did not come is said."""
+        self._came()
+        print(f"rbd-reconciler: {why}: {self._untold()}; what it started goes on if it "
+              "runs on, or ended with it (its log, and `rbd-reconciler status`, say)",
+              file=sys.stderr)
+        return EXIT_FAILED
+
+    def interrupted(self) -> int:
+        if not self.sent:
+            said = "interrupted; nothing asked of the daemon"
+        elif self.command in LOOKS:
+            said = "interrupted"
+        else:
+            self._came()
+            said = ("interrupted; the daemon goes on with what it started (rbd-reconciler "
+                    f"status): {self._untold()}")
+        print(f"rbd-reconciler: {said}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+    def _came(self) -> None:
+        """The volumes' results that came, as apply prints them (in name
+        order, what is missing skipped); ``-o json``: their document, with
+        ``notAnswered``."""
+        self.volumes.flush()
+        if self.output == "json" and self.named is not None:
+            came = self.volumes.came()
+            recap = {k: sum(v["status"] == k for v in came) for k in ("ok", "changed", "failed")}
+            show.as_json({"recap": recap, "errors": self.errors, "thawed": [], "volumes": came,
+                          "notAnswered": self.volumes.missing()})
+
+    def _untold(self) -> str:
+        """What got no answer."""
+        if self.command in ("rotate-key", "takeover"):
+            if self.reserved:
+                return f"whether {self.command} finished is not known here"
+            return f"{self.command} had not begun (the daemon begins it for no command gone)"
+        if self.named is None:
+            return "no volume's result came (it had not named them yet)"
+        missing = self.volumes.missing()
+        if not missing:
+            return "every volume's result came, not its recap"
+        return f"no result came for {', '.join(missing)}"
+
+
+def _why(exc: Exception) -> str:
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
 
 
 def _result(result: dict[str, Any], output: str) -> None:
@@ -192,8 +351,16 @@ class _InOrder:
             self.next += 1
 
     def flush(self) -> None:
-        """At the end: whatever came, in order (none is missing but on an error)."""
+        """At the end: whatever came, in order (none is missing but when the
+        answer broke off, or on an error)."""
         for name in self.order[self.next:]:
             if self.enabled and name in self.got:
                 show.outcome(self.got[name])
         self.next = len(self.order)
+        sys.stdout.flush()
+
+    def came(self) -> list[dict[str, Any]]:
+        return [self.got[n] for n in self.order if n in self.got]
+
+    def missing(self) -> list[str]:
+        return [n for n in self.order if n not in self.got]

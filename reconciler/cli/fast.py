@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 TYPE_CHECKING = False  # typing itself costs ~5 ms at start-up
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ FORWARDED = ("apply", "release", "plan", "status", "explain", "rotate-key", "tak
 WITH_OUTPUT = ("apply", "release", "plan", "status", "explain")
 DEFAULT_CONFIG = "/etc/rbd-reconciler/config.yaml"
 DEFAULTS = {"controlSocket": "/run/rbd-reconciler/control.sock",
-            "stateDir": "/var/lib/rbd-reconciler"}
+            "stateDir": "/var/lib/rbd-reconciler", "observeTimeoutSeconds": "5"}
 MAX_CONFIG_BYTES = 1 << 20
 # Not in a plain path value the scan takes (YAML's indicators, escapes, quotes).
 _UNSURE = set("'\"#{}[]&*!|>%@`\\")
@@ -35,6 +36,17 @@ _UNSURE = set("'\"#{}[]&*!|>%@`\\")
 
 def run(argv: list[str]) -> int | None:
     """The command's exit code, or None: take the long way."""
+    started = time.monotonic()
+    try:
+        return _run(argv, started)
+    except KeyboardInterrupt:  # before the daemon is asked (ask_at says more when it is)
+        from reconciler.cli.exits import EXIT_INTERRUPTED
+
+        print("rbd-reconciler: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _run(argv: list[str], started: float) -> int | None:
     if not argv or argv[0] in ("validate", "run") or os.geteuid() != 0:
         return None
     parsed = _parse(argv)
@@ -46,12 +58,14 @@ def run(argv: list[str]) -> int | None:
         return None
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="backslashreplace")  # as cli.main does
-    from reconciler.cli.ask import ask_at
+    from reconciler.cli.ask import ask_at, begin
     from reconciler.cli.pipe import reader_gone
 
+    begin(started)  # the bound of status, plan and explain counts from here
     try:
         try:
-            return ask_at(where["controlSocket"], where["stateDir"], command, args, output)
+            return ask_at(where["controlSocket"], where["stateDir"], command, args, output,
+                          float(where["observeTimeoutSeconds"]))
         finally:
             sys.stdout.flush()
     except BrokenPipeError:
@@ -127,9 +141,9 @@ def _args(command: str, words: list[str], flags: dict[str, str | bool]
 
 
 def _scan(path: str) -> dict[str, str] | None:
-    """controlSocket and stateDir of the node config (defaults when the file
-    or the key is missing); None when either is there in a form the scan
-    does not read for certain."""
+    """controlSocket, stateDir and observeTimeoutSeconds of the node config
+    (defaults when the file or the key is missing); None when one is there
+    in a form the scan does not read for certain."""
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_CONFIG_BYTES + 1)
@@ -145,7 +159,8 @@ def _scan(path: str) -> dict[str, str] | None:
         return None
     found = dict(DEFAULTS)
     for key in DEFAULTS:
-        values = [_value(line[len(key) + 1:]) for line in text.splitlines()
+        read = _seconds if key == "observeTimeoutSeconds" else _value
+        values = [read(line[len(key) + 1:]) for line in text.splitlines()
                   if line.startswith(f"{key}:")]
         if len(values) > 1 or (not values and key in text) or None in values:
             return None  # twice, unsure, or written otherwise ("stateDir": x, {stateDir: x})
@@ -164,3 +179,16 @@ def _value(rest: str) -> str | None:
     if not value.startswith("/") or any(c in _UNSURE or c.isspace() for c in value):
         return None
     return value
+
+
+def _seconds(rest: str) -> str | None:
+    """A plain number of seconds after ``key:`` (and maybe a comment), as the
+    schema allows it (0 < s <= 600), or None."""
+    if rest[:1] not in (" ", "\t"):
+        return None
+    value = rest.split("#", 1)[0].strip() if " #" in rest or "\t#" in rest else rest.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None
+    return value if value.replace(".", "", 1).isdigit() and 0 < seconds <= 600 else None

@@ -339,7 +339,13 @@ def _command_of(argv: Sequence[str]) -> str | None:
     return None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, after_fast: bool = False) -> int:
+    """``after_fast``: cli/fast.py ran first in this process (the console
+    script): what it found of the daemon stands, and is not asked again."""
+    if not after_fast:
+        from reconciler.cli.ask import begin
+
+        begin()  # a command of its own (a test's, in one process): nothing found yet
     # A path or name that is not UTF-8 (a foreign mount point) is printed
     # escaped, as stderr prints it, never a UnicodeEncodeError.
     if hasattr(sys.stdout, "reconfigure"):
@@ -353,6 +359,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.flush()
     except BrokenPipeError:
         return reader_gone()
+    except KeyboardInterrupt:  # while parsing, or loading the config (the command says more)
+        print("rbd-reconciler: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 def _main(argv: Sequence[str] | None) -> int:

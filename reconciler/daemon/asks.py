@@ -101,6 +101,14 @@ class Ask:
             if "exit" in ev or ev.get("event") == "reserved":
                 return
 
+    def next_event(self, timeout: float) -> dict[str, Any] | None:
+        """The next event to send, or None when none came within ``timeout``
+        (the control socket's thread then looks whether its client is gone)."""
+        try:
+            return self._events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
     def overdue(self, pass_no: int, running: dict[str, Inflight]) -> list[str]:
         """Named, waiting for a look that pass ``pass_no`` was due to make,
         and no chain of theirs runs: that pass ended without answering them."""

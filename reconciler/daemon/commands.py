@@ -59,6 +59,11 @@ Say = Callable[[str, bool], None]
 # A job's work, given its volume's name: True when done.
 Job = Callable[[str, Say], bool]
 
+# How often a thread waiting for an ask's next event looks whether its client
+# went away (the keepalive's failed send says so): then it stops waiting.
+GONE_CHECK_S = 1.0
+
+
 class Running(Protocol):
     """What of the running daemon the commands use (daemon/service.py)."""
 
@@ -90,7 +95,8 @@ class Commands:
         config = self.d.config
         command, args = request["command"], request.get("args") or {}
         if command == "ping":
-            reply.finish(0, result={"pid": os.getpid(), "stateDir": str(config.state_dir)})
+            reply.finish(0, result={"pid": os.getpid(), "stateDir": str(config.state_dir),
+                                    "connections": reply.others()})
             return
         theirs = request.get("stateDir")
         if not isinstance(theirs, str) or \
@@ -122,13 +128,14 @@ class Commands:
         self._stream(ask, reply)
 
     def _stream(self, ask: Ask, reply: Reply) -> None:
-        for ev in ask.events():
+        while (ev := _next(ask, reply)) is not None:
             if "exit" in ev:
                 final = dict(ev)
                 reply.finish(final.pop("exit"), **final)
                 return
             if not reply.send(ev):
-                return  # the client went away; the ask goes on without it
+                return
+        # The client went away; the ask goes on without it.
 
     def _allow_removal(self, args: dict[str, Any], reply: Reply) -> None:
         names = [str(n) for n in args.get("names") or []]
@@ -276,11 +283,16 @@ class Commands:
         ask = Ask("job", [{"name": name}], self.d.first_pass_after_now())
         self.d.asks.add(ask)
         self.d.look_again({name}, f"{name}: a job of the command line")
-        for ev in ask.events():
+        while (ev := _next(ask, reply)) is not None:
             if "exit" in ev:
                 final = dict(ev)
                 reply.finish(final.pop("exit"), **final)
                 return
+            if ev.get("event") == "reserved":
+                break
+        else:
+            self._abandon(ask, name)
+            return
         vol = ask.reserved
         assert vol is not None
         try:
@@ -291,6 +303,15 @@ class Commands:
             reply.finish(0 if ok else 1)
         finally:
             self.d.unreserve(name)
+
+    def _abandon(self, ask: Ask, name: str) -> None:
+        """Its client went away before the volume was held: the job is not
+        done. Dropped under the asks' lock, so no pass reserves it later; one
+        that did already gives the volume back."""
+        self.d.asks.drop(ask)
+        if ask.reserved is not None:
+            self.d.unreserve(name)
+        log.info("control: %s: a job dropped: its client went away before it began", name)
 
     def _rotate(self, args: dict[str, Any]) -> Job:
         new_key_file = args.get("newKeyFile")
@@ -332,6 +353,16 @@ def _only(plans: list[VolumePlan], sel: Selection, targets: list[dict[str, str]]
         return plans
     names = set(sel.names)
     return [vp for vp in plans if vp.name in names]
+
+
+def _next(ask: Ask, reply: Reply) -> dict[str, Any] | None:
+    """The ask's next event; None once its client is gone (the keepalive
+    finds that out within KEEPALIVE_S)."""
+    while not reply.gone:
+        ev = ask.next_event(GONE_CHECK_S)
+        if ev is not None:
+            return ev
+    return None
 
 
 def _targets(args: dict[str, Any]) -> list[dict[str, str]]:

@@ -5,9 +5,12 @@ daemon/protocol.py).
 Root only: the socket is 0600 in a directory only root may change
 (drivers/privsock.py), and each connection's peer is checked with
 SO_PEERCRED (uid 0) whatever let it reach the socket. Each connection is
-served in a thread of its own: one request, its events, one final line. A
-client that goes away (Ctrl-C) costs nothing but its thread: what it asked
-for goes on in the daemon."""
+served in a thread of its own: one request, its events, one final line,
+and meanwhile a line every KEEPALIVE_S (a keepalive thread), so the client
+can bound its wait for every line (a stopped daemon sends nothing) and a
+client gone is noticed by the failed send. A client that goes away
+(Ctrl-C) costs nothing but its thread, for a few seconds: what it asked for
+goes on in the daemon."""
 
 from __future__ import annotations
 
@@ -33,28 +36,55 @@ BACKLOG = 64
 
 class Reply:
     """What a handler writes to its client: events, then one final line.
-    Sends from one thread at a time (the connection's)."""
+    The handler's thread and the keepalive's send under one lock, whole
+    lines each; nothing is sent after the final line."""
 
-    def __init__(self, conn: socket.socket) -> None:
+    def __init__(self, conn: socket.socket, others: Callable[[], int] = lambda: 0) -> None:
         self.conn = conn
+        self.others = others  # the other connections being served (ping says it)
         self.gone = False  # the client went away: later lines are dropped
         self.finished = False
+        self._lock = threading.Lock()
+        self._over = threading.Event()  # final line sent, or the client gone
 
     def send(self, obj: dict[str, Any]) -> bool:
-        if self.gone:
-            return False
-        try:
-            self.conn.sendall(protocol.line(obj))
-        except OSError:  # EPIPE, ECONNRESET, or a client that stopped reading
-            self.gone = True
-        return not self.gone
+        return self._send(obj, final=False)
+
+    def _send(self, obj: dict[str, Any], final: bool) -> bool:
+        with self._lock:
+            if self._over.is_set():  # final line sent, client gone, or closing
+                return False
+            self.finished = final
+            try:
+                self.conn.sendall(protocol.line(obj))
+            except OSError:  # EPIPE, ECONNRESET, or a client that stopped reading
+                self.gone = True
+            if self.gone or final:
+                self._over.set()
+            return not self.gone
 
     def event(self, name: str, **fields: Any) -> bool:
         return self.send({"event": name, **fields})
 
     def finish(self, exit_code: int, **fields: Any) -> None:
-        self.finished = True
-        self.send({"exit": exit_code, **fields})
+        self._send({"exit": exit_code, **fields}, final=True)
+
+    def keep_alive(self, every: float) -> None:
+        """A ``working`` line every ``every`` s until the final line: a daemon
+        at work is told from a stopped one, and a client gone is noticed
+        (its send fails) while the handler waits for something to say."""
+        def beat() -> None:
+            while not self._over.wait(every):
+                if not self.event("working"):
+                    return
+
+        threading.Thread(target=beat, name="control-keepalive", daemon=True).start()
+
+    def close(self) -> None:
+        """Nothing more is sent: the connection is about to close (under the
+        lock: never while a keepalive writes to it)."""
+        with self._lock:
+            self._over.set()
 
 
 Handler = Callable[[dict[str, Any], Reply], None]
@@ -89,11 +119,19 @@ class ControlServer:
         self.listener: socket.socket | None = None
         self.socket: PrivateSocket | None = None
         self.thread: threading.Thread | None = None
+        self._serving = 0  # connections whose thread has not ended
+        self._count = threading.Lock()
 
     def start(self) -> None:
         """Serve at ``path``; RuntimeError if another daemon answers there (a
         socket nobody listens on, left by a killed daemon, is replaced)."""
-        other = answering(self.path)
+        try:
+            other = answering(self.path)
+        except (TimeoutError, ValueError):  # it listens, but is stopped or stuck
+            raise RuntimeError(
+                f"controlSocket {self.path}: a daemon listens there but does not answer "
+                "(stopped or stuck?); stop it, or give each daemon its own "
+                "controlSocket") from None
         if other is not None:
             raise RuntimeError(
                 f"controlSocket {self.path}: another rbd-reconciler daemon answers there "
@@ -143,38 +181,61 @@ class ControlServer:
             threading.Thread(target=self._serve, args=(conn,), name="control-client",
                              daemon=True).start()
 
+    def serving(self) -> int:
+        """Connections being served now (each in a thread of its own)."""
+        with self._count:
+            return self._serving
+
     def _serve(self, conn: socket.socket) -> None:
+        with self._count:
+            self._serving += 1
+        try:
+            self._serve_one(conn)
+        finally:
+            with self._count:
+                self._serving -= 1
+
+    def _serve_one(self, conn: socket.socket) -> None:
         with conn:
-            reply = Reply(conn)
+            reply = Reply(conn, lambda: self.serving() - 1)
             try:
-                uid = peer_uid(conn)
-                if uid != 0:
-                    log.warning("control socket: refused a client of uid %d (root only)", uid)
-                    # Its request read first (and dropped): closing on unread
-                    # data would reset the connection before it reads why.
-                    with contextlib.suppress(OSError, ValueError):
-                        self._read(conn)
-                    reply.finish(1, error=f"the control socket answers root only "
-                                          f"(this client runs as uid {uid})")
-                    return
-                request = self._read(conn)
-                conn.settimeout(SEND_TIMEOUT_S)
-                # At once, from this thread: the client tells a daemon at work
-                # from one that is stopped or stuck (nothing would come). A
-                # client gone meanwhile gave up on it: its request is dropped.
-                if not reply.event("accepted"):
-                    log.info("control: %s dropped: its client went away before the daemon "
-                             "read it", request["command"])
-                    return
-                self.handler(request, reply)
-            except (ValueError, TimeoutError) as exc:
-                reply.finish(64, error=f"bad request: {exc}")
-            except Exception as exc:  # one request never takes the daemon down
-                log.exception("control socket: request failed")
-                reply.finish(1, error=f"internal error in the daemon: {type(exc).__name__}: "
-                                      f"{exc}")
-            if not reply.finished:
-                reply.finish(1, error="internal error in the daemon: no answer")
+                self._answer(conn, reply)
+            finally:
+                reply.close()
+
+    def _answer(self, conn: socket.socket, reply: Reply) -> None:
+        try:
+            uid = peer_uid(conn)
+            if uid != 0:
+                self._refuse(conn, reply, uid)
+                return
+            request = self._read(conn)
+            conn.settimeout(SEND_TIMEOUT_S)
+            # At once, from this thread: the client tells a daemon at work
+            # from one that is stopped or stuck (nothing would come). A
+            # client gone meanwhile gave up on it: its request is dropped.
+            if not reply.event("accepted"):
+                log.info("control: %s dropped: its client went away before the daemon "
+                         "read it", request["command"])
+                return
+            reply.keep_alive(protocol.KEEPALIVE_S)
+            self.handler(request, reply)
+        except (ValueError, TimeoutError) as exc:
+            reply.finish(64, error=f"bad request: {exc}")
+        except Exception as exc:  # one request never takes the daemon down
+            log.exception("control socket: request failed")
+            reply.finish(1, error=f"internal error in the daemon: {type(exc).__name__}: {exc}")
+        if not reply.finished:
+            reply.finish(1, error="internal error in the daemon: no answer")
+
+    def _refuse(self, conn: socket.socket, reply: Reply, uid: int) -> None:
+        log.warning("control socket: refused a client of uid %d (root only)", uid)
+        # Its request read first (and dropped): closing on unread data would
+        # reset the connection before it reads why.
+        with contextlib.suppress(OSError, ValueError):
+            self._read(conn)
+        reply.finish(1, error=f"the control socket answers root only (this client runs as "
+                              f"uid {uid})")
 
     def _read(self, conn: socket.socket) -> dict[str, Any]:
         conn.settimeout(protocol.REQUEST_TIMEOUT_S)

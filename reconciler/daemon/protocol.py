@@ -8,8 +8,11 @@ client writes one line, an object::
 
 The daemon answers with lines: ``{"event": "accepted"}`` at once, events
 while the work goes on (``{"event": "started", ...}``, ``{"event":
-"volume", ...}``, ``{"event": "say", ...}``), then exactly one final line, ``{"exit": N,
-"result": {...}}`` or ``{"exit": N, "error": "..."}``, and closes. A
+"volume", ...}``, ``{"event": "say", ...}``, and ``{"event": "working"}``
+every KEEPALIVE_S while nothing else is said), then exactly one final line,
+``{"exit": N, "result": {...}}`` or ``{"exit": N, "error": "..."}``, and
+closes. A daemon that is stopped or stuck sends nothing at all: the client
+bounds the wait for every line, not only the first. A
 final ``{"exit": N, "elsewhere": "..."}`` says this daemon does not serve
 the client's stateDir, ``{"exit": N, "alone": "..."}`` that its view is
 not what is there (it refuses to reconcile): the client then works without
@@ -23,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
 
 TYPE_CHECKING = False  # typing itself costs ~5 ms at start-up
 if TYPE_CHECKING:
@@ -34,7 +38,14 @@ if TYPE_CHECKING:
 PROTOCOL = 1
 MAX_REQUEST_BYTES = 64 * 1024  # a request names volumes and paths: far below this
 REQUEST_TIMEOUT_S = 10.0  # the whole request line, from the connection on
-ACCEPT_TIMEOUT_S = 10.0  # a daemon says "accepted" at once; past this it is stopped or stuck
+KEEPALIVE_S = 2.0  # a daemon at work says so this often ({"event": "working"})
+# Every line of an answer (the first, "accepted", comes at once; the others
+# at least every KEEPALIVE_S): past this without one, the daemon is stopped
+# (SIGSTOP, a frozen cgroup) or stuck (a call holding the GIL).
+LINE_TIMEOUT_S = 10.0
+# A daemon that stopped accepting fills its listen backlog; a connect then
+# fails at once (EAGAIN) and is tried again until this has passed.
+CONNECT_TIMEOUT_S = 10.0
 
 # The commands the daemon answers; every other is refused.
 COMMANDS = ("ping", "apply", "release", "plan", "status", "explain", "rotate-key", "takeover",
@@ -47,7 +58,10 @@ def line(obj: dict[str, Any]) -> bytes:
 
 def parse(raw: bytes) -> dict[str, Any]:
     """One line as an object; ValueError for anything else."""
-    obj = json.loads(raw)
+    try:
+        obj = json.loads(raw)
+    except RecursionError:  # nested deeper than the parser goes: not a request of ours
+        raise ValueError("nested too deeply") from None
     if not isinstance(obj, dict):
         raise ValueError("not a JSON object")
     return obj
@@ -57,12 +71,14 @@ class Untrusted(Exception):
     """The socket, or its directory, may be someone else's than root's."""
 
 
-def connect(path: Path | str, timeout: float | None = None) -> socket.socket:
+def connect(path: Path | str, timeout: float = CONNECT_TIMEOUT_S) -> socket.socket:
     """A connection to the control socket at ``path``, through its
     directory's descriptor (so a path longer than a unix socket address may
-    hold works too). FileNotFoundError or ConnectionRefusedError: no daemon
-    serves there. Untrusted: the socket or its directory is not root's
-    alone (whoever could place a socket there would get our requests)."""
+    hold works too), made within ``timeout`` (then the socket's timeout).
+    FileNotFoundError or ConnectionRefusedError: no daemon serves there.
+    TimeoutError: its listen backlog stayed full (it does not accept).
+    Untrusted: the socket or its directory is not root's alone (whoever
+    could place a socket there would get our requests)."""
     from reconciler.state.files import foreign, open_dir
 
     path = os.fspath(path)
@@ -81,8 +97,8 @@ def connect(path: Path | str, timeout: float | None = None) -> socket.socket:
 
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
+            _connect_within(sock, f"/proc/self/fd/{dfd}/{name}", timeout)
             sock.settimeout(timeout)
-            sock.connect(f"/proc/self/fd/{dfd}/{name}")
         except BaseException:
             sock.close()
             raise
@@ -91,10 +107,40 @@ def connect(path: Path | str, timeout: float | None = None) -> socket.socket:
         os.close(dfd)
 
 
-def lines(sock: socket.socket) -> Iterator[dict[str, Any]]:
-    """The answer's lines as objects, until the daemon closes."""
-    buf = b""
+def _connect_within(sock: socket.socket, address: str, timeout: float) -> None:
+    """connect(), tried again while the listen backlog is full: on a unix
+    socket a non-blocking connect then fails at once with EAGAIN (it never
+    waits for room, and a blocking one would wait for ever)."""
+    sock.setblocking(False)
+    deadline = time.monotonic() + timeout
+    pause = 0.005
     while True:
+        try:
+            sock.connect(address)
+            return
+        except BlockingIOError:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"its listen backlog stayed full for {timeout:g} s "
+                                   "(it does not accept)") from None
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, 0.1)
+
+
+def lines(sock: socket.socket, every: float | None = None, deadline: float | None = None
+          ) -> Iterator[dict[str, Any]]:
+    """The answer's lines as objects, until the daemon closes. ``every``:
+    each line within that many seconds of the one before (the first, of
+    the call); ``deadline`` (time.monotonic()): every line by then.
+    TimeoutError past either; without them, the socket's own timeout."""
+    buf = b""
+    due = _due(every, deadline)
+    while True:
+        if due is not None:
+            left = due - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("no line in time")
+            sock.settimeout(left)
         chunk = sock.recv(1 << 16)
         if not chunk:
             if buf.strip():
@@ -105,3 +151,11 @@ def lines(sock: socket.socket) -> Iterator[dict[str, Any]]:
             raw, buf = buf.split(b"\n", 1)
             if raw.strip():
                 yield parse(raw)
+                due = _due(every, deadline)  # from now: the reader's own time is not the daemon's
+
+
+def _due(every: float | None, deadline: float | None) -> float | None:
+    """When the next line is due, or None: no bound of ours."""
+    dues = [d for d in (None if every is None else time.monotonic() + every, deadline)
+            if d is not None]
+    return min(dues) if dues else None

@@ -285,7 +285,7 @@ def test_root_only_a_stopped_daemon_and_a_stale_socket(
     # made alone, with a warning; what changes the node is not asked at all.
     from reconciler.daemon import protocol
 
-    monkeypatch.setattr(protocol, "ACCEPT_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(protocol, "LINE_TIMEOUT_S", 1.0)
     d.proc.send_signal(signal.SIGSTOP)
     try:
         capsys.readouterr()
@@ -296,7 +296,10 @@ def test_root_only_a_stopped_daemon_and_a_stale_socket(
         assert rc == 1 and "nothing asked of it" in capsys.readouterr().err
     finally:
         d.proc.send_signal(signal.SIGCONT)
+        monkeypatch.setattr(protocol, "LINE_TIMEOUT_S", 10.0)
+    capsys.readouterr()
     assert node.cli("plan")[0] == 0  # awake: through it again
+    assert "looking without it" not in capsys.readouterr().err
     wait_for(lambda: "control: apply dropped: its client went away" in d.log.read_text(),
              "the request of the command gone to be dropped", 30)
 

@@ -50,8 +50,12 @@ def test_a_relative_new_key_file_is_joined_to_here_never_normalised() -> None:
 
 @pytest.mark.parametrize(("text", "want"), [
     ("desiredDir: /d\nstateDir: /s  # here\ncontrolSocket: /run/c.sock\n",
-     {"controlSocket": "/run/c.sock", "stateDir": "/s"}),
+     {"controlSocket": "/run/c.sock", "stateDir": "/s", "observeTimeoutSeconds": "5"}),
     ("nodeName: n\n", fast.DEFAULTS),
+    ("observeTimeoutSeconds: 2.5  # slow Ceph\n",
+     {**fast.DEFAULTS, "observeTimeoutSeconds": "2.5"}),
+    ("observeTimeoutSeconds: 1e3\n", None), ("observeTimeoutSeconds: 0\n", None),
+    ("observeTimeoutSeconds: 601\n", None), ("observeTimeoutSeconds: '5'\n", None),
     ("stateDir: '/s'\n", None), ("{stateDir: /s}\n", None), ('"stateDir": /s\n', None),
     ("stateDir: /s\nstateDir: /t\n", None), ("stateDir:\n  /s\n", None),
     ("stateDir: /s t\n", None), ("stateDir: relative\n", None),

@@ -10,7 +10,9 @@ import socket
 import stat
 import subprocess
 import sys
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -108,3 +110,152 @@ def test_the_client_refuses_a_socket_someone_else_could_have_placed(tmp_path: Pa
         s.close()
     with pytest.raises(FileNotFoundError):
         protocol.connect(tmp_path / "none.sock")
+
+
+# -- issue 37: every wait bounded, a client gone noticed ------------------------------
+def wait_until(cond: Callable[[], object], what: str, timeout: float = 10.0) -> None:
+    """Poll ``cond`` with a deadline (never a bare sleep as synchronisation)."""
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"timed out after {timeout:g} s waiting for {what}"
+        time.sleep(0.01)
+
+
+class Slow:
+    """A handler that works until the test lets it end, or its client is gone."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.saw_gone = threading.Event()
+
+    def __call__(self, request: dict[str, Any], reply: Reply) -> None:
+        if request["command"] == "ping":
+            reply.finish(0, result={"connections": reply.others()})
+            return
+        while not self.release.wait(0.01):
+            if reply.gone:
+                self.saw_gone.set()
+                return
+        reply.finish(0, result={"kind": "done"})
+
+
+@pytest.fixture
+def slow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[ControlServer, Slow]]:
+    monkeypatch.setattr(protocol, "KEEPALIVE_S", 0.05, raising=False)
+    work = Slow()
+    s = ControlServer(tmp_path / "run" / "control.sock", work)
+    s.start()
+    yield s, work
+    work.release.set()
+    s.stop()
+
+
+def test_a_request_nested_too_deeply_is_a_bad_request_not_an_internal_error(
+        server: ControlServer, caplog: pytest.LogCaptureFixture) -> None:
+    deep = b'{"protocol": 1, "command": "status", "args": ' + b"[" * 30000 + b"\n"
+    with protocol.connect(server.path, 10) as sock:
+        sock.sendall(deep)
+        got = list(protocol.lines(sock))
+    assert got == [{"exit": 64, "error": "bad request: nested too deeply"}]
+    assert not [r for r in caplog.records if r.exc_info], caplog.text  # no traceback logged
+    with pytest.raises(ValueError, match="nested too deeply"):  # the client's parse too
+        protocol.parse(b"[" * 30000)
+
+
+def test_a_daemon_at_work_says_so_and_every_line_has_a_deadline(
+        slow: tuple[ControlServer, Slow]) -> None:
+    server, work = slow
+    with protocol.connect(server.path, 10) as sock:
+        sock.sendall(protocol.line({"protocol": 1, "command": "apply"}))
+        sock.settimeout(5)
+        answer = protocol.lines(sock)
+        assert next(answer) == {"event": "accepted"}
+        assert next(answer) == {"event": "working"}  # within KEEPALIVE_S, while it works
+        assert next(answer) == {"event": "working"}
+        work.release.set()
+        rest = list(answer)
+    assert rest[-1] == {"exit": 0, "result": {"kind": "done"}}
+    assert set(map(str, rest[:-1])) <= {str({"event": "working"})}  # nothing after the final
+
+
+def test_a_client_gone_is_noticed_and_its_connection_ends(
+        slow: tuple[ControlServer, Slow]) -> None:
+    server, work = slow
+    sock = protocol.connect(server.path, 10)
+    sock.sendall(protocol.line({"protocol": 1, "command": "apply"}))
+    sock.settimeout(5)
+    assert next(protocol.lines(sock)) == {"event": "accepted"}
+    wait_until(lambda: server.serving() == 1, "the connection to be served")
+    sock.close()  # Ctrl-C: the handler waits for nothing to say; the keepalive finds it gone
+    wait_until(work.saw_gone.is_set, "the handler to see its client gone", 5)
+    wait_until(lambda: server.serving() == 0, "the connection's thread to end", 5)
+    assert not [t for t in threading.enumerate() if t.name == "control-keepalive"]
+    [ping] = ask(server.path, {"protocol": 1, "command": "ping"})[1:]
+    assert ping == {"exit": 0, "result": {"connections": 0}}  # the ping's own not counted
+
+
+def test_a_silent_daemon_bounds_every_line_not_only_the_first(tmp_path: Path) -> None:
+    path = tmp_path / "silent.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(path))
+    listener.listen(1)
+    try:
+        with protocol.connect(path, 10) as sock:
+            conn, _ = listener.accept()
+            conn.sendall(protocol.line({"event": "accepted"}))  # then stopped: nothing more
+            answer = protocol.lines(sock, every=0.2)
+            assert next(answer) == {"event": "accepted"}
+            t0 = time.monotonic()
+            with pytest.raises(TimeoutError):
+                next(answer)
+            assert time.monotonic() - t0 < 2
+            conn.close()
+    finally:
+        listener.close()
+
+
+def test_a_full_listen_backlog_is_waited_for_within_the_deadline(tmp_path: Path) -> None:
+    """A daemon that accepts nothing (stopped) fills its backlog: connect()
+    on a unix socket then fails at once with EAGAIN, or, blocking, waits for
+    ever. It is tried again until the deadline; room made meanwhile is taken."""
+    path = tmp_path / "full.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(path))
+    listener.listen(0)  # room for one connection not yet accepted
+    queued = [socket.socket(socket.AF_UNIX)]
+    try:
+        queued[0].connect(str(path))
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            protocol.connect(path, 0.3)
+        assert 0.3 <= time.monotonic() - t0 < 2
+        result: list[object] = []
+        waiting = threading.Thread(target=lambda: result.append(protocol.connect(path, 10)))
+        waiting.start()
+        conn, _ = listener.accept()  # room: the waiting connect gets in
+        waiting.join(5)
+        assert not waiting.is_alive() and isinstance(result[0], socket.socket)
+        result[0].close()  # type: ignore[attr-defined]
+        conn.close()
+    finally:
+        for s in queued:
+            s.close()
+        listener.close()
+
+
+def test_a_daemon_stopped_at_the_socket_is_not_replaced(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from reconciler.daemon import control
+
+    monkeypatch.setattr(control, "PROBE_TIMEOUT_S", 0.3)
+    path = tmp_path / "run" / "control.sock"
+    path.parent.mkdir(mode=0o700)
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(path))
+    listener.listen(1)  # it accepts nothing: SIGSTOPped
+    try:
+        with pytest.raises(RuntimeError, match="a daemon listens there but does not answer"):
+            ControlServer(path, handler).start()
+        assert path.exists()
+    finally:
+        listener.close()
