@@ -33,6 +33,9 @@ that differs is a difference the issue forbids:
   second. The verdict (STALLED, the refusal, the exit code) is the same:
   the daemon judges a stall for these answers as the command does
   (observe/iowatch.py ``as_a_command_judges``).
+- ``stalled.inFlight`` and the ``N`` of "N request(s) in flight": the
+  count at the moment of each look; a writer blocked on a stalled device
+  queues more between two looks a moment apart (1, then 4).
 - "(no answer within N s)" and "(no answer: the previous call is still
   waiting)", both made "(no answer)": which of the looking process's calls
   to Ceph went unanswered (this one, at its deadline, or one of its earlier
@@ -276,6 +279,7 @@ def ask(b: Bed, how: str, explain: list[str]) -> Answers:
 
 # -- comparing ----------------------------------------------------------------------
 _STALL_FOR = re.compile(r"(none completed for) \d+ s")
+_IN_FLIGHT = re.compile(r"\d+ (request\(s\) in flight)")
 _STALL_SINCE = re.compile(r"\((?:the last I/O completed at|none completed since watching began "
                           r"at) [^)]*\)")
 _NO_ANSWER = re.compile(r"\(no answer(?: within [\d.]+ s|: the previous call is still waiting)\)")
@@ -288,15 +292,15 @@ def normalised(doc: Any, key: str = "") -> Any:
         for k, v in doc.items():
             if k in PROVENANCE or k in ("daemon", "applying"):
                 continue
-            if key == "stalled" and k in ("seconds", "since", "lastCompleted"):
+            if key == "stalled" and k in ("seconds", "since", "lastCompleted", "inFlight"):
                 continue
             out[k] = normalised(v, k)
         return out
     if isinstance(doc, list):
         return [normalised(v, key) for v in doc]
     if isinstance(doc, str):
-        return _STALL_SINCE.sub("(since T)", _NO_ANSWER.sub(
-            "(no answer)", _STALL_FOR.sub(r"\1 N s", doc)))
+        return _IN_FLIGHT.sub(r"N \1", _STALL_SINCE.sub("(since T)", _NO_ANSWER.sub(
+            "(no answer)", _STALL_FOR.sub(r"\1 N s", doc))))
     return doc
 
 
