@@ -168,13 +168,14 @@ def _subreaper() -> Iterator[None]:
     assert not alive, f"rbd-fuse processes left running: {alive}"
 
 
-@pytest.fixture
-def node(tmp_path: Path, ceph_cluster: DevCluster) -> Iterator[NodeUnderTest]:
+def new_node(root: Path, ceph_cluster: DevCluster, extra: str = "") -> NodeUnderTest:
+    """A node's directories and config under ``root`` (``extra``: more of
+    the config's top-level YAML)."""
     tag = uuid.uuid4().hex[:6]
-    desired, state, srv = tmp_path / "desired", tmp_path / "state", tmp_path / "srv"
+    desired, state, srv = root / "desired", root / "state", root / "srv"
     for d in (desired, state, srv):
         d.mkdir()
-    config = tmp_path / "config.yaml"
+    config = root / "config.yaml"
     config.write_text(
         f"desiredDir: {desired}\nstateDir: {state}\nnodeName: test-node\n"
         f"ceph:\n  conf: {ceph_cluster.conf}\n  user: {ceph_cluster.user}\n"
@@ -182,8 +183,14 @@ def node(tmp_path: Path, ceph_cluster: DevCluster) -> Iterator[NodeUnderTest]:
         f"allowedRoots: [{srv}]\nmapper: fuse\n"
         # Its own (under stateDir: a second node's config, made by replacing
         # the state path, gets its own too): tests run several daemons at once.
-        f"controlSocket: {state}/control.sock\n")
-    n = NodeUnderTest(tmp_path, ceph_cluster, config, desired, state, srv, tag)
+        f"controlSocket: {state}/control.sock\n{extra}")
+    return NodeUnderTest(root, ceph_cluster, config, desired, state, srv, tag)
+
+
+@pytest.fixture
+def node(tmp_path: Path, ceph_cluster: DevCluster) -> Iterator[NodeUnderTest]:
+    n = new_node(tmp_path, ceph_cluster)
+    desired = n.desired
     yield n
     # Teardown: give everything back, then prove nothing leaked. Leftovers are
     # removed forcibly either way: a FUSE mount outliving the session cluster

@@ -78,14 +78,13 @@ import shutil
 import signal
 import subprocess
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import NodeUnderTest, _force_cleanup, _loops_under, _remove_with_snapshots
+from conftest import NodeUnderTest, _force_cleanup, _loops_under, _remove_with_snapshots, new_node
 from test_claim import Node, map_only, mon, second_node, watchers
 from test_control import local_config
 from test_daemon import Daemon, spec, wait_for
@@ -177,19 +176,9 @@ def bed(ceph_cluster: DevCluster, tmp_path_factory: pytest.TempPathFactory) -> I
     """The conftest ``node`` of this module (its teardown too), with a daemon
     running: ``pub``, ``stl`` and ``fen`` published, ``map`` mapped only."""
     root = tmp_path_factory.mktemp("differential")
-    tag = uuid.uuid4().hex[:6]
-    desired, state, srv = root / "desired", root / "state", root / "srv"
-    for d in (desired, state, srv):
-        d.mkdir()
-    config = root / "config.yaml"
-    config.write_text(
-        f"desiredDir: {desired}\nstateDir: {state}\nnodeName: test-node\n"
-        f"ceph:\n  conf: {ceph_cluster.conf}\n  user: {ceph_cluster.user}\n"
-        f"  keyring: {ceph_cluster.keyring}\n"
-        f"allowedRoots: [{srv}]\nmapper: fuse\ncontrolSocket: {state}/control.sock\n"
-        f"resyncSeconds: {RESYNC_S}\nobserveTimeoutSeconds: {OBSERVE_TIMEOUT_S}\n"
-        f"events:\n  ioStallSeconds: {IO_STALL_S}\n")
-    node = NodeUnderTest(root, ceph_cluster, config, desired, state, srv, tag)
+    node = new_node(root, ceph_cluster,
+                    f"resyncSeconds: {RESYNC_S}\nobserveTimeoutSeconds: {OBSERVE_TIMEOUT_S}\n"
+                    f"events:\n  ioStallSeconds: {IO_STALL_S}\n")
     names = {role: node.name(role) for role in ("pub", "map", "stl", "fen", "chn")}
     gate = Gate(root)
     for role in ("pub", "stl", "fen"):
@@ -219,7 +208,7 @@ def bed(ceph_cluster: DevCluster, tmp_path_factory: pytest.TempPathFactory) -> I
         finally:
             reap_zombies()
             leaked_mounts = sorted(node.mounts())
-            leaked_loops = _loops_under(root, tag)
+            leaked_loops = _loops_under(root, node.tag)
             _force_cleanup(leaked_mounts, leaked_loops)
         assert not leaked_mounts, f"mounts leaked: {leaked_mounts}"
         assert not leaked_loops, f"loop devices leaked: {leaked_loops}"
