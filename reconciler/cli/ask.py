@@ -175,6 +175,10 @@ class _Talk:
                 return self._silent()
             except (OSError, ValueError) as exc:  # reset, or a line that is not ours
                 return self._broke(_why(exc))
+            except (LookupError, TypeError, AttributeError, ArithmeticError) as exc:
+                # A line that parses but has not the protocol's shape (a bug,
+                # another version): broken off too, never a traceback.
+                return self._broke(f"a line not of the protocol: {type(exc).__name__}: {exc}")
 
     def _within(self, limit: float) -> float:
         if self.deadline is None:
@@ -196,19 +200,34 @@ class _Talk:
         elif event == "reserved":
             self.reserved = True
         elif event == "started":
+            if not isinstance(obj.get("volumes", []), list) or \
+                    not isinstance(obj.get("errors", []), list):
+                raise ValueError("a started line without its list of volumes")
             self.named = [str(n) for n in obj.get("volumes", [])]
             self.errors = list(obj.get("errors", []))
             self.volumes.expect(self.named)
             if self.output == "human":
                 show.diagnostics(self.errors)
         elif event == "volume":
+            if not isinstance(obj.get("volume"), dict) or \
+                    not isinstance(obj["volume"].get("name"), str):
+                raise ValueError("a volume line without its volume")
             self.volumes.add(obj["volume"])
         elif event == "say":
+            if not isinstance(obj.get("text"), str):
+                raise ValueError("a say line without its text")
             print(obj["text"], file=sys.stderr if obj.get("stream") == "err" else sys.stdout,
                   flush=True)
         # "working" (the daemon is at it), and events this client does not know: nothing
 
     def _final(self, obj: dict[str, Any]) -> int:
+        code = obj["exit"]
+        if type(code) is not int or not 0 <= code <= 255:  # exit(256) would be a 0
+            raise ValueError(f"its last line's exit {code!r} is not an exit code")
+        result = obj.get("result")
+        if "result" in obj and not (isinstance(result, dict) and isinstance(
+                result.get("doc"), dict)):
+            raise ValueError("its last line's result is not a document")
         if "elsewhere" in obj:
             raise _Alone("")
         if "alone" in obj:  # its view is not what is there: look without it
@@ -219,13 +238,17 @@ class _Talk:
             print(f"rbd-reconciler: {obj.get('error')}", file=sys.stderr)
             self._came()
             print(f"rbd-reconciler: {self._untold()}", file=sys.stderr)
-            return int(obj["exit"]) or EXIT_FAILED
+            return code or EXIT_FAILED
+        if code == 0 and self.named is not None and self.volumes.missing():
+            # exit 0 promises every volume named converged: one whose result
+            # did not come was not seen to (a daemon's bug): not 0.
+            return self._cut("its last line said exit 0 before every volume's result")
         self.volumes.flush()
         if obj.get("error"):
             print(f"rbd-reconciler: {obj['error']}", file=sys.stderr)
         if "result" in obj:
             _result(obj["result"], self.output)
-        return int(obj["exit"])
+        return code
 
     # -- when it does not come ----------------------------------------------------
     def _silent(self) -> int:
