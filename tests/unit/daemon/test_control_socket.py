@@ -284,3 +284,14 @@ def test_a_request_dripped_a_byte_at_a_time_is_cut_at_its_deadline(
                 break
     took = time.monotonic() - t0
     assert b'"exit":64' in answer and took < 2.5, (answer, took)
+
+
+def test_a_file_at_the_socket_path_is_a_refusal_to_start_not_a_crash(tmp_path: Path) -> None:
+    """The daemon (service.py) refuses to start on RuntimeError or OSError
+    with one line; the probe for a daemon already there must not raise
+    anything else (protocol.Untrusted) past it."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    (run / "control.sock").write_text("not a socket")
+    with pytest.raises(RuntimeError, match="not a socket"):
+        ControlServer(run / "control.sock", handler).start()
