@@ -133,6 +133,8 @@ class ControlServer:
                 f"controlSocket {self.path}: a daemon listens there but does not answer "
                 "(stopped or stuck?); stop it, or give each daemon its own "
                 "controlSocket") from None
+        except protocol.Untrusted as exc:  # not a socket, or a directory not root's alone
+            raise RuntimeError(str(exc)) from None
         if other is not None:
             raise RuntimeError(
                 f"controlSocket {self.path}: another rbd-reconciler daemon answers there "
