@@ -175,10 +175,6 @@ class _Talk:
                 return self._silent()
             except (OSError, ValueError) as exc:  # reset, or a line that is not ours
                 return self._broke(_why(exc))
-            except (LookupError, TypeError, AttributeError, ArithmeticError) as exc:
-                # A line that parses but has not the protocol's shape (a bug,
-                # another version): broken off too, never a traceback.
-                return self._broke(f"a line not of the protocol: {type(exc).__name__}: {exc}")
 
     def _within(self, limit: float) -> float:
         if self.deadline is None:
