@@ -337,3 +337,25 @@ def test_no_traceback_on_the_short_way_whatever_the_daemon_says(
     proc = cli(node_config(tmp_path, run_dir), "apply")
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and "Traceback" not in err, err
+
+
+def test_ctrl_c_while_the_final_document_prints_adds_no_second_one(
+        daemon: Callable[..., FakeDaemon], run_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """-o json: Ctrl-C lands while the daemon's document is printed. Exit
+    130, and no second document (what came, notAnswered) after it: every
+    result had come."""
+    daemon([ACCEPTED, {"event": "started", "volumes": ["a5"], "errors": []}, volume("a5"),
+            {**APPLIED_0, "result": {"kind": "applied", "doc": {"recap": {}, "volumes": []}}}])
+    from reconciler.cli import show
+
+    def cut(doc: dict[str, Any]) -> None:
+        monkeypatch.undo()
+        print('{"recap"', end="")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(show, "as_json", cut)
+    assert asked(run_dir, "apply", "json", targets=[]) == 130
+    out, err = capsys.readouterr()
+    assert out == '{"recap"', out
+    assert "no result came" not in err, err
