@@ -131,6 +131,7 @@ class _Talk:
         self.sent = False  # the request went out
         self.accepted = False  # the daemon took it
         self.reserved = False  # a job (rotate-key, takeover): it began
+        self.final = False  # its final line came (what is printed now is its answer)
         self.named: list[str] | None = None  # the volumes it answers for (``started``)
         self.errors: list[dict[str, Any]] = []
         self.volumes = _InOrder(output == "human")
@@ -228,6 +229,7 @@ class _Talk:
             raise _Alone("")
         if "alone" in obj:  # its view is not what is there: look without it
             raise _Alone(str(obj["alone"]))
+        self.final = True
         if "result" not in obj and self.named is not None:
             # Its volumes named, then an error (the daemon stops): what came
             # is printed, and what did not is said.
@@ -290,7 +292,7 @@ class _Talk:
     def interrupted(self) -> int:
         if not self.sent:
             said = "interrupted; nothing asked of the daemon"
-        elif self.command in LOOKS:
+        elif self.command in LOOKS or self.final:  # the answer came: nothing to add to it
             said = "interrupted"
         else:
             self._came()
