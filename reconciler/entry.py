@@ -15,6 +15,9 @@ NEVER_HERE = ("msvcrt", "org", "backports_abc")
 
 
 def main() -> int:
+    from reconciler.cli.pipe import no_stdout_is_nowhere
+
+    no_stdout_is_nowhere()
     try:
         return _main()
     except KeyboardInterrupt:  # Ctrl-C anywhere: one line, never a traceback

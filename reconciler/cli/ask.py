@@ -131,6 +131,7 @@ class _Talk:
         self.sent = False  # the request went out
         self.accepted = False  # the daemon took it
         self.reserved = False  # a job (rotate-key, takeover): it began
+        self.final = False  # its final line came (what is printed now is its answer)
         self.named: list[str] | None = None  # the volumes it answers for (``started``)
         self.errors: list[dict[str, Any]] = []
         self.volumes = _InOrder(output == "human")
@@ -196,36 +197,56 @@ class _Talk:
         elif event == "reserved":
             self.reserved = True
         elif event == "started":
+            if not isinstance(obj.get("volumes", []), list) or \
+                    not isinstance(obj.get("errors", []), list):
+                raise ValueError("a started line without its list of volumes")
             self.named = [str(n) for n in obj.get("volumes", [])]
             self.errors = list(obj.get("errors", []))
             self.volumes.expect(self.named)
             if self.output == "human":
                 show.diagnostics(self.errors)
         elif event == "volume":
+            if not isinstance(obj.get("volume"), dict) or \
+                    not isinstance(obj["volume"].get("name"), str):
+                raise ValueError("a volume line without its volume")
             self.volumes.add(obj["volume"])
         elif event == "say":
+            if not isinstance(obj.get("text"), str):
+                raise ValueError("a say line without its text")
             print(obj["text"], file=sys.stderr if obj.get("stream") == "err" else sys.stdout,
                   flush=True)
         # "working" (the daemon is at it), and events this client does not know: nothing
 
     def _final(self, obj: dict[str, Any]) -> int:
+        code = obj["exit"]
+        if type(code) is not int or not 0 <= code <= 255:  # exit(256) would be a 0
+            raise ValueError(f"its last line's exit {code!r} is not an exit code")
+        result = obj.get("result")
+        if "result" in obj and not (isinstance(result, dict) and isinstance(
+                result.get("doc"), dict)):
+            raise ValueError("its last line's result is not a document")
         if "elsewhere" in obj:
             raise _Alone("")
         if "alone" in obj:  # its view is not what is there: look without it
             raise _Alone(str(obj["alone"]))
+        self.final = True
         if "result" not in obj and self.named is not None:
             # Its volumes named, then an error (the daemon stops): what came
             # is printed, and what did not is said.
             print(f"rbd-reconciler: {obj.get('error')}", file=sys.stderr)
             self._came()
             print(f"rbd-reconciler: {self._untold()}", file=sys.stderr)
-            return int(obj["exit"]) or EXIT_FAILED
+            return code or EXIT_FAILED
+        if code == 0 and self.named is not None and self.volumes.missing():
+            # exit 0 promises every volume named converged: one whose result
+            # did not come was not seen to (a daemon's bug): not 0.
+            return self._cut("its last line said exit 0 before every volume's result")
         self.volumes.flush()
         if obj.get("error"):
             print(f"rbd-reconciler: {obj['error']}", file=sys.stderr)
         if "result" in obj:
             _result(obj["result"], self.output)
-        return int(obj["exit"])
+        return code
 
     # -- when it does not come ----------------------------------------------------
     def _silent(self) -> int:
@@ -271,7 +292,7 @@ class _Talk:
     def interrupted(self) -> int:
         if not self.sent:
             said = "interrupted; nothing asked of the daemon"
-        elif self.command in LOOKS:
+        elif self.command in LOOKS or self.final:  # the answer came: nothing to add to it
             said = "interrupted"
         else:
             self._came()

@@ -70,6 +70,12 @@ def _run(argv: list[str], started: float) -> int | None:
             sys.stdout.flush()
     except BrokenPipeError:
         return reader_gone()
+    except Exception as exc:  # as cli.main: never a traceback at a user, one line
+        from reconciler.cli.exits import EXIT_FAILED
+
+        print(f"rbd-reconciler {command}: internal error: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        return EXIT_FAILED
 
 
 def _parse(argv: list[str]) -> tuple[str, str, dict[str, Any], str] | None:

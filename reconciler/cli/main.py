@@ -20,7 +20,10 @@ from reconciler.cli.exits import (  # noqa: F401  (the commands import them from
     EXIT_OK,
     EXIT_USAGE,
 )
-from reconciler.cli.pipe import reader_gone  # and exit 141 (EXIT_PIPE) when the reader is gone
+from reconciler.cli.pipe import (  # and exit 141 (EXIT_PIPE) when the reader is gone
+    no_stdout_is_nowhere,
+    reader_gone,
+)
 
 TYPE_CHECKING = False  # typing itself costs ~5 ms at start-up
 if TYPE_CHECKING:
@@ -342,6 +345,7 @@ def _command_of(argv: Sequence[str]) -> str | None:
 def main(argv: Sequence[str] | None = None, *, after_fast: bool = False) -> int:
     """``after_fast``: cli/fast.py ran first in this process (the console
     script): what it found of the daemon stands, and is not asked again."""
+    no_stdout_is_nowhere()
     if not after_fast:
         from reconciler.cli.ask import begin
 

@@ -14,3 +14,12 @@ def reader_gone() -> int:
     instead of raising again."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return EXIT_PIPE
+
+
+def no_stdout_is_nowhere() -> None:
+    """``cmd >&-``: no stdout at all (Python's sys.stdout is None). What is
+    printed goes nowhere, as print() already does then, and a flush or a
+    reconfigure no longer fails (the exit code stays the command's); the
+    lowest descriptor, 1, is taken, so no socket opened later becomes it."""
+    if sys.stdout is None:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (for the process's life)

@@ -20,6 +20,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,8 @@ class ControlServer:
                 f"controlSocket {self.path}: a daemon listens there but does not answer "
                 "(stopped or stuck?); stop it, or give each daemon its own "
                 "controlSocket") from None
+        except protocol.Untrusted as exc:  # not a socket, or a directory not root's alone
+            raise RuntimeError(str(exc)) from None
         if other is not None:
             raise RuntimeError(
                 f"controlSocket {self.path}: another rbd-reconciler daemon answers there "
@@ -238,9 +241,15 @@ class ControlServer:
                               f"uid {uid})")
 
     def _read(self, conn: socket.socket) -> dict[str, Any]:
-        conn.settimeout(protocol.REQUEST_TIMEOUT_S)
+        # The whole line within REQUEST_TIMEOUT_S: a client that sends a byte
+        # now and then does not hold its thread for longer.
+        deadline = time.monotonic() + protocol.REQUEST_TIMEOUT_S
         buf = b""
         while b"\n" not in buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the request line did not come in time")
+            conn.settimeout(left)
             chunk = conn.recv(4096)
             if not chunk:
                 break

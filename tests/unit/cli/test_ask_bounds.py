@@ -288,3 +288,74 @@ def test_ctrl_c_while_connecting_is_one_line_and_130(run_dir: Path, tmp_path: Pa
         listener.close()
     assert proc.returncode == 130, err
     assert err == "rbd-reconciler: interrupted; nothing asked of the daemon\n", err
+
+
+APPLIED_0 = {"exit": 0, "result": {"kind": "applied",
+                                   "doc": {"recap": {"ok": 0, "changed": 0, "failed": 0}}}}
+
+
+@pytest.mark.parametrize("said", [
+    {"exit": None}, {"exit": 1e400}, {"exit": "0"}, {"exit": [0]}, {"exit": True},
+    {"event": "volume"}, {"event": "volume", "volume": 5}, {"event": "started", "volumes": 5},
+    {"event": "say"}, {"exit": 0, "result": 5}, {"exit": 0, "result": {"kind": "applied"}},
+])
+def test_a_line_of_the_wrong_shape_breaks_the_answer_not_the_command(
+        daemon: Callable[..., FakeDaemon], run_dir: Path, said: dict[str, Any],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A daemon (a bug, another version) whose line parses but is not what
+    the protocol says: the answer broke off (exit 1, what did not come
+    said), never a traceback, never exit 0."""
+    daemon([ACCEPTED, said])
+    assert asked(run_dir, "apply", targets=[]) == 1
+    assert "answer broke off" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("code", [256, -256, 512])
+def test_an_exit_code_out_of_range_is_not_taken_for_0(
+        daemon: Callable[..., FakeDaemon], run_dir: Path, code: int) -> None:
+    """exit(256) is a process's 0: only 0..255 is an exit code."""
+    daemon([ACCEPTED, {**APPLIED_0, "exit": code}])
+    assert asked(run_dir, "apply", targets=[]) == 1
+
+
+def test_exit_0_is_never_taken_while_a_named_volume_got_no_result(
+        daemon: Callable[..., FakeDaemon], run_dir: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The daemon named a5 and b5, sent b5's result, then exit 0 (a bug):
+    a5 was not seen converged, so the command does not exit 0."""
+    daemon([ACCEPTED, {"event": "started", "volumes": ["a5", "b5"], "errors": []},
+            volume("b5"), APPLIED_0])
+    assert asked(run_dir, "apply", targets=[]) == 1
+    out, err = capsys.readouterr()
+    assert out.startswith("changed: [b5]\n") and "no result came for a5" in err, (out, err)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the daemon's commands are root's")
+def test_no_traceback_on_the_short_way_whatever_the_daemon_says(
+        daemon: Callable[..., FakeDaemon], run_dir: Path, tmp_path: Path) -> None:
+    daemon([ACCEPTED, {"exit": None}])
+    proc = cli(node_config(tmp_path, run_dir), "apply")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "Traceback" not in err, err
+
+
+def test_ctrl_c_while_the_final_document_prints_adds_no_second_one(
+        daemon: Callable[..., FakeDaemon], run_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """-o json: Ctrl-C lands while the daemon's document is printed. Exit
+    130, and no second document (what came, notAnswered) after it: every
+    result had come."""
+    daemon([ACCEPTED, {"event": "started", "volumes": ["a5"], "errors": []}, volume("a5"),
+            {**APPLIED_0, "result": {"kind": "applied", "doc": {"recap": {}, "volumes": []}}}])
+    from reconciler.cli import show
+
+    def cut(doc: dict[str, Any]) -> None:
+        monkeypatch.undo()
+        print('{"recap"', end="")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(show, "as_json", cut)
+    assert asked(run_dir, "apply", "json", targets=[]) == 130
+    out, err = capsys.readouterr()
+    assert out == '{"recap"', out
+    assert "no result came" not in err, err

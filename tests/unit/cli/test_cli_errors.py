@@ -177,3 +177,19 @@ def test_ceph_unreachable_names_the_monitor(tmp_path: Path) -> None:
     assert rc == 1
     reason = _reason(out)
     assert "no answer within 2 s" in reason and "mon host 127.0.0.1:1" in reason, reason
+
+
+@pytest.mark.parametrize("argv", [
+    ("-c", LOCAL, "validate", EXAMPLE),
+    ("--version",),              # the console script's fast path
+    ("-c", LOCAL, "--version"),  # argparse's version action
+], ids=["validate", "version-fast", "version-argparse"])
+@pytest.mark.parametrize("how", ["console-script", "python-m"])
+def test_a_closed_stdout_is_no_traceback(argv: tuple[str, ...], how: str) -> None:
+    """`cmd >&-`: Python has no sys.stdout at all (None); what is printed
+    goes nowhere, the exit code is the command's, never a traceback."""
+    prefix = [CMD] if how == "console-script" else [sys.executable, "-m", "reconciler"]
+    proc = subprocess.run(["sh", "-c", '"$@" >&-', "sh", *prefix, *argv],
+                          stderr=subprocess.PIPE, text=True, timeout=60, check=False,
+                          cwd=str(REPO))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr

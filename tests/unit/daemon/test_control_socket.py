@@ -259,3 +259,39 @@ def test_a_daemon_stopped_at_the_socket_is_not_replaced(
         assert path.exists()
     finally:
         listener.close()
+
+
+def test_a_request_dripped_a_byte_at_a_time_is_cut_at_its_deadline(
+        server: ControlServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """REQUEST_TIMEOUT_S bounds the whole request line, from the connection
+    on: a client (buggy, or hostile) that sends a byte now and then, each
+    within the bound, holds its thread no longer than that."""
+    monkeypatch.setattr(protocol, "REQUEST_TIMEOUT_S", 1.0)
+    req = protocol.line({"protocol": 1, "command": "status", "args": {}})
+    with protocol.connect(server.path, 10) as sock:
+        t0 = time.monotonic()
+        sock.settimeout(0.3)
+        answer = b""
+        for b in req[:-1]:
+            try:
+                sock.sendall(bytes([b]))
+                answer = sock.recv(4096)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if answer or time.monotonic() - t0 > 6:
+                break
+    took = time.monotonic() - t0
+    assert b'"exit":64' in answer and took < 2.5, (answer, took)
+
+
+def test_a_file_at_the_socket_path_is_a_refusal_to_start_not_a_crash(tmp_path: Path) -> None:
+    """The daemon (service.py) refuses to start on RuntimeError or OSError
+    with one line; the probe for a daemon already there must not raise
+    anything else (protocol.Untrusted) past it."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    (run / "control.sock").write_text("not a socket")
+    with pytest.raises(RuntimeError, match="not a socket"):
+        ControlServer(run / "control.sock", handler).start()
