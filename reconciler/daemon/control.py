@@ -33,6 +33,7 @@ log = logging.getLogger("rbd-reconciler.control")
 SEND_TIMEOUT_S = 60.0  # a client that stops reading is dropped, never waited on for ever
 PROBE_TIMEOUT_S = 5.0  # asking a socket found at start-up whether a daemon answers there
 BACKLOG = 64
+MAX_SERVING = 256  # connections served at once (a thread each)
 
 
 class Reply:
@@ -181,8 +182,28 @@ class ControlServer:
                 if exc.errno in (errno.EINTR, errno.ECONNABORTED):
                     continue
                 return  # closed: stopping
-            threading.Thread(target=self._serve, args=(conn,), name="control-client",
-                             daemon=True).start()
+            with self._count:  # counted here: a burst cannot outrun the count
+                busy = self._serving >= MAX_SERVING
+                self._serving += 0 if busy else 1
+            if busy:
+                # A thread each: past this, commands in a loop gone wrong, not
+                # an operator. Refused at once, by this thread, never queued.
+                self._busy(conn)
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name="control-client",
+                                 daemon=True).start()
+            except RuntimeError:  # no thread to be had: refused, and not counted
+                with self._count:
+                    self._serving -= 1
+                self._busy(conn)
+
+    @staticmethod
+    def _busy(conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            conn.settimeout(0.5)
+            conn.sendall(protocol.line({"exit": 1, "error": (
+                f"the daemon serves {MAX_SERVING} commands already; try again")}))
 
     def serving(self) -> int:
         """Connections being served now (each in a thread of its own)."""
@@ -190,8 +211,6 @@ class ControlServer:
             return self._serving
 
     def _serve(self, conn: socket.socket) -> None:
-        with self._count:
-            self._serving += 1
         try:
             self._serve_one(conn)
         finally:

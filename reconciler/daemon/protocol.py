@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 PROTOCOL = 1
 MAX_REQUEST_BYTES = 64 * 1024  # a request names volumes and paths: far below this
+MAX_LINE_BYTES = 64 * 1024 * 1024  # an answer's line: a volume's result, or a status of many
 REQUEST_TIMEOUT_S = 10.0  # the whole request line, from the connection on
 KEEPALIVE_S = 2.0  # a daemon at work says so this often ({"event": "working"})
 # Every line of an answer (the first, "accepted", comes at once; the others
@@ -132,7 +133,9 @@ def lines(sock: socket.socket, every: float | None = None, deadline: float | Non
     """The answer's lines as objects, until the daemon closes. ``every``:
     each line within that many seconds of the one before (the first, of
     the call); ``deadline`` (time.monotonic()): every line by then.
-    TimeoutError past either; without them, the socket's own timeout."""
+    TimeoutError past either; without them, the socket's own timeout.
+    ValueError for a line longer than MAX_LINE_BYTES (a daemon gone wrong:
+    its lines are volumes' results, far below it)."""
     buf = b""
     due = _due(every, deadline)
     while True:
@@ -146,12 +149,19 @@ def lines(sock: socket.socket, every: float | None = None, deadline: float | Non
             if buf.strip():
                 yield parse(buf)
             return
+        if b"\n" not in chunk:  # only the new bytes are searched: never quadratic
+            buf += chunk
+            if len(buf) > MAX_LINE_BYTES:
+                raise ValueError(f"a line longer than {MAX_LINE_BYTES} bytes")
+            continue
         buf += chunk
         while b"\n" in buf:
             raw, buf = buf.split(b"\n", 1)
             if raw.strip():
                 yield parse(raw)
                 due = _due(every, deadline)  # from now: the reader's own time is not the daemon's
+        if len(buf) > MAX_LINE_BYTES:
+            raise ValueError(f"a line longer than {MAX_LINE_BYTES} bytes")
 
 
 def _due(every: float | None, deadline: float | None) -> float | None:

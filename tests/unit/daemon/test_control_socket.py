@@ -4,6 +4,7 @@ stale socket replaced, a live one never taken over."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -295,3 +296,50 @@ def test_a_file_at_the_socket_path_is_a_refusal_to_start_not_a_crash(tmp_path: P
     (run / "control.sock").write_text("not a socket")
     with pytest.raises(RuntimeError, match="not a socket"):
         ControlServer(run / "control.sock", handler).start()
+
+
+def test_past_the_connections_it_serves_a_command_is_refused_at_once(
+        slow: tuple[ControlServer, Slow], monkeypatch: pytest.MonkeyPatch) -> None:
+    # A thread per connection: a loop of commands gone wrong must not take
+    # the daemon's threads (review); past the cap, refused at once, not queued.
+    from reconciler.daemon import control
+
+    monkeypatch.setattr(control, "MAX_SERVING", 3)
+    server, work = slow
+    held = []
+    for _ in range(3):
+        sock = protocol.connect(server.path, 10)
+        sock.sendall(protocol.line({"protocol": 1, "command": "apply"}))
+        held.append(sock)
+    wait_until(lambda: server.serving() == 3, "three connections served")
+    with protocol.connect(server.path, 10) as sock:
+        sock.settimeout(5)
+        got = list(protocol.lines(sock))
+    assert got == [{"exit": 1, "error": "the daemon serves 3 commands already; try again"}]
+    work.release.set()
+    for sock in held:
+        sock.close()
+    wait_until(lambda: server.serving() == 0, "the connections to end", 5)
+
+
+def test_a_line_without_end_from_the_daemon_is_cut_at_its_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(protocol, "MAX_LINE_BYTES", 1 << 20)
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.settimeout(5)
+        writer = threading.Thread(target=_send_quietly, args=(
+            theirs, b'{"event": "accepted"}\n' + b"x" * (2 << 20)))
+        writer.start()
+        ours.settimeout(5)
+        answer = protocol.lines(ours)
+        assert next(answer) == {"event": "accepted"}
+        with pytest.raises(ValueError, match="longer than"):
+            next(answer)
+        ours.shutdown(socket.SHUT_RDWR)  # the writer's send ends
+        writer.join(5)
+
+
+def _send_quietly(sock: socket.socket, data: bytes) -> None:
+    with contextlib.suppress(OSError):
+        sock.sendall(data)
