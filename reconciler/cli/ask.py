@@ -309,6 +309,8 @@ class _Talk:
         if self.output == "json" and self.named is not None:
             came = self.volumes.came()
             recap = {k: sum(v["status"] == k for v in came) for k in ("ok", "changed", "failed")}
+            if aborted := sum(v["status"] == "aborted" for v in came):  # as views.apply_doc
+                recap["aborted"] = aborted
             show.as_json({"recap": recap, "errors": self.errors, "thawed": [], "volumes": came,
                           "notAnswered": self.volumes.missing()})
 
@@ -317,7 +319,11 @@ class _Talk:
         if self.command in ("rotate-key", "takeover"):
             if self.reserved:
                 return f"whether {self.command} finished is not known here"
-            return f"{self.command} had not begun (the daemon begins it for no command gone)"
+            # Said as of the last line read: a "reserved" the daemon sent in
+            # the instant this command gave up was not read (rbd-reconciler
+            # status tells).
+            return (f"{self.command} had not begun when this command stopped waiting (the "
+                    "daemon begins it for no command gone)")
         if self.named is None:
             return "no volume's result came (it had not named them yet)"
         missing = self.volumes.missing()
