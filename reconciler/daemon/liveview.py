@@ -7,7 +7,7 @@ A view the passes keep goes stale exactly when it matters: nothing wakes an
 idle volume's pass when Ceph stops answering or another node takes the
 image over, so it said ``MAPPED`` where a look said ``UNKNOWN`` or
 ``FENCED`` (issue 37). So every answer looks again: the same observe and
-planner as the command alone (engine.pass_over), through the daemon's warm
+planner as the command alone (engine.look), through the daemon's warm
 Ceph connection and with its I/O history (a stall it has watched for
 longer than the command's one-second sample). Looks run one at a time, and
 a question is served by a look that began after it was asked, so a burst of
@@ -60,9 +60,6 @@ class LiveView:
 
     def update(self, loaded: LoadResult) -> None:
         self.loaded = loaded
-
-    def set_look(self, look: Look) -> None:
-        self._look = look
 
     def look(self, loaded: LoadResult, names: Collection[str] | None, all_watchers: bool,
              asked: float, wait: float) -> Looked | None:
