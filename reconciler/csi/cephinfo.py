@@ -21,6 +21,7 @@ from reconciler.facts import meta
 from reconciler.spec.config import CephConfig
 
 CSI_NAME_META = "rbd-reconciler.csi-name"
+CSI_LABELS_META = "rbd-reconciler.csi-labels"
 PROBE_CACHE_S = 5.0
 TIMEOUT_S = 10
 
@@ -185,9 +186,25 @@ class CephInfo:
         except (rados.ObjectNotFound, rbd.ImageNotFound):
             return []
 
-    def record_name(self, pool: str, image: str, request_name: str) -> None:
+    def record_name(self, pool: str, image: str, request_name: str,
+                    labels: str | None = None) -> None:
+        """The CSI request name (and ``labels``, what a node needs to stage
+        it) in the image's meta: a record removed by hand is rebuilt from it."""
         with self._client() as c:
             set_meta(c, pool, image, CSI_NAME_META, request_name)
+            if labels is not None:
+                set_meta(c, pool, image, CSI_LABELS_META, labels)
+
+    def image_with_meta(self, pool: str, image: str) -> tuple[int, dict[str, str]] | None:
+        """The image's size and image-meta; None when it does not exist."""
+        try:
+            with self._client() as c, c.open_ioctx(pool) as io, \
+                    rbd.Image(io, image, read_only=True) as img:
+                size = int(img.size())
+            with self._client() as c:
+                return size, get_meta(c, pool, image)
+        except (rados.ObjectNotFound, rbd.ImageNotFound):
+            return None
 
     def available(self, pool: str | None) -> int:
         """Bytes that can still be written to ``pool`` (or to the cluster).

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 
 from reconciler.csi import capability, csi_pb2_grpc, ids, mutable
 from reconciler.csi import csi_pb2 as pb
+from reconciler.csi.adopt import adopted_document, labels_meta
 from reconciler.csi.cephinfo import CephInfo
 from reconciler.csi.errors import CsiError, invalid, not_found, quoted, rpc
 from reconciler.csi.files import (
@@ -121,6 +123,13 @@ def _features(params: dict[str, str]) -> list[str] | None:
     return [f.strip() for f in params["imageFeatures"].split(",") if f.strip()]
 
 
+def _qos_of(limits: dict[str, int | None]) -> dict[str, int]:
+    """The ``qos`` a CreateVolume with these mutable parameters makes."""
+    spec: dict[str, Any] = {}
+    mutable.apply(spec, limits)
+    return spec.get("qos") or {}
+
+
 def _volume(doc: dict[str, Any]) -> pb.Volume:
     img = doc["spec"]["image"]
     return pb.Volume(capacity_bytes=int(img["size"]),
@@ -194,16 +203,17 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
         with self.volumes.operation(name):
             doc = self.volumes.create(
                 name, doc, deadline,
-                lambda have: self._same_request(have, request, img, labels),
+                lambda have: self._same_request(have, request, img, labels, limits),
                 gone=lambda: self._size_now(pool, image) is None)
         try:
-            self.ceph.record_name(pool, image, request.name)
+            self.ceph.record_name(pool, image, request.name, labels_meta(labels))
         except Exception as exc:  # a missing note for humans never fails the call
             log.warning("%s: could not record the CSI name in image-meta: %s", name, exc)
         return pb.CreateVolumeResponse(volume=_volume(doc))
 
     def _same_request(self, doc: dict[str, Any], request: pb.CreateVolumeRequest,
-                      img: dict[str, Any], labels: dict[str, str]) -> None:
+                      img: dict[str, Any], labels: dict[str, str],
+                      limits: dict[str, int | None]) -> None:
         have = doc["spec"]["image"]
         old = doc["metadata"].get("labels", {})
         rng = request.capacity_range
@@ -221,7 +231,8 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
             ("fsType", old.get(L_FSTYPE), labels[L_FSTYPE]),
             ("access type", old.get(L_ACCESS), labels[L_ACCESS]),
             ("mapper", old.get(L_MAPPER), labels.get(L_MAPPER)),
-            ("encryption", old.get(L_ENCRYPTION), labels.get(L_ENCRYPTION))) if a != b]
+            ("encryption", old.get(L_ENCRYPTION), labels.get(L_ENCRYPTION)),
+            ("mutable_parameters", doc["spec"].get("qos") or {}, _qos_of(limits))) if a != b]
         if differ:
             raise CsiError(grpc.StatusCode.ALREADY_EXISTS,
                            f"a volume named {quoted(request.name)} already exists with another "
@@ -260,8 +271,28 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
 
         with self.volumes.operation(name):
             # Refused (still open elsewhere, not ours): the volume stays as it was.
-            self.volumes.delete(name, deadline, check, absent)
+            self.volumes.delete(name, deadline, check, absent, self._adopter(name, *parsed))
         return pb.DeleteVolumeResponse()
+
+    def _adopter(self, name: str, pool: str, image: str
+                 ) -> Callable[[], dict[str, Any] | None]:
+        """What Ceph holds of volume ``name`` when it has no record (see
+        csi/adopt.py); unknown is not "nothing": UNAVAILABLE."""
+        def adopt() -> dict[str, Any] | None:
+            if self.volumes.records is None:
+                return None
+            try:
+                found = self.ceph.image_with_meta(pool, image)
+            except Exception as exc:
+                raise CsiError(grpc.StatusCode.UNAVAILABLE,
+                               f"volume {name} has no controller record, and Ceph could not "
+                               f"be asked about its image ({exc}); nothing was changed, "
+                               "retry later") from None
+            if found is None:
+                return None
+            return adopted_document(name, pool, image, found[0], found[1],
+                                    self.volumes.config.encryption.key_root)
+        return adopt
 
     def _size_now(self, pool: str, image: str) -> int | None:
         try:
@@ -321,7 +352,9 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
         parsed = ids.parse_volume_id(request.volume_id)
         if parsed is None:
             raise not_found(f"volume {quoted(request.volume_id)} does not exist")
-        doc = self.volumes.read(ids.volume_name(*parsed))
+        # A claim is no volume yet (a dead one's image may never be made):
+        # then, as with no record, Ceph says whether the image exists.
+        doc = self.volumes.read(ids.volume_name(*parsed), made=True)
         if doc is None and self.ceph.image_size(*parsed) is None:
             raise not_found(f"volume {quoted(request.volume_id)} does not exist")
         try:
@@ -352,7 +385,7 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
             if start and name < start:
                 continue
             try:
-                doc = self.volumes.read(name)
+                doc = self.volumes.read(name, made=True)
             except CsiError:
                 continue  # a file broken by hand: `rbd-reconciler validate` names it
             if (doc is None or doc.get("kind", "Volume") != "Volume"
@@ -428,7 +461,7 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
             return True
 
         with self.volumes.operation(name):
-            doc = self.volumes.update(name, grow, deadline)
+            doc = self.volumes.update(name, grow, deadline, self._adopter(name, *parsed))
         size = int(doc["spec"]["image"].get("size") or 0)
         stage = doc["spec"].get("stage") or {}
         block = stage.get("mode") == "block" or (
@@ -460,5 +493,5 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
             return self._catch_up(doc, *parsed) or changed
 
         with self.volumes.operation(name):
-            self.volumes.update(name, modify, deadline)
+            self.volumes.update(name, modify, deadline, self._adopter(name, *parsed))
         return pb.ControllerModifyVolumeResponse()

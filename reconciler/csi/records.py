@@ -10,8 +10,22 @@ node's csi.dir. A record is the controller's truth for its name:
   until the claim is stale (that replica died) and is taken over.
 - ``created``: made; the document is what the last acknowledged call left.
 - ``deleting``: a tombstone. A delete writes it *before* its engine removes
-  anything, and removes it once the image is gone; a racing call sees
-  "being deleted", never "absent".
+  anything, and turns it into ``deleted`` once the image is gone; a racing
+  call sees "being deleted", never "absent".
+- ``deleted``: a delete that finished. Read as absent, but it is not absent:
+  a call that read "absent" before the delete (a replica paused, its Ceph op
+  held by a partition) and compares against that finds it changed, so a
+  deleted name is never made again by a call that is over (no ABA). Swept
+  after ``KEEP_DELETED_S``.
+
+Who holds a name, and for how long, is judged on one clock only: the
+reader's own monotonic clock, counting how long it has seen a claim, lease
+or tombstone unchanged (``Records.age``). Two replicas' wall clocks are never
+compared (a replica 10 minutes ahead neither takes over a live lease nor
+waits out the skew to take over a dead one). A holder stops acting on what
+it holds once ``FENCE_SHARE`` of the stale time has passed on its own clock
+since it wrote it (``Records.expired``): before any other replica can have
+seen it unchanged for the whole stale time.
 
 Every record has a revision (``rev``), new with every write: a random token,
 not a counter, so that a name deleted and made again never shows an old
@@ -32,6 +46,7 @@ import hashlib
 import json
 import logging
 import secrets
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +65,16 @@ OBJECT = "rbd-reconciler.csi"
 PREFIX = "v1."  # omap key: PREFIX + the file's name
 PAGE = 1000
 NODE_ONLY = ("map", "stage", "publish", "encryption")
-STATES = ("creating", "created", "deleting")
+STATES = ("creating", "created", "deleting", "deleted")
+# A finished delete's marker is kept this long (by its writer's wall clock;
+# a clock skewed by more only shortens the protection it gives a call paused
+# for longer than that).
+KEEP_DELETED_S = 86400.0
+# A holder stops acting on its claim, lease or tombstone after this share of
+# the stale time (its own monotonic clock): the rest is the margin for clocks
+# that run at slightly different rates.
+FENCE_SHARE = 0.8
+SEEN_MAX = 10000  # names whose records this replica remembers seeing
 KINDS = ("Volume", "Snapshot", "SnapshotGroup")
 
 
@@ -66,9 +90,9 @@ def controller_view(doc: dict[str, Any]) -> dict[str, Any]:
 @dataclass(frozen=True)
 class Record:
     doc: dict[str, Any]
-    state: str  # creating | created | deleting
-    by: str  # the holder that wrote it (host:pid)
-    at: float
+    state: str  # creating | created | deleting | deleted
+    by: str  # the holder that wrote it (node@host:state dir)
+    at: float  # its writer's wall clock: for people reading it, never compared
     rev: str  # new with every write
     raw: bytes  # as stored: the compare value of the next write
     # A change under way (expand, modify): the replica that leased the name
@@ -76,14 +100,21 @@ class Record:
     op_by: str | None = None
     op_at: float = 0.0
 
+    @property
+    def live(self) -> bool:
+        """Not a finished delete's marker: a name that stands or is changing."""
+        return self.state != "deleted"
+
 
 class Unreadable(CsiError):
     """A record that does not decode: an error for its name only."""
 
 
 def _repair(pool: str, key: str) -> str:
-    return (f"inspect it with `rados -p {pool} getomapval {OBJECT} {key}`; once the image "
-            f"is dealt with, remove it with `rados -p {pool} rmomapkey {OBJECT} {key}`")
+    return (f"inspect it with `rados -p {pool} getomapval {OBJECT} {key}`, then remove it "
+            f"with `rados -p {pool} rmomapkey {OBJECT} {key}`: the next call on the name "
+            "rebuilds the record from its image if the image exists (its image-meta "
+            "rbd-reconciler.csi-name), and finds the name free if it does not")
 
 
 def decode(raw: bytes, pool: str, key: str) -> Record:
@@ -139,9 +170,14 @@ def decode(raw: bytes, pool: str, key: str) -> Record:
 class Records:
     def __init__(self, ceph: CephInfo, pool: str, holder: str, stale_s: float) -> None:
         self.ceph, self.pool, self.holder = ceph, pool, holder
-        # A claim this old whose creator never finished is taken over: that
-        # replica died or lost its lead (its own calls end well before).
+        # A claim seen unchanged this long (this replica's own clock) is taken
+        # over: its replica died, is paused, or lost its lead.
         self.stale_s = stale_s
+        self._lock = threading.Lock()
+        # name -> (the record's bytes, when this replica first saw them)
+        self._seen: dict[str, tuple[bytes, float]] = {}
+        # rev -> when this replica wrote it as a claim, lease or tombstone
+        self._held: dict[str, float] = {}
 
     def _encode(self, doc: dict[str, Any], state: str, lease: bool) -> tuple[bytes, str, float]:
         rev, now = secrets.token_hex(8), time.time()
@@ -210,21 +246,44 @@ class Records:
                 log.warning("%s", exc.message)
         return out
 
-    def stale(self, rec: Record) -> bool:
-        return rec.state == "creating" and time.time() - rec.at > self.stale_s
+    def age(self, name: str, rec: Record) -> float:
+        """How long this replica has seen ``rec`` unchanged, on its own
+        monotonic clock (0 the first time): the writer's clock is never read."""
+        now = time.monotonic()
+        with self._lock:
+            seen = self._seen.get(name)
+            if seen is not None and seen[0] == rec.raw:
+                return now - seen[1]
+            if len(self._seen) >= SEEN_MAX:  # forget the oldest sightings
+                for old in sorted(self._seen, key=lambda n: self._seen[n][1])[:SEEN_MAX // 10]:
+                    del self._seen[old]
+            self._seen[name] = (rec.raw, now)
+            return 0.0
 
-    def mine(self, rec: Record) -> bool:
+    def stale(self, name: str, rec: Record) -> bool:
+        return rec.state == "creating" and self.age(name, rec) > self.stale_s
+
+    def mine(self, name: str, rec: Record) -> bool:
         """A claim this replica may go on with: its own, or a dead one's."""
-        return rec.state == "creating" and (rec.by == self.holder or self.stale(rec))
+        return rec.state == "creating" and (rec.by == self.holder or self.stale(name, rec))
 
-    def leased(self, rec: Record) -> str | None:
+    def leased(self, name: str, rec: Record) -> str | None:
         """Who else is changing the name now (a live lease of another
         replica's, or its tombstone), or None: this replica may change it.
-        A lease older than ``stale_s`` was left by a replica that died."""
-        by, at = (rec.by, rec.at) if rec.state == "deleting" else (rec.op_by, rec.op_at)
-        if by is None or by == self.holder or time.time() - at > self.stale_s:
+        A lease seen unchanged for ``stale_s`` was left by a replica that
+        died or is paused (it stops acting on it before then: ``expired``)."""
+        by = rec.by if rec.state == "deleting" else rec.op_by
+        if by is None or by == self.holder or self.age(name, rec) > self.stale_s:
             return None
         return by
+
+    def expired(self, rev: str) -> bool:
+        """Whether this replica's own claim, lease or tombstone of revision
+        ``rev`` is too old to act on (its own clock): another replica may be
+        about to take it over. A revision it never held is not its to judge."""
+        with self._lock:
+            at = self._held.get(rev)
+        return at is not None and time.monotonic() - at > FENCE_SHARE * self.stale_s
 
     def write(self, name: str, expect: Record | None, doc: dict[str, Any],
               state: str, lease: bool = False) -> Record | None:
@@ -234,9 +293,32 @@ class Records:
         value, rev, now = self._encode(doc, state, lease)
         if not self._write(PREFIX + name, value, expect.raw if expect else b""):
             return None
+        if lease or state in ("creating", "deleting"):
+            self._hold(rev)
         return Record(controller_view(doc), state, self.holder, now, rev, value,
                       self.holder if lease else None, now if lease else 0.0)
+
+    def _hold(self, rev: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for old in [r for r, at in self._held.items() if now - at > self.stale_s]:
+                del self._held[old]
+            self._held[rev] = now
+
+    def finish(self, name: str, tomb: Record) -> bool:
+        """A delete done: the tombstone becomes a ``deleted`` marker, only if
+        it is still ``tomb``."""
+        return self.write(name, tomb, tomb.doc, "deleted") is not None
 
     def remove(self, name: str, expect: Record) -> bool:
         """Forget ``name`` only if its record is still ``expect``."""
         return self._write(PREFIX + name, None, expect.raw)
+
+    def sweep_deleted(self) -> int:
+        """Remove the markers of deletes finished more than KEEP_DELETED_S
+        ago (each by compare-and-set); how many went."""
+        gone = 0
+        for name, rec in self.all().items():
+            if rec.state == "deleted" and time.time() - rec.at > KEEP_DELETED_S:
+                gone += self.remove(name, rec)
+        return gone

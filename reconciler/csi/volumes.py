@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from reconciler.csi import ids
+from reconciler.csi.calls import Calls
 from reconciler.csi.errors import CsiError, invalid, precondition, quoted
 from reconciler.csi.files import (
     L_ACCESS,
@@ -87,6 +88,14 @@ def node_view(doc: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def absent_form(doc: dict[str, Any]) -> None:
+    """The ``state: absent`` form of any kind of document (a volume's image
+    deleted with it: only the controller's volumes are ever tombstoned)."""
+    doc["spec"]["state"] = "absent"
+    if isinstance(doc["spec"].get("image"), dict):
+        doc["spec"]["image"]["reclaimPolicy"] = "Delete"
+
+
 def _contended(name: str) -> CsiError:
     return CsiError(grpc.StatusCode.ABORTED,
                     f"the controller record of {name} kept changing under this call (other "
@@ -100,31 +109,37 @@ class Volumes:
         self._guard = threading.Lock()
         self._freed = threading.Condition(self._guard)  # a name's call ended
         self._busy: set[str] = set()
+        self.calls = Calls()
         self.records: Records | None = None  # csi.statePool: the server sets it
 
     # -- the controller's records in Ceph (csi.statePool) ------------------------
-    def read(self, name: str) -> dict[str, Any] | None:
+    def read(self, name: str, made: bool = False) -> dict[str, Any] | None:
         """The controller's view of ``name`` (None: it does not exist, or is
         being deleted). With records in Ceph the record is the truth for the
         controller's part (another replica may have grown, modified or
         deleted it since), with what this node added (stage, publish) from
         its file. Nothing is written. A record that does not decode is an
-        error for this name (never "absent")."""
+        error for this name (never "absent"). ``made``: only what a create
+        finished (ListVolumes, ValidateVolumeCapabilities): a claim is not a
+        volume yet, and a dead one's image may never have been made."""
         doc = self.files.read(name)
         if self.records is None:
             return doc
-        return self._view(name, self.records.get(name), doc)
+        rec = self.records.get(name)
+        if made and rec is not None and rec.state == "creating":
+            return None
+        return self._view(name, rec, doc)
 
     def _view(self, name: str, rec: Record | None, doc: dict[str, Any] | None
               ) -> dict[str, Any] | None:
         assert self.records is not None
-        if rec is None:
+        if rec is None or not rec.live:
             # Never recorded (made before statePool, or staged by id on this
             # node) stands; a file built from a record that is gone is stale.
             return None if doc is None or rev_of(doc) else doc
         if rec.state == "deleting":
             return None
-        if rec.state == "creating" and not self.records.mine(rec):
+        if rec.state == "creating" and not self.records.mine(name, rec):
             raise CsiError(grpc.StatusCode.ABORTED,
                            f"{name} is being created by controller {rec.by}; retry")
         return merge(rec, doc)
@@ -198,7 +213,8 @@ class Volumes:
         names = set(self.files.names())
         if self.records is not None:
             # Being created too: a delete of its source must see it coming.
-            names.update(n for n, r in self.records.all().items() if r.state != "deleting")
+            names.update(n for n, r in self.records.all().items()
+                         if r.state in ("creating", "created"))
         return sorted(names)
 
     def _record(self, name: str) -> Record | None:
@@ -284,6 +300,7 @@ class Volumes:
                 same(have)
                 self.settle(name, deadline)
                 return have
+            self.calls.in_time(name, "its file")
             self.converge(name, doc, deadline)
             return doc
         for _ in range(ATTEMPTS):
@@ -301,21 +318,20 @@ class Volumes:
                 # finish records it and lets the file go (letting it go here
                 # would leave the record at the document from before it).
                 return have
-            if rec is not None and rec.state == "deleting" and gone is not None and \
-                    self.records.leased(rec) is None and gone():
-                # A delete whose replica died (or this one's, before a
-                # restart) after its engine removed the object: finished here
-                # (its file, if any, acts no more). Never while its replica
-                # may still be in the middle of its last step.
-                self.records.remove(name, rec)
-                continue
             if rec is not None and rec.state == "deleting":
-                raise CsiError(grpc.StatusCode.ABORTED,
-                               f"{name} is being deleted (by controller {rec.by}); retry "
-                               "once DeleteVolume has finished")
-            if rec is not None and not self.records.mine(rec):
+                self._refuse_leased(name, rec)
+                # Its replica died, or is paused past the stale time (it acts
+                # on it no more): the delete is finished here first.
+                if gone is not None and gone():
+                    self.calls.in_time(name, "the end of a dead delete")
+                    self.records.finish(name, rec)
+                else:
+                    self._finish_tombstone(name, rec, deadline)
+                continue
+            if rec is not None and rec.live and not self.records.mine(name, rec):
                 raise CsiError(grpc.StatusCode.ABORTED,
                                f"{name} is being created by controller {rec.by}; retry")
+            self.calls.in_time(name, "its claim")
             claim = self.records.write(name, rec, doc, "creating")
             if claim is None:
                 continue  # another replica wrote first: see what it wrote
@@ -331,18 +347,29 @@ class Volumes:
             return doc
         raise _contended(name)
 
-    def update(self, name: str, change: Callable[[dict[str, Any]], bool],
-               deadline: float) -> dict[str, Any]:
+    def update(self, name: str, change: Callable[[dict[str, Any] | None], bool],
+               deadline: float, adopt: Callable[[], dict[str, Any] | None] | None = None
+               ) -> dict[str, Any]:
         """ControllerExpandVolume, ControllerModifyVolume: ``change`` edits
         the document as it stands (raising for one that is not there) and
         says whether it changed. With records: converge the change on the
         revision read, then record it by compare-and-set; if another replica
         changed the record meanwhile, read it again and apply the change to
-        what it says now, so neither change is lost."""
+        what it says now, so neither change is lost. ``adopt``: the document
+        Ceph holds for a name with neither record nor file (None: no image
+        of ours), recorded before the change is made."""
         for _ in range(ATTEMPTS):
             rec = self._record(name) if self.records is not None else None
+            if rec is not None and rec.state == "deleting" and \
+                    self.records is not None and self.records.leased(name, rec) is None:
+                self._finish_tombstone(name, rec, deadline)  # a dead delete: finished
+                continue
+            live = rec if rec is not None and rec.live else None
             doc = self.files.read(name)
-            ours = self._in_flight(rec, doc)
+            if self.records is not None and live is None and doc is None and \
+                    self._adopt(name, rec, adopt):
+                continue
+            ours = self._in_flight(live, doc)
             if self.records is not None:
                 doc = ours if ours is not None else self._view(name, rec, doc)
             # With a record, a call that asks for nothing new still converges
@@ -350,30 +377,32 @@ class Volumes:
             # failed call's half-set limits, a change made by hand), and an
             # OK must be true. A change of our own still converging is
             # recorded by this call too (its finish would not be).
-            if not change(doc) and rec is None:  # raises for an absent document
+            if not change(doc) and live is None:  # raises for an absent document
                 assert doc is not None
-                self.settle_here(name, deadline, rec)
+                self.settle_here(name, deadline, live)
                 self.let_go(name, doc)
                 return doc
             assert doc is not None
-            if self.records is None or rec is None:
+            if self.records is None or live is None:
                 # No record (none kept, or a volume made before statePool):
                 # the file is the state.
+                self.calls.in_time(name, "its file")
                 self.converge(name, doc, deadline)
                 if self.records is not None and \
-                        self.records.write(name, None, doc, "created") is None:
+                        self.records.write(name, rec, doc, "created") is None:
                     continue
                 self.let_go(name, doc)
                 return doc
             # One replica changes a name at a time (a lease in the record):
             # two engines never resize or set the limits of one image at once.
-            self._refuse_leased(name, rec)
-            lease = self.records.write(name, rec, rec.doc, rec.state, lease=True)
+            self._refuse_leased(name, live)
+            self.calls.in_time(name, "its lease")
+            lease = self.records.write(name, live, live.doc, live.state, lease=True)
             if lease is None:
                 continue
             changed = partial(self._written, name, lease, doc, "created")
             # Refused or failed later: the lease let go, the record as it was.
-            unchanged = partial(self.records.write, name, lease, rec.doc, rec.state)
+            unchanged = partial(self.records.write, name, lease, live.doc, live.state)
             try:
                 if not self._converge_at(name, doc, lease, deadline,
                                          finish=(changed, unchanged)):
@@ -391,6 +420,23 @@ class Volumes:
             self.let_go(name, doc)
             return doc
         raise _contended(name)
+
+    def _adopt(self, name: str, rec: Record | None,
+               adopt: Callable[[], dict[str, Any] | None] | None) -> bool:
+        """No record and no file, but Ceph may still hold the volume (its
+        record was removed by hand, as the repair text of an unreadable one
+        says): record what Ceph holds, so that the call goes on with it
+        rather than answering NOT_FOUND or deleting nothing. False: nothing
+        of ours is there."""
+        assert self.records is not None
+        made = adopt() if adopt is not None else None
+        if made is None:
+            return False
+        self.calls.in_time(name, "a record rebuilt from its image")
+        if self.records.write(name, rec, made, "created") is not None:
+            log.warning("%s: it had no controller record, but its image carries its CSI name: "
+                        "the record was rebuilt from the image", name)
+        return True
 
     def _in_flight(self, rec: Record | None, file: dict[str, Any] | None
                    ) -> dict[str, Any] | None:
@@ -417,23 +463,30 @@ class Volumes:
 
     def _refuse_leased(self, name: str, rec: Record) -> None:
         assert self.records is not None
-        if (by := self.records.leased(rec)) is not None:
+        if (by := self.records.leased(name, rec)) is not None:
             what = "being deleted" if rec.state == "deleting" else "being changed"
             raise CsiError(grpc.StatusCode.ABORTED,
                            f"{name} is {what} by controller {by}; retry")
 
     def delete(self, name: str, deadline: float,
                check: Callable[[dict[str, Any]], None],
-               absent: Callable[[dict[str, Any]], None]) -> None:
+               absent: Callable[[dict[str, Any]], None],
+               adopt: Callable[[], dict[str, Any] | None] | None = None) -> None:
         """DeleteVolume, DeleteSnapshot, DeleteVolumeGroupSnapshot. ``check``
         refuses (raises) before anything is written; ``absent`` turns the
         document into its ``state: absent`` form. With records: a tombstone
         first (compare-and-set), then the engine deletes, then the tombstone
-        goes; a refusal of the engine's puts the record back."""
+        becomes a marker; a refusal of the engine's puts the record back.
+        ``adopt``: as for update (a volume whose record was removed by hand
+        is deleted, not left behind)."""
         for _ in range(ATTEMPTS):
             rec = self._record(name) if self.records is not None else None
+            live = rec if rec is not None and rec.live else None
             file = self.files.read(name)
-            if self.records is None or rec is None:
+            if self.records is None or live is None:
+                if self.records is not None and file is None and \
+                        self._adopt(name, rec, adopt):
+                    continue
                 if file is None or (self.records is not None and rev_of(file)):
                     self._drop(name)  # a leftover of a record now gone
                     return
@@ -442,39 +495,69 @@ class Volumes:
                 absent(gone)
                 # Refused: converge puts the file back, the volume stays as it
                 # was, and the CO's retry asks again.
+                self.calls.in_time(name, "its file")
                 self.converge(name, gone, deadline)
                 self.files.remove(name)
                 return
-            if rec.state == "creating" and not self.records.mine(rec):
+            if live.state == "creating" and not self.records.mine(name, live):
                 raise CsiError(grpc.StatusCode.ABORTED,
-                               f"{name} is being created by controller {rec.by}; retry")
-            self._refuse_leased(name, rec)
+                               f"{name} is being created by controller {live.by}; retry")
+            self._refuse_leased(name, live)
             # A refused delete records this back: with a change of ours still
             # converging, that change (the image may already have grown).
-            present = self._in_flight(rec, file) or merge(rec, file)
+            present = self._in_flight(live, file) or merge(live, file)
             check(present)  # a tombstone too: never tear down a node's side
             # The tombstone (ours now, a fresh lease: a dead replica's is
             # taken over) before the engine removes anything.
-            tomb = self.records.write(name, rec, present, "deleting")
-            if tomb is None:
-                continue
-            gone = copy.deepcopy(present)
-            absent(gone)
-            deleted = partial(self.records.remove, name, tomb)
-            kept = partial(self.records.write, name, tomb, present, "created")
-            try:
-                if not self._converge_at(name, gone, tomb, deadline, finish=(deleted, kept)):
-                    continue
-            except CsiError as exc:
-                if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
-                    # Refused (still open elsewhere, has snapshots): converge
-                    # put the file back; the record goes back to created too.
-                    kept()
-                raise
-            self.files.remove(name)
-            self.records.remove(name, tomb)  # False: another replica finished it
-            return
+            self.calls.in_time(name, "its tombstone")
+            tomb = self.records.write(name, live, present, "deleting")
+            if tomb is not None and self._delete_under(name, tomb, present, absent, deadline):
+                return
         raise _contended(name)
+
+    def _delete_under(self, name: str, tomb: Record, present: dict[str, Any],
+                      absent: Callable[[dict[str, Any]], None], deadline: float) -> bool:
+        """The engine deletes what ``tomb`` stands over; then the tombstone
+        becomes a marker. False: the record moved on meanwhile (read again).
+        Refused (still open elsewhere, has snapshots): the record goes back
+        to created, and the refusal is raised."""
+        assert self.records is not None
+        gone = copy.deepcopy(present)
+        absent(gone)
+        finished = partial(self.records.finish, name, tomb)
+        kept = partial(self.records.write, name, tomb, present, "created")
+        try:
+            if not self._converge_at(name, gone, tomb, deadline, finish=(finished, kept)):
+                return False
+        except CsiError as exc:
+            if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
+                kept()  # converge put the file back; the record goes back too
+            raise
+        self.files.remove(name)
+        self.records.finish(name, tomb)  # False: another replica finished it
+        return True
+
+    def _finish_tombstone(self, name: str, rec: Record, deadline: float) -> None:
+        """A tombstone whose replica died, or is paused past its stale time,
+        met by another call on the name: that delete is finished here (the
+        tombstone taken over first), not answered ABORTED for ever. The
+        engine's own checks stand (an image open elsewhere, or with
+        snapshots, is never deleted): refused, the record goes back to
+        created and the call goes on with it."""
+        assert self.records is not None
+        self.calls.in_time(name, "its takeover of a dead delete")
+        tomb = self.records.write(name, rec, rec.doc, "deleting")
+        if tomb is None:
+            return  # moved on meanwhile: the caller reads it again
+        log.info("%s: finishing a delete left by controller %s", name, rec.by)
+        try:
+            self._delete_under(name, tomb, merge(tomb, self.files.read(name)), absent_form,
+                               deadline)
+        except CsiError as exc:
+            if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            log.info("%s: the delete left by controller %s was refused: %s", name, rec.by,
+                     exc.message)
 
     def _drop(self, name: str) -> None:
         """A file whose record is gone: nothing of it acts again."""
@@ -521,6 +604,12 @@ class Volumes:
             return (f"its controller record cannot be read ({exc}); nothing is done until "
                     "it can")
         if rec is not None and rec.rev == rev:
+            if self.records.expired(rev):
+                # Held too long on this replica's own clock: another may be
+                # about to take it over. The CO's retry claims it afresh.
+                return ("this replica's claim on it is older than the stale time on its own "
+                        "clock (another replica may take it over): nothing more is done on "
+                        "it until a call claims it again")
             return None
         why = (f"its controller record moved on (revision {rev} is "
                + ("gone" if rec is None else f"now {rec.rev}, {rec.state}") +
@@ -546,7 +635,7 @@ class Volumes:
             rec = self.records.get(source)
         except Exception as exc:  # unknown is not "there"
             return f"the source volume's record cannot be read ({exc})"
-        if rec is not None and rec.state == "deleting":
+        if rec is not None and rec.state in ("deleting", "deleted"):
             return f"its source volume {source} is being deleted"
         return None
 
@@ -560,8 +649,11 @@ class Volumes:
         # to go stale; that predecessor's files are then of an old revision.
         with contextlib.suppress(Exception):  # left to go stale instead
             for name, rec in self.records.all().items():
-                if rec.op_by == self.records.holder and rec.state != "deleting":
+                if rec.op_by == self.records.holder and rec.state == "created":
                     self.records.write(name, rec, rec.doc, rec.state)
+        with contextlib.suppress(Exception):  # swept at the next start
+            if gone := self.records.sweep_deleted():
+                log.info("removed %d markers of deletes finished long ago", gone)
         for name in self.files.names():
             with contextlib.suppress(Exception):  # a pass's gate asks again
                 self.gate(name, self.files.path(name), SWEEP)
@@ -594,10 +686,15 @@ class Volumes:
 
     def deadline(self, context: grpc.ServicerContext) -> float:
         budget = self.config.csi.timeout_seconds
-        remaining = context.time_remaining()
+        now, remaining = time.monotonic(), context.time_remaining()
         if remaining is not None:
             budget = min(budget, remaining - DEADLINE_MARGIN_S)
-        return time.monotonic() + max(0.0, budget)
+        deadline = now + max(0.0, budget)
+        # What the call may still start is judged by its caller's own
+        # deadline (no margin: the caller still waits until then); with none,
+        # by the answer's.
+        self.calls.begin(context, deadline if remaining is None else now + remaining)
+        return deadline
 
     # -- write, validate, converge -------------------------------------------
     def check(self, name: str, doc: dict[str, Any]) -> tuple[Volume, Any]:

@@ -30,6 +30,12 @@ RETRY_FOR_S = 150.0
 
 
 def records(node: NodeUnderTest) -> dict[str, dict]:
+    """The records that stand: a finished delete's marker (state deleted)
+    reads as absent, as the controller reads it."""
+    return {k: v for k, v in all_records(node).items() if v.get("state") != "deleted"}
+
+
+def all_records(node: NodeUnderTest) -> dict[str, dict]:
     with node.cluster.client() as cl, cl.open_ioctx(node.cluster.pool) as io, \
             rados.ReadOpCtx() as op:
         it, _ = io.get_omap_vals(op, "", PREFIX, 10000)
@@ -46,13 +52,13 @@ def drop_records(node: NodeUnderTest) -> None:
         io.remove_object(OBJECT)
 
 
-def create_until_done(c: CsiNode, name: str) -> pb.Volume:
+def create_until_done(c: CsiNode, name: str, **mutable: str) -> pb.Volume:
     """A CO's CreateVolume: retried while the answer is ABORTED (the other
     replica holds the name), up to a deadline."""
     end = time.monotonic() + RETRY_FOR_S
     req = pb.CreateVolumeRequest(name=name, capacity_range=pb.CapacityRange(
         required_bytes=16 * MiB), volume_capabilities=[mount_cap()],
-        parameters={"pool": c.node.cluster.pool})
+        parameters={"pool": c.node.cluster.pool}, mutable_parameters=mutable)
     while True:
         try:
             return c.controller.CreateVolume(req, timeout=T).volume
@@ -155,7 +161,8 @@ def set_record(node: NodeUnderTest, name: str, **change: object) -> None:
 def test_claims_unfinished_foreign_and_stale(start_csi: Callable[..., CsiNode],
                                              node: NodeUnderTest) -> None:
     drop_records(node)
-    c = start_csi(f"  statePool: {node.cluster.pool}\n")
+    # timeoutSeconds 5: a claim seen unchanged for 2 x 5 + 60 s is stale.
+    c = start_csi(f"  statePool: {node.cluster.pool}\n  timeoutSeconds: 5\n")
     me = f"test-node@{socket.gethostname()}:{node.state}"
     vol = create_until_done(c, "pvc-claims")
     name = ids.volume_name(*ids.parse_volume_id(vol.volume_id))  # type: ignore[misc]
@@ -184,8 +191,15 @@ def test_claims_unfinished_foreign_and_stale(start_csi: Callable[..., CsiNode],
     code_, why = error(lambda: c.controller.CreateVolume(req, timeout=T))
     assert code_ == Code.ABORTED and "elsewhere" in why, why
     assert not (c.csi_dir / f"{other}.yaml").exists() and not node.image_exists(other)
+    # The writer's clock is never compared: a claim dated long ago (a
+    # replica whose clock is behind) is as live as any until this replica
+    # has seen it unchanged for the stale time on its own clock.
+    seen = time.monotonic()
     set_record(node, other, at=time.time() - 10_000)
-    taken = c.controller.CreateVolume(req, timeout=T).volume
+    code_, why = error(lambda: c.controller.CreateVolume(req, timeout=T))
+    assert code_ == Code.ABORTED and "elsewhere" in why, why
+    taken = create_until_done(c, "pvc-claimed-elsewhere")
+    assert time.monotonic() - seen >= 70, "taken over before the stale time"
     assert records(node)[other]["by"] == me and records(node)[other]["state"] == "created"
     for v in (vol, taken):
         c.controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id=v.volume_id), timeout=T)

@@ -261,10 +261,11 @@ def test_the_next_call_builds_on_a_cut_off_one(start_csi: Callable[..., CsiNode]
 
     # A CreateVolume retry meanwhile answers with the volume and leaves the
     # cut-off call to finish (it let the file go, and the expand went unrecorded).
+    # (With the mutable parameters in force: others are ALREADY_EXISTS.)
     code_, _ = error(lambda: expand(a, vol.volume_id, 96 * MiB, timeout=0.2))
     assert code_ == Code.DEADLINE_EXCEEDED
     wait_for("A's cut-off expand to leave its file", lambda: name in a.files())
-    again = create_until_done(a, "pvc-after-cut-off")
+    again = create_until_done(a, "pvc-after-cut-off", qosWriteBpsLimit="1Mi")
     assert again.volume_id == vol.volume_id
     # What it answers is done: never the size the cut-off call has not reached.
     assert again.capacity_bytes <= image_size(node, image), again
