@@ -126,11 +126,30 @@ class SnapshotRpcs:
         def absent(doc: dict[str, Any]) -> None:
             doc["spec"]["state"] = "absent"
 
+        pool, image = parsed[0], parsed[1]
+
+        def adopt() -> dict[str, Any] | None:
+            """No record (removed by hand): the snapshot Ceph holds under our
+            name is deleted, not left behind (the engine's owner check stands)."""
+            if self.volumes.records is None:
+                return None
+            try:
+                found = self.ceph.snapshot(pool, image, name)
+            except Exception as exc:
+                raise CsiError(grpc.StatusCode.UNAVAILABLE,
+                               f"snapshot {name} has no controller record, and Ceph could "
+                               f"not be asked about it ({exc}); nothing was changed, retry "
+                               "later") from None
+            if found is None:
+                return None
+            labels = {L_ORIGIN: "controller", L_SOURCE: ids.volume_id(pool, image)}
+            return new_snapshot_document(name, labels, pool, image)
+
         with self.volumes.operation(name):
             # Refused by the engine all the same (a clone appeared since): it
             # stays as it was.
             self.volumes.delete(name, deadline, lambda doc: self._refuse_if_cloned(name, doc),
-                                absent)
+                                absent, adopt)
         return pb.DeleteSnapshotResponse()
 
     def _refuse_if_cloned(self, name: str, doc: dict[str, Any]) -> None:

@@ -16,7 +16,7 @@ import pytest
 import rados
 import rbd
 from conftest import NodeUnderTest
-from csi_fixture import CsiNode
+from csi_fixture import CsiNode, block_cap
 from test_csi import T, error
 from test_csi_controller_state import create_until_done, drop_records, records
 
@@ -368,6 +368,61 @@ def test_a_broken_record_is_an_error_for_its_name_only(
     raw_record(node, name, good)  # repaired by hand: the volume is served again
     delete(c, vol.volume_id)
     assert not node.image_exists(image)
+    assert c.stop() == 0
+    drop_records(node)
+
+
+def remove_record(node: NodeUnderTest, name: str) -> None:
+    """What the repair text of an unreadable record says to do."""
+    with node.cluster.client() as cl, cl.open_ioctx(node.cluster.pool) as io, \
+            rados.WriteOpCtx() as op:
+        io.remove_omap_keys(op, (PREFIX + name,))
+        io.operate_write_op(op, OBJECT)
+
+
+def test_the_repair_text_leads_to_a_state_the_next_call_handles(
+        start_csi: Callable[..., CsiNode], node: NodeUnderTest) -> None:
+    """An unreadable record's repair text says to remove it: the next call on
+    the name rebuilds it from what Ceph holds (a volume's QoS and labels kept
+    through an expand; a snapshot deleted, not orphaned)."""
+    drop_records(node)
+    c = start_csi(state(node))
+    req = pb.CreateVolumeRequest(
+        name="pvc-repaired", capacity_range=pb.CapacityRange(required_bytes=16 * MiB),
+        volume_capabilities=[block_cap()], parameters={"pool": node.cluster.pool},
+        mutable_parameters={"qosIopsLimit": "300"})
+    vol = c.controller.CreateVolume(req, timeout=T).volume
+    image = vol.volume_id.rsplit(":", 1)[1]
+    node.images.add(image)
+    name = ids.volume_name(*ids.parse_volume_id(vol.volume_id))
+    snap = c.controller.CreateSnapshot(pb.CreateSnapshotRequest(
+        name="snap-repaired", source_volume_id=vol.volume_id), timeout=T).snapshot
+    snap_name = ids.parse_snapshot_id(snap.snapshot_id)[2]  # type: ignore[index]
+
+    raw_record(node, name, b"{not json")
+    code_, why = error(lambda: expand(c, vol.volume_id, 32 * MiB))
+    assert code_ == Code.FAILED_PRECONDITION and "rebuilds the record" in why, why
+    remove_record(node, name)
+    got = c.controller.ControllerExpandVolume(pb.ControllerExpandVolumeRequest(
+        volume_id=vol.volume_id, capacity_range=pb.CapacityRange(required_bytes=32 * MiB)),
+        timeout=T)
+    assert got.capacity_bytes == 32 * MiB and not got.node_expansion_required  # block, kept
+    assert image_size(node, image) == 32 * MiB
+    assert image_meta(node, image)["conf_rbd_qos_iops_limit"] == "300"  # kept, not lifted
+    rec = records(node)[name]
+    assert rec["state"] == "created" and rec["doc"]["spec"]["qos"] == {"iops": 300}, rec
+
+    remove_record(node, snap_name)  # a snapshot's record, removed by hand
+    c.controller.DeleteSnapshot(pb.DeleteSnapshotRequest(snapshot_id=snap.snapshot_id),
+                                timeout=T)
+    with node.cluster.client() as cl, cl.open_ioctx(node.cluster.pool) as io, \
+            rbd.Image(io, image, read_only=True) as img:
+        assert snap_name not in {s["name"] for s in img.list_snaps()}, "the snapshot was orphaned"
+
+    remove_record(node, name)
+    delete(c, vol.volume_id)
+    assert not node.image_exists(image), "DeleteVolume answered OK and left the image"
+    assert name not in records(node)
     assert c.stop() == 0
     drop_records(node)
 
