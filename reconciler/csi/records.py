@@ -74,6 +74,7 @@ KEEP_DELETED_S = 86400.0
 # the stale time (its own monotonic clock): the rest is the margin for clocks
 # that run at slightly different rates.
 FENCE_SHARE = 0.8
+SWEEP_EVERY_S = 3600.0  # old markers are looked for at most this often
 SEEN_MAX = 10000  # names whose records this replica remembers seeing
 KINDS = ("Volume", "Snapshot", "SnapshotGroup")
 
@@ -178,6 +179,7 @@ class Records:
         self._seen: dict[str, tuple[bytes, float]] = {}
         # rev -> when this replica wrote it as a claim, lease or tombstone
         self._held: dict[str, float] = {}
+        self._swept = time.monotonic()  # the start's sweep: the next in an hour
 
     def _encode(self, doc: dict[str, Any], state: str, lease: bool) -> tuple[bytes, str, float]:
         rev, now = secrets.token_hex(8), time.time()
@@ -314,11 +316,17 @@ class Records:
         """Forget ``name`` only if its record is still ``expect``."""
         return self._write(PREFIX + name, None, expect.raw)
 
-    def sweep_deleted(self) -> int:
+    def sweep_deleted(self, found: dict[str, Record] | None = None) -> int:
         """Remove the markers of deletes finished more than KEEP_DELETED_S
-        ago (each by compare-and-set); how many went."""
+        ago (each by compare-and-set; ``found``: the records as just read);
+        how many went. At most once an hour unless asked with nothing read."""
+        if found is not None:
+            with self._lock:
+                if time.monotonic() - self._swept < SWEEP_EVERY_S:
+                    return 0
+                self._swept = time.monotonic()
         gone = 0
-        for name, rec in self.all().items():
+        for name, rec in (self.all() if found is None else found).items():
             if rec.state == "deleted" and time.time() - rec.at > KEEP_DELETED_S:
                 gone += self.remove(name, rec)
         return gone

@@ -213,8 +213,10 @@ class Volumes:
         names = set(self.files.names())
         if self.records is not None:
             # Being created too: a delete of its source must see it coming.
-            names.update(n for n, r in self.records.all().items()
-                         if r.state in ("creating", "created"))
+            found = self.records.all()
+            names.update(n for n, r in found.items() if r.state in ("creating", "created"))
+            with contextlib.suppress(Exception):  # a later listing sweeps them
+                self.records.sweep_deleted(found)
         return sorted(names)
 
     def _record(self, name: str) -> Record | None:

@@ -152,3 +152,19 @@ def test_a_volume_is_rebuilt_from_its_image_only_when_its_csi_name_is_its_own() 
     assert L_ENCRYPTION not in got and L_MAPPER not in got and got[L_FSTYPE] == "ext4"
     deep = {"rbd-reconciler.csi-name": "pvc-1", "rbd-reconciler.csi-labels": "[" * 100_000}
     assert adopted_document(name, "rbd", image, 1, deep, "/k") is not None
+
+
+def test_old_delete_markers_are_swept_at_most_hourly_by_a_listing(
+        clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    r = records()
+    found = {"old": rec("deleted", at=time.time() - 2 * records_mod.KEEP_DELETED_S, rev="o"),
+             "new": rec("deleted", at=time.time(), rev="n"),
+             "live": rec("created", at=0.0, rev="l")}
+    removed: list[str] = []
+    monkeypatch.setattr(r, "remove", lambda name, expect: removed.append(name) or True)
+    monkeypatch.setattr(r, "all", lambda: found)
+    assert r.sweep_deleted(found) == 0  # the start swept a moment ago
+    clock.now += records_mod.SWEEP_EVERY_S + 1
+    assert r.sweep_deleted(found) == 1 and removed == ["old"]
+    assert r.sweep_deleted(found) == 0  # not again within the hour
+    assert r.sweep_deleted() == 1  # the start's own sweep is not rate-limited
