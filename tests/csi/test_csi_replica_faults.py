@@ -350,8 +350,11 @@ def test_a_dead_tombstone_is_finished(
     assert rec is not None and rec["state"] == "deleting", rec
     a.kill()
     killed = time.monotonic()
-    # The CO retries on B: refused while the tombstone may be live, then
-    # finished once it is stale.
+    # At once: A's tombstone is fresh (A may be in its last step), B waits.
+    code, why = rpc_code(lambda: b.csi.controller.DeleteVolume(delete_req(vid), timeout=T))
+    assert code == Code.ABORTED, (code, why)
+    assert node.image_exists(image)
+    # The CO retries on B: finished once the tombstone is stale.
     try:
         retry_until(lambda: b.csi.controller.DeleteVolume(delete_req(vid), timeout=T),
                     TAKEOVER_WITHIN_S, retry=(Code.ABORTED, Code.NOT_FOUND))
