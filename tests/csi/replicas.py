@@ -56,10 +56,6 @@ class Replica:
     def pid(self) -> int:
         return self.daemon.proc.pid
 
-    @property
-    def controller(self) -> object:
-        return self.csi.controller
-
     def log(self) -> str:
         return self.daemon.log.read_text(errors="replace")
 
@@ -87,9 +83,6 @@ class Replica:
         """SIGKILL (a stopped process dies too): the machine is gone."""
         self.csi.channel.close()
         self.daemon.stop(signal.SIGKILL)
-
-    def alive(self) -> bool:
-        return self.daemon.notify.fileno() != -1 and self.daemon.proc.poll() is None
 
     def stop(self) -> None:
         """At the end of a test: running again, then stopped as usual."""
