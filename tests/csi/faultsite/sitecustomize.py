@@ -4,7 +4,8 @@ any hook in the product.
 
 - ``RBD_TEST_CLOCK_OFFSET_S``: this process's wall clock (``time.time``,
   ``time.time_ns``) runs this many seconds ahead (negative: behind). The
-  monotonic clock is left alone, as NTP leaves it.
+  monotonic clock is left alone, as NTP leaves it; so is the clock of gRPC's
+  Python side, which pairs with its C core's.
 - ``RBD_TEST_PAUSE_DIR``: pause points. When the file ``DIR/POINT`` exists as
   the process reaches POINT, the first thread to get there removes it and
   stops the whole process (SIGSTOP to itself: a frozen VM, a long GC pause);
@@ -19,17 +20,31 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import os
 import signal
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
 _offset = float(os.environ.get("RBD_TEST_CLOCK_OFFSET_S") or 0)
 if _offset:
+    # gRPC's C core reads the machine's clock itself and hands Python its
+    # call deadlines on it: its Python side keeps that clock (on a machine
+    # whose clock is off both are off alike), or every deadline is off by
+    # the offset (a server that never starts, calls answered as expired).
+    _real_clock = types.ModuleType("time")
+    _real_clock.__dict__.update(time.__dict__)
     _time, _time_ns = time.time, time.time_ns
     time.time = lambda: _time() + _offset  # type: ignore[assignment]
     time.time_ns = lambda: _time_ns() + int(_offset * 1e9)  # type: ignore[assignment]
+    with contextlib.suppress(ImportError):
+        for _mod in ("grpc._cython.cygrpc", "grpc._common", "grpc._utilities",
+                     "grpc._channel", "grpc._server"):
+            _m = importlib.import_module(_mod)
+            if getattr(_m, "time", None) is time:
+                _m.time = _real_clock  # type: ignore[attr-defined]
 
 _pause_dir = os.environ.get("RBD_TEST_PAUSE_DIR")
 
