@@ -166,7 +166,8 @@ def retry_until(call: Callable[[], object], within_s: float,
 
 # -- records --------------------------------------------------------------------------
 def record(node: NodeUnderTest, name: str) -> dict | None:
-    """The decoded JSON of ``name``'s controller record (None: none)."""
+    """The decoded JSON of ``name``'s controller record (None: none, or the
+    marker a finished delete leaves, which the controller reads as absent)."""
     with node.cluster.client() as cl, cl.open_ioctx(node.cluster.pool) as io, \
             rados.ReadOpCtx() as op:
         it, _ = io.get_omap_vals_by_keys(op, (PREFIX + name,))
@@ -176,7 +177,8 @@ def record(node: NodeUnderTest, name: str) -> dict | None:
             return None
         found = dict(it)
     raw = found.get(PREFIX + name)
-    return None if raw is None else json.loads(raw)  # type: ignore[no-any-return]
+    doc = None if raw is None else json.loads(raw)
+    return None if doc is None or doc.get("state") == "deleted" else doc  # type: ignore[no-any-return]
 
 
 def settled(node: NodeUnderTest, name: str) -> bool:
