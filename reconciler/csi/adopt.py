@@ -17,8 +17,9 @@ import json
 import logging
 from typing import Any
 
-from reconciler.csi import capability, ids
+from reconciler.csi import capability, ids, mutable
 from reconciler.csi.cephinfo import CSI_LABELS_META
+from reconciler.csi.errors import CsiError
 from reconciler.csi.files import (
     L_ACCESS,
     L_ENCRYPTION,
@@ -29,13 +30,17 @@ from reconciler.csi.files import (
     new_document,
 )
 from reconciler.facts import meta
-from reconciler.spec.qos import describe
+from reconciler.spec.qos import CSI_PARAMETERS, QOS_KEYS
 from reconciler.spec.security import key_path_problem
 
 log = logging.getLogger("rbd-reconciler.csi")
 
 CSI_LABELS = CSI_LABELS_META  # what a node needs to stage it by id
 MAPPERS = ("auto", "krbd", "nbd", "fuse")
+_FIELDS = ("iops", "readIops", "writeIops", "bps", "readBps", "writeBps")
+# librbd's image-meta key -> the mutable parameter that sets it
+_QOS_META = {key: next(k for k, f in CSI_PARAMETERS.items() if f == field)
+             for key, field in zip(QOS_KEYS, _FIELDS, strict=True)}
 ACCESS = ("mount", "block")
 
 
@@ -83,6 +88,25 @@ def adopted_document(name: str, pool: str, image: str, size: int,
     labels.update(_trusted_labels(image_meta.get(CSI_LABELS), key_root))
     doc = new_document(name, labels, {"pool": pool, "name": image, "size": size,
                                       "reclaimPolicy": "Delete"})
-    if qos := describe(image_meta):  # the limits in force, so a change keeps them
+    if qos := _trusted_qos(image_meta):  # the limits in force, so a change keeps them
         doc["spec"]["qos"] = qos
     return doc
+
+
+def _trusted_qos(image_meta: dict[str, str]) -> dict[str, int]:
+    """librbd's QoS keys as spec.qos fields, each only if it is a value a
+    CSI call could have set (ASCII digits, within the schema's range): "0"
+    is librbd's "no limit", and anything else (negative, huge, " 7 ") would
+    make a record that never loads, so a delete of it could never finish."""
+    out: dict[str, int] = {}
+    for key, csi_key in _QOS_META.items():
+        raw = image_meta.get(key)
+        if raw is None:
+            continue
+        try:
+            parsed = mutable.parse({csi_key: raw}, what=f"image-meta {key}")
+        except CsiError as exc:
+            log.warning("%s: ignored", exc.message)
+            continue
+        out.update({k: v for k, v in parsed.items() if v is not None})
+    return out

@@ -279,13 +279,21 @@ class Records:
             return None
         return by
 
+    def held(self, rec: Record) -> bool:
+        """Whether ``rec`` is a claim, lease or tombstone in this replica's
+        name (this process's, or a predecessor's on the same state dir)."""
+        by = rec.op_by if rec.state == "created" else rec.by
+        return rec.state != "deleted" and by == self.holder
+
     def expired(self, rev: str) -> bool:
-        """Whether this replica's own claim, lease or tombstone of revision
-        ``rev`` is too old to act on (its own clock): another replica may be
-        about to take it over. A revision it never held is not its to judge."""
+        """Whether this replica may no longer act on its claim, lease or
+        tombstone of revision ``rev``: FENCE_SHARE of the stale time has
+        passed on its own clock since it sent the write, or this process
+        never wrote it (a predecessor's, or forgotten): it cannot vouch for
+        how old it is. Asked only of what ``held`` says is this replica's."""
         with self._lock:
             at = self._held.get(rev)
-        return at is not None and time.monotonic() - at > FENCE_SHARE * self.stale_s
+        return at is None or time.monotonic() - at > FENCE_SHARE * self.stale_s
 
     def write(self, name: str, expect: Record | None, doc: dict[str, Any],
               state: str, lease: bool = False) -> Record | None:
@@ -293,19 +301,23 @@ class Records:
         still ``expect`` (None: only if there is none); ``lease``: marked as
         being changed by this replica. None: it changed meanwhile."""
         value, rev, now = self._encode(doc, state, lease)
+        # Counted from before the write is sent: other replicas count from
+        # when it lands, which a held reply (or a pause) may long precede.
+        sent = time.monotonic()
         if not self._write(PREFIX + name, value, expect.raw if expect else b""):
             return None
         if lease or state in ("creating", "deleting"):
-            self._hold(rev)
+            self._hold(rev, sent)
         return Record(controller_view(doc), state, self.holder, now, rev, value,
                       self.holder if lease else None, now if lease else 0.0)
 
-    def _hold(self, rev: str) -> None:
+    def _hold(self, rev: str, sent: float) -> None:
         now = time.monotonic()
         with self._lock:
+            # Forgotten is expired (``expired``): only what is past it goes.
             for old in [r for r, at in self._held.items() if now - at > self.stale_s]:
                 del self._held[old]
-            self._held[rev] = now
+            self._held[rev] = sent
 
     def finish(self, name: str, tomb: Record) -> bool:
         """A delete done: the tombstone becomes a ``deleted`` marker, only if

@@ -88,6 +88,13 @@ def node_view(doc: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _controller_part(doc: dict[str, Any]) -> bool:
+    """Whether a file says more of its image than which one it is (a size:
+    the controller's part, which creates and grows it)."""
+    img = doc.get("spec", {}).get("image")
+    return isinstance(img, dict) and "size" in img
+
+
 def absent_form(doc: dict[str, Any]) -> None:
     """The ``state: absent`` form of any kind of document (a volume's image
     deleted with it: only the controller's volumes are ever tombstoned)."""
@@ -133,10 +140,12 @@ class Volumes:
     def _view(self, name: str, rec: Record | None, doc: dict[str, Any] | None
               ) -> dict[str, Any] | None:
         assert self.records is not None
-        if rec is None or not rec.live:
+        if rec is None:
             # Never recorded (made before statePool, or staged by id on this
             # node) stands; a file built from a record that is gone is stale.
             return None if doc is None or rev_of(doc) else doc
+        if not rec.live:
+            return None  # deleted through the records (by any replica): gone
         if rec.state == "deleting":
             return None
         if rec.state == "creating" and not self.records.mine(name, rec):
@@ -410,8 +419,9 @@ class Volumes:
                                          finish=(changed, unchanged)):
                     continue
             except CsiError as exc:
-                if exc.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INTERNAL):
-                    # Refused or failed: the name is free at once (if Ceph does
+                if exc.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INTERNAL,
+                                grpc.StatusCode.INVALID_ARGUMENT):
+                    # Refused, failed or not loadable: the name is free at once (if Ceph does
                     # not take this write either, the lease goes stale as before;
                     # the call's own answer stands).
                     with contextlib.suppress(Exception):
@@ -532,8 +542,11 @@ class Volumes:
             if not self._converge_at(name, gone, tomb, deadline, finish=(finished, kept)):
                 return False
         except CsiError as exc:
-            if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
-                kept()  # converge put the file back; the record goes back too
+            # Refused, or a document that does not load (nothing was written):
+            # the record goes back too, never a tombstone left for ever.
+            if exc.code in (grpc.StatusCode.FAILED_PRECONDITION,
+                            grpc.StatusCode.INVALID_ARGUMENT):
+                kept()  # converge put the file back
             raise
         self.files.remove(name)
         self.records.finish(name, tomb)  # False: another replica finished it
@@ -598,15 +611,26 @@ class Volumes:
             if why is not None:
                 return why
         rev = rev_of(doc)
-        if not rev:
-            return None
+        if not rev and not _controller_part(doc):
+            return None  # this node's part only: its own business
         try:
             rec = self.records.get(name)
         except Exception as exc:  # unknown is not current: nothing acts
             return (f"its controller record cannot be read ({exc}); nothing is done until "
                     "it can")
+        if not rev:
+            # A file from before statePool, with its controller part: it acts
+            # until the records say the volume was deleted (another replica
+            # may have rebuilt its record from the image and deleted it).
+            if rec is None or rec.state not in ("deleting", "deleted"):
+                return None
+            log.info("%s: deleted through the controller records: its file from before "
+                     "statePool is dropped, not converged", name)
+            with contextlib.suppress(CsiError), self.operation(name):
+                self.files.remove(name)
+            return "the controller records say it was deleted: its file is dropped"
         if rec is not None and rec.rev == rev:
-            if self.records.expired(rev):
+            if self.records.held(rec) and self.records.expired(rev):
                 # Held too long on this replica's own clock: another may be
                 # about to take it over. The CO's retry claims it afresh.
                 return ("this replica's claim on it is older than the stale time on its own "

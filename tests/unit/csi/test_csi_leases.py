@@ -92,12 +92,15 @@ def test_a_holder_stops_acting_before_anyone_can_take_it_over(clock: Clock,
     assert claim is not None and not r.expired(claim.rev)
     clock.now += 0.8 * 80 + 1  # FENCE_SHARE of the stale time on its own clock
     assert r.expired(claim.rev)
-    # A revision it never held is not its to judge; a plain record is no lease.
-    assert not r.expired("never-held")
+    assert r.held(claim)
+    # One it cannot vouch for (a predecessor's on its state dir): expired.
+    assert r.expired("never-held")
+    # A plain record is nobody's claim: the gate does not ask.
     made = r.write("n", claim, doc, "created")
-    assert made is not None and not r.expired(made.rev)
-    clock.now += 1000
-    assert not r.expired(made.rev)
+    assert made is not None and not r.held(made)
+    lease = r.write("n", made, doc, "created", lease=True)
+    assert lease is not None and r.held(lease) and not r.expired(lease.rev)
+    assert not r.held(rec("creating")) and not r.held(rec("deleted", by="a@host:/s"))
 
 
 class Context:
