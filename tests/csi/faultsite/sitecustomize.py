@@ -4,7 +4,11 @@ any hook in the product.
 
 - ``RBD_TEST_CLOCK_OFFSET_S``: this process's wall clock (``time.time``,
   ``time.time_ns``) runs this many seconds ahead (negative: behind). The
-  monotonic clock is left alone, as NTP leaves it.
+  monotonic clock is left alone, as NTP leaves it. gRPC's own Python and
+  Cython code still reads the real clock: it turns deadlines into absolute
+  wall-clock times for its C core, which reads the system clock itself (a
+  skewed Python-side clock would make its polls wait the offset: a server
+  that never starts, a fault no real clock causes).
 - ``RBD_TEST_PAUSE_DIR``: pause points. When the file ``DIR/POINT`` exists as
   the process reaches POINT, the first thread to get there removes it and
   stops the whole process (SIGSTOP to itself: a frozen VM, a long GC pause);
@@ -21,15 +25,37 @@ import contextlib
 import functools
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 _offset = float(os.environ.get("RBD_TEST_CLOCK_OFFSET_S") or 0)
+
+
+def _skewed_caller() -> bool:
+    """The code asking for the time (two frames up: past the patched
+    function) sees the offset: anything but gRPC's (nor a thread with no
+    Python caller: gRPC's Cython ones)."""
+    try:
+        caller = sys._getframe(2)
+    except ValueError:
+        return False
+    return not str(caller.f_globals.get("__name__", "")).startswith("grpc")
+
+
 if _offset:
     _time, _time_ns = time.time, time.time_ns
-    time.time = lambda: _time() + _offset  # type: ignore[assignment]
-    time.time_ns = lambda: _time_ns() + int(_offset * 1e9)  # type: ignore[assignment]
+    _offset_ns = int(_offset * 1e9)
+
+    def _skewed_time() -> float:
+        return _time() + _offset if _skewed_caller() else _time()
+
+    def _skewed_time_ns() -> int:
+        return _time_ns() + _offset_ns if _skewed_caller() else _time_ns()
+
+    time.time = _skewed_time
+    time.time_ns = _skewed_time_ns
 
 _pause_dir = os.environ.get("RBD_TEST_PAUSE_DIR")
 
