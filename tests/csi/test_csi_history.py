@@ -478,7 +478,8 @@ class Names:
     volumes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.volumes = [*self.fixed, *self.slots]
+        if not self.volumes:
+            self.volumes = [*self.fixed, *self.slots]
 
     def objects(self) -> dict[str, tuple[str, str]]:
         out = {ids.image_for_request(v): (VOLUME, v) for v in self.volumes}
@@ -893,7 +894,8 @@ class Run:
 # == the truth in Ceph ==================================================================
 def available(cl: rados.Rados, pool: str) -> int | None:
     """The pool's free bytes as `ceph df` reports them (what GetCapacity
-    passes on); None when Ceph did not answer."""
+    passes on), the cluster's when it lists no pools (a cluster without a
+    manager: ours); None when Ceph did not answer."""
     try:
         ret, out, _ = cl.mon_command(json.dumps({"prefix": "df", "format": "json"}), b"",
                                      timeout=10)
@@ -901,10 +903,11 @@ def available(cl: rados.Rados, pool: str) -> int | None:
         return None
     if ret != 0:
         return None
-    for p in json.loads(out).get("pools", []):
+    df = json.loads(out)
+    for p in df.get("pools", []):
         if p.get("name") == pool:
             return int(p["stats"]["max_avail"])
-    return None
+    return int(df.get("stats", {}).get("total_avail_bytes", 0))
 
 
 def read_truth(io: rados.Ioctx, names: Names, cl: rados.Rados | None = None) -> Truth:
