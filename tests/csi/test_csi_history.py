@@ -739,18 +739,17 @@ class Run:
                                f"after {now - p.stopped_at:.1f} s ({p.kind})")
                     del pauses[label]
             free = [r for r in self.replicas if r.label not in pauses]
-            if now >= next_kill:
+            if now >= next_kill and free:  # else as soon as one is free
                 next_kill = now + rng.uniform(*KILL_EVERY)
-                if free:
-                    self.restart(rng.choice(free), own=rng.random() < OWN_DIR_SHARE)
-                    free = [r for r in self.replicas if r.label not in pauses]
+                self.restart(rng.choice(free), own=rng.random() < OWN_DIR_SHARE)
+                free = [r for r in self.replicas if r.label not in pauses]
             if now >= next_pause:
                 next_pause = now + rng.uniform(*PAUSE_EVERY)
                 if free:
                     p = self._pause(rng, rng.choice(free), now, first)
                     pauses[p.replica.label] = p
                     first = False
-            due = [next_kill, next_pause,
+            due = [max(next_kill, now + 0.1) if not free else next_kill, next_pause,
                    *(p.stopped_at + p.hold for p in pauses.values() if p.stopped_at is not None),
                    *(now + 0.1 for p in pauses.values() if p.stopped_at is None),
                    now + 1.0]  # at least once a second: have the faults ended?
@@ -1039,27 +1038,28 @@ def run_clients(run: Run, threads: list[threading.Thread]) -> None:
 def summary(history: list[Op], issued: int) -> list[str]:
     """Calls issued and retried, answers per method, faults injected."""
     calls = [op for op in history if op.thread != "chaos"]
-    faults: dict[str, int] = {}
-    for op in history:
-        if op.thread != "chaos":
-            continue
-        key = op.method
-        if op.method == "Restart":
-            key += " (" + op.message.split(",")[0] + ")"
-        elif op.method == "Pause":
-            kind = op.message.rsplit("(", 1)[-1].rstrip(")")
-            point = op.message.split()[1] if op.message.startswith("at ") else "SIGSTOP"
-            key += f" {kind} at {point}"
-        faults[key] = faults.get(key, 0) + 1
+    events = [op for op in history if op.thread == "chaos"]
     answers: dict[str, int] = {}
     for op in calls:
         answers[f"{op.method} {op.outcome}"] = answers.get(f"{op.method} {op.outcome}", 0) + 1
-    lines = [f"{issued} calls issued, {len(calls) - issued} CO retries after"]
+    pauses: dict[str, int] = {}
+    for op in events:
+        if op.method == "Pause":
+            kind = op.message.rsplit("(", 1)[-1].rstrip(")")
+            point = op.message.split()[1] if op.message.startswith("at ") else "once"
+            pauses[f"{kind} at {point}"] = pauses.get(f"{kind} at {point}", 0) + 1
+    kills = sum(op.method == "Kill" for op in events)
+    own = sum(op.method == "Restart" and op.message.startswith("own") for op in events)
+    unreached = sum(op.method == "Disarm" for op in events)
+    offsets = [op.message.rsplit("clock ", 1)[-1] for op in events
+               if op.method in ("Start", "Restart")]
+    lines = [f"calls issued: {issued}, CO retries after: {len(calls) - issued}"]
     lines += [f"  {answers[k]:5d}  {k}" for k in sorted(answers)]
-    lines.append(f"faults: {sum(v for k, v in faults.items() if k != 'Arm')} "
-                 f"(kills {faults.get('Kill', 0)}, pauses "
-                 f"{sum(v for k, v in faults.items() if k.startswith('Pause'))})")
-    lines += [f"  {faults[k]:5d}  {k}" for k in sorted(faults)]
+    lines.append(f"faults injected: {kills + sum(pauses.values())}: kills {kills} (restarted on "
+                 f"their own state dir {own}, on an empty one {kills - own}), pauses "
+                 f"{sum(pauses.values())} ({unreached} more armed, never reached); "
+                 f"clocks: {', '.join(offsets)}")
+    lines += [f"  {pauses[k]:5d}  pause {k}" for k in sorted(pauses)]
     return lines
 
 
