@@ -21,15 +21,20 @@ The faults model what a cluster does to its replicas, each a real process
   volumes.gate: while it reads, writes or holds a lease), for 0.3-3 s,
   past any client's deadline (21-36 s) or past the stale time
   (2 x csi.timeoutSeconds + 60 + 5-20 s; the first pause of a run is one
-  when it fits), then SIGCONT; every pause ends before the last TAIL_S of
-  calls, so resumed replicas act while calls go on;
+  when it fits), then SIGCONT; a pause that would leave no replica running
+  is short, a replica resumed or restarted is left alone for ACT_S = 15 s,
+  and every pause ends before the last TAIL_S of calls: resumed replicas
+  act while calls go on;
 - skew: each incarnation's wall clock runs up to RBD_HISTORY_SKEW_S
   (600 s) ahead or behind (a quarter of them exact; monotonic untouched).
 
 Every call and fault is recorded; then the CO's drain finishes every
-pending delete (retried until OK) and retries the rest it has no final
-answer for, the replicas settle, Ceph is read, and
-tests/csi/csi_history.py's pure checker relates the history to the truth.
+pending delete (retried until OK; the snapshots that hold a volume's are
+deleted first) and retries the rest it has no final answer for, the
+replicas settle, Ceph is read, and tests/csi/csi_history.py's pure checker
+relates the history to the truth (a claim or tombstone may outlive its
+call by the stale time plus one csi.timeoutSeconds). The end prints the
+calls issued and the faults injected.
 
     RBD_HISTORY_SECONDS=150  how long calls are issued (default 150; the
                              last TAIL_S = 15 s without new faults)
@@ -115,6 +120,7 @@ OWN_DIR_SHARE = 0.5  # of restarts: on the replica's own state dir (else an empt
 CSI_TIMEOUT_S = 10
 STALE_S = 2 * CSI_TIMEOUT_S + 60
 PAUSE_EVERY = (6.0, 14.0)  # seconds between pauses (of a replica not paused already)
+ACT_S = 15.0  # a replica resumed or restarted is neither paused nor killed this long
 # How long a pause lasts: (share, range); the first of a run is past the stale time.
 PAUSES = {"short": (0.20, (0.3, 3.0)),
           "past-deadline": (0.65, (LONG[1] + 1, LONG[1] + 16)),
@@ -122,8 +128,8 @@ PAUSES = {"short": (0.20, (0.3, 3.0)),
 # Where a pause stops the process (faultsite's points), or "" at once (SIGSTOP).
 POINTS = {"": 3, "records.get": 4, "records.write": 2, "volumes.converge": 1,
           "volumes.gate": 2}
-ARM_S = 10.0  # an armed pause point not reached this long is disarmed
-# Of armed points: the share that stops only a call (or step) on a slot's
+ARM_S = 15.0  # an armed pause point not reached this long is disarmed
+# Of armed record points: the share that stops only a call on a slot's
 # current name (likely retired while the replica is stopped).
 ONE_NAME_SHARE = 0.6
 RESYNC_S = 10  # resyncSeconds: every file is converged again this often
@@ -724,6 +730,7 @@ class Run:
         thread ends (setpriv --pdeathsig is per thread)."""
         rng = random.Random(f"{self.seed}/chaos")
         pauses: dict[str, Pause] = {}
+        acted: dict[str, float] = {}  # replica -> when it was last resumed or restarted
         inf = float("inf")
         next_kill = self.now() + rng.uniform(*KILL_EVERY) if "kill" in FAULTS else inf
         next_pause = self.now() + rng.uniform(2.0, 8.0) if "pause" in FAULTS else inf
@@ -738,18 +745,27 @@ class Run:
                     self.event("Resume", f"{label}{p.replica.incarnation}",
                                f"after {now - p.stopped_at:.1f} s ({p.kind})")
                     del pauses[label]
-            free = [r for r in self.replicas if r.label not in pauses]
+                    acted[label] = now
+            # A replica resumed (or restarted) lately is left to act for ACT_S.
+            free = [r for r in self.replicas if r.label not in pauses
+                    and now - acted.get(r.label, -inf) >= ACT_S]
             if now >= next_kill and free:  # else as soon as one is free
                 next_kill = now + rng.uniform(*KILL_EVERY)
-                self.restart(rng.choice(free), own=rng.random() < OWN_DIR_SHARE)
-                free = [r for r in self.replicas if r.label not in pauses]
-            if now >= next_pause:
+                r = rng.choice(free)
+                self.restart(r, own=rng.random() < OWN_DIR_SHARE)
+                acted[r.label] = self.now()
+                free.remove(r)
+            if now >= next_pause and free:
                 next_pause = now + rng.uniform(*PAUSE_EVERY)
-                if free:
-                    p = self._pause(rng, rng.choice(free), now, first)
-                    pauses[p.replica.label] = p
-                    first = False
-            due = [max(next_kill, now + 0.1) if not free else next_kill, next_pause,
+                r = rng.choice(free)
+                # Never every replica stopped for long: one keeps answering.
+                alone = all(o.label in pauses for o in self.replicas if o is not r)
+                p = self._pause(rng, r, now, first and not alone, alone)
+                pauses[r.label] = p
+                first = first and alone
+                free.remove(r)
+            due = [max(next_kill, now + 0.5) if not free else next_kill,
+                   max(next_pause, now + 0.5) if not free else next_pause,
                    *(p.stopped_at + p.hold for p in pauses.values() if p.stopped_at is not None),
                    *(now + 0.1 for p in pauses.values() if p.stopped_at is None),
                    now + 1.0]  # at least once a second: have the faults ended?
@@ -766,10 +782,13 @@ class Run:
         if CALLS:
             self.calls_until = self.now() + TAIL_S
 
-    def _pause(self, rng: random.Random, r: Replica, now: float, first: bool) -> Pause:
+    def _pause(self, rng: random.Random, r: Replica, now: float, first: bool,
+               alone: bool) -> Pause:
         kinds = list(PAUSES)
         kind = "past-stale" if first else rng.choices(
             kinds, weights=[share for share, _ in PAUSES.values()])[0]
+        if alone:
+            kind = "short"
         hold = rng.uniform(*PAUSES[kind][1])
         # In a run of SECONDS, a pause ends before the faults do (a shorter
         # kind, or none, when it would not).
@@ -783,7 +802,7 @@ class Run:
         p = Pause(r, point, kind, hold, now + ARM_S)
         if point:
             name = ""
-            if rng.random() < ONE_NAME_SHARE:
+            if point.startswith("records.") and rng.random() < ONE_NAME_SHARE:
                 with self.lock:
                     name = rng.choice(self.names.slots)
             r.arm(point, ids.image_for_request(name) if name else "")
