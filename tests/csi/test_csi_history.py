@@ -20,8 +20,9 @@ The faults model what a cluster does to its replicas, each a real process
   next reaches a pause point (records.get, records.write, volumes.converge,
   volumes.gate: while it reads, writes or holds a lease), for 0.3-3 s,
   past any client's deadline (21-36 s) or past the stale time
-  (2 x csi.timeoutSeconds + 60 + 5-20 s; the first pause of a run is one
-  when it fits), then SIGCONT; a pause that would leave no replica running
+  (2 x csi.timeoutSeconds + 60 + 5-20 s, at a point that holds a lease or
+  claim; the first pause of a run is one a third of the time, when it
+  fits), then SIGCONT; a pause that would leave no replica running
   is short, a replica resumed or restarted is left alone for ACT_S = 15 s,
   and every pause ends before the last TAIL_S of calls: resumed replicas
   act while calls go on;
@@ -125,6 +126,9 @@ ACT_S = 15.0  # a replica resumed or restarted is neither paused nor killed this
 PAUSES = {"short": (0.20, (0.3, 3.0)),
           "past-deadline": (0.65, (LONG[1] + 1, LONG[1] + 16)),
           "past-stale": (0.15, (STALE_S + 5, STALE_S + 20))}
+# The first pause of a run is past the stale time this often (when it fits:
+# with two replicas it is then most of the run's only long pause).
+FIRST_PAST_STALE = 1 / 3
 # Where a pause stops the process (faultsite's points), or "" at once (SIGSTOP).
 POINTS = {"": 3, "records.get": 4, "records.write": 2, "volumes.converge": 1,
           "volumes.gate": 2}
@@ -785,8 +789,9 @@ class Run:
     def _pause(self, rng: random.Random, r: Replica, now: float, first: bool,
                alone: bool) -> Pause:
         kinds = list(PAUSES)
-        kind = "past-stale" if first else rng.choices(
-            kinds, weights=[share for share, _ in PAUSES.values()])[0]
+        kind = rng.choices(kinds, weights=[share for share, _ in PAUSES.values()])[0]
+        if first and rng.random() < FIRST_PAST_STALE:
+            kind = "past-stale"
         if alone:
             kind = "short"
         hold = rng.uniform(*PAUSES[kind][1])
@@ -797,7 +802,7 @@ class Run:
             kind = "past-deadline" if kind == "past-stale" else "short"
             hold = rng.uniform(*PAUSES[kind][1])
         point = rng.choices(list(POINTS), weights=list(POINTS.values()))[0]
-        if first:
+        if kind == "past-stale":  # while it holds a lease or a claim
             point = rng.choice(("records.write", "volumes.gate", "volumes.converge"))
         p = Pause(r, point, kind, hold, now + ARM_S)
         if point:
