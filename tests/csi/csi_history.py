@@ -157,7 +157,9 @@ class Truth:
 
     volumes: dict[str, VolumeTruth]  # request name -> the image, if it exists
     snapshots: set[str]  # request names whose RBD snapshot exists (on any of the images)
-    groups: dict[str, bool]  # request name -> the RBD group exists: its snapshot is complete
+    # request name -> the group snapshot exists (its RBD group, or a member snapshot of
+    # it on an image): whether it is complete
+    groups: dict[str, bool]
     # Object (image / snapshot / group) name -> (kind, request name), for every name used.
     objects: dict[str, tuple[str, str]]
     records: dict[str, str]  # object name -> the record's state, for records of our names

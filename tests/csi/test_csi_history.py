@@ -909,8 +909,9 @@ class Run:
                 if got is not None and (got.ok or (got.outcome in FINAL and not until_ok)):
                     return
                 self.stop.wait(rng.uniform(0.5, 2.0))  # the CO's backoff between retries
+            last = got.outcome if got else "not tried: the drain's time was up"
             with self.lock:
-                unfinished.append(f"{method} {name}: {got.outcome if got else 'no replica'}")
+                unfinished.append(f"{method} {name}: {last}")
 
         batches = ([(n, *mr, True) for (k, n), mr in pending.items() if k != VOLUME],
                    [(n, *mr, True) for (k, n), mr in pending.items() if k == VOLUME],
@@ -950,6 +951,7 @@ def read_truth(io: rados.Ioctx, names: Names, cl: rados.Rados | None = None) -> 
     images = set(rbd.RBD().list(io))
     volumes: dict[str, VolumeTruth] = {}
     snaps: set[str] = set()
+    members: set[str] = set()  # groups with a member snapshot on one of the images
     for v in names.volumes:
         image = ids.image_for_request(v)
         if image not in images:
@@ -957,9 +959,13 @@ def read_truth(io: rados.Ioctx, names: Names, cl: rados.Rados | None = None) -> 
         with contextlib.suppress(rbd.ImageNotFound), rbd.Image(io, image, read_only=True) as img:
             meta = {k: val for k, val in img.metadata_list() if k.startswith("conf_rbd_qos_")}
             volumes[v] = VolumeTruth(img.size(), meta)
-            have = {s["name"] for s in img.list_snaps()}
+            listed = list(img.list_snaps())
+            have = {s["name"] for s in listed}
             snaps.update(s for s, src in names.snapshots.items()
                          if src == v and ids.snapshot_for_request(s) in have)
+            for s in listed:
+                if s.get("namespace") == rbd.RBD_SNAP_NAMESPACE_TYPE_GROUP:
+                    members.add(img.snap_get_group_namespace(s["id"])["name"])
     groups: dict[str, bool] = {}
     existing = set(rbd.RBD().group_list(io))
     for g in names.groups:
@@ -968,6 +974,8 @@ def read_truth(io: rados.Ioctx, names: Names, cl: rados.Rados | None = None) -> 
             with rbd.Group(io, gname) as grp:
                 groups[g] = any(s["name"] == gname and s["state"] ==
                                 rbd.RBD_GROUP_SNAP_STATE_COMPLETE for s in grp.list_snaps())
+        elif gname in members:  # its group is gone, a member snapshot is not
+            groups[g] = False
     records: dict[str, str] = {}
     with rados.ReadOpCtx() as op:
         it, _ = io.get_omap_vals(op, "", RECORDS_PREFIX, 100000)
