@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fakeclock import Clock, moved_clock
 
 from reconciler.csi import ids
 from reconciler.csi import records as records_mod
@@ -25,19 +26,9 @@ from reconciler.spec.loader import load
 STALE_S = 80.0
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
-    c = Clock()
-    monkeypatch.setattr(records_mod.time, "monotonic", c)
-    return c
+    return moved_clock(monkeypatch)
 
 
 class Omap(Records):

@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 import pytest
+from fakeclock import Clock, moved_clock
 
 from reconciler.csi import ids
 from reconciler.csi import records as records_mod
@@ -19,19 +20,9 @@ from reconciler.csi.files import L_ACCESS, L_ENCRYPTION, L_FSTYPE, L_MAPPER, L_R
 from reconciler.csi.records import Record, Records, decode
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
-    c = Clock()
-    monkeypatch.setattr(records_mod.time, "monotonic", c)
-    return c
+    return moved_clock(monkeypatch)
 
 
 def rec(state: str, by: str = "b@host:/s", at: float = 0.0, op: dict[str, Any] | None = None,
