@@ -239,8 +239,16 @@ def run_all(node: NodeUnderTest, faults: Faults, names: list[str], rng: random.R
             futures = [pool.submit(run_one, node, faults.up, t0 + i * SPREAD_S / len(commands),
                                    k, a, _named(k, a, names))
                        for i, (k, a) in enumerate(commands)]
-            while not all(f.done() for f in futures):
-                faults.round(lambda: not all(f.done() for f in futures))
+            try:
+                while not all(f.done() for f in futures):
+                    faults.round(lambda: not all(f.done() for f in futures))
+            except BaseException:
+                # A fault that went wrong (a daemon that did not stop cleanly)
+                # fails the test now, not after every waiting command's 120 s.
+                for f in futures:
+                    f.cancel()
+                faults.up.set()
+                raise
             return [f.result() for f in futures]
     finally:
         faults.resume()
