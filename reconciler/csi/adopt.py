@@ -30,17 +30,16 @@ from reconciler.csi.files import (
     new_document,
 )
 from reconciler.facts import meta
-from reconciler.spec.qos import CSI_PARAMETERS, QOS_KEYS
+from reconciler.spec.qos import CSI_PARAMETERS, FIELDS, QOS_KEYS
 from reconciler.spec.security import key_path_problem
 
 log = logging.getLogger("rbd-reconciler.csi")
 
 CSI_LABELS = CSI_LABELS_META  # what a node needs to stage it by id
 MAPPERS = ("auto", "krbd", "nbd", "fuse")
-_FIELDS = ("iops", "readIops", "writeIops", "bps", "readBps", "writeBps")
 # librbd's image-meta key -> the mutable parameter that sets it
 _QOS_META = {key: next(k for k, f in CSI_PARAMETERS.items() if f == field)
-             for key, field in zip(QOS_KEYS, _FIELDS, strict=True)}
+             for key, field in zip(QOS_KEYS, FIELDS, strict=True)}
 ACCESS = ("mount", "block")
 
 

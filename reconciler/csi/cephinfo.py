@@ -21,7 +21,7 @@ from reconciler.facts import meta
 from reconciler.spec.config import CephConfig
 
 CSI_NAME_META = "rbd-reconciler.csi-name"
-CSI_LABELS_META = "rbd-reconciler.csi-labels"
+CSI_LABELS_META = meta.CSI_LABELS
 PROBE_CACHE_S = 5.0
 TIMEOUT_S = 10
 
@@ -198,10 +198,9 @@ class CephInfo:
     def image_with_meta(self, pool: str, image: str) -> tuple[int, dict[str, str]] | None:
         """The image's size and image-meta; None when it does not exist."""
         try:
-            with self._client() as c, c.open_ioctx(pool) as io, \
-                    rbd.Image(io, image, read_only=True) as img:
-                size = int(img.size())
             with self._client() as c:
+                with c.open_ioctx(pool) as io, rbd.Image(io, image, read_only=True) as img:
+                    size = int(img.size())
                 return size, get_meta(c, pool, image)
         except (rados.ObjectNotFound, rbd.ImageNotFound):
             return None

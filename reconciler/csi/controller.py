@@ -14,7 +14,7 @@ from reconciler.csi import capability, csi_pb2_grpc, ids, mutable
 from reconciler.csi import csi_pb2 as pb
 from reconciler.csi.adopt import adopted_document, labels_meta
 from reconciler.csi.cephinfo import CephInfo
-from reconciler.csi.errors import CsiError, invalid, not_found, quoted, rpc
+from reconciler.csi.errors import CsiError, invalid, not_found, quoted, rpc, unanswered
 from reconciler.csi.files import (
     L_ACCESS,
     L_ENCRYPTION,
@@ -284,10 +284,7 @@ class ControllerServicer(SnapshotRpcs, csi_pb2_grpc.ControllerServicer):
             try:
                 found = self.ceph.image_with_meta(pool, image)
             except Exception as exc:
-                raise CsiError(grpc.StatusCode.UNAVAILABLE,
-                               f"volume {name} has no controller record, and Ceph could not "
-                               f"be asked about its image ({exc}); nothing was changed, "
-                               "retry later") from None
+                raise unanswered(f"volume {name} has no controller record", exc) from None
             if found is None:
                 return None
             return adopted_document(name, pool, image, found[0], found[1],

@@ -49,6 +49,13 @@ def bounded(message: str) -> str:
     return raw[:MAX_MESSAGE_BYTES - 32].decode(errors="ignore") + " … (message cut)"
 
 
+def unanswered(what: str, exc: BaseException) -> CsiError:
+    """Ceph could not be asked: unknown is not "nothing", the CO retries."""
+    return CsiError(grpc.StatusCode.UNAVAILABLE,
+                    f"{what}, and Ceph could not be asked ({exc}); nothing was changed, "
+                    "retry later")
+
+
 def invalid(message: str) -> CsiError:
     return CsiError(grpc.StatusCode.INVALID_ARGUMENT, message)
 

@@ -12,7 +12,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from reconciler.csi import csi_pb2 as pb
 from reconciler.csi import ids
 from reconciler.csi.cephinfo import CephInfo
-from reconciler.csi.errors import CsiError, invalid, not_found, quoted, rpc
+from reconciler.csi.errors import CsiError, invalid, not_found, quoted, rpc, unanswered
 from reconciler.csi.files import L_ORIGIN, L_REQUEST, L_SOURCE, VolumeFiles, new_snapshot_document
 from reconciler.csi.groups import member_snapshot
 from reconciler.csi.volumes import Volumes
@@ -136,10 +136,7 @@ class SnapshotRpcs:
             try:
                 found = self.ceph.snapshot(pool, image, name)
             except Exception as exc:
-                raise CsiError(grpc.StatusCode.UNAVAILABLE,
-                               f"snapshot {name} has no controller record, and Ceph could "
-                               f"not be asked about it ({exc}); nothing was changed, retry "
-                               "later") from None
+                raise unanswered(f"snapshot {name} has no controller record", exc) from None
             if found is None:
                 return None
             labels = {L_ORIGIN: "controller", L_SOURCE: ids.volume_id(pool, image)}

@@ -9,11 +9,12 @@ FORMATTED = PREFIX + "formatted"  # fs type after our mkfs; never mkfs over it a
 FORMATTING = PREFIX + "formatting"
 GROW_PENDING = PREFIX + "grow-pending"  # online grow refused: grow offline at next stage
 HOLDER = PREFIX + "holder"  # node that has the image mapped (for explain; informational)
-CSI_NAME = PREFIX + "csi-name"  # the CSI request name (for humans)
+CSI_NAME = PREFIX + "csi-name"  # the CSI request name (a lost record is rebuilt from it)
+CSI_LABELS = PREFIX + "csi-labels"  # what a node needs to stage it by id (JSON)
 # Keys a clone inherits from its parent's image-meta but that describe the
 # parent (who maps it, which snapshots it made): removed from a new clone.
 SNAP_PREFIX = PREFIX + "snap."
-PARENT_ONLY = (HOLDER, CSI_NAME)
+PARENT_ONLY = (HOLDER, CSI_NAME, CSI_LABELS)
 
 
 def snap_owner(snap: str) -> str:

@@ -13,6 +13,8 @@ QOS_PREFIX = "conf_rbd_qos_"
 QOS_KEYS = (QOS_PREFIX + "iops_limit", QOS_PREFIX + "read_iops_limit",
             QOS_PREFIX + "write_iops_limit", QOS_PREFIX + "bps_limit",
             QOS_PREFIX + "read_bps_limit", QOS_PREFIX + "write_bps_limit")
+# The spec.qos field each of QOS_KEYS holds, in the same order.
+FIELDS = ("iops", "readIops", "writeIops", "bps", "readBps", "writeBps")
 
 GiB = 1 << 30
 # librbd keeps every limit as an int64 (io.max's are u64): the most a limit
@@ -74,8 +76,7 @@ def limits(qos: QosSpec, size: int | None) -> tuple[int | None, ...]:
 def too_large(qos: QosSpec, size: int | None) -> str | None:
     """Why the limits in force for an image of ``size`` cannot be set (a
     value librbd cannot hold), or None."""
-    names = ("iops", "readIops", "writeIops", "bps", "readBps", "writeBps")
-    for name, value in zip(names, limits(qos, size), strict=True):
+    for name, value in zip(FIELDS, limits(qos, size), strict=True):
         if value is not None and value > MAX_LIMIT:
             scaled = name in ("iops", "bps") and getattr(qos, name) is None
             return (f"qos.{name} is {value}" + (f" (scaled to a {size}-byte image)"
@@ -114,9 +115,8 @@ def from_meta(meta: dict[str, str]) -> QosSpec:
 
 def describe(meta: dict[str, str]) -> dict[str, int]:
     """The QoS image-meta keys present, by their spec names (for status)."""
-    names = ("iops", "readIops", "writeIops", "bps", "readBps", "writeBps")
     out = {}
-    for key, name in zip(QOS_KEYS, names, strict=True):
+    for key, name in zip(QOS_KEYS, FIELDS, strict=True):
         if key in meta:
             try:
                 out[name] = int(meta[key])
