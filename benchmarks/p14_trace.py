@@ -149,8 +149,8 @@ def install() -> None:
     patch(onode, "observe", "phase", "observe")
     patch(onode, "_devices", "phase", "observe: probe devices")
     patch(onode, "open_crypts", "phase", "observe: open crypts")
-    for mapper in ("KernelMapper", "FuseMapper"):
-        cls = getattr(__import__("reconciler.drivers.mappers", fromlist=[mapper]), mapper)
+    for module, mapper in (("kernelmapper", "KernelMapper"), ("fusemapper", "FuseMapper")):
+        cls = getattr(__import__(f"reconciler.drivers.{module}", fromlist=[mapper]), mapper)
         patch(cls, "list", "phase", f"observe: {mapper}.list")
     patch(loader, "load", "phase", "load")
     patch(engine, "observe", "phase", "observe (engine)")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from reconciler.cli import main as cli
-from reconciler.drivers.mappers import fuse_pids, loop_devices, reap_fuse_children
+from reconciler.drivers.fusemapper import fuse_pids, loop_devices, reap_fuse_children
 from reconciler.drivers.reaper import become_subreaper, reap_zombies
 from reconciler.facts.parsers import parse_mountinfo
 from reconciler.testing.devcluster import DevCluster, start_cluster

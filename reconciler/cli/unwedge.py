@@ -20,7 +20,7 @@ from pathlib import Path
 
 from reconciler.apply.runner import VolumeOutcome
 from reconciler.drivers import fuseforce
-from reconciler.drivers.mappers import FuseMapper
+from reconciler.drivers.fusemapper import FuseMapper
 from reconciler.drivers.run import Runner
 from reconciler.spec.config import Config
 from reconciler.spec.model import Volume

@@ -17,7 +17,9 @@ from reconciler.drivers import procfs, scopes
 from reconciler.drivers.bounded import Bounded, NoAnswer, StillStuck
 from reconciler.drivers.crypt import Cryptsetup, Pbkdf
 from reconciler.drivers.fs import DeviceUnreadable, Filesystems, block_device_size
-from reconciler.drivers.mappers import FuseMapper, KernelMapper, available_mappers
+from reconciler.drivers.fusemapper import FuseMapper
+from reconciler.drivers.kernelmapper import KernelMapper
+from reconciler.drivers.mappers import available_mappers
 from reconciler.drivers.run import CommandError, Halt, Runner
 from reconciler.drivers.safepath import first_symlink
 from reconciler.facts.luks import CRYPT_UUID_PREFIX

@@ -26,7 +26,7 @@ from conftest import NodeUnderTest
 from test_daemon import wait_for
 
 from reconciler.cli import main as cli
-from reconciler.drivers import mappers
+from reconciler.drivers import fusemapper
 from reconciler.facts import meta
 from reconciler.facts.claim import Claim, parse
 
@@ -44,7 +44,7 @@ from reconciler import engine
 from reconciler.apply import claims
 from reconciler.apply import runner as apply
 from reconciler.cli import main as cli
-from reconciler.drivers import mappers
+from reconciler.drivers import fusemapper
 from reconciler.observe import node as observe
 from reconciler.plan import planner as plan
 Path(sys.argv[1]).touch()
@@ -108,7 +108,7 @@ def two_nodes(node: NodeUnderTest, tmp_path: Path) -> Iterator[tuple[Node, Node,
     finally:
         b.cli("release")
         a.cli("release")
-        mappers.reap_fuse_children()
+        fusemapper.reap_fuse_children()
         assert not b.mounted(), b.mounted()
 
 
@@ -216,7 +216,7 @@ def test_takeover_fences_the_old_holder(
     assert claim_of(node, image) == Claim("test-node", tuple(old))
     device = json.loads(a.cli("status", "-o", "json")[1])["volumes"][0]["device"]
     assert device
-    helper = mappers._fuse_children[str(node.state / "fuse" / f"{node.cluster.pool}@{image}")]
+    helper = fusemapper._fuse_children[str(node.state / "fuse" / f"{node.cluster.pool}@{image}")]
     helper.send_signal(signal.SIGSTOP)  # node A hangs: alive, silent
     try:
         fence_and_take_over(node, a, b, image, old, helper, device, tmp_path)
@@ -312,7 +312,7 @@ def test_a_failed_undo_keeps_the_claim_of_an_image_still_mapped(
         raise RuntimeError("unmap fails (test)")
 
     monkeypatch.setattr(fs.Filesystems, "mkfs", mkfs_fails)
-    monkeypatch.setattr(mappers.FuseMapper, "unmap", unmap_fails)
+    monkeypatch.setattr(fusemapper.FuseMapper, "unmap", unmap_fails)
     out = node.apply()
     assert out["rc"] == 1
     undone = out["volumes"][0]["undone"]
@@ -338,7 +338,7 @@ def test_a_fenced_node_is_refused_naming_the_fence(node: NodeUnderTest, tmp_path
     (b.root / "desired" / f"{image}.yaml").write_text(map_only(node.cluster.pool, image))
     assert a.cli("apply")[0] == 0
     old = watchers(node, image)
-    helper = mappers._fuse_children[str(node.state / "fuse" / f"{node.cluster.pool}@{image}")]
+    helper = fusemapper._fuse_children[str(node.state / "fuse" / f"{node.cluster.pool}@{image}")]
     helper.send_signal(signal.SIGSTOP)  # node A hangs: alive, silent
     try:
         assert b.cli("takeover", image, "--yes-i-am-sure")[0] == 0

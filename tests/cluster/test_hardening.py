@@ -18,7 +18,7 @@ import rbd
 from conftest import NodeUnderTest
 from test_lifecycle import checksum_tree, fs_spec, status_of
 
-from reconciler.drivers import mappers
+from reconciler.drivers import fusemapper
 from reconciler.drivers.run import CommandError
 from reconciler.facts import meta
 
@@ -35,7 +35,7 @@ def kill_helper(node: NodeUnderTest, name: str) -> None:
     """SIGKILL the volume's rbd-fuse helper and blocklist its client, so its
     watch goes at once (else the dead client's watch lingers ~30 s)."""
     mnt = str(node.state / "fuse" / f"{node.cluster.pool}@{name}")
-    proc = mappers._fuse_children.pop(mnt)
+    proc = fusemapper._fuse_children.pop(mnt)
     with node.cluster.client() as c, c.open_ioctx(node.cluster.pool) as io, \
             rbd.Image(io, name, read_only=True) as img:
         addrs = [w["addr"] for w in img.watchers_list()]

@@ -231,7 +231,7 @@ def test_observe_reads_node_wide_facts_once_and_writes_nothing(
     import os
     from pathlib import Path
 
-    from reconciler.drivers import mappers
+    from reconciler.drivers import fusemapper
     from reconciler.observe.node import observe
     from reconciler.spec.desired import load_desired
 
@@ -259,7 +259,7 @@ def test_observe_reads_node_wide_facts_once_and_writes_nothing(
     before = tree()
     reads: list[str] = []
     scans: list[int] = []
-    real_read, real_bytes, real_loops = Path.read_text, Path.read_bytes, mappers.loop_devices
+    real_read, real_bytes, real_loops = Path.read_text, Path.read_bytes, fusemapper.loop_devices
 
     def read_text(self: Path, *args: object, **kwargs: object) -> str:
         reads.append(str(self))
@@ -275,7 +275,7 @@ def test_observe_reads_node_wide_facts_once_and_writes_nothing(
 
     monkeypatch.setattr(Path, "read_text", read_text)
     monkeypatch.setattr(Path, "read_bytes", read_bytes)
-    monkeypatch.setattr(mappers, "loop_devices", loops)
+    monkeypatch.setattr(fusemapper, "loop_devices", loops)
     monkeypatch.setattr(n.fuse, "scan_helpers", lambda *a: scans.append(2))
     observed = observe(n, volumes)
     assert len([m for m in observed.mappings if m.problem is None]) == 3

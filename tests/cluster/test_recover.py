@@ -18,7 +18,7 @@ import pytest
 from conftest import NodeUnderTest
 from test_claim import Node, blocklisted, claim_of, mon, second_node, watchers
 
-from reconciler.drivers import mappers
+from reconciler.drivers import fusemapper
 
 pytestmark = pytest.mark.ceph
 
@@ -51,7 +51,7 @@ def fenced(node: NodeUnderTest, tmp_path: Path) -> Iterator[tuple[Node, Node, st
     (node.srv / "app" / "kept").write_text("written before the fence")
     subprocess.run(["sync"], check=True, timeout=60)
     old = watchers(node, image)
-    helper = mappers._fuse_children[str(node.state / "fuse" / f"{node.cluster.pool}@{image}")]
+    helper = fusemapper._fuse_children[str(node.state / "fuse" / f"{node.cluster.pool}@{image}")]
     helper.send_signal(signal.SIGSTOP)
     try:
         assert run(b, "takeover", image, "--yes-i-am-sure")[0] == 0

@@ -23,7 +23,7 @@ from test_daemon import Daemon, wait_for
 from test_lifecycle import checksum_tree, fs_spec
 
 from reconciler.cli.release import _identity_volume, provably_ours
-from reconciler.drivers.mappers import _helper_args, reap_fuse_children
+from reconciler.drivers.fusemapper import _helper_args, reap_fuse_children
 from reconciler.drivers.reaper import reap_zombies
 from reconciler.drivers.safepath import ensure_dir
 from reconciler.facts.observed import ImageState, Mapping, Observed

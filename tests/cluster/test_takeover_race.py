@@ -24,7 +24,7 @@ from conftest import NodeUnderTest
 from test_claim import Node, blocklisted, claim_of, mon, two_nodes, watchers  # noqa: F401
 
 from reconciler.apply import claims
-from reconciler.drivers import mappers
+from reconciler.drivers import fusemapper
 from reconciler.plan import planner
 
 pytestmark = pytest.mark.ceph
@@ -42,7 +42,7 @@ sys.stdin.read()
 
 
 def helper_of(node: NodeUnderTest, image: str) -> subprocess.Popen[bytes]:
-    return mappers._fuse_children[str(node.state / "fuse" / f"{node.cluster.pool}@{image}")]
+    return fusemapper._fuse_children[str(node.state / "fuse" / f"{node.cluster.pool}@{image}")]
 
 
 @pytest.fixture

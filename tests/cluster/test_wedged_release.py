@@ -34,7 +34,7 @@ from test_daemon import wait_for
 from test_lifecycle import fs_spec
 from test_shutdown import NOTHING, ROOT, held_by_us, shutdown_command
 
-from reconciler.drivers.mappers import reap_fuse_children
+from reconciler.drivers.fusemapper import reap_fuse_children
 from reconciler.drivers.reaper import reap_zombies
 from reconciler.facts.parsers import parse_mountinfo
 

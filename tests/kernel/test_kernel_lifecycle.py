@@ -199,7 +199,7 @@ def test_the_real_device_list_parses(node: NodeUnderTest, mapper: str,
     host tests: rbd_device_list_*_vm.json) is what the mapper lists; krbd's
     own reading of sysfs finds exactly what rbd prints, and with an rbd-nbd
     mapping the nbd list is asked of rbd-nbd."""
-    from reconciler.drivers.mappers import krbd_devices, nbd_any_connected
+    from reconciler.drivers.kernelmapper import krbd_devices, nbd_any_connected
     from reconciler.facts.parsers import parse_rbd_device_list
 
     name = node.name(f"list-{mapper}")

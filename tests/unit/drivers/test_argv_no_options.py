@@ -18,10 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.drivers import iolimits, mappers
+from reconciler.drivers import fusemapper, iolimits
 from reconciler.drivers.crypt import Cryptsetup, Pbkdf
 from reconciler.drivers.fs import Filesystems
-from reconciler.drivers.mappers import FuseMapper, KernelMapper
+from reconciler.drivers.fusemapper import FuseMapper
+from reconciler.drivers.kernelmapper import KernelMapper
 from reconciler.drivers.run import Result, Runner
 from reconciler.drivers.safepath import UnsafePath
 from reconciler.facts.observed import Mapping
@@ -159,7 +160,7 @@ def calls(tmp_path: Path, mounted: Path) -> dict[str, Callable[[], object]]:
 def test_no_value_reaches_an_option_position(tmp_path: Path, tmpfs: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     # FuseMapper: the helper "is mounted" (no real rbd-fuse starts; umount is run).
-    monkeypatch.setattr(mappers, "_is_mounted", lambda _p: True)
+    monkeypatch.setattr(fusemapper, "_is_mounted", lambda _p: True)
     seen: list[list[str]] = []
     real_run = Capture.run
 

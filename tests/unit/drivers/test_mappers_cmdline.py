@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.drivers import mappers
-from reconciler.drivers.mappers import FuseMapper, KernelMapper
+from reconciler.drivers import fusemapper
+from reconciler.drivers.fusemapper import FuseMapper
+from reconciler.drivers.kernelmapper import KernelMapper
 from reconciler.drivers.run import CommandError, Result, Runner
 from reconciler.facts.observed import Mapping
 from reconciler.facts.parsers import LoopDevice, MapError, parse_rbd_device_list
@@ -421,7 +422,7 @@ def test_loop_devices_from_sysfs(tmp_path: Path) -> None:
         "loop1": "/tmp/rec.PL1R/node/gone.img (deleted)",
         "loop2": None,
     })
-    assert mappers.loop_devices(sys_block) == (
+    assert fusemapper.loop_devices(sys_block) == (
         LoopDevice("/dev/loop0", f"{RECORDED_FUSE_ROOT}/rbd@pgdata/pgdata"),
         LoopDevice("/dev/loop1", "/tmp/rec.PL1R/node/gone.img"),
     )
@@ -431,8 +432,8 @@ def test_fuse_list_reads_sysfs_not_losetup_when_not_given(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # losetup --list stats backing files: on a hung rbd-fuse mount it would hang too.
     sys_block = fake_sys_block(tmp_path, {"loop0": f"{RECORDED_FUSE_ROOT}/rbd@pgdata/pgdata"})
-    real = mappers.loop_devices
-    monkeypatch.setattr(mappers, "loop_devices", lambda: real(sys_block))
+    real = fusemapper.loop_devices
+    monkeypatch.setattr(fusemapper, "loop_devices", lambda: real(sys_block))
     m, runner = fuse()
     found = m.list(data("mountinfo.txt"))
     assert runner.history == []
@@ -485,7 +486,7 @@ def test_fuse_list_loop_over_a_deleted_image_file_still_matches() -> None:
 
 
 def test_fuse_refresh_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(mappers, "block_device_size", lambda dev: 512 * 2**20)
+    monkeypatch.setattr(fusemapper, "block_device_size", lambda dev: 512 * 2**20)
     m, runner = fuse()
     m.refresh("/dev/loop0", 512 * 2**20)
     assert runner.history == [["losetup", "--set-capacity=/dev/loop0"]]
@@ -495,8 +496,8 @@ def test_fuse_refresh_repeats_until_the_loop_device_has_grown(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # The kernel caches the FUSE file's size for a moment: the first -c can see the old one.
     sizes = iter([256 * 2**20, 256 * 2**20, 512 * 2**20])
-    monkeypatch.setattr(mappers, "block_device_size", lambda dev: next(sizes))
-    monkeypatch.setattr(mappers.time, "sleep", lambda s: None)
+    monkeypatch.setattr(fusemapper, "block_device_size", lambda dev: next(sizes))
+    monkeypatch.setattr(fusemapper.time, "sleep", lambda s: None)
     m, runner = fuse()
     m.refresh("/dev/loop0", 512 * 2**20)
     assert runner.history == [["losetup", "--set-capacity=/dev/loop0"]] * 3
@@ -536,8 +537,8 @@ def test_fuse_map_command_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         mounted.add(argv[-2])  # the mount point: rbd-fuse "mounts" at once
         return proc
 
-    monkeypatch.setattr(mappers, "_is_mounted", lambda p: p in mounted)
-    monkeypatch.setattr(mappers.subprocess, "Popen", popen)
+    monkeypatch.setattr(fusemapper, "_is_mounted", lambda p: p in mounted)
+    monkeypatch.setattr(fusemapper.subprocess, "Popen", popen)
     m, runner = fuse(tmp_path / "fuse", ok("/dev/loop3\n"))
     mnt = tmp_path / "fuse" / "rbd@pgdata"
     try:
@@ -548,20 +549,20 @@ def test_fuse_map_command_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
             ["losetup", "--find", "--show", "--direct-io=on", "--", str(mnt / "pgdata")],
         ]
         assert [p.argv for p in started] == [runner.history[0]]
-        assert mappers.fuse_pids() == {str(mnt): 4242}
+        assert fusemapper.fuse_pids() == {str(mnt): 4242}
         # Mapping again reuses the FUSE mount: only a new loop device.
         runner.replies.append(ok("/dev/loop4\n"))
         assert m.map("rbd", "pgdata", ()) == "/dev/loop4"
         assert len(started) == 1 and runner.history[-1][0] == "losetup"
     finally:
-        mappers._fuse_children.pop(str(mnt), None)
+        fusemapper._fuse_children.pop(str(mnt), None)
 
 
 def test_fuse_map_undoes_the_fuse_mount_when_losetup_fails(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     mnt = tmp_path / "fuse" / "rbd@pgdata"
     mounted = {str(mnt)}
-    monkeypatch.setattr(mappers, "_is_mounted", lambda p: p in mounted)
+    monkeypatch.setattr(fusemapper, "_is_mounted", lambda p: p in mounted)
     m, runner = fuse(tmp_path / "fuse", Fail(1, "losetup: cannot find an unused loop device"))
 
     with pytest.raises(CommandError):
@@ -578,7 +579,7 @@ def test_fuse_unmap_order_loop_then_fuse(tmp_path: Path,
     mnt = tmp_path / "fuse" / "rbd@pgdata"
     mnt.mkdir(parents=True)
     mounted = {str(mnt)}
-    monkeypatch.setattr(mappers, "_is_mounted", lambda p: p in mounted)
+    monkeypatch.setattr(fusemapper, "_is_mounted", lambda p: p in mounted)
     m, runner = fuse(tmp_path / "fuse")
     m.unmap(Mapping("fuse", "rbd", "pgdata", "/dev/loop0", fuse_mount=str(mnt)))
     assert runner.history == [["losetup", "--detach=/dev/loop0"], ["umount", "--", str(mnt)]]
@@ -589,7 +590,7 @@ def test_fuse_unmap_half_mapped_only_unmounts(tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     mnt = tmp_path / "fuse" / "rbd@orphan"
     mnt.mkdir(parents=True)
-    monkeypatch.setattr(mappers, "_is_mounted", lambda p: p == str(mnt))
+    monkeypatch.setattr(fusemapper, "_is_mounted", lambda p: p == str(mnt))
     m, runner = fuse(tmp_path / "fuse")
     m.unmap(Mapping("fuse", "rbd", "orphan", None, fuse_mount=None))
     assert runner.history == [["umount", "--", str(mnt)]]
@@ -598,7 +599,7 @@ def test_fuse_unmap_half_mapped_only_unmounts(tmp_path: Path,
 def test_fuse_unmount_retries_while_busy(tmp_path: Path,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     mnt = tmp_path / "fuse" / "rbd@pgdata"
-    monkeypatch.setattr(mappers, "_is_mounted", lambda p: p == str(mnt))
+    monkeypatch.setattr(fusemapper, "_is_mounted", lambda p: p == str(mnt))
     busy = Fail(32, f"umount: {mnt}: target is busy.")
     m, runner = fuse(tmp_path / "fuse", ok(), busy, ok())
     m.unmap(Mapping("fuse", "rbd", "pgdata", "/dev/loop0", fuse_mount=str(mnt)))

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reconciler.drivers import mappers, omap, procfs
+from reconciler.drivers import fusemapper, omap, procfs
 
 EXAMPLES = int(os.environ.get("RBD_FUZZ_EXAMPLES", "300"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
@@ -121,7 +121,7 @@ def test_an_rbd_fuse_helper_named_anything_is_still_found(tmp_path: Path) -> Non
     pid.mkdir()
     (pid / "cmdline").write_bytes(b"/usr/bin/rbd-fuse\0--image=x\0/var/lib/r/fuse/rbd@\xff\0-f\0")
     (pid / "stat").write_bytes(b"4242 (rbd-\xff) S 1 4242 4242 0\n")
-    assert mappers._helper_args(pid) == {os.fsdecode(b"/var/lib/r/fuse/rbd@\xff")}
+    assert fusemapper._helper_args(pid) == {os.fsdecode(b"/var/lib/r/fuse/rbd@\xff")}
 
 
 def test_a_loop_device_backed_by_a_path_that_is_not_text_is_listed(tmp_path: Path) -> None:
@@ -129,6 +129,6 @@ def test_a_loop_device_backed_by_a_path_that_is_not_text_is_listed(tmp_path: Pat
         d = tmp_path / f"loop{n}" / "loop"
         d.mkdir(parents=True)
         (d / "backing_file").write_bytes(back)
-    got = {lo.name: lo.back_file for lo in mappers.loop_devices(tmp_path)}
+    got = {lo.name: lo.back_file for lo in fusemapper.loop_devices(tmp_path)}
     assert got == {"/dev/loop0": os.fsdecode(b"/srv/\xff\xfe.img"),
                    "/dev/loop1": "/srv/plain.img"}

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.drivers import mappers
+from reconciler.drivers import fusemapper
 from reconciler.drivers.run import (
     DEFAULT_MAX_STDOUT,
     STDERR_KEEP,
@@ -191,7 +191,7 @@ def test_a_helpers_log_is_read_from_its_end_only(tmp_path: Path) -> None:
         f.write(b"rbd-fuse: the last line\n")
     tracemalloc.start()
     try:
-        said = mappers._tail(log)
+        said = fusemapper._tail(log)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.drivers import mappers, scopes
-from reconciler.drivers.mappers import FuseMapper, KernelMapper
+from reconciler.drivers import fusemapper, scopes
+from reconciler.drivers.fusemapper import FuseMapper
+from reconciler.drivers.kernelmapper import KernelMapper
 from reconciler.drivers.run import CommandError, Result, Runner
 from reconciler.facts.observed import Mapping
 from reconciler.facts.parsers import MapError, explain_map_failure
@@ -203,8 +204,8 @@ def test_fuse_helper_started_in_a_scope(tmp_path: Path, monkeypatch: pytest.Monk
         mounted.add(argv[-2])  # the mount point, the wrapped command's last but one word
         return started[-1]
 
-    monkeypatch.setattr(mappers, "_is_mounted", lambda p: p in mounted)
-    monkeypatch.setattr(mappers.subprocess, "Popen", popen)
+    monkeypatch.setattr(fusemapper, "_is_mounted", lambda p: p in mounted)
+    monkeypatch.setattr(fusemapper.subprocess, "Popen", popen)
     runner = Capture(stdout="/dev/loop3\n")
     m = FuseMapper(CEPH, tmp_path / "fuse", runner, scopes=True)
     mnt = m.mount_point("rbd", "pgdata")
@@ -219,9 +220,9 @@ def test_fuse_helper_started_in_a_scope(tmp_path: Path, monkeypatch: pytest.Monk
             *m.fuse_command("rbd", "pgdata", mnt)]
         assert runner.history[0] == proc.argv  # the history says what ran
         # systemd-run execs rbd-fuse: the child's pid is the helper's
-        assert mappers.fuse_pids() == {str(mnt): 4343}
+        assert fusemapper.fuse_pids() == {str(mnt): 4343}
     finally:
-        mappers._fuse_children.pop(str(mnt), None)
+        fusemapper._fuse_children.pop(str(mnt), None)
 
 
 def test_fuse_scope_failure_is_said(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -232,8 +233,8 @@ def test_fuse_scope_failure_is_said(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         proc.returncode = 1
         return proc
 
-    monkeypatch.setattr(mappers, "_is_mounted", lambda _p: False)
-    monkeypatch.setattr(mappers.subprocess, "Popen", popen)
+    monkeypatch.setattr(fusemapper, "_is_mounted", lambda _p: False)
+    monkeypatch.setattr(fusemapper.subprocess, "Popen", popen)
     m = FuseMapper(CEPH, tmp_path / "fuse", Capture(), scopes=True)
     with pytest.raises(CommandError) as err:
         m.map("rbd", "pgdata", ())

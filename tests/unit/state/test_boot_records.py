@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from reconciler.drivers import freeze
-from reconciler.drivers.mappers import KernelMapper
+from reconciler.drivers.kernelmapper import KernelMapper
 from reconciler.drivers.run import Result, Runner
 from reconciler.facts.observed import Mapping
 from reconciler.spec.config import CephConfig
