@@ -17,9 +17,11 @@ from reconciler.csi import ids
 from reconciler.csi import records as records_mod
 from reconciler.csi.adopt import adopted_document
 from reconciler.csi.errors import CsiError
+from reconciler.csi.fileforms import absent_form, with_rev
 from reconciler.csi.files import VolumeFiles, new_document
+from reconciler.csi.recorded import SWEEP
 from reconciler.csi.records import PREFIX, Record, Records, decode
-from reconciler.csi.volumes import SWEEP, Volumes, absent_form, with_rev
+from reconciler.csi.volumes import Volumes
 from reconciler.spec.config import default_config
 from reconciler.spec.loader import load
 
