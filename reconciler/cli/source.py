@@ -9,8 +9,9 @@ import sys
 from typing import Any
 
 from reconciler.source.layout import SourceBusy
+from reconciler.source.outcome import Failed
 from reconciler.source.report import distrust, revision, source_status
-from reconciler.source.sync import Failed, Syncer
+from reconciler.source.sync import Syncer
 from reconciler.spec.config import Config
 
 EXIT_OK, EXIT_FAILED = 0, 1

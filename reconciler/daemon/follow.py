@@ -16,8 +16,9 @@ from datetime import datetime
 from reconciler.daemon.metrics import Metrics
 from reconciler.drivers.run import Aborted, Halt, Runner
 from reconciler.source.layout import SourceBusy
+from reconciler.source.outcome import Outcome
 from reconciler.source.report import applied_revision, distrust, revision
-from reconciler.source.sync import Outcome, Syncer
+from reconciler.source.sync import Syncer
 from reconciler.spec.config import Config
 
 log = logging.getLogger("rbd-reconciler")

@@ -28,7 +28,7 @@ from gitserver import git as git_cli
 from reconciler.drivers.run import DEFAULT_MAX_STDOUT, STDERR_KILL, CommandError, Runner
 from reconciler.source.cause import remote_cause
 from reconciler.source.gitenv import Git
-from reconciler.source.sync import MAX_MESSAGE
+from reconciler.source.outcome import MAX_MESSAGE
 from reconciler.source.tree import list_tree, read_blobs
 from reconciler.spec.source import SourceConfig, SourceRef, SourceVerify
 

@@ -21,9 +21,10 @@ from test_mirror_size import BLOB, big_push, mirror_bytes, volume
 from test_source_attacks import tag_config
 from test_sync import CHILD, make_config, push
 
+from reconciler.source.fetching import NEWEST
 from reconciler.source.gitenv import Git, memory_bound
 from reconciler.source.layout import Layout
-from reconciler.source.sync import NEWEST, Syncer
+from reconciler.source.sync import Syncer
 from reconciler.spec.config import Config, load_config
 
 # The server's side of an ssh connection, without sshd: ``ssh ... HOST CMD``
