@@ -15,6 +15,11 @@ the cluster is throw-away by design.
 CLI (used by the README demo):
 
     python -m reconciler.testing.devcluster run [--dir DIR] [--pool rbd] -- CMD ARGS...
+
+Imported by the tests, the benchmarks and the demo (its CLI), never by the
+product (the layers contract keeps testing/ beside cli/). Its processes and
+files are testing/cephprocs.py; ``DevClusterError`` is defined there and
+named in ``__all__`` here, the public entry.
 """
 
 from __future__ import annotations
@@ -23,11 +28,8 @@ import argparse
 import contextlib
 import json
 import os
-import random
-import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +42,20 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from reconciler.drivers.reaper import become_subreaper, reap_zombies
+from reconciler.testing.cephprocs import (
+    DevClusterError,
+    free_port,
+    log_tails,
+    mon_cmd,
+    port_open,
+    read_key,
+    remove_tree,
+    render_conf,
+    run_tool,
+    secs,
+    spawn,
+    terminate,
+)
 
 if TYPE_CHECKING:  # the bindings come from Debian packages; import them lazily
     import rados
@@ -48,12 +64,6 @@ __all__ = ["DevCluster", "DevClusterError", "main", "start_cluster"]
 
 MON_ID = "a"
 OSD_ID = 0
-STOP_TIMEOUT = 10.0  # per daemon, before SIGKILL; memstore OSDs exit in ~0.1 s
-LOG_TAIL_LINES = 20
-
-
-class DevClusterError(RuntimeError):
-    """Start failed (the message carries the daemons' log tails), or stop left mounts."""
 
 
 @dataclass
@@ -101,9 +111,9 @@ class DevCluster:
         import rados
 
         conf = {"keyring": str(self.keyring)}
-        conf["client_mount_timeout"] = conf["rados_mon_op_timeout"] = _secs(timeout)
+        conf["client_mount_timeout"] = conf["rados_mon_op_timeout"] = secs(timeout)
         if osd_op_timeout is not None:
-            conf["rados_osd_op_timeout"] = _secs(osd_op_timeout)
+            conf["rados_osd_op_timeout"] = secs(osd_op_timeout)
         handle = rados.Rados(conffile=str(self.conf), rados_id=self.user, conf=conf)
         try:
             handle.connect()
@@ -135,8 +145,8 @@ class DevCluster:
             return
         # OSD first: a mon-less OSD would otherwise wait for its mon until killed.
         for name in sorted(self._procs, key=lambda n: not n.startswith("osd")):
-            _terminate(self._procs[name])
-        left = _remove_tree(self.root, keep_root=not self._owns_root)
+            terminate(self._procs[name])
+        left = remove_tree(self.root, keep_root=not self._owns_root)
         if left:
             raise DevClusterError(
                 f"dev cluster stopped, but {self.root} still holds mounts, left untouched "
@@ -202,7 +212,7 @@ def start_cluster(
             raise DevClusterError(f"{root} is not empty; refusing to put a cluster there")
         root.mkdir(parents=True, exist_ok=True)
 
-    port = _free_port(addr)
+    port = free_port(addr)
     cluster = DevCluster(
         root=root,
         conf=root / "ceph.conf",
@@ -215,7 +225,7 @@ def start_cluster(
     try:
         _bootstrap(cluster, memstore_bytes, deadline)
     except BaseException as e:  # also KeyboardInterrupt/SystemExit: never leak daemons
-        logs = _log_tails(root)
+        logs = log_tails(root)
         cluster.stop()
         if isinstance(e, Exception):
             raise DevClusterError(f"could not start dev cluster in {root}: {e}\n{logs}") from e
@@ -236,52 +246,52 @@ def _bootstrap(c: DevCluster, memstore_bytes: int, deadline: float) -> None:
     # The kernel client speaks msgr v1 unless told otherwise (ms_mode): a mon
     # for a VM advertises both.
     v2 = int(c.mon_addr.rsplit(":", 1)[1])
-    v1 = None if addr.startswith("127.") else _free_port(addr, avoid=v2)
+    v1 = None if addr.startswith("127.") else free_port(addr, avoid=v2)
     addrv = f"[v2:{c.mon_addr}" + (f",v1:{addr}:{v1}]" if v1 else "]")
-    c.conf.write_text(_render_conf(root, fsid, addrv, addr, c.keyring, memstore_bytes))
+    c.conf.write_text(render_conf(root, fsid, addrv, addr, c.keyring, memstore_bytes))
     conf = ["-c", str(c.conf)]
 
     mon_keyring, osd_keyring = root / "mon.keyring", osd_data / "keyring"
-    _tool(["ceph-authtool", "--create-keyring", mon_keyring, "--gen-key", "-n", "mon.",
-           "--cap", "mon", "allow *"], deadline)
-    _tool(["ceph-authtool", "--create-keyring", c.keyring, "--gen-key", "-n", "client.admin",
-           "--cap", "mon", "allow *", "--cap", "osd", "allow *",
-           "--cap", "mds", "allow *", "--cap", "mgr", "allow *"], deadline)
-    _tool(["ceph-authtool", mon_keyring, "--import-keyring", c.keyring], deadline)
-    _tool(["ceph-authtool", "--create-keyring", osd_keyring, "--gen-key", "-n", f"osd.{OSD_ID}"],
-          deadline)
-    osd_key = _read_key(osd_keyring)
+    run_tool(["ceph-authtool", "--create-keyring", mon_keyring, "--gen-key", "-n", "mon.",
+              "--cap", "mon", "allow *"], deadline)
+    run_tool(["ceph-authtool", "--create-keyring", c.keyring, "--gen-key", "-n", "client.admin",
+              "--cap", "mon", "allow *", "--cap", "osd", "allow *",
+              "--cap", "mds", "allow *", "--cap", "mgr", "allow *"], deadline)
+    run_tool(["ceph-authtool", mon_keyring, "--import-keyring", c.keyring], deadline)
+    run_tool(["ceph-authtool", "--create-keyring", osd_keyring, "--gen-key", "-n", f"osd.{OSD_ID}"],
+             deadline)
+    osd_key = read_key(osd_keyring)
 
     # The OSD's mkfs needs no mon (fsid comes from the conf): run it alongside the mon's.
-    osd_mkfs = _spawn(["ceph-osd", *conf, "--no-mon-config", "-i", str(OSD_ID), "--mkfs",
-                       "--osd-uuid", osd_uuid], root / "log" / "osd-mkfs.out", daemon=False)
+    osd_mkfs = spawn(["ceph-osd", *conf, "--no-mon-config", "-i", str(OSD_ID), "--mkfs",
+                      "--osd-uuid", osd_uuid], root / "log" / "osd-mkfs.out", daemon=False)
     try:
-        _tool(["monmaptool", "--create", "--fsid", fsid, "--addv", MON_ID, addrv,
-               root / "monmap"], deadline)
-        _tool(["ceph-mon", *conf, "--mkfs", "-i", MON_ID, "--monmap", root / "monmap",
-               "--keyring", mon_keyring], deadline)
-        c._procs[f"mon.{MON_ID}"] = _spawn(["ceph-mon", *conf, "-f", "-i", MON_ID],
-                                           root / "log" / f"mon.{MON_ID}.out")
+        run_tool(["monmaptool", "--create", "--fsid", fsid, "--addv", MON_ID, addrv,
+                  root / "monmap"], deadline)
+        run_tool(["ceph-mon", *conf, "--mkfs", "-i", MON_ID, "--monmap", root / "monmap",
+                  "--keyring", mon_keyring], deadline)
+        c._procs[f"mon.{MON_ID}"] = spawn(["ceph-mon", *conf, "-f", "-i", MON_ID],
+                                          root / "log" / f"mon.{MON_ID}.out")
         rc = osd_mkfs.wait(timeout=max(0.1, deadline - time.monotonic()))
         if rc != 0:
             raise DevClusterError(f"ceph-osd --mkfs exited {rc}")
     finally:
-        _terminate(osd_mkfs)
+        terminate(osd_mkfs)
 
     port = int(c.mon_addr.rsplit(":", 1)[1])
-    _wait_for(lambda: _port_open(port, addr), c, deadline, "mon to listen")
+    _wait_for(lambda: port_open(port, addr), c, deadline, "mon to listen")
     left = deadline - time.monotonic()
     handle = c.connect(timeout=left, osd_op_timeout=left)
     try:
-        _mon_cmd(handle, {"prefix": "osd new", "uuid": osd_uuid, "id": OSD_ID},
-                 json.dumps({"cephx_secret": osd_key}))
-        c._procs[f"osd.{OSD_ID}"] = _spawn(["ceph-osd", *conf, "-f", "-i", str(OSD_ID)],
-                                           root / "log" / f"osd.{OSD_ID}.out")
+        mon_cmd(handle, {"prefix": "osd new", "uuid": osd_uuid, "id": OSD_ID},
+                json.dumps({"cephx_secret": osd_key}))
+        c._procs[f"osd.{OSD_ID}"] = spawn(["ceph-osd", *conf, "-f", "-i", str(OSD_ID)],
+                                          root / "log" / f"osd.{OSD_ID}.out")
         _wait_for(lambda: _osd_up(handle), c, deadline, "osd.0 to be up")
         # Without a mgr, MGR_DOWN appears after 120 s; sticky so it holds before it fires.
-        _mon_cmd(handle, {"prefix": "health mute", "code": "MGR_DOWN", "sticky": True})
-        _mon_cmd(handle, {"prefix": "osd pool create", "pool": c.pool, "pg_num": 8,
-                          "pgp_num": 8})
+        mon_cmd(handle, {"prefix": "health mute", "code": "MGR_DOWN", "sticky": True})
+        mon_cmd(handle, {"prefix": "osd pool create", "pool": c.pool, "pg_num": 8,
+                         "pgp_num": 8})
         import rbd
 
         with handle.open_ioctx(c.pool) as ioctx:
@@ -289,99 +299,8 @@ def _bootstrap(c: DevCluster, memstore_bytes: int, deadline: float) -> None:
     finally:
         handle.shutdown()
 
-
-def _render_conf(root: Path, fsid: str, mon_addrv: str, addr: str, keyring: Path,
-                 memstore_bytes: int) -> str:
-    # Daemon logs and data go to sections only daemons read, so clients that
-    # share this conf (rbd, rbd-fuse, librados in tests) log nowhere by default.
-    net = "127.0.0.0/8" if addr.startswith("127.") else f"{addr}/32"
-    return f"""\
-[global]
-fsid = {fsid}
-mon host = {mon_addrv}
-# Every daemon address on loopback (or the test namespace's one address):
-# `public addr` alone leaves the OSD's cluster-side (back and heartbeat)
-# ports on 0.0.0.0.
-public addr = {addr}
-cluster addr = {addr}
-public network = {net}
-cluster network = {net}
-auth cluster required = cephx
-auth service required = cephx
-auth client required = cephx
-run dir = {root}/run
-crash dir = {root}/crash
-osd pool default size = 1
-osd pool default min size = 1
-osd pool default pg autoscale mode = off
-mon allow pool size one = true
-mon allow pool delete = true
-osd crush chooseleaf type = 0
-mon data avail warn = 1
-mon warn on pool no redundancy = false
-mon warn on insecure global id reclaim allowed = false
-osd objectstore = memstore
-memstore device bytes = {memstore_bytes}
-
-[client]
-keyring = {keyring}
-
-[mon]
-mon data = {root}/mon/$cluster-$id
-log file = {root}/log/$name.log
-mon cluster log file = {root}/log/cluster.log
-# Commits every paxos proposal at once: pool init and snapshots get ~20x faster.
-paxos propose interval = 0.01
-
-[osd]
-osd data = {root}/osd/$cluster-$id
-keyring = {root}/osd/$cluster-$id/keyring
-log file = {root}/log/$name.log
-"""
-
-
-def _tool(argv: Sequence[str | Path], deadline: float) -> None:
-    # Each tool finishes in milliseconds; the start deadline only bounds a wedged one.
-    args = [str(a) for a in argv]
-    try:
-        r = subprocess.run(args, capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                           timeout=max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired as e:
-        raise DevClusterError(f"{args[0]} did not finish before the start deadline") from e
-    if r.returncode != 0:
-        raise DevClusterError(f"{' '.join(args)} exited {r.returncode}: {r.stderr.strip()}")
-
-
-def _spawn(argv: list[str], out: Path, daemon: bool = True) -> subprocess.Popen[bytes]:
-    # Our own session: a terminal's Ctrl-C reaches only us, and we stop the
-    # daemons in order. setpriv --pdeathsig kills them if we die without
-    # stopping them (PID 1 here reaps nothing, so orphans would linger).
-    prefix = ["setpriv", "--pdeathsig", "KILL", "--"] if shutil.which("setpriv") else []
-    with out.open("ab") as f:
-        return subprocess.Popen([*prefix, *argv], stdin=subprocess.DEVNULL, stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=daemon)
-
-
-def _terminate(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=STOP_TIMEOUT)
-            return
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    proc.wait()  # reap, always: nobody else will
-
-
-def _mon_cmd(handle: rados.Rados, cmd: dict[str, object], inbuf: str = "") -> bytes:
-    rc, out, err = handle.mon_command(json.dumps({**cmd, "format": "json"}), inbuf.encode())
-    if rc != 0:
-        raise DevClusterError(f"mon command {cmd['prefix']!r} failed ({rc}): {err}")
-    return out
-
-
 def _osd_up(handle: rados.Rados) -> bool:
-    dump = json.loads(_mon_cmd(handle, {"prefix": "osd dump"}))
+    dump = json.loads(mon_cmd(handle, {"prefix": "osd dump"}))
     return any(o["osd"] == OSD_ID and o["up"] == 1 for o in dump["osds"])
 
 
@@ -393,96 +312,6 @@ def _wait_for(cond: Callable[[], bool], c: DevCluster, deadline: float, what: st
         if time.monotonic() > deadline:
             raise DevClusterError(f"timed out waiting for {what}")
         time.sleep(0.02)
-
-
-def _secs(t: float) -> str:
-    return str(max(1, int(t)))  # whole seconds, and 0 would mean "no timeout"
-
-
-def _read_key(keyring: Path) -> str:
-    for line in keyring.read_text().splitlines():
-        k, sep, v = line.partition("=")
-        if sep and k.strip() == "key":
-            return v.strip()
-    raise DevClusterError(f"no key in {keyring}")
-
-
-def _free_port(addr: str = "127.0.0.1", avoid: int = 0) -> int:
-    # Below 32768 (the kernel's ephemeral range starts there) and outside the
-    # OSD's default 6800-7300 range; bind-tested, so only a race can lose it.
-    for _ in range(200):
-        port = random.randrange(10000, 32768)
-        if port == avoid:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind((addr, port))
-            except OSError:
-                continue
-            return port
-    raise DevClusterError("no free port found for the mon")
-
-
-def _port_open(port: int, addr: str = "127.0.0.1") -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.2)
-        return s.connect_ex((addr, port)) == 0
-
-
-def _log_tails(root: Path) -> str:
-    parts = []
-    for log in sorted((root / "log").glob("*")):
-        with contextlib.suppress(OSError):
-            lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
-            if lines:
-                parts.append(f"--- {log.name} (tail) ---\n" + "\n".join(lines))
-    return "\n".join(parts)
-
-
-def _mount_points() -> set[str]:
-    points = set()
-    mountinfo = Path("/proc/self/mountinfo").read_bytes().decode("utf-8", "surrogateescape")
-    for line in mountinfo.splitlines():
-        fields = line.split()
-        if len(fields) > 4:  # field 5 is the mount point, with \040-style escapes
-            points.add(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4]))
-    return points
-
-
-def _remove_tree(root: Path, keep_root: bool) -> list[str]:
-    """Remove root (or only its contents) without entering mount points; return those left."""
-    top = os.path.normpath(root)
-    points = _mount_points()
-    blockers = sorted(m for m in points if m.startswith(f"{top}/"))
-    if top in points and not keep_root:
-        return [top]  # someone mounted over our dir: nothing below it is ours
-    if not os.path.lexists(top):
-        return blockers
-    if not blockers:
-        if keep_root:
-            _clear(top, set())
-        else:
-            shutil.rmtree(top)
-        return []
-    _clear(top, set(blockers))
-    return blockers
-
-
-def _clear(directory: str, mounts: set[str]) -> None:
-    # Delete everything in directory except the mount points and the dirs leading to them.
-    # Mount points are recognised by path before any syscall touches them.
-    with os.scandir(directory) as it:
-        entries = list(it)
-    for e in entries:
-        if e.path in mounts:
-            continue
-        if any(m.startswith(f"{e.path}/") for m in mounts):
-            _clear(e.path, mounts)
-        elif e.is_dir(follow_symlinks=False):
-            shutil.rmtree(e.path)
-        else:
-            os.unlink(e.path)
-
 
 # --- CLI -----------------------------------------------------------------------
 
