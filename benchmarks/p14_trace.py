@@ -91,6 +91,7 @@ def install() -> None:
     import reconciler.cli.main  # noqa: F401  (the apply path imports it)
     import reconciler.cli.reconcile as reconcile
     import reconciler.drivers.ceph as ceph
+    import reconciler.drivers.rbdbase as rbdbase
     import reconciler.drivers.rbdheader as rbdheader
     import reconciler.drivers.run as run
     import reconciler.engine as engine
@@ -139,7 +140,7 @@ def install() -> None:
             yield cluster
 
     ceph.connect = connect
-    for mod in (ceph, claims, rbdheader):
+    for mod in (ceph, rbdbase, claims, rbdheader):
         for attr, fn in list(vars(mod).items()):
             if callable(fn) and not attr.startswith("_") and not isinstance(fn, type) \
                     and getattr(fn, "__module__", None) == mod.__name__ and attr != "connect":

@@ -265,7 +265,7 @@ def report(rows: list[Row]) -> None:
 def real_observe(root: Path, n: int) -> None:
     import rbd
 
-    from reconciler.drivers import ceph
+    from reconciler.drivers import rbdbase
     from reconciler.observe import node as observe_mod
     from reconciler.observe.ceph import CephView
     from reconciler.observe.node import Node, observe
@@ -287,7 +287,7 @@ def real_observe(root: Path, n: int) -> None:
         with cluster.client(timeout=30, osd_op_timeout=60) as r, r.open_ioctx(POOL) as ioctx:
             for v in res.volumes:
                 rbd.RBD().create(ioctx, v.image.name, SIZE, old_format=False,
-                                 features=ceph.feature_bits(FEATURES))
+                                 features=rbdbase.feature_bits(FEATURES))
         print(f"real observe: created {n} images in {time.perf_counter() - t0:.1f}s")
 
         # Time the Ceph part inside the same pass, without a second pass.

@@ -18,7 +18,7 @@ import rados
 import rbd
 
 from reconciler.drivers import omap
-from reconciler.drivers.ceph import CephError, UnreadableMeta, header_oid, open_image
+from reconciler.drivers.rbdbase import CephError, UnreadableMeta, header_oid, open_image
 from reconciler.facts import meta
 from reconciler.facts.claim import Claim, parse
 

@@ -40,7 +40,7 @@ from typing import Protocol
 import rados
 import rbd
 
-from reconciler.drivers import ceph, keys
+from reconciler.drivers import ceph, keys, rbdbase
 from reconciler.drivers.crypt import Cryptsetup, keyslots
 from reconciler.drivers.run import CommandError
 from reconciler.facts import meta
@@ -307,7 +307,7 @@ def rotate_key(config: Config, vol: Volume, device: str, crypt: Cryptsetup,
             Rotation(vol, device, crypt, store, config.encryption.key_root,
                      lambda text: say(text, False),
                      config.encryption.accept_unbound).run(new_key_file)
-    except (RotateRefused, keys.KeyProblem, CommandError, ceph.CephError, rados.Error,
+    except (RotateRefused, keys.KeyProblem, CommandError, rbdbase.CephError, rados.Error,
             rbd.Error) as exc:
         say(f"rbd-reconciler: rotate-key {vol.name}: {exc}", True)
         return False

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 import rados
 
-from reconciler.drivers import ceph, keys
+from reconciler.drivers import ceph, keys, rbdbase
 from reconciler.facts import meta
 
 log = logging.getLogger("reconciler.apply")
@@ -76,7 +76,7 @@ class ImageSeals:
             done = ceph.update_meta(self.cluster, self.pool, self.image, {meta.LUKS_KEY: text},
                                     {meta.LUKS_KEY: self.wrap(got.passphrase, node_key,
                                                               key_path)})
-        except (ceph.CephError, rados.Error) as exc:
+        except (rbdbase.CephError, rados.Error) as exc:
             log.warning("%s/%s: wrapped passphrase (%s) not sealed again for the image: %s",
                         self.pool, self.image, why, exc)
             return

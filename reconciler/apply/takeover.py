@@ -31,7 +31,7 @@ import rados
 import rbd
 
 from reconciler.apply import claims
-from reconciler.drivers import ceph
+from reconciler.drivers import ceph, rbdbase
 from reconciler.facts.claim import Claim
 from reconciler.spec.config import Config
 from reconciler.spec.model import Volume
@@ -156,7 +156,7 @@ def takeover(config: Config, vol: Volume, sure: bool, say: Say, then: str) -> bo
             if done.error is not None:
                 say(f"rbd-reconciler: {done.error}", True)
                 return False
-    except (ceph.CephError, rados.Error, rbd.Error) as exc:
+    except (rbdbase.CephError, rados.Error, rbd.Error) as exc:
         say(f"rbd-reconciler: {pool}/{image}: {exc}", True)
         return False
     say(f"{pool}/{image}: claimed by {me} (taken over from {held.node}); {then}", False)

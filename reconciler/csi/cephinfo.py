@@ -15,8 +15,9 @@ import rados
 import rbd
 
 from reconciler.csi.errors import quoted
-from reconciler.drivers.ceph import CephError, connect, get_meta, set_meta, snapshot_children
+from reconciler.drivers.ceph import connect, get_meta, set_meta
 from reconciler.drivers.groups import snapshot_members
+from reconciler.drivers.rbdbase import CephError, snapshot_children
 from reconciler.facts import meta
 from reconciler.spec.config import CephConfig
 

@@ -26,7 +26,7 @@ from reconciler.csi.files import (
 )
 from reconciler.csi.snapshots import SnapshotRpcs, content_source_of, source_image
 from reconciler.csi.volumes import Volumes
-from reconciler.drivers.ceph import CephError
+from reconciler.drivers.rbdbase import CephError
 from reconciler.spec.model import DEFAULT_FEATURES
 from reconciler.spec.security import key_path_problem
 from reconciler.spec.units import MAX_OBJECT_MAP_SIZE, format_size

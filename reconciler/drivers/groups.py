@@ -18,14 +18,8 @@ from collections.abc import Callable
 import rados
 import rbd
 
-from reconciler.drivers.ceph import (
-    CephError,
-    ImageExists,
-    feature_bits,
-    image_names,
-    make_own,
-    open_image,
-)
+from reconciler.drivers.ceph import ImageExists, make_own
+from reconciler.drivers.rbdbase import CephError, feature_bits, image_names, open_image
 from reconciler.facts.observed import GroupSnapState, GroupState
 
 RECORD_PREFIX = "rbd-reconciler.group."

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 import rados
 
 from reconciler.drivers import omap
-from reconciler.drivers.ceph import CephError, feature_names
+from reconciler.drivers.rbdbase import CephError, feature_names
 from reconciler.facts import meta as metakeys
 from reconciler.facts.observed import ImageState
 

@@ -27,7 +27,7 @@ from typing import TypeVar
 
 import rados
 
-from reconciler.drivers import ceph, rbdheader
+from reconciler.drivers import ceph, rbdbase, rbdheader
 from reconciler.drivers.bounded import Bounded, NoAnswer, Task
 from reconciler.facts.observed import GroupState, ImageState
 from reconciler.spec.config import CephConfig
@@ -208,7 +208,7 @@ def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
         try:
             _wait_connected(cfg, begun[1] if begun is not None else
                             _start_connect(cfg, handle), timeout, deadline)
-        except (NoAnswer, ceph.CephError) as exc:
+        except (NoAnswer, rbdbase.CephError) as exc:
             handle.drop()
             out.errors.update({pool: f"cannot reach Ceph: {exc}" for pool in by_pool})
             return out
@@ -234,7 +234,7 @@ def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
     if blocklist:
         with contextlib.suppress(NoAnswer):  # still stuck from a pass before: unknown
             fences = handle.submit(("blocklist", cfg.conf),
-                                   lambda c: ceph.blocklist(c, timeout))
+                                   lambda c: rbdbase.blocklist(c, timeout))
     # Open the images of each pool as soon as its listing is in.
     images: dict[tuple[str, str], Task[ImageState | None]] = {}
     batches: list[_Headers] = []  # the header reads of a pool's images, together
@@ -246,7 +246,7 @@ def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
             pool = pending[fut]
             try:
                 existing, ids = handle.wait(lists.pop(pool), timeout, deadline)
-            except (NoAnswer, ceph.CephError) as exc:
+            except (NoAnswer, rbdbase.CephError) as exc:
                 out.errors[pool] = str(exc)
                 continue
             out.listed.add(pool)
@@ -264,7 +264,7 @@ def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
         try:
             handle.wait(t, timeout, deadline)
             out.errors[pool] = f"no answer within {timeout:g} s"  # just too late
-        except (NoAnswer, ceph.CephError) as exc:
+        except (NoAnswer, rbdbase.CephError) as exc:
             out.errors[pool] = str(exc)
     image_deadline = time.monotonic() + timeout
     for batch in batches:
@@ -278,7 +278,7 @@ def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
     for key, t in images.items():
         try:
             state = handle.wait(t, timeout, image_deadline)
-        except (NoAnswer, ceph.CephError) as exc:
+        except (NoAnswer, rbdbase.CephError) as exc:
             out.image_errors[key] = str(exc)
             continue
         if state is not None:
@@ -286,13 +286,13 @@ def observe_images(cfg: CephConfig, wanted: Iterable[tuple[str, str]],
     for key, gt in group_tasks.items():
         try:
             group = handle.wait(gt, timeout, image_deadline)
-        except (NoAnswer, ceph.CephError) as exc:
+        except (NoAnswer, rbdbase.CephError) as exc:
             out.group_errors[key] = str(exc)
             continue
         if group is not None:
             out.groups[key] = group
     if fences is not None:
-        with contextlib.suppress(NoAnswer, ceph.CephError, rados.Error):
+        with contextlib.suppress(NoAnswer, rbdbase.CephError, rados.Error):
             out.blocklist = handle.wait(fences, timeout, image_deadline)
     if session is not None and (out.errors or out.image_errors or out.group_errors):
         session.discard()  # something did not answer: never reuse this connection
@@ -309,7 +309,7 @@ def _group_state(cluster: rados.Rados, pool: str, name: str) -> GroupState | Non
 def _list_pool(cluster: rados.Rados, pool: str, names: set[str],
                watchers_for: set[tuple[str, str]] | None) -> tuple[set[str], dict[str, str]]:
     """The pool's images, and the ids of the wanted ones read from their header."""
-    existing = ceph.list_images(cluster, pool)
+    existing = rbdbase.list_images(cluster, pool)
     fast = {n for n in names & existing
             if watchers_for is not None and (pool, n) not in watchers_for}
     try:
@@ -349,7 +349,7 @@ class _Headers:
             rbdheader.header_states(cluster, self.pool, self._ids, self._deliver)
         except Exception as exc:  # e.g. the pool went away: every image not answered
             for name in self._ids:
-                self._deliver(name, ceph.CephError(f"{self.pool}/{name}: {exc}"))
+                self._deliver(name, rbdbase.CephError(f"{self.pool}/{name}: {exc}"))
 
     def _deliver(self, name: str, answer: rbdheader.Answer) -> None:
         with contextlib.suppress(concurrent.futures.InvalidStateError):
@@ -376,7 +376,7 @@ def _image_state(cluster: rados.Rados, pool: str, name: str,
             return rbdheader.header_state(cluster, pool, name, image_id)
         except rbdheader.Fallback:
             pass
-    return ceph.image_state(cluster, pool, name)
+    return rbdbase.image_state(cluster, pool, name)
 
 
 def _start_connect(cfg: CephConfig, handle: _Handle) -> Task[None]:
@@ -417,7 +417,7 @@ class Connecting:
             try:
                 _wait_connected(self._cfg, self._task, self._timeout,
                                 time.monotonic() + self._timeout)
-            except (NoAnswer, ceph.CephError) as exc:
+            except (NoAnswer, rbdbase.CephError) as exc:
                 self._error = exc
             self._task = None
         if self._error is not None:

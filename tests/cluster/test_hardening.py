@@ -433,12 +433,12 @@ def test_crash_after_the_directory_entry_before_the_header_is_recovered(
     node.write(name, f"  image: {{pool: {node.cluster.pool}, size: 16Mi, "
                      f"reclaimPolicy: Delete}}\n")
 
-    from reconciler.drivers import ceph
+    from reconciler.drivers import ceph, rbdbase
 
     def create_then_die(cluster, pool, image, size, *_: object) -> None:  # type: ignore[no-untyped-def]
         with cluster.open_ioctx(pool) as io:
             rbd.RBD().create(io, image, size, old_format=False)
-            io.remove_object(ceph.header_oid(io, image))  # as if killed before the header
+            io.remove_object(rbdbase.header_oid(io, image))  # as if killed before the header
         raise ProcessDies
 
     monkeypatch.setattr(ceph, "create_image", create_then_die)

@@ -68,16 +68,16 @@ def test_header_read_matches_librbd(node: NodeUnderTest) -> None:
 
     import rbd
 
-    from reconciler.drivers import ceph, rbdheader
+    from reconciler.drivers import rbdbase, rbdheader
     from reconciler.observe.ceph import observe_images
 
     a, b = node.name("hdr-a"), node.name("hdr-b")
     node.images.update({a, b})
     with node.cluster.client() as c, c.open_ioctx(node.cluster.pool) as io:
         rbd.RBD().create(io, a, 5 << 30, old_format=False,
-                         features=ceph.feature_bits(["layering", "exclusive-lock", "object-map",
+                         features=rbdbase.feature_bits(["layering", "exclusive-lock", "object-map",
                                                      "fast-diff", "deep-flatten"]))
-        rbd.RBD().create(io, b, 12 << 20, old_format=False, features=ceph.feature_bits(
+        rbd.RBD().create(io, b, 12 << 20, old_format=False, features=rbdbase.feature_bits(
             ["layering"]))
         with rbd.Image(io, a) as img:
             img.metadata_set("rbd-reconciler.owner", "n1")
@@ -86,7 +86,7 @@ def test_header_read_matches_librbd(node: NodeUnderTest) -> None:
         ids = rbdheader.image_ids(c, node.cluster.pool, [a, b, "no-such-image"])
         assert set(ids) == {a, b}
         for name in (a, b):
-            slow = ceph.image_state(c, node.cluster.pool, name)
+            slow = rbdbase.image_state(c, node.cluster.pool, name)
             fast = rbdheader.header_state(c, node.cluster.pool, name, ids[name])
             assert slow is not None and fast == dataclasses.replace(slow, watchers=())
         assert rbdheader.header_state(c, node.cluster.pool, a, "0000dead") is None
@@ -133,20 +133,20 @@ def image_only(node: NodeUnderTest, name: str, source: str = "") -> None:
 def test_image_only_volume_is_read_from_its_header(node: NodeUnderTest,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """No map, nothing mapped here: the planner needs no watchers, so no librbd open."""
-    from reconciler.drivers import ceph
+    from reconciler.drivers import rbdbase
 
     names = [node.name(f"only{i}") for i in range(3)]
     for name in names:
         image_only(node, name)
     assert node.apply()["rc"] == 0
     opened: list[str] = []
-    real = ceph.image_state
+    real = rbdbase.image_state
 
     def counting(cluster: object, pool: str, name: str) -> object:
         opened.append(name)
         return real(cluster, pool, name)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(ceph, "image_state", counting)
+    monkeypatch.setattr(rbdbase, "image_state", counting)
     config = load_config(node.config)
     p = plan_pass([node.desired], config, Node.from_config(config))
     assert all(not vp.steps and not vp.refusal for vp in p.plans), p.plans
@@ -183,7 +183,7 @@ def test_a_stuck_header_read_makes_only_its_image_unknown(
 
     import rbd
 
-    from reconciler.drivers import ceph, rbdheader
+    from reconciler.drivers import rbdbase, rbdheader
     from reconciler.observe import ceph as observe_ceph
 
     names = [node.name(f"stuck{i}") for i in range(4)]
@@ -191,7 +191,7 @@ def test_a_stuck_header_read_makes_only_its_image_unknown(
     with node.cluster.client() as c, c.open_ioctx(node.cluster.pool) as io:
         for name in names:
             rbd.RBD().create(io, name, 16 << 20, old_format=False,
-                             features=ceph.feature_bits(["layering"]))
+                             features=rbdbase.feature_bits(["layering"]))
     gate = threading.Event()
     real = rbdheader.header_states
     batches: list[int] = []

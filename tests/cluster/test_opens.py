@@ -7,16 +7,16 @@ import pytest
 from conftest import NodeUnderTest
 from test_daemon import spec
 
-from reconciler.drivers import ceph
+from reconciler.drivers import rbdbase
 
 pytestmark = pytest.mark.ceph
 
 
 def opens_during(node: NodeUnderTest, *args: str) -> int:
-    before = ceph.OPENS[0]
+    before = rbdbase.OPENS[0]
     rc, out = node.cli(*args)
     assert rc == 0, out
-    return ceph.OPENS[0] - before
+    return rbdbase.OPENS[0] - before
 
 
 def test_one_open_for_a_new_volume_and_none_for_a_noop(node: NodeUnderTest) -> None:

@@ -135,7 +135,8 @@ def test_io_max_on_a_cgroup_without_the_io_controller_is_a_clear_failure(
 def test_a_limit_librbd_refuses_leaves_the_previous_set(node: NodeUnderTest) -> None:
     """set_qos changes several keys one by one: when librbd refuses one of
     them half-way, the keys already changed go back (never a mix)."""
-    from reconciler.drivers.ceph import CephError, set_qos
+    from reconciler.drivers.ceph import set_qos
+    from reconciler.drivers.rbdbase import CephError
     from reconciler.spec.qos import QOS_KEYS
 
     image = node.name("qos-rollback")

@@ -198,7 +198,7 @@ def test_image_with_foreign_snapshot_is_not_deleted(node: NodeUnderTest) -> None
 
 def test_snapshot_failure_still_thaws(node: NodeUnderTest, monkeypatch: pytest.MonkeyPatch
                                       ) -> None:
-    from reconciler.drivers import ceph
+    from reconciler.drivers import ceph, rbdbase
 
     src, snap = node.name("frz"), node.name("frz-s")
     published(node, src, node.srv / "frz")
@@ -208,7 +208,7 @@ def test_snapshot_failure_still_thaws(node: NodeUnderTest, monkeypatch: pytest.M
     def boom(*_a: object, **_k: object) -> str:
         # The filesystem is frozen right now: a write would hang.
         assert not writes_within(node.srv / "frz" / "probe", "x", 0.5)
-        raise ceph.CephError("injected snapshot failure")
+        raise rbdbase.CephError("injected snapshot failure")
 
     monkeypatch.setattr(ceph, "create_snapshot", boom)
     doc = node.apply()

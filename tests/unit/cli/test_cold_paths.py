@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[3]
 # Loaded by `validate` of a valid file, they would cost it start-up time for nothing.
 NOT_FOR_VALIDATE = ("rados", "rbd", "jsonschema", "socket", "logging", "hashlib", "typing",
                     "subprocess", "grpc", "watchdog", "shutil", "reconciler.engine",
-                    "reconciler.drivers.ceph", "reconciler.plan.planner")
+                    "reconciler.drivers.ceph", "reconciler.drivers.rbdbase",
+                    "reconciler.plan.planner")
 
 
 def test_validate_imports_nothing_it_does_not_use(tmp_path: Path) -> None:
