@@ -43,6 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from daemonbench import release_with_cli, stop_daemon, wait_for, write_config
 from harness import (
     BenchError,
     DaemonProc,
@@ -55,7 +56,6 @@ from harness import (
     signals_ignored,
     signals_raise,
     status,
-    wait_exit,
 )
 from harness import cleanup as harness_cleanup
 
@@ -113,26 +113,19 @@ class Bench:
 
     def settled(self, name: str, key: str) -> dict:
         """The confirming pass has written where the volume is."""
-        deadline = time.monotonic() + SETTLE_TIMEOUT
-        while True:
+        s: dict = {}
+
+        def ok() -> bool:
+            nonlocal s
             s = status(self.state, name)
-            if s.get(key) and s.get("phase") in ("Published", "Mapped"):
-                return s
-            self.daemon.check_alive()
-            if time.monotonic() > deadline:
-                raise BenchError(f"{name} did not settle ({s}); log:\n{self.daemon.tail()}")
-            time.sleep(0.01)
+            return bool(s.get(key)) and s.get("phase") in ("Published", "Mapped")
+        wait_for(self.daemon, ok, SETTLE_TIMEOUT, lambda: f"{name} did not settle ({s})")
+        return s
 
     def until(self, what: str, ok: Callable[[], bool], t0: float | None = None) -> float:
         """Seconds from ``t0`` (the drift; default now) until ``ok()``."""
-        t0 = time.monotonic() if t0 is None else t0
-        while not ok():
-            if time.monotonic() - t0 > self.deadline:
-                raise BenchError(f"not repaired in {self.deadline:.0f} s: {what}; log:\n"
-                                 f"{self.daemon.tail()}")
-            self.daemon.check_alive()
-            time.sleep(POLL_S)
-        return time.monotonic() - t0
+        return wait_for(self.daemon, ok, self.deadline,
+                        lambda: f"not repaired in {self.deadline:.0f} s: {what}", POLL_S, t0)
 
     def pause(self) -> None:
         time.sleep(random.uniform(0, self.spread))  # where in the resync period: by chance
@@ -246,13 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     with signals_raise():
         try:
             cluster = start_cluster(root=root / "ceph")
-            for sub in ("desired", "state", "srv", "written"):
-                (root / sub).mkdir(mode=0o755)
-            config = root / "config.yaml"
-            config.write_text(CONFIG_YAML.format(
-                desired=root / "desired", state=root / "state", srv=root / "srv",
-                conf=cluster.conf, user=cluster.user, keyring=cluster.keyring,
-                resync=args.resync))
+            config = write_config(root, cluster, CONFIG_YAML,
+                                  ("desired", "state", "srv", "written"), resync=args.resync)
             written = write_volumes(root, cluster)
             daemon = DaemonProc(root, find_cli(), config, args=())
             daemon.wait_ready()
@@ -285,26 +273,10 @@ def main(argv: list[str] | None = None) -> int:
 def cleanup(root: Path, cluster: DevCluster | None, daemon: DaemonProc | None,
             written: list[Path]) -> int:
     problems: list[str] = []
-    if daemon is not None:
-        rc = daemon.stop()
-        if rc not in (0, None):
-            problems.append(f"daemon exited {rc}")
+    stop_daemon(daemon, problems)
     reap_zombies()
     if cluster is not None and written:
-        rel = root / "release"
-        rel.mkdir(exist_ok=True)
-        for f in written:
-            shutil.copy(f, rel / f.name)
-        fuse = fuse_pids_under(root)
-        try:
-            r = run([str(find_cli()), "--config", str(root / "config.yaml"), "release",
-                     str(rel)], check=False)
-            if r.returncode:
-                problems.append(f"release exited {r.returncode}: {r.stdout}{r.stderr}")
-        except (BenchError, subprocess.TimeoutExpired) as e:
-            problems.append(f"release: {e}")
-        for pid in fuse:
-            wait_exit(pid)
+        release_with_cli(root, written, problems)
     return harness_cleanup(root, cluster, problems)
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from daemonbench import release_with_cli, stop_daemon, wait_for, write_config
 from harness import (
     BenchError,
     DaemonProc,
@@ -44,7 +44,6 @@ from harness import (
     fuse_pids_under,
     pct,
     rss_kb,
-    run,
     signals_ignored,
     signals_raise,
     status,
@@ -100,18 +99,19 @@ class Bench:
         self.others = 0
 
     def wait_phase(self, names: list[str], phase: str) -> float:
-        t0 = time.monotonic()
         left = set(names)
-        while left:
+
+        def ok() -> bool:
+            nonlocal left
             left = {n for n in left if status(self.state, n).get("phase") != phase}
-            if time.monotonic() - t0 > RUN_TIMEOUT * max(1, len(names) / 100):
-                some = sorted(left)[:3]
-                raise BenchError(f"not {phase}: {len(left)} volume(s), e.g. "
-                                 f"{[(n, status(self.state, n)) for n in some]}; log:\n"
-                                 f"{self.daemon.tail()}")
-            self.daemon.check_alive()
-            time.sleep(POLL_S)
-        return time.monotonic() - t0
+            return not left
+
+        def failed() -> str:
+            some = sorted(left)[:3]
+            return (f"not {phase}: {len(left)} volume(s), e.g. "
+                    f"{[(n, status(self.state, n)) for n in some]}")
+        return wait_for(self.daemon, ok, RUN_TIMEOUT * max(1, len(names) / 100), failed,
+                        POLL_S)
 
     def add_others(self, upto: int) -> None:
         names = [f"p13-o{i:04}" for i in range(self.others, upto)]
@@ -175,12 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     with signals_raise():
         try:
             cluster = start_cluster(root=root / "ceph")
-            for sub in ("desired", "state", "srv", "incoming"):
-                (root / sub).mkdir(mode=0o755)
-            config = root / "config.yaml"
-            config.write_text(CONFIG_YAML.format(
-                desired=root / "desired", state=root / "state", srv=root / "srv",
-                conf=cluster.conf, user=cluster.user, keyring=cluster.keyring))
+            config = write_config(root, cluster, CONFIG_YAML,
+                                  ("desired", "state", "srv", "incoming"))
             daemon = DaemonProc(root, find_cli(), config)
             daemon.wait_ready()
             bench = Bench(root, cluster, daemon)
@@ -227,25 +223,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def cleanup(root: Path, cluster: DevCluster | None, daemon: DaemonProc | None) -> int:
     problems: list[str] = []
-    if daemon is not None:
-        rc = daemon.stop()
-        if rc not in (0, None):
-            problems.append(f"daemon exited {rc}")
+    stop_daemon(daemon, problems)
     reap_zombies()
     desired = root / "desired"
     mapped = [f for f in desired.glob("p13-fs*.yaml")] if desired.is_dir() else []
     if cluster is not None and mapped:
-        rel = root / "release"
-        rel.mkdir(exist_ok=True)
-        for f in mapped:
-            shutil.copy(f, rel / f.name)
-        fuse = fuse_pids_under(root)
-        r = run([str(find_cli()), "--config", str(root / "config.yaml"), "release", str(rel)],
-                check=False)
-        if r.returncode:
-            problems.append(f"release exited {r.returncode}: {r.stdout}{r.stderr}")
-        for pid in fuse:
-            wait_exit(pid)
+        release_with_cli(root, mapped, problems)
     return harness_cleanup(root, cluster, problems)
 
 

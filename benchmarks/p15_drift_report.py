@@ -43,18 +43,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from daemonbench import release_with_cli, stop_daemon, wait_for, write_config
 from harness import (
     BenchError,
     DaemonProc,
     find_cli,
-    fuse_pids_under,
     line,
     pct,
     run,
     signals_ignored,
     signals_raise,
     status,
-    wait_exit,
 )
 from harness import cleanup as harness_cleanup
 
@@ -118,24 +117,18 @@ class Bench:
         self.fresh = 0
 
     def settled(self, name: str) -> dict:
-        deadline = time.monotonic() + SETTLE_TIMEOUT
-        while True:
+        s: dict = {}
+
+        def ok() -> bool:
+            nonlocal s
             s = status(self.state, name)
-            if s.get("staging") and s.get("phase") == "Published":
-                return s
-            self.daemon.check_alive()
-            if time.monotonic() > deadline:
-                raise BenchError(f"{name} did not settle ({s}); log:\n{self.daemon.tail()}")
-            time.sleep(0.01)
+            return bool(s.get("staging")) and s.get("phase") == "Published"
+        wait_for(self.daemon, ok, SETTLE_TIMEOUT, lambda: f"{name} did not settle ({s})")
+        return s
 
     def until(self, what: str, ok: Callable[[], bool], t0: float) -> float:
-        while not ok():
-            if time.monotonic() - t0 > self.deadline:
-                raise BenchError(f"not seen in {self.deadline:.0f} s: {what}; log:\n"
-                                 f"{self.daemon.tail()}")
-            self.daemon.check_alive()
-            time.sleep(POLL_S)
-        return time.monotonic() - t0
+        return wait_for(self.daemon, ok, self.deadline,
+                        lambda: f"not seen in {self.deadline:.0f} s: {what}", POLL_S, t0)
 
     def reported(self, name: str, reason: str) -> Callable[[], bool]:
         def ok() -> bool:
@@ -244,13 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     with signals_raise():
         try:
             cluster = start_cluster(root=root / "ceph")
-            for sub in ("desired", "state", "srv"):
-                (root / sub).mkdir(mode=0o755)
-            config = root / "config.yaml"
-            config.write_text(CONFIG_YAML.format(
-                desired=root / "desired", state=root / "state", srv=root / "srv",
-                conf=cluster.conf, user=cluster.user, keyring=cluster.keyring,
-                resync=args.resync))
+            config = write_config(root, cluster, CONFIG_YAML, ("desired", "state", "srv"),
+                                  resync=args.resync)
             (root / "desired" / "p15-fs.yaml").write_text(VOLUME_YAML.format(
                 name="p15-fs", pool=cluster.pool, target=root / "srv" / "p15-fs"))
             daemon = DaemonProc(root, find_cli(), config, args=())
@@ -283,26 +271,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def cleanup(root: Path, cluster: DevCluster | None, daemon: DaemonProc | None) -> int:
     problems: list[str] = []
-    if daemon is not None:
-        code = daemon.stop()
-        if code not in (0, None):
-            problems.append(f"daemon exited {code}")
+    stop_daemon(daemon, problems)
     reap_zombies()
     for point in (root / "srv" / "p15-fs", root / "srv"):  # a trial cut short
         while (m := mount_at(str(point))) is not None and m.fs_type == "tmpfs":
             subprocess.run(["umount", str(point)], check=False)
     desired = root / "desired"
     if cluster is not None and desired.is_dir() and any(desired.iterdir()):
-        fuse = fuse_pids_under(root)
-        try:
-            r = run([str(find_cli()), "--config", str(root / "config.yaml"), "release"],
-                    check=False)
-            if r.returncode:
-                problems.append(f"release exited {r.returncode}: {r.stdout}{r.stderr}")
-        except (BenchError, subprocess.TimeoutExpired) as e:
-            problems.append(f"release: {e}")
-        for pid in fuse:
-            wait_exit(pid)
+        release_with_cli(root, None, problems)
         shutil.rmtree(desired, ignore_errors=True)
     return harness_cleanup(root, cluster, problems)
 

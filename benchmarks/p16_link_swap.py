@@ -40,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from daemonbench import stop_daemon, write_config
 from harness import (
     BenchError,
     DaemonProc,
@@ -138,14 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             cluster = start_cluster(root=root / "ceph")
             gitops = root / "gitops"
-            for sub in ("state", "srv"):
-                (root / sub).mkdir(mode=0o755)
             release(gitops, 0, cluster.pool, [])
             (gitops / "current").symlink_to("releases/r0")
-            config = root / "config.yaml"
-            config.write_text(CONFIG.format(
-                desired=gitops / "current" / "volumes", state=root / "state", srv=root / "srv",
-                conf=cluster.conf, user=cluster.user, keyring=cluster.keyring))
+            config = write_config(root, cluster, CONFIG, ("state", "srv"),
+                                  desired=gitops / "current" / "volumes")
             daemon = DaemonProc(root, find_cli(), config)
             daemon.wait_ready()
             firsts, createds = [], []
@@ -176,10 +173,7 @@ def main(argv: list[str] | None = None) -> int:
 def cleanup(root: Path, cluster: DevCluster | None, daemon: DaemonProc | None,
             names: list[str]) -> int:
     problems: list[str] = []
-    if daemon is not None:
-        rc = daemon.stop()
-        if rc not in (0, None):
-            problems.append(f"daemon exited {rc}")
+    stop_daemon(daemon, problems)
     if cluster is not None:
         for name in names:
             try:

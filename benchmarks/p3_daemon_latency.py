@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,7 @@ from pathlib import Path
 # The shared helpers; importing harness also puts this tree's reconciler first on sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from daemonbench import release_with_cli, stop_daemon, wait_for, write_config
 from harness import (
     BenchError,
     DaemonProc,
@@ -152,12 +152,8 @@ def one_run(d: DaemonProc, root: Path, pool: str, name: str, written: list[Path]
     # untimed: remove the file, wait for Released and for its rbd-fuse to go
     fuse = fuse_pids_under(root)
     (desired / f"{name}.yaml").unlink()
-    deadline = time.monotonic() + RUN_TIMEOUT
-    while status(state, name).get("phase") != "Released":
-        d.check_alive()
-        if time.monotonic() > deadline:
-            raise BenchError(f"{name}: not released in {RUN_TIMEOUT:.0f} s; log:\n{d.tail()}")
-        time.sleep(0.01)
+    wait_for(d, lambda: status(state, name).get("phase") == "Released", RUN_TIMEOUT,
+             lambda: f"{name}: not released in {RUN_TIMEOUT:.0f} s")
     for pid in fuse:
         wait_exit(pid)
     reap_zombies()
@@ -188,12 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             cluster = start_cluster(root=root / "ceph")
             print(f"cluster up in {time.perf_counter() - t0:.1f}s "
                   f"(mon {cluster.mon_addr}, pool {cluster.pool}); workdir {root}")
-            for sub in ("desired", "state", "srv", "incoming", "written"):
-                (root / sub).mkdir(mode=0o755)
-            config = root / "config.yaml"
-            config.write_text(CONFIG_YAML.format(
-                desired=root / "desired", state=root / "state", srv=root / "srv",
-                conf=cluster.conf, user=cluster.user, keyring=cluster.keyring))
+            config = write_config(root, cluster, CONFIG_YAML,
+                                  ("desired", "state", "srv", "incoming", "written"))
             daemon = DaemonProc(root, find_cli(), config)
             daemon.wait_ready()
 
@@ -232,29 +224,13 @@ def cleanup(root: Path, cluster: DevCluster | None, daemon: DaemonProc | None,
             written: list[Path]) -> int:
     """Returns 1 if something could not be removed (and says what)."""
     problems: list[str] = []
-    if daemon is not None:
-        rc = daemon.stop()
-        if rc not in (0, None):
-            problems.append(f"daemon exited {rc}")
+    stop_daemon(daemon, problems)
     reap_zombies()
     ceph = f"{root / 'ceph'}/"
     if cluster is not None and [m for m in mounts_under(root)
                                 if not m.point.startswith(ceph)]:
         # Give back whatever the daemon left published, the reconciler's own way.
-        rel = root / "release"
-        rel.mkdir(exist_ok=True)
-        for f in written:
-            shutil.copy(f, rel / f.name)
-        fuse = fuse_pids_under(root)
-        try:
-            r = run([str(find_cli()), "--config", str(root / "config.yaml"), "release",
-                     str(rel)], check=False)
-            if r.returncode:
-                problems.append(f"release exited {r.returncode}: {r.stdout}{r.stderr}")
-        except (BenchError, subprocess.TimeoutExpired) as e:
-            problems.append(f"release: {e}")
-        for pid in fuse:
-            wait_exit(pid)
+        release_with_cli(root, written, problems)
     problems += sweep(root)
     if cluster is not None:
         for f in written:  # the cluster goes with its dir anyway: give up at the first hitch
