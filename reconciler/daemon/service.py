@@ -43,6 +43,7 @@ from reconciler.daemon.follow import Follower
 from reconciler.daemon.interest import VolumeInterest, combine, forget, volume_interest
 from reconciler.daemon.liveview import LiveView
 from reconciler.daemon.metrics import Metrics, ceph_reachable
+from reconciler.daemon.readiness import FirstChains
 from reconciler.drivers.freeze import thaw_recorded
 from reconciler.drivers.reaper import become_subreaper, reap_zombies
 from reconciler.drivers.run import Aborted, Halt
@@ -63,6 +64,7 @@ from reconciler.facts.observed import Observed
 from reconciler.observe.ceph import observe_images
 from reconciler.observe.node import Node
 from reconciler.plan.planner import VolumePlan, actual_state
+from reconciler.plan.removals import decide_removals
 from reconciler.source.report import applied_revision, distrust
 from reconciler.spec.config import Config, ConfigError, load_config
 from reconciler.spec.desired import claims, forgettable, load_desired
@@ -84,9 +86,6 @@ BACKOFF_MAX_S = 300.0
 # A pass (load, bounded observe, plan) stuck longer than this is a bug or a
 # hang the deadlines missed: stop pinging the watchdog so systemd restarts us.
 STALL_MIN_S = 120.0
-# READY=1 waits this long at most for the first pass's chains (the unit's
-# TimeoutStartSec=300s sits above it: raise both together).
-READY_WAIT_S = 240.0
 # Of timeouts.stopSeconds, kept for what follows the wait for the chains
 # (the CSI server's own grace, the file watcher, the log lines).
 STOP_RESERVE_S = 3.0
@@ -152,6 +151,7 @@ class Daemon:
         self.dirwatch: DirWatcher | None = None  # inotify on the desired files' paths
         self.conditions = Conditions(log)
         self.busy_since: float | None = None  # the pass thread is inside a pass
+        self.first_chains = FirstChains()  # READY=1 once the first pass's chains ended
         # Hooks for the CSI adapter (reconciler/csi): a wake that skips the
         # debounce, and counts of passes begun and finished it can wait on.
         self.csi_endpoint = csi_endpoint
@@ -562,12 +562,17 @@ class Daemon:
 
     def _loop(self) -> None:
         self._pass()
-        self._await_first_chains(READY_WAIT_S)
-        sdnotify.notify("READY=1")
+        # READY=1 once the first pass's chains have ended (daemon/readiness.py):
+        # asked on every turn, never waited on, so that one stuck volume holds
+        # up nothing else meanwhile (safety rule 10).
+        with self.lock:
+            self.first_chains.begin(self.inflight)
         next_resync = time.monotonic() + self.config.resync_seconds
         while not self.stopping.is_set():
             retry = self._next_retry()
-            woke = self.wake_event.wait(max(0.0, min(next_resync, retry) - time.monotonic()))
+            ready_check = self.first_chains.check()
+            wait = min(next_resync, retry) - time.monotonic()
+            woke = self.wake_event.wait(max(0.0, min(wait, ready_check)))
             if self.stopping.is_set():
                 break
             if woke and self.urgent.is_set():
@@ -584,28 +589,7 @@ class Daemon:
                 next_resync = now + self.config.resync_seconds
             if woke or now >= retry or self.dirty_all:
                 self._pass()
-
-    def _await_first_chains(self, limit: float) -> None:
-        """READY=1 means the volumes were brought up: units ordered After= the
-        daemon (applications, remote-fs.target) start at boot once the first
-        pass's chains have ended (converged, failed or backing off), not while
-        their volumes are still being mapped: an application started then
-        writes into its empty publish directory, on the root filesystem,
-        which the publish then hides (seen on a systemd node: the node tests).
-        At most ``limit`` seconds, then READY=1 all the same, naming what
-        still runs; a stop ends the wait at once."""
-        with self.lock:
-            pending = set(self.inflight.values())
-            names = {id(f): n for n, f in self.inflight.items()}
-        if not pending:
-            return
-        sdnotify.notify(f"STATUS=starting: bringing up {len(pending)} volume(s)")
-        deadline = time.monotonic() + limit
-        while pending and not self.stopping.is_set() and time.monotonic() < deadline:
-            _, pending = wait_futures(pending, timeout=min(0.5, deadline - time.monotonic()))
-        if pending and not self.stopping.is_set():
-            log.warning("ready after %g s with volume(s) still converging: %s", limit,
-                        ", ".join(sorted(names[id(f)] for f in pending)))
+        self.first_chains.stopping()
 
     def _next_retry(self) -> float:
         """When the next backoff ends that the last pass could not yet retry."""
@@ -968,29 +952,14 @@ class Daemon:
                 vanished.remove(name)
         taken = allowance.take(self.config.state_dir)
         allowed = Allowance(taken.names | asked.names, taken.all or asked.all)
-        held: dict[str, str] = {}
-        removing: list[str] = []
-        refused: dict[str, str] = {}  # keyed: a changed count is the same condition
-        if vanished and failed_files:
-            # A failed file may declare any of them (renamed and broken in one
-            # change hides its names): while one fails, nothing is released
-            # unless named by allow-removal (safety rule 3 holds across renames).
-            more = f" (and {len(failed_files) - 1} more)" if len(failed_files) > 1 else ""
-            why = f"removal held: {failed_files[0]}{more} fails to load"
-            removing = [n for n in vanished if n in allowed.names]
-            held = {n: why for n in vanished if n not in allowed.names}
-        elif vanished:
-            removing = [n for n in vanished if allowed.allows(n)]
-            guarded = [n for n in vanished if not allowed.allows(n)]
-            if guarded and self._mass_removal(len(guarded), len(current) + len(frozen)):
-                refused["mass-removal"] = (
-                    f"{len(guarded)} of {len(self.records)} managed volume(s) vanished in one "
-                    f"pass; doing nothing to them (a checkout gone wrong?). To let them go: "
-                    f"rbd-reconciler allow-removal --all (or NAME...)")
-                sdnotify.notify(f"STATUS=mass removal refused: {len(guarded)} volume(s)")
-            else:
-                removing += guarded
-        self.conditions.update("mass-removal", refused)
+        decided = decide_removals(vanished, failed_files, allowed.names, allowed.all,
+                                  present=len(current) + len(frozen), managed=len(self.records),
+                                  allow_mass_removal=self.allow_mass_removal,
+                                  mass_removal_share=self.config.mass_removal_share)
+        removing, held = decided.releasing, decided.held
+        if decided.refused:
+            sdnotify.notify(f"STATUS=mass removal refused: {decided.guarded} volume(s)")
+        self.conditions.update("mass-removal", decided.refused)
         self.conditions.update("held", sorted(set(held.values())))
         if allowed.names or allowed.all:
             log.info("allow-removal consumed: %s", ", ".join(sorted(allowed.names)) or "all")
@@ -1020,15 +989,6 @@ class Daemon:
             if changed or self.unsaved_records:
                 self._save_records()
         return release, held
-
-    def _mass_removal(self, removing: int, present: int) -> bool:
-        """``present``: managed volumes still declared, frozen ones included."""
-        if self.allow_mass_removal:
-            return False
-        if present == 0:
-            return True
-        return removing > 1 and removing / max(1, len(self.records)) > \
-            self.config.mass_removal_share
 
     def _due(self, v: Volume) -> bool:
         with self.lock:
