@@ -18,7 +18,6 @@ import faulthandler
 import json
 import logging
 import os
-import random
 import signal
 import threading
 import time
@@ -42,8 +41,9 @@ from reconciler.daemon.events import EventHub
 from reconciler.daemon.follow import Follower
 from reconciler.daemon.interest import VolumeInterest, combine, forget, volume_interest
 from reconciler.daemon.liveview import LiveView
+from reconciler.daemon.loop import PassLoop, next_backoff
 from reconciler.daemon.metrics import Metrics, ceph_reachable
-from reconciler.daemon.readiness import FirstChains
+from reconciler.daemon.outcomes import Down, chain_aborted, chain_ended, nothing_to_do
 from reconciler.drivers.freeze import thaw_recorded
 from reconciler.drivers.reaper import become_subreaper, reap_zombies
 from reconciler.drivers.run import Aborted, Halt
@@ -69,42 +69,22 @@ from reconciler.source.report import applied_revision, distrust
 from reconciler.spec.config import Config, ConfigError, load_config
 from reconciler.spec.desired import claims, forgettable, load_desired
 from reconciler.spec.loader import LoadCache, LoadResult, discover
-from reconciler.spec.model import Phase, Volume, volume_from_dict, volume_to_dict
+from reconciler.spec.model import Volume, volume_from_dict, volume_to_dict
 from reconciler.spec.security import desired_dir_problems, directory_problems
 from reconciler.state import allowance, holds
 from reconciler.state.allowance import Allowance
-from reconciler.state.files import CannotWrite, read_json, write_json
-from reconciler.state.records import RecordsFile
-from reconciler.state.status import UNSET, VolumeStatus, converged_conditions
+from reconciler.state.files import CannotWrite, read_json
+from reconciler.state.status import VolumeStatus
+from reconciler.state.statusfiles import StatusFiles
 
 log = logging.getLogger("rbd-reconciler")
 
-DEBOUNCE_S = 0.05  # quiet time after an event burst (a git pull touching 50 files)
-DEBOUNCE_MAX_S = 1.0  # ...but never wait longer than this after the first event
-BACKOFF_BASE_S = 2.0
-BACKOFF_MAX_S = 300.0
 # A pass (load, bounded observe, plan) stuck longer than this is a bug or a
 # hang the deadlines missed: stop pinging the watchdog so systemd restarts us.
 STALL_MIN_S = 120.0
 # Of timeouts.stopSeconds, kept for what follows the wait for the chains
 # (the CSI server's own grace, the file watcher, the log lines).
 STOP_RESERVE_S = 3.0
-
-# A status differing from the last written in none of these is not rewritten.
-STATUS_KEYS = ("phase", "observedGeneration", "lastResult", "reason", "message",
-               "sourceRevision")
-
-# Why a volume is taken down: its file vanished, or `release` held it down
-# through the daemon; None: converged to its file.
-Down = Literal["vanished", "held"] | None
-
-# The status of a volume held down (state/holds.py).
-HELD = {"reason": "Held", "message": "released through the daemon (rbd-reconciler release); "
-                                     "kept down until rbd-reconciler apply names it"}
-
-PHASE_NAMES = {"ABSENT": "Absent", "CREATED": "Created", "MAPPED": "Mapped",
-               "STAGED": "Staged", "PUBLISHED": "Published"}
-
 
 @dataclass
 class PassKnew:
@@ -114,13 +94,6 @@ class PassKnew:
     current: set[str] = field(default_factory=set)  # declared
     released: set[str] = field(default_factory=set)  # vanished, released by it
     frozen: set[str] = field(default_factory=set)
-
-
-@dataclass
-class Backoff:
-    failures: int
-    until: float
-    spec_hash: str
 
 
 class Daemon:
@@ -135,15 +108,14 @@ class Daemon:
         self.halt = Halt()
         self.node = Node.from_config(config, halt=self.halt)
         self.abandoned = False  # a chain outlived the stop deadline: exit hard
-        self.wake_event = threading.Event()
         self.stopping = threading.Event()
         self.reload_wanted = threading.Event()
         self.lock = threading.Lock()  # records, in-flight set, backoff
         self.inflight: dict[str, Future[None]] = {}
-        self.backoff: dict[str, Backoff] = {}
         self.records: dict[str, dict] = {}
         self.recorded: dict[str, tuple[str, Path]] = {}  # name -> what its record holds
-        self.records_file = RecordsFile(self.records_path)
+        # Status files and managed.json, and what is not on disk yet.
+        self.files = StatusFiles(lambda: self.config.state_dir, now_iso)
         # Files unchanged since the last pass (stat) are not read again.
         self.load_cache = LoadCache()
         self.pool = ThreadPoolExecutor(max_workers=config.parallel,
@@ -151,23 +123,17 @@ class Daemon:
         self.dirwatch: DirWatcher | None = None  # inotify on the desired files' paths
         self.conditions = Conditions(log)
         self.busy_since: float | None = None  # the pass thread is inside a pass
-        self.first_chains = FirstChains()  # READY=1 once the first pass's chains ended
         # Hooks for the CSI adapter (reconciler/csi): a wake that skips the
         # debounce, and counts of passes begun and finished it can wait on.
         self.csi_endpoint = csi_endpoint
         self.serve_csi = serve_csi
-        self.urgent = threading.Event()
         self.gate: Gate | None = None  # the CSI adapter's say over its files, per step
         self.passes_started = 0  # passes run one after another: started - done <= 1
         self.passes_done = 0
         self.progress = threading.Condition()  # notified: pass finished, status written
         self.progress_seq = 0  # bumped with every notify: a waiter never misses one
-        # What the next pass looks at (names); everything while ``dirty_all``.
-        self.dirty: set[str] = set()
-        self.dirty_all = True
-        self.dirty_why: list[str] = []  # for the debug line of the next pass
-        self.last_hash: dict[str, str] = {}  # name -> spec_hash at the last pass
-        self.last_pass_start = 0.0
+        # When the next pass runs and what it looks at (daemon/loop.py).
+        self.loop = PassLoop(self.lock)
         self.interest: dict[str, VolumeInterest] = {}
         self.events: EventHub | None = None
         self.follower: Follower | None = None  # the GitOps source (config.git)
@@ -176,16 +142,6 @@ class Daemon:
         # on (daemon/claimpoll.py): name -> ((pool, image), what the pass saw).
         self.claim_waits: dict[str, tuple[tuple[str, str], Wait]] = {}
         self.claim_poll: ClaimPoll | None = None
-        # name -> the status fields compared before a write (no read per pass)
-        self.written: dict[str, tuple] = {}
-        # stateDir that cannot be written (full, read-only): the first failed
-        # write of the episode, what is not on disk yet, and the volumes held
-        # back meanwhile (their new or changed record is not on disk: what is
-        # not recorded is not done, so a restart never loses track of it).
-        self.state_error: str | None = None
-        self.unsaved_records = False
-        self.unrecorded: set[str] = set()
-        self.unwritten: dict[str, dict[str, Any]] = {}  # name -> status not on disk yet
         # The command line's way in (daemon/control.py): what it asks of the
         # passes, what they saw, and what `release` holds down until `apply`.
         self.control: ControlServer | None = None
@@ -197,47 +153,15 @@ class Daemon:
         self.pass_knew = PassKnew()  # what the pass under way knew, for the asks
         self.not_reconciling: str | None = None  # why the last pass refused; None: it looked
         self.metrics = Metrics()
-        self.metrics.in_backoff.set_function(lambda: len(self.backoff))
-        self.metrics.state_writable.set_function(lambda: 0 if self.state_failing else 1)
+        self.metrics.in_backoff.set_function(lambda: len(self.loop.backoff))
+        self.metrics.state_writable.set_function(lambda: 0 if self.files.failing else 1)
         self.metrics.resync.set_function(lambda: self.config.resync_seconds)  # follows SIGHUP
-
-    @property
-    def state_failing(self) -> bool:
-        """Something under stateDir (records, a status) is not on disk yet."""
-        return self.unsaved_records or bool(self.unwritten)
-
-    # -- paths ----------------------------------------------------------------
-    @property
-    def records_path(self) -> Path:
-        return self.config.state_dir / "managed.json"
-
-    def status_path(self, name: str) -> Path:
-        return self.config.state_dir / "status" / f"{name}.json"
-
-    # -- lifecycle ------------------------------------------------------------
-    def wake(self) -> None:
-        self.wake_event.set()
-
-    def mark_dirty(self, names: Iterable[str] | None, why: str) -> None:
-        """Have the next pass look at ``names`` (None: at every volume)."""
-        with self.lock:
-            if names is None:
-                self.dirty_all = True
-            else:
-                self.dirty.update(names)
-            if len(self.dirty_why) < 20:
-                self.dirty_why.append(why)
-        self.wake_event.set()
 
     # -- hooks for the CSI adapter -------------------------------------------
     def wake_volume(self, name: str) -> None:
         """A pass at once, without the debounce, that tries ``name`` even if it
         is backing off: a CSI call (maybe the CO's retry) is waiting on it."""
-        with self.lock:
-            self.backoff.pop(name, None)
-            self.dirty.add(name)
-        self.urgent.set()
-        self.wake_event.set()
+        self.loop.wake_volume(name)
 
     def set_gate(self, gate: Gate | None) -> None:
         self.gate = gate
@@ -254,18 +178,7 @@ class Daemon:
     def look_again(self, names: set[str] | None, why: str) -> None:
         """A pass at once over ``names`` (None: every volume), backoff
         forgotten, no debounce: the command line waits on it."""
-        with self.lock:
-            if names is None:
-                self.dirty_all = True
-                self.backoff.clear()
-            else:
-                for name in names:
-                    self.backoff.pop(name, None)
-                self.dirty |= names
-            if len(self.dirty_why) < 20:
-                self.dirty_why.append(why)
-        self.urgent.set()
-        self.wake_event.set()
+        self.loop.look_again(names, why)
 
     def first_pass_after_now(self) -> int:
         """The number of the first pass that begins after this call."""
@@ -332,8 +245,8 @@ class Daemon:
         if look:
             with self.lock:
                 for name in look:
-                    self.backoff.pop(name, None)
-                self.dirty |= look
+                    self.loop.backoff.pop(name, None)
+                self.loop.dirty |= look
 
     def _hold_down(self, names: set[str]) -> str | None:
         return self._save_holds(self.holds | names)
@@ -358,7 +271,7 @@ class Daemon:
         return None
 
     def status(self, name: str) -> dict:
-        return read_json(self.status_path(name), {}) or {}
+        return self.files.read(name)
 
     def await_status(self, name: str, covers: Callable[[dict[str, Any]], bool],
                      deadline: float) -> tuple[Awaited, dict[str, Any]]:
@@ -394,11 +307,11 @@ class Daemon:
                      "commands for %g s, then what still runs is killed; exiting within %g s",
                      signum, t.stop_grace_seconds, t.stop_seconds)
             self.stopping.set()
-            self.wake()
+            self.loop.wake()
 
         def reload(_signum: int, _frame: object) -> None:
             self.reload_wanted.set()
-            self.wake()
+            self.loop.wake()
 
         # SIGUSR1 dumps every thread's stack to stderr: for "why is it stuck?"
         faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -445,7 +358,7 @@ class Daemon:
                 for line in thaw_recorded(self.config.state_dir):
                     log.warning("freeze: %s", line)
                 become_subreaper()
-                self.records = read_json(self.records_path, {}) or {}
+                self.records = read_json(self.files.records_path, {}) or {}
                 self.holds = holds.read(self.config.state_dir)
                 # Early: a command typed while the first pass runs waits for it.
                 try:
@@ -531,7 +444,7 @@ class Daemon:
         (stuck outside a command) is logged and abandoned: the exit does not
         wait for it."""
         self.halt.begin(self.config.timeouts.stop_grace_seconds)
-        self.wake()
+        self.loop.wake()
         worker.join(timeout=max(0.0, deadline - time.monotonic()))  # observe is bounded
         self.pool.shutdown(wait=False, cancel_futures=True)  # queued chains never start
         with self.lock:
@@ -561,41 +474,11 @@ class Daemon:
         return since is None or time.monotonic() - since < limit
 
     def _loop(self) -> None:
-        self._pass()
-        # READY=1 once the first pass's chains have ended (daemon/readiness.py):
-        # asked on every turn, never waited on, so that one stuck volume holds
-        # up nothing else meanwhile (safety rule 10).
-        with self.lock:
-            self.first_chains.begin(self.inflight)
-        next_resync = time.monotonic() + self.config.resync_seconds
-        while not self.stopping.is_set():
-            retry = self._next_retry()
-            ready_check = self.first_chains.check()
-            wait = min(next_resync, retry) - time.monotonic()
-            woke = self.wake_event.wait(max(0.0, min(wait, ready_check)))
-            if self.stopping.is_set():
-                break
-            if woke and self.urgent.is_set():
-                self.urgent.clear()
-                self.wake_event.clear()
-            elif woke:
-                self._debounce()
-            if self.reload_wanted.is_set():
-                self._reload()
-            now = time.monotonic()
-            if now >= next_resync:
-                self.mark_dirty(None, "resync")
-                self.wake_event.clear()
-                next_resync = now + self.config.resync_seconds
-            if woke or now >= retry or self.dirty_all:
-                self._pass()
-        self.first_chains.stopping()
-
-    def _next_retry(self) -> float:
-        """When the next backoff ends that the last pass could not yet retry."""
-        with self.lock:
-            return min((b.until for b in self.backoff.values()
-                        if b.until > self.last_pass_start), default=float("inf"))
+        def inflight() -> dict[str, Future[None]]:
+            with self.lock:
+                return dict(self.inflight)
+        self.loop.run(self._pass, inflight, lambda: self.config.resync_seconds,
+                      self.stopping, self.reload_wanted, self._reload)
 
     def _pass(self) -> None:
         self.busy_since = time.monotonic()
@@ -609,17 +492,6 @@ class Daemon:
             log.exception("pass failed")
         finally:
             self.busy_since = None
-
-    def _debounce(self) -> None:
-        first = time.monotonic()
-        self.wake_event.clear()
-        while time.monotonic() - first < DEBOUNCE_MAX_S:
-            if not self.wake_event.wait(DEBOUNCE_S):
-                return
-            self.wake_event.clear()
-            if self.urgent.is_set():  # the command line waits: no more quiet time
-                self.urgent.clear()
-                return
 
     def _reload(self) -> None:
         self.reload_wanted.clear()
@@ -641,7 +513,7 @@ class Daemon:
         elif self.follower is not None:
             self.follower.sync_now()
         self._watch()
-        self.mark_dirty(None, "config reloaded")
+        self.loop.mark_dirty(None, "config reloaded")
 
     def _watch(self) -> None:
         """Watch what can change the desired files (daemon/dirwatch.py): the
@@ -649,7 +521,7 @@ class Daemon:
         swapped anywhere on the way (git-sync, a deploy keeping releases)."""
         if self.dirwatch is None:
             try:
-                self.dirwatch = DirWatcher(self.wake, self._events_lost)
+                self.dirwatch = DirWatcher(self.loop.wake, self._events_lost)
             except OSError as exc:  # no inotify left (fs.inotify.max_user_instances)
                 log.warning("events: not watching the desired files (%s); they are looked "
                             "at every %g s", exc, self.config.resync_seconds)
@@ -660,7 +532,7 @@ class Daemon:
     def _events_lost(self) -> None:
         """The kernel dropped file events (its queue overflowed): what changed
         is unknown, so the next pass looks at every volume."""
-        self.mark_dirty(None, "file events lost (inotify queue overflow)")
+        self.loop.mark_dirty(None, "file events lost (inotify queue overflow)")
 
     def _start_events(self) -> None:
         poll = self.config.events.image_poll_seconds
@@ -688,18 +560,16 @@ class Daemon:
         now): what they were refused on no longer holds, so they are tried
         at once rather than when their backoff ends."""
         names = list(names)
-        with self.lock:
-            for name in names:
-                self.backoff.pop(name, None)
+        self.loop.retry_now(names)
         log.info("%s: %s; looking again", ", ".join(names), why)
-        self.mark_dirty(names, why)
+        self.loop.mark_dirty(names, why)
 
     def _start_source(self) -> None:
         """Follow the git source (docs/gitops-source.md) in a thread of its own."""
         if self.config.git is None or self.follower is not None:
             return
         self.follower = Follower(lambda: self.config, self.metrics, self.halt,
-                                 lambda rev: self.mark_dirty(None, f"source applied {rev}"))
+                                 lambda rev: self.loop.mark_dirty(None, f"source applied {rev}"))
         self.follower.start()
 
     def _image_sizes(self, images: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
@@ -769,8 +639,8 @@ class Daemon:
         release, held = self._removals(current, frozen, failed_files,
                                        self.asks.allowance(self.passes_started))
         with self.lock:
-            unrecorded = self.unrecorded & set(current)
-            self.dirty |= unrecorded  # looked at again once it can be recorded
+            unrecorded = self.files.unrecorded & set(current)
+            self.loop.dirty |= unrecorded  # looked at again once it can be recorded
         self.pass_knew = PassKnew(set(current), {v.name for v in release}, frozen)
         # What the command line asked for: its volumes are looked at in this pass.
         self._answer_asks(loaded, current, frozen, release, held, unrecorded)
@@ -779,7 +649,7 @@ class Daemon:
         if gone := {n for n in self.holds if n not in current and n not in self.records}:
             self._save_holds(self.holds - gone)  # no longer managed: nothing to keep down
 
-        wanted, why = self._take_dirty(current, release)
+        wanted, why = self.loop.take_dirty(current, release)
         for name in sorted(unrecorded):
             self._write_status(name, VolumeStatus(
                 "Pending", reason="StateDirNotWritable",
@@ -788,7 +658,7 @@ class Daemon:
         # Those held back for their record are looked at too (status tells
         # what is there), but nothing is done to them.
         candidates = [v for v in [*current.values(), *release]
-                      if v.name in wanted and self._due(v)]
+                      if v.name in wanted and self.loop.due(v, self.inflight)]
         t_obs = time.monotonic()
         # Nothing to look at: nothing of the node is read (an idle pass).
         looked = look(candidates, self.config, self.node,
@@ -812,7 +682,7 @@ class Daemon:
         # on (Ceph answering, a source snapshot) comes with no event of ours.
         again = {vp.name for vp in plans if vp.unknown or vp.waiting}
         with self.lock:
-            self.dirty |= again
+            self.loop.dirty |= again
         held_io: dict[str, str] = {}
         n = self.passes_started
         vanished, kept_down = {v.name for v in release}, {v.name for v in holding}
@@ -885,25 +755,8 @@ class Daemon:
             "Stalled", reason="IoStalled", message=message, observed_generation=vol.spec_hash,
             stalled=actual.get("stalled")), stall.since if stall else None)
         with self.lock:
-            self.dirty.add(vol.name)  # Ceph answering again comes with no event of ours
+            self.loop.dirty.add(vol.name)  # Ceph answering again comes with no event of ours
         return f"{vol.name}: stalled: {vp.stalled}"
-
-    def _take_dirty(self, current: dict[str, Volume], release: list[Volume]
-                    ) -> tuple[set[str], list[str]]:
-        """The names this pass looks at, and why; the dirty set starts afresh."""
-        now = time.monotonic()
-        with self.lock:
-            every, names, why = self.dirty_all, self.dirty, self.dirty_why
-            self.dirty, self.dirty_all, self.dirty_why = set(), False, []
-            due = {n for n, b in self.backoff.items() if b.until <= now}
-            self.last_pass_start = now
-        changed = {n for n, v in current.items() if self.last_hash.get(n) != v.spec_hash}
-        self.last_hash = {n: v.spec_hash for n, v in current.items()}
-        if every:
-            return set(current) | {v.name for v in release}, why
-        if changed:
-            why = [*why, f"{len(changed)} new or changed"]
-        return names | changed | due | {v.name for v in release}, why
 
     def _update_interest(self, looked: list[Volume], observed: Observed,
                          current: dict[str, Volume], plans: list[VolumePlan]) -> None:
@@ -984,30 +837,18 @@ class Daemon:
                 if _same_record(self.records.get(v.name), rec):
                     continue  # on disk as it is (read at start-up)
                 self.records[v.name] = rec
-                self.unrecorded.add(v.name)
+                self.files.unrecorded.add(v.name)
                 changed = True
-            if changed or self.unsaved_records:
+            if changed or self.files.unsaved_records:
                 self._save_records()
         return release, held
-
-    def _due(self, v: Volume) -> bool:
-        with self.lock:
-            if v.name in self.inflight:
-                return False
-            b = self.backoff.get(v.name)
-            if b is None:
-                return True
-            if b.spec_hash != v.spec_hash:  # a new spec deserves a try at once
-                del self.backoff[v.name]
-                return True
-            return time.monotonic() >= b.until
 
     def _submit(self, vol: Volume, vp: VolumePlan, observed: object, down: Down) -> None:
         """``down``: "vanished" (its file is gone), "held" (released through
         the daemon, kept down), None (converged to its file)."""
         if self.halt.stopping:  # a pass that was under way at SIGTERM
             return
-        if vp.refusal is None and not self.status_path(vol.name).exists():
+        if vp.refusal is None and not self.files.status_path(vol.name).exists():
             self._write_status(vol.name, VolumeStatus("Pending"))
         elif vol.state == "absent" and vp.refusal is None:
             self._write_status(vol.name, VolumeStatus("Deleting"))
@@ -1049,49 +890,21 @@ class Daemon:
             self.inflight.pop(vol.name, None)
             self.inflight_info.pop(vol.name, None)
             if out.status == "failed":
-                prev = self.backoff.get(vol.name)
-                n = (prev.failures + 1) if prev and prev.spec_hash == vol.spec_hash else 1
-                delay = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (n - 1))
-                delay *= random.uniform(0.5, 1.0)  # jitter: failing volumes do not align
-                self.backoff[vol.name] = Backoff(n, time.monotonic() + delay, vol.spec_hash)
+                self.loop.backoff[vol.name], delay = next_backoff(
+                    self.loop.backoff.get(vol.name), vol.spec_hash)
                 log.warning("%s: failed (%s); next try in %.0f s", vol.name, out.error, delay,
                             extra={"volume": vol.name, "result": "failed"})
             else:
-                self.backoff.pop(vol.name, None)
+                self.loop.backoff.pop(vol.name, None)
                 if released and vol.name in self.records:
                     del self.records[vol.name]
                     self._save_records()
                 log.info("%s: %s", vol.name, out.status,
                          extra={"volume": vol.name, "result": out.status})
             if out.status != "failed":
-                self.dirty.add(vol.name)  # the next pass confirms what the chain did
-        # What no step fixes (a read-only filesystem, a covered publish) still
-        # holds after the chain while the stage it concerns stays: the volume
-        # is not what its phase would say (a CSI stage or publish waits on this).
-        problems = vp.problems if (down is None and out.status != "failed" and vp.wanted
-                                   is not None and vp.wanted >= Phase.STAGED) else {}
-        phase = ("Released" if released or (down == "held" and out.status != "failed") else
-                 "Failed" if out.status == "failed" else "Degraded" if problems else
-                 PHASE_NAMES[vp.wanted.name] if vp.wanted is not None else "Pending")
-        said = HELD if down == "held" and out.status != "failed" else (
-            {"reason": next(iter(problems)), "message": "; ".join(problems.values())}
-            if problems else {})
-        self._write_status(vol.name, VolumeStatus(
-            phase,
-            **said,
-            observed_generation=vol.spec_hash,
-            last_result=out.status,
-            last_error=out.error,
-            refusal=vp.refused or (out.error if out.refused else None),
-            notes=out.notes,
-            undone=out.undone,
-            steps=[s.as_dict() for s in out.steps],
-            conditions=converged_conditions(problems, now_iso()) if problems else [
-                {"type": "Converged", "status": out.status != "failed",
-                 "reason": "Applied" if out.status != "failed" else "StepFailed",
-                 "message": out.error or "", "lastTransitionTime": now_iso()}],
-        ))
-        self.wake()  # look again (a failed one when its backoff ends)
+                self.loop.dirty.add(vol.name)  # the next pass confirms what the chain did
+        self._write_status(vol.name, chain_ended(vol, vp, out, down))
+        self.loop.wake()  # look again (a failed one when its backoff ends)
 
     def _record_aborted(self, vol: Volume, out: VolumeOutcome) -> None:
         """Cut short by SIGTERM: not a failure (no backoff, no alarm). What the
@@ -1103,37 +916,18 @@ class Daemon:
         log.warning("%s: stopped: %s%s", vol.name, out.error,
                     f"; not undone, for the next start: {', '.join(left)}" if left else "",
                     extra={"volume": vol.name, "result": "aborted"})
-        self._write_status(vol.name, VolumeStatus(
-            "Pending", reason="Interrupted",
-            message=f"{out.error}; the next start resumes",
-            observed_generation=vol.spec_hash, last_result="aborted",
-            notes=out.notes, undone=out.undone,
-            steps=[s.as_dict() for s in out.steps],
-        ))
+        self._write_status(vol.name, chain_aborted(vol, out))
 
     def _converged(self, vol: Volume, vp: VolumePlan, observed: object, down: Down) -> None:
         with self.lock:
-            self.backoff.pop(vol.name, None)
+            self.loop.backoff.pop(vol.name, None)
             if down == "vanished" and vol.name in self.records:
                 del self.records[vol.name]
                 self._save_records()
         problems = {} if down is not None else vp.problems
         actual = actual_state(vol, observed, context(self.config, self.node),  # type: ignore[arg-type]
                               problems)
-        held = HELD if down == "held" else {}
-        self._write_status(vol.name, VolumeStatus(
-            # A clone whose source is still on its way is pending, not absent;
-            # one with a problem no step can fix is not what it looks like.
-            "Released" if down is not None else "Pending" if vp.waiting else
-            "Degraded" if problems else PHASE_NAMES[vp.phase.name],
-            reason=held.get("reason") or next(iter(problems), UNSET),
-            message=held.get("message") or "; ".join(problems.values()) or UNSET,
-            observed_generation=vol.spec_hash,
-            notes=vp.notes,
-            device=actual["device"], staging=actual["staging"],
-            published=actual["published"], size=actual["size"],
-            conditions=converged_conditions(problems, now_iso()),
-        ))
+        self._write_status(vol.name, nothing_to_do(vol, vp, down, problems, actual))
 
     def _write_status(self, name: str, status: VolumeStatus,
                       stalled_since: float | None = None) -> None:
@@ -1141,75 +935,29 @@ class Daemon:
         if self.source_revision is not None:
             data["sourceRevision"] = self.source_revision
         self.metrics.set_phase(name, status.phase, stalled_since)
-        key = tuple(data.get(k) for k in STATUS_KEYS)
-        if "steps" not in data and self.written.get(name) == key:
-            return  # unchanged since we wrote it: no read, no write
-        path = self.status_path(name)
-        old = read_json(path, {}) or {}
-        merged = {**{k: v for k, v in old.items() if k in ("lastError",)}, **data,
-                  "name": name, "updated": now_iso()}
-        if all(old.get(k) == merged.get(k) for k in STATUS_KEYS) and "steps" not in data:
-            self.written[name] = key
-            self.unwritten.pop(name, None)
-            return  # unchanged: spare the disk a write every resync
-        if not self._write_status_file(name, merged):
-            return
-        self.written[name] = key
+        if self.files.write(name, data):
+            self._progressed()
+
+    def _progressed(self) -> None:
+        """A status was written: whoever waits on one looks again."""
         with self.progress:
             self.progress_seq += 1
             self.progress.notify_all()
 
-    def _write_status_file(self, name: str, content: dict[str, Any]) -> bool:
-        """False: not on disk (kept, and written again by every pass until it is)."""
-        try:
-            write_json(self.status_path(name), content)
-        except OSError as exc:
-            self.unwritten[name] = content
-            self._state_write_failed(exc)
-            return False
-        self.unwritten.pop(name, None)
-        return True
-
     def _retry_statuses(self) -> None:
-        for name, content in sorted(self.unwritten.items()):
-            if self._write_status_file(name, {**content, "updated": now_iso()}):
-                with self.progress:
-                    self.progress_seq += 1
-                    self.progress.notify_all()
+        if self.files.retry():
+            self._progressed()
 
     def _save_records(self) -> bool:
-        """False: managed.json is behind (each pass tries again); the volumes
-        whose record it lacks are held back until it is written."""
-        if self.records_file.path != self.records_path:  # a reload moved stateDir
-            self.records_file = RecordsFile(self.records_path)
-        try:
-            self.records_file.save(self.records)
-        except OSError as exc:
-            self.unsaved_records = True
-            self._state_write_failed(exc)
-            return False
-        self.unsaved_records = False
-        self.unrecorded.clear()
-        return True
-
-    def _state_write_failed(self, exc: OSError) -> None:
-        if self.state_error is None:  # the first of the episode says why
-            self.state_error = str(exc) if isinstance(exc, CannotWrite) else (
-                f"cannot write {exc.filename or self.config.state_dir}: "
-                f"{exc.strerror or exc}")
+        return self.files.save_records(self.records)
 
     def _state_line(self) -> str:
-        return (f"stateDir {self.config.state_dir} cannot be written ({self.state_error}): "
-                "new and changed volumes wait, not converged, until it can; what is up "
-                "stays up")
+        return self.files.line()
 
     def _state_condition(self) -> None:
         """Logged once when it starts (one line: the directory and the cause),
         and when it ends; rbd_reconciler_state_dir_writable says it meanwhile."""
-        failing = self.state_failing
-        self.conditions.update("state", {"state": self._state_line()} if failing else {})
-        if not failing:
-            self.state_error = None
+        self.conditions.update("state", self.files.episode())
 
 
 def _same_record(old: object, new: dict[str, Any]) -> bool:

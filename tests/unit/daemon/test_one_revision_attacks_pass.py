@@ -69,7 +69,7 @@ def test_a_link_missing_for_the_load_releases_nothing(
             src.layout.switch("current", target)
 
     monkeypatch.setattr(service, "load_desired", load_in_the_gap)
-    d.dirty_all = True
+    d.loop.dirty_all = True
     looked, release = one_pass(d, monkeypatch)
     assert gaps[0] == 1
     assert "gx" not in release, f"the pass releases gx (looked at {sorted(looked)})"
@@ -94,7 +94,7 @@ def test_a_directory_that_never_holds_still_releases_nothing(
         src.prune()
 
     done = after_listing(monkeypatch, churn, times=1000)
-    d.dirty_all = True
+    d.loop.dirty_all = True
     looked, release = one_pass(d, monkeypatch)
     assert 1 < done[0] <= loader.PIN_ATTEMPTS + 1  # bounded (the CSI dir lists too)
     assert release == set(), f"released {sorted(release)} from a load that never held still"

@@ -79,7 +79,7 @@ def test_switching_revisions_under_the_passes_releases_nothing(
 
     switched = after_listing(monkeypatch, flip, times=SWITCHES)
     for i in range(SWITCHES):
-        d.dirty_all = True  # every pass looks at every volume, as after a switch
+        d.loop.dirty_all = True  # every pass looks at every volume, as after a switch
         looked, release = one_pass(d, monkeypatch)
         assert switched[0] == i + 1, "the switch never ran: the test proves nothing"
         assert "gx" not in release, f"pass {i + 2} releases gx (looked at {sorted(looked)})"
