@@ -9,41 +9,48 @@ chain that just finished; the resync marks them all. Volumes converge in
 a bounded thread pool, one chain per volume at a time; a slow or failing
 volume never holds up the others (a failing one backs off exponentially,
 with jitter, until its spec changes).
+
+This module is the glue: the ``Daemon`` (imported by cli/run.py, and the
+tests) starts and stops everything, and is what the CSI adapter
+(``engine.Served``) and the command line (daemon/commands.py ``Running``)
+are given. Its rooms: daemon/loop.py (when a pass runs; READY=1 through
+daemon/readiness.py), daemon/passes.py (one pass), daemon/chains.py (the
+chains and what comes of them, worded by daemon/outcomes.py),
+daemon/watchers.py (what says when to look), plan/removals.py (the removal
+policy) and state/statusfiles.py (the status files and managed.json).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import faulthandler
-import json
 import logging
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from reconciler.apply.runner import LEFT, VolumeOutcome, without_steps
 from reconciler.daemon import sdnotify
-from reconciler.daemon.asks import Asks, Inflight, PassContext
-from reconciler.daemon.claimpoll import ClaimPoll, Wait, read_holders
+from reconciler.daemon.asks import Asks, Inflight
+from reconciler.daemon.chains import Chains
+from reconciler.daemon.claimpoll import ClaimPoll, Wait
 from reconciler.daemon.commands import Commands
 from reconciler.daemon.conditions import Conditions
 from reconciler.daemon.control import ControlServer
 from reconciler.daemon.dirwatch import DirWatcher
-from reconciler.daemon.dirwatch import plan as watch_plan
 from reconciler.daemon.events import EventHub
 from reconciler.daemon.follow import Follower
-from reconciler.daemon.interest import VolumeInterest, combine, forget, volume_interest
+from reconciler.daemon.interest import VolumeInterest
 from reconciler.daemon.liveview import LiveView
-from reconciler.daemon.loop import PassLoop, next_backoff
-from reconciler.daemon.metrics import Metrics, ceph_reachable
-from reconciler.daemon.outcomes import Down, chain_aborted, chain_ended, nothing_to_do
+from reconciler.daemon.loop import PassLoop
+from reconciler.daemon.metrics import Metrics
+from reconciler.daemon.passes import Passes, PassKnew
+from reconciler.daemon.watchers import Watchers
 from reconciler.drivers.freeze import thaw_recorded
 from reconciler.drivers.reaper import become_subreaper, reap_zombies
 from reconciler.drivers.run import Aborted, Halt
@@ -54,25 +61,15 @@ from reconciler.engine import (
     Gate,
     Pass,
     Stoppable,
-    act,
-    context,
     look,
     state_lock,
 )
 from reconciler.facts.clock import now_iso
-from reconciler.facts.observed import Observed
-from reconciler.observe.ceph import observe_images
 from reconciler.observe.node import Node
-from reconciler.plan.planner import VolumePlan, actual_state
-from reconciler.plan.removals import decide_removals
-from reconciler.source.report import applied_revision, distrust
 from reconciler.spec.config import Config, ConfigError, load_config
-from reconciler.spec.desired import claims, forgettable, load_desired
 from reconciler.spec.loader import LoadCache, LoadResult, discover
-from reconciler.spec.model import Volume, volume_from_dict, volume_to_dict
 from reconciler.spec.security import desired_dir_problems, directory_problems
-from reconciler.state import allowance, holds
-from reconciler.state.allowance import Allowance
+from reconciler.state import holds
 from reconciler.state.files import CannotWrite, read_json
 from reconciler.state.status import VolumeStatus
 from reconciler.state.statusfiles import StatusFiles
@@ -86,17 +83,8 @@ STALL_MIN_S = 120.0
 # (the CSI server's own grace, the file watcher, the log lines).
 STOP_RESERVE_S = 3.0
 
-@dataclass
-class PassKnew:
-    """What the pass under way knew of the volumes, for the asks it was due
-    to answer and did not look at (daemon/asks.py ``pass_ended``)."""
 
-    current: set[str] = field(default_factory=set)  # declared
-    released: set[str] = field(default_factory=set)  # vanished, released by it
-    frozen: set[str] = field(default_factory=set)
-
-
-class Daemon:
+class Daemon(Passes, Chains, Watchers):
     def __init__(self, config: Config, config_path: Path | None,
                  allow_mass_removal: bool = False, csi_endpoint: str | None = None,
                  serve_csi: FrontDoor | None = None) -> None:
@@ -170,10 +158,6 @@ class Daemon:
     def ready(self) -> bool:
         return self.passes_done > 0
 
-    def busy(self, name: str) -> bool:
-        with self.lock:
-            return name in self.inflight
-
     # -- hooks for the command line (daemon/commands.py) ----------------------
     def look_again(self, names: set[str] | None, why: str) -> None:
         """A pass at once over ``names`` (None: every volume), backoff
@@ -211,64 +195,6 @@ class Daemon:
                       release=[v.name for v in volumes if v.name in held],
                       all_watchers=all_watchers)
         return Pass(loaded, looked.observed, looked.plans)
-
-    def _reserve(self, name: str) -> bool:
-        """For a job (rotate-key, takeover): no chain may start for ``name``
-        until ``unreserve``; False while one runs."""
-        with self.lock:
-            if name in self.inflight:
-                return False
-            fut: Future[None] = Future()
-            fut.set_running_or_notify_cancel()
-            self.inflight[name] = fut
-            self.inflight_info[name] = what = Inflight("", "job")
-        self.asks.started(name, what)
-        return True
-
-    def unreserve(self, name: str) -> None:
-        """The job is done: the volume is looked at again at once."""
-        with self.lock:
-            fut = self.inflight.pop(name, None)
-            what = self.inflight_info.pop(name, None)
-        if fut is not None and not fut.done():
-            fut.set_result(None)  # a stop waiting for it goes on
-        self.asks.finished(name, None, what)
-        self.look_again({name}, f"{name}: after a job of the command line")
-
-    def _answer_asks(self, loaded: LoadResult, current: dict[str, Volume], frozen: set[str],
-                     release: list[Volume], held: dict[str, str], unrecorded: set[str]) -> None:
-        look = self.asks.resolve(self.passes_started, PassContext(
-            loaded=loaded, current=current, frozen=frozen,
-            released={v.name for v in release}, held_back=held, unrecorded=unrecorded,
-            state_line=self._state_line(), hold=self._hold_down,
-            lift=self._lift_holds, reserve=self._reserve))
-        if look:
-            with self.lock:
-                for name in look:
-                    self.loop.backoff.pop(name, None)
-                self.loop.dirty |= look
-
-    def _hold_down(self, names: set[str]) -> str | None:
-        return self._save_holds(self.holds | names)
-
-    def _lift_holds(self, names: set[str] | None) -> str | None:
-        return self._save_holds(set() if names is None else self.holds - names)
-
-    def _save_holds(self, wanted: set[str]) -> str | None:
-        """Recorded before it counts (what is not recorded is not done)."""
-        if wanted == self.holds:
-            return None
-        try:
-            holds.write(self.config.state_dir, wanted)
-        except OSError as exc:
-            return str(exc) if isinstance(exc, CannotWrite) else f"cannot record: {exc}"
-        for name in self.holds - wanted:
-            log.info("%s: no longer held down (apply)", name, extra={"volume": name})
-        for name in wanted - self.holds:
-            log.info("%s: held down (release): kept released until apply names it", name,
-                     extra={"volume": name})
-        self.holds = wanted
-        return None
 
     def status(self, name: str) -> dict:
         return self.files.read(name)
@@ -515,420 +441,6 @@ class Daemon:
         self._watch()
         self.loop.mark_dirty(None, "config reloaded")
 
-    def _watch(self) -> None:
-        """Watch what can change the desired files (daemon/dirwatch.py): the
-        paths are resolved again every pass, so the watches follow a link
-        swapped anywhere on the way (git-sync, a deploy keeping releases)."""
-        if self.dirwatch is None:
-            try:
-                self.dirwatch = DirWatcher(self.loop.wake, self._events_lost)
-            except OSError as exc:  # no inotify left (fs.inotify.max_user_instances)
-                log.warning("events: not watching the desired files (%s); they are looked "
-                            "at every %g s", exc, self.config.resync_seconds)
-                return
-            self.dirwatch.start()
-        self.dirwatch.watch(watch_plan([self.config.desired_dir], [self.config.csi_dir]))
-
-    def _events_lost(self) -> None:
-        """The kernel dropped file events (its queue overflowed): what changed
-        is unknown, so the next pass looks at every volume."""
-        self.loop.mark_dirty(None, "file events lost (inotify queue overflow)")
-
-    def _start_events(self) -> None:
-        poll = self.config.events.image_poll_seconds
-        self.events = EventHub(self.mark_dirty, self._image_sizes, poll,
-                               io_watch=lambda: self.node.io_watch,
-                               io_poll_seconds=self.config.events.io_poll_seconds)
-        try:
-            self.events.start()
-        except OSError as exc:  # no /proc/self/mountinfo to poll: the resync still runs
-            log.warning("events: not watching the node (%s); drift is repaired at the "
-                        "resync, every %g s", exc, self.config.resync_seconds)
-            self.events = None
-        if self.config.events.claim_poll_seconds > 0:
-            self.claim_poll = ClaimPoll(self._claim_moved, self._claim_holders,
-                                        self.config.events.claim_poll_seconds)
-            self.claim_poll.start()
-
-    def _claim_holders(self, images: list[tuple[str, str]]) -> dict[tuple[str, str], str | None]:
-        node = self.node  # the current one: a reload makes a new one
-        return read_holders(node.config.ceph, node.config.observe_timeout_seconds,
-                            node.ceph_session, images)
-
-    def _claim_moved(self, names: Iterable[str], why: str) -> None:
-        """The claim that refused these volumes is gone (or another node's
-        now): what they were refused on no longer holds, so they are tried
-        at once rather than when their backoff ends."""
-        names = list(names)
-        self.loop.retry_now(names)
-        log.info("%s: %s; looking again", ", ".join(names), why)
-        self.loop.mark_dirty(names, why)
-
-    def _start_source(self) -> None:
-        """Follow the git source (docs/gitops-source.md) in a thread of its own."""
-        if self.config.git is None or self.follower is not None:
-            return
-        self.follower = Follower(lambda: self.config, self.metrics, self.halt,
-                                 lambda rev: self.loop.mark_dirty(None, f"source applied {rev}"))
-        self.follower.start()
-
-    def _image_sizes(self, images: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
-        """Header reads (no open, no watch), bounded like observe's."""
-        node = self.node
-        view = observe_images(node.config.ceph, images, node.config.observe_timeout_seconds,
-                              watchers_for=set(), session=node.ceph_session)
-        return {key: img.size for key, img in view.images.items()}
-
-    # -- one pass -------------------------------------------------------------
-    def reconcile(self) -> None:
-        with self.progress:
-            self.passes_started += 1
-        t0, result = time.monotonic(), "error"
-        self.refusing = "its pass failed (the daemon's log says why)"
-        self.pass_knew = PassKnew()
-        try:
-            result = "ok" if self._reconcile() else "refused"
-        finally:
-            # What the command line asked of this pass, if it never got to it.
-            self.not_reconciling = None if result == "ok" else \
-                f"the daemon is not reconciling: {self.refusing}"
-            knew = self.pass_knew
-            self.asks.pass_ended(self.passes_started, self.not_reconciling,
-                                 current=knew.current, released=knew.released,
-                                 frozen=knew.frozen)
-            self.metrics.pass_done(time.monotonic() - t0, result)
-            if self.config.metrics.textfile is not None:
-                self.metrics.write_textfile(self.config.metrics.textfile)
-            with self.progress:
-                self.passes_done += 1
-                self.progress_seq += 1
-                self.progress.notify_all()
-
-    def _reconcile(self) -> bool:
-        """One pass; False when it refused to look (preflight, untrusted files)."""
-        t0 = time.monotonic()
-        self._watch()  # the link may point elsewhere now
-        reap_zombies()
-        self.source_revision = applied_revision(self.config)
-        problems = self.preflight(files=False)
-        if not problems and (why := distrust(self.config)) is not None:
-            # The applied revision no longer verifies (a key revoked since):
-            # its files are not acted on, and nothing is taken down either.
-            problems = [f"the applied revision of the git source is held: {why}"]
-        # Waiting for the source's first revision is expected at a first
-        # start: said once, not as an error (source status says why if it lasts).
-        self.conditions.update("preflight", [f"not reconciling: {p}" for p in problems],
-                               level=logging.INFO if self._awaiting_source() else logging.ERROR)
-        if problems:
-            sdnotify.notify(f"STATUS=refusing: {problems[0]}")
-            self.refusing = problems[0]
-            return False
-        loaded = load_desired(self.config, self.load_cache, self._settled)
-        self.conditions.update("load", [str(d) for d in loaded.diagnostics])
-        if loaded.refused:  # an untrusted file or directory: read nothing, touch nothing
-            sdnotify.notify("STATUS=refusing: the desired directory is not trusted")
-            self.refusing = "the desired directory is not trusted: " + "; ".join(
-                str(d) for d in loaded.diagnostics)
-            self.view.update(loaded)  # status says why
-            return False
-        current = {v.name: v for v in loaded.volumes}
-        failed_files = sorted(str(f) for f in loaded.failed_files)
-        frozen = set(loaded.frozen_names) | {
-            n for n, r in self.records.items() if r["file"] in failed_files}
-        self._retry_statuses()
-        release, held = self._removals(current, frozen, failed_files,
-                                       self.asks.allowance(self.passes_started))
-        with self.lock:
-            unrecorded = self.files.unrecorded & set(current)
-            self.loop.dirty |= unrecorded  # looked at again once it can be recorded
-        self.pass_knew = PassKnew(set(current), {v.name for v in release}, frozen)
-        # What the command line asked for: its volumes are looked at in this pass.
-        self._answer_asks(loaded, current, frozen, release, held, unrecorded)
-        # Released by hand through the daemon: kept down until `apply` names them.
-        holding = [current[n] for n in sorted(self.holds) if n in current and n not in frozen]
-        if gone := {n for n in self.holds if n not in current and n not in self.records}:
-            self._save_holds(self.holds - gone)  # no longer managed: nothing to keep down
-
-        wanted, why = self.loop.take_dirty(current, release)
-        for name in sorted(unrecorded):
-            self._write_status(name, VolumeStatus(
-                "Pending", reason="StateDirNotWritable",
-                message=f"not converged: {self._state_line()}",
-                observed_generation=current[name].spec_hash))
-        # Those held back for their record are looked at too (status tells
-        # what is there), but nothing is done to them.
-        candidates = [v for v in [*current.values(), *release]
-                      if v.name in wanted and self.loop.due(v, self.inflight)]
-        t_obs = time.monotonic()
-        # Nothing to look at: nothing of the node is read (an idle pass).
-        looked = look(candidates, self.config, self.node,
-                      release=[v.name for v in [*release, *holding]])
-        observed, plans = looked.observed, looked.plans
-        t_obs = time.monotonic() - t_obs
-        by_name = {v.name: v for v in candidates}
-        self.view.update(loaded)
-        self._update_interest(candidates, observed, current, plans)
-        self.metrics.observed(plans, current.values(),
-                              ceph_reachable(observed.pools_listed, observed.pool_errors))
-        for name in sorted(frozen):
-            self._write_status(name, VolumeStatus(
-                "Frozen", reason="FileFailedToLoad",
-                message="its file failed to load; left as it is"))
-        for name, why in sorted(held.items()):
-            self._write_status(name, VolumeStatus("Frozen", reason="RemovalHeld", message=why))
-        busy = 0
-        unknown: dict[str, str] = {}
-        # Looked at again by the next pass, whatever wakes it: what they wait
-        # on (Ceph answering, a source snapshot) comes with no event of ours.
-        again = {vp.name for vp in plans if vp.unknown or vp.waiting}
-        with self.lock:
-            self.loop.dirty |= again
-        held_io: dict[str, str] = {}
-        n = self.passes_started
-        vanished, kept_down = {v.name for v in release}, {v.name for v in holding}
-        for vp in plans:
-            vol = by_name[vp.name]
-            down: Down = ("vanished" if vol.name in vanished else
-                          "held" if vol.name in kept_down else None)
-            if vol.name in unrecorded:  # not recorded, not done (its status says so)
-                self.asks.looked(n, vol.name, False, VolumeOutcome(
-                    vol.name, status="failed", error=f"not converged: {self._state_line()}"))
-                continue
-            if vp.fenced or vp.stalled:
-                # Never touched automatically, a release included: a fence
-                # waits for `recover`, a stall for I/O to complete again.
-                held_io[vol.name] = self._hold(vol, vp, observed)
-                self.asks.looked(n, vol.name, False, without_steps(vp))
-                continue
-            if vp.unknown and down != "vanished":
-                # Unknown is not absent: report it, act on nothing, look again.
-                unknown[vol.name] = f"{vol.name}: unknown: {vp.unknown}"
-                self._write_status(vol.name, VolumeStatus(
-                    "Unknown", reason="CannotObserve", message=vp.unknown,
-                    observed_generation=vol.spec_hash))
-                self.asks.looked(n, vol.name, False, without_steps(vp))
-                continue
-            if not vp.steps and not vp.refused:
-                self._converged(vol, vp, observed, down)
-                self.asks.looked(n, vol.name, bool(vp.waiting), without_steps(vp))
-                continue
-            busy += 1
-            self._submit(vol, vp, observed, down)
-        # Volumes in backoff or in flight were not observed: they keep their state.
-        still = {n: m for n, m in self.conditions.active("unknown").items()
-                 if n in current and n not in by_name}
-        self.conditions.update("unknown", {**still, **unknown}, level=logging.WARNING)
-        held = {n: m for n, m in self.conditions.active("io").items()
-                if n in current and n not in by_name}
-        self.conditions.update("io", {**held, **held_io}, level=logging.WARNING)
-        self.metrics.retain({*current, *frozen, *held, *(v.name for v in release)})
-        self.metrics.frozen_files.set(len(failed_files))
-        self.metrics.unknown.set(len(still) + len(unknown))
-        self._state_condition()
-        sdnotify.notify(f"STATUS={len(current)} volume(s), {busy} converging, "
-                        f"{len(unknown)} unknown, {len(frozen)} frozen, "
-                        f"{len(held)} removal(s) held")
-        log.debug("pass %d: looked at %d volume(s): %s", self.passes_started, len(candidates),
-                  "; ".join(why) or "nothing changed")
-        log.info("pass %d: %d volume(s), %d observed, %d converging, %d unknown, %d frozen, "
-                 "%d releasing, %d removal(s) held; observe and plan %.0f ms, pass %.0f ms",
-                 self.passes_started, len(current), len(candidates), busy, len(unknown),
-                 len(frozen),
-                 len(release), len(held), t_obs * 1e3, (time.monotonic() - t0) * 1e3)
-        return True
-
-    def _hold(self, vol: Volume, vp: VolumePlan, observed: Observed) -> str:
-        """Report a fenced or stalled volume (its status says what is known:
-        the holder and the blocklist entries, or since when I/O is stuck) and
-        leave it as it is; it is looked at again (a stall's end marks it)."""
-        actual = actual_state(vol, observed, context(self.config, self.node))
-        if vp.fenced:
-            self._write_status(vol.name, VolumeStatus(
-                "Fenced", reason=vp.fence_reason or "Fenced", message=vp.fenced,
-                observed_generation=vol.spec_hash, fence=actual.get("fence")))
-            return f"{vol.name}: fenced: {vp.fenced}"
-        message = vp.stalled or ""
-        if vp.unknown:
-            message += f"; {vp.unknown}"
-        stall = observed.stalled.get(str(actual.get("device")))
-        self._write_status(vol.name, VolumeStatus(
-            "Stalled", reason="IoStalled", message=message, observed_generation=vol.spec_hash,
-            stalled=actual.get("stalled")), stall.since if stall else None)
-        with self.lock:
-            self.loop.dirty.add(vol.name)  # Ceph answering again comes with no event of ours
-        return f"{vol.name}: stalled: {vp.stalled}"
-
-    def _update_interest(self, looked: list[Volume], observed: Observed,
-                         current: dict[str, Volume], plans: list[VolumePlan]) -> None:
-        """What the event sources and the claim poll map back to volumes, for
-        the volumes this pass looked at; the others keep their entries."""
-        helpers = self.node.fuse.helper_pids()
-        for v in looked:
-            self.interest[v.name] = volume_interest(v, observed, helpers)
-        forget(self.interest, current)
-        if self.events is not None:
-            self.events.update(combine(self.interest))
-        by_name = {v.name: v for v in looked}
-        for vp in plans:
-            v = by_name[vp.name]
-            if vp.claimed_by is not None and v.name in current:
-                key = (v.image.pool, v.image.name)
-                self.claim_waits[v.name] = (key, Wait(v.name, vp.claimed_by,
-                                                      self.passes_started))
-            else:
-                self.claim_waits.pop(vp.name, None)
-        for name in [n for n in self.claim_waits if n not in current]:
-            del self.claim_waits[name]
-        if self.claim_poll is not None:
-            self.claim_poll.update(dict(self.claim_waits.values()))
-
-    def _settled(self, name: str, file: Path) -> frozenset[tuple[str, str]]:
-        """What volume ``name`` claimed (kind, value) when it last loaded from
-        ``file`` (its record): between CSI files, a clash with a claim that
-        was already there freezes only the file that brought it."""
-        rec = self.records.get(name)
-        if rec is None or rec["file"] != str(file):
-            return frozenset()
-        return frozenset((kind, value) for kind, value, _ in
-                         claims(volume_from_dict(rec["volume"])))
-
-    def _removals(self, current: dict[str, Volume], frozen: set[str],
-                  failed_files: list[str], asked: Allowance
-                  ) -> tuple[list[Volume], dict[str, str]]:
-        """Managed volumes whose files vanished: those to release now, and those
-        held (name -> why). Records are updated to the current set. ``asked``:
-        what allow-removal let go through the control socket (with the file's)."""
-        vanished = sorted(set(self.records) - set(current) - frozen)
-        with self.lock:
-            for name in [n for n in vanished if forgettable(self.records[n], self.config)]:
-                del self.records[name]  # the CSI adapter removed it on purpose
-                vanished.remove(name)
-        taken = allowance.take(self.config.state_dir)
-        allowed = Allowance(taken.names | asked.names, taken.all or asked.all)
-        decided = decide_removals(vanished, failed_files, allowed.names, allowed.all,
-                                  present=len(current) + len(frozen), managed=len(self.records),
-                                  allow_mass_removal=self.allow_mass_removal,
-                                  mass_removal_share=self.config.mass_removal_share)
-        removing, held = decided.releasing, decided.held
-        if decided.refused:
-            sdnotify.notify(f"STATUS=mass removal refused: {decided.guarded} volume(s)")
-        self.conditions.update("mass-removal", decided.refused)
-        self.conditions.update("held", sorted(set(held.values())))
-        if allowed.names or allowed.all:
-            log.info("allow-removal consumed: %s", ", ".join(sorted(allowed.names)) or "all")
-
-        release: list[Volume] = []
-        with self.lock:
-            for name in removing:
-                vol = volume_from_dict(self.records[name]["volume"])
-                if (vol.on_remove or self.config.on_remove) == "keep":
-                    log.info("%s: file removed; onRemove=keep leaves it as it is", name)
-                    del self.records[name]
-                    self._write_status(name, VolumeStatus("Released", reason="FileRemovedKept"))
-                else:
-                    release.append(vol)
-            changed = bool(removing)
-            for v in current.values():
-                if self.recorded.get(v.name) == (v.spec_hash, v.source.file) \
-                        and v.name in self.records:
-                    continue  # recorded as it is: no conversion, no write
-                rec = {"file": str(v.source.file), "volume": volume_to_dict(v)}
-                self.recorded[v.name] = (v.spec_hash, v.source.file)
-                if _same_record(self.records.get(v.name), rec):
-                    continue  # on disk as it is (read at start-up)
-                self.records[v.name] = rec
-                self.files.unrecorded.add(v.name)
-                changed = True
-            if changed or self.files.unsaved_records:
-                self._save_records()
-        return release, held
-
-    def _submit(self, vol: Volume, vp: VolumePlan, observed: object, down: Down) -> None:
-        """``down``: "vanished" (its file is gone), "held" (released through
-        the daemon, kept down), None (converged to its file)."""
-        if self.halt.stopping:  # a pass that was under way at SIGTERM
-            return
-        if vp.refusal is None and not self.files.status_path(vol.name).exists():
-            self._write_status(vol.name, VolumeStatus("Pending"))
-        elif vol.state == "absent" and vp.refusal is None:
-            self._write_status(vol.name, VolumeStatus("Deleting"))
-        # Before the chain can end: its end is the answer of the asks counting
-        # it (this chain: ``what``, a late end of the one before is not).
-        purpose: Literal["converge", "release"] = "converge" if down is None else "release"
-        what = Inflight(vol.spec_hash, purpose)
-        self.asks.started(vol.name, what)
-        self.asks.looked(self.passes_started, vol.name, False, None)
-        with self.lock:
-            fut = self.pool.submit(self._converge, vol, vp, observed, down, what)
-            self.inflight[vol.name] = fut
-            self.inflight_info[vol.name] = what
-
-    def _converge(self, vol: Volume, vp: VolumePlan, observed: object, down: Down,
-                  what: Inflight) -> None:
-        log.info("%s: %d step(s) start", vol.name, len(vp.steps), extra={"volume": vol.name})
-        crashed = False
-        outcome = VolumeOutcome(vol.name, status="failed", error="the chain's thread failed")
-        try:
-            [outcome] = act([vp], {vol.name: vol}, observed, self.node,  # type: ignore[arg-type]
-                            gate=self.gate)
-        except Exception as exc:  # a driver bug must not kill the worker silently
-            log.exception("%s: apply crashed", vol.name, extra={"volume": vol.name})
-            outcome, crashed = VolumeOutcome(vol.name, status="failed", error=str(exc)), True
-        try:
-            self.metrics.outcome(vp, outcome, crashed)
-            self._record_outcome(vol, vp, outcome, down)
-        finally:  # whatever recording did: the asks counting it get their answer
-            self.asks.finished(vol.name, outcome, what)
-
-    def _record_outcome(self, vol: Volume, vp: VolumePlan, out: VolumeOutcome,
-                        down: Down) -> None:
-        if out.status == "aborted":
-            self._record_aborted(vol, out)
-            return
-        released = down == "vanished"
-        with self.lock:
-            self.inflight.pop(vol.name, None)
-            self.inflight_info.pop(vol.name, None)
-            if out.status == "failed":
-                self.loop.backoff[vol.name], delay = next_backoff(
-                    self.loop.backoff.get(vol.name), vol.spec_hash)
-                log.warning("%s: failed (%s); next try in %.0f s", vol.name, out.error, delay,
-                            extra={"volume": vol.name, "result": "failed"})
-            else:
-                self.loop.backoff.pop(vol.name, None)
-                if released and vol.name in self.records:
-                    del self.records[vol.name]
-                    self._save_records()
-                log.info("%s: %s", vol.name, out.status,
-                         extra={"volume": vol.name, "result": out.status})
-            if out.status != "failed":
-                self.loop.dirty.add(vol.name)  # the next pass confirms what the chain did
-        self._write_status(vol.name, chain_ended(vol, vp, out, down))
-        self.loop.wake()  # look again (a failed one when its backoff ends)
-
-    def _record_aborted(self, vol: Volume, out: VolumeOutcome) -> None:
-        """Cut short by SIGTERM: not a failure (no backoff, no alarm). What the
-        chain acquired stays, as after a crash; the next start resumes."""
-        with self.lock:
-            self.inflight.pop(vol.name, None)
-            self.inflight_info.pop(vol.name, None)
-        left = [u.removesuffix(LEFT) for u in out.undone if u.endswith(LEFT)]
-        log.warning("%s: stopped: %s%s", vol.name, out.error,
-                    f"; not undone, for the next start: {', '.join(left)}" if left else "",
-                    extra={"volume": vol.name, "result": "aborted"})
-        self._write_status(vol.name, chain_aborted(vol, out))
-
-    def _converged(self, vol: Volume, vp: VolumePlan, observed: object, down: Down) -> None:
-        with self.lock:
-            self.loop.backoff.pop(vol.name, None)
-            if down == "vanished" and vol.name in self.records:
-                del self.records[vol.name]
-                self._save_records()
-        problems = {} if down is not None else vp.problems
-        actual = actual_state(vol, observed, context(self.config, self.node),  # type: ignore[arg-type]
-                              problems)
-        self._write_status(vol.name, nothing_to_do(vol, vp, down, problems, actual))
-
     def _write_status(self, name: str, status: VolumeStatus,
                       stalled_since: float | None = None) -> None:
         data = status.to_json()
@@ -959,7 +471,3 @@ class Daemon:
         and when it ends; rbd_reconciler_state_dir_writable says it meanwhile."""
         self.conditions.update("state", self.files.episode())
 
-
-def _same_record(old: object, new: dict[str, Any]) -> bool:
-    """``new`` is what ``old`` (read from managed.json) already says."""
-    return old == json.loads(json.dumps(new))

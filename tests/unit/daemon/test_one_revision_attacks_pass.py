@@ -18,7 +18,7 @@ import pytest
 from test_one_revision import N1, N, Source, after_listing, doc
 from test_one_revision_pass import one_pass
 
-from reconciler.daemon import service
+from reconciler.daemon import passes
 from reconciler.daemon.service import Daemon
 from reconciler.spec import loader
 from reconciler.spec.config import default_config
@@ -55,7 +55,7 @@ def test_a_link_missing_for_the_load_releases_nothing(
     assert set(d.records) == {"gx", "c1"}
     target = src.layout.target("current")
     assert target is not None
-    real_load = service.load_desired
+    real_load = passes.load_desired
     gaps = [0]
 
     def load_in_the_gap(*args: object, **kwargs: object) -> object:
@@ -68,7 +68,7 @@ def test_a_link_missing_for_the_load_releases_nothing(
         finally:
             src.layout.switch("current", target)
 
-    monkeypatch.setattr(service, "load_desired", load_in_the_gap)
+    monkeypatch.setattr(passes, "load_desired", load_in_the_gap)
     d.loop.dirty_all = True
     looked, release = one_pass(d, monkeypatch)
     assert gaps[0] == 1

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from test_one_revision import N1, SETS, N, Source, after_listing
 
-from reconciler.daemon import service
+from reconciler.daemon import passes
 from reconciler.daemon.service import Daemon
 from reconciler.spec import loader
 from reconciler.spec.config import default_config
@@ -59,7 +59,7 @@ def one_pass(d: Daemon, monkeypatch: pytest.MonkeyPatch) -> tuple[set[str], set[
         seen["release"] = set(release)
         raise Looked
 
-    monkeypatch.setattr(service, "look", look)
+    monkeypatch.setattr(passes, "look", look)
     with pytest.raises(Looked):
         d._reconcile()
     return seen["looked"], seen["release"]
