@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Future
-from typing import Any, Literal
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Literal
 
 from reconciler.apply.runner import LEFT, VolumeOutcome
 from reconciler.daemon.asks import Asks, Inflight
@@ -30,6 +30,7 @@ from reconciler.state.statusfiles import StatusFiles
 
 log = logging.getLogger("rbd-reconciler")
 
+
 class Chains:
     """The chain methods of the Daemon (daemon/service.py)."""
 
@@ -40,7 +41,7 @@ class Chains:
     loop: PassLoop
     files: StatusFiles
     records: dict[str, dict]
-    pool: Any  # ThreadPoolExecutor
+    pool: ThreadPoolExecutor
     inflight: dict[str, Future[None]]
     inflight_info: dict[str, Inflight]
     asks: Asks
@@ -160,4 +161,3 @@ class Chains:
         actual = actual_state(vol, observed, context(self.config, self.node),  # type: ignore[arg-type]
                               problems)
         self._write_status(vol.name, nothing_to_do(vol, vp, down, problems, actual))
-

@@ -45,6 +45,7 @@ from reconciler.state.statusfiles import StatusFiles
 
 log = logging.getLogger("rbd-reconciler")
 
+
 @dataclass
 class PassKnew:
     """What the pass under way knew of the volumes, for the asks it was due
@@ -382,6 +383,8 @@ class Passes:
             if changed or self.files.unsaved_records:
                 self._save_records()
         return release, held
+
+
 def _same_record(old: object, new: dict[str, Any]) -> bool:
     """``new`` is what ``old`` (read from managed.json) already says."""
     return old == json.loads(json.dumps(new))

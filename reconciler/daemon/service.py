@@ -470,4 +470,3 @@ class Daemon(Passes, Chains, Watchers):
         """Logged once when it starts (one line: the directory and the cause),
         and when it ends; rbd_reconciler_state_dir_writable says it meanwhile."""
         self.conditions.update("state", self.files.episode())
-

@@ -26,6 +26,7 @@ from reconciler.spec.config import Config
 
 log = logging.getLogger("rbd-reconciler")
 
+
 class Watchers:
     """The watcher methods of the Daemon (daemon/service.py)."""
 
@@ -103,4 +104,3 @@ class Watchers:
         view = observe_images(node.config.ceph, images, node.config.observe_timeout_seconds,
                               watchers_for=set(), session=node.ceph_session)
         return {key: img.size for key, img in view.images.items()}
-
