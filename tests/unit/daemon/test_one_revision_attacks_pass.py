@@ -18,7 +18,7 @@ import pytest
 from test_one_revision import N1, N, Source, after_listing, doc
 from test_one_revision_pass import one_pass
 
-from reconciler.daemon import service
+from reconciler.daemon import passes
 from reconciler.daemon.service import Daemon
 from reconciler.spec import loader
 from reconciler.spec.config import default_config
@@ -55,7 +55,7 @@ def test_a_link_missing_for_the_load_releases_nothing(
     assert set(d.records) == {"gx", "c1"}
     target = src.layout.target("current")
     assert target is not None
-    real_load = service.load_desired
+    real_load = passes.load_desired
     gaps = [0]
 
     def load_in_the_gap(*args: object, **kwargs: object) -> object:
@@ -68,8 +68,8 @@ def test_a_link_missing_for_the_load_releases_nothing(
         finally:
             src.layout.switch("current", target)
 
-    monkeypatch.setattr(service, "load_desired", load_in_the_gap)
-    d.dirty_all = True
+    monkeypatch.setattr(passes, "load_desired", load_in_the_gap)
+    d.loop.dirty_all = True
     looked, release = one_pass(d, monkeypatch)
     assert gaps[0] == 1
     assert "gx" not in release, f"the pass releases gx (looked at {sorted(looked)})"
@@ -94,7 +94,7 @@ def test_a_directory_that_never_holds_still_releases_nothing(
         src.prune()
 
     done = after_listing(monkeypatch, churn, times=1000)
-    d.dirty_all = True
+    d.loop.dirty_all = True
     looked, release = one_pass(d, monkeypatch)
     assert 1 < done[0] <= loader.PIN_ATTEMPTS + 1  # bounded (the CSI dir lists too)
     assert release == set(), f"released {sorted(release)} from a load that never held still"

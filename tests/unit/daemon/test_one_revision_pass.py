@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from test_one_revision import N1, SETS, N, Source, after_listing
 
-from reconciler.daemon import service
+from reconciler.daemon import passes
 from reconciler.daemon.service import Daemon
 from reconciler.spec import loader
 from reconciler.spec.config import default_config
@@ -59,7 +59,7 @@ def one_pass(d: Daemon, monkeypatch: pytest.MonkeyPatch) -> tuple[set[str], set[
         seen["release"] = set(release)
         raise Looked
 
-    monkeypatch.setattr(service, "look", look)
+    monkeypatch.setattr(passes, "look", look)
     with pytest.raises(Looked):
         d._reconcile()
     return seen["looked"], seen["release"]
@@ -79,7 +79,7 @@ def test_switching_revisions_under_the_passes_releases_nothing(
 
     switched = after_listing(monkeypatch, flip, times=SWITCHES)
     for i in range(SWITCHES):
-        d.dirty_all = True  # every pass looks at every volume, as after a switch
+        d.loop.dirty_all = True  # every pass looks at every volume, as after a switch
         looked, release = one_pass(d, monkeypatch)
         assert switched[0] == i + 1, "the switch never ran: the test proves nothing"
         assert "gx" not in release, f"pass {i + 2} releases gx (looked at {sorted(looked)})"
