@@ -66,8 +66,9 @@ from reconciler.plan.planner import VolumePlan, actual_state
 from reconciler.source.report import applied_revision, distrust
 from reconciler.spec.config import Config, ConfigError, load_config
 from reconciler.spec.desired import claims, forgettable, load_desired
-from reconciler.spec.loader import LoadCache, LoadResult, discover
+from reconciler.spec.loader import LoadCache, LoadResult
 from reconciler.spec.model import Phase, Volume, volume_from_dict, volume_to_dict
+from reconciler.spec.reading import discover
 from reconciler.spec.security import desired_dir_problems, directory_problems
 from reconciler.state import allowance, holds
 from reconciler.state.allowance import Allowance
