@@ -34,7 +34,8 @@ from reconciler.facts.parsers import parse_mountinfo
 from reconciler.observe.ceph import Connecting
 from reconciler.observe.node import Node, open_crypts
 from reconciler.plan.groupsteps import GroupStep
-from reconciler.plan.planner import GROW_SLACK, VolumePlan
+from reconciler.plan.planner import VolumePlan
+from reconciler.plan.staging import GROW_SLACK
 from reconciler.plan.steps import (
     ClaimImage,
     CloneImage,
