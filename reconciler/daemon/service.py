@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from reconciler.apply.runner import LEFT, VolumeOutcome, without_steps
+from reconciler.apply.outcomes import LEFT, VolumeOutcome, without_steps
 from reconciler.daemon import sdnotify
 from reconciler.daemon.asks import Asks, Inflight, PassContext
 from reconciler.daemon.claimpoll import ClaimPoll, Wait, read_holders
