@@ -181,8 +181,8 @@ APPLY_PARTS = (
     ("  create image + meta", "reconciler/drivers/ceph.py", "create_image"),
     ("  map (rbd-fuse + losetup)", "reconciler/drivers/fusemapper.py", "map"),
     ("    of which rbd-fuse start/mount wait", "reconciler/drivers/fusemapper.py", "_start_fuse"),
-    ("  format (probe, meta, mkfs)", "reconciler/apply/runner.py", "format"),
-    ("  stage (mount)", "reconciler/apply/runner.py", "stage"),
+    ("  format (probe, meta, mkfs)", "reconciler/apply/devicesteps.py", "format"),
+    ("  stage (mount)", "reconciler/apply/devicesteps.py", "stage"),
     ("  publish (bind)", "reconciler/drivers/fs.py", "bind"),
 )
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from reconciler.apply.runner import VolumeOutcome, apply
+from reconciler.apply.outcomes import VolumeOutcome
+from reconciler.apply.runner import apply
 from reconciler.facts.observed import Observed
 from reconciler.observe.ceph import Connecting
 from reconciler.observe.node import Node, observe

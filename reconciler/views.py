@@ -24,7 +24,7 @@ from reconciler.state.files import read_json, space_problem
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the planner and runner are imported where a view needs them:
     # selecting volumes (every cold command, before it connects) needs neither
-    from reconciler.apply.runner import VolumeOutcome
+    from reconciler.apply.outcomes import VolumeOutcome
     from reconciler.facts.observed import Observed
     from reconciler.plan.types import Context, VolumePlan
     from reconciler.spec.loader import LoadResult

@@ -19,7 +19,7 @@ from reconciler.cli.main import EXIT_FAILED, EXIT_OK
 
 TYPE_CHECKING = False  # typing itself costs ~5 ms at start-up
 if TYPE_CHECKING:
-    from reconciler.apply.runner import VolumeOutcome
+    from reconciler.apply.outcomes import VolumeOutcome
     from reconciler.cli.release import Released
     from reconciler.drivers.freeze import Record
     from reconciler.engine import Pass

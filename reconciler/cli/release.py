@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from reconciler.apply.runner import VolumeOutcome
+from reconciler.apply.outcomes import VolumeOutcome
 from reconciler.cli.unwedge import ran_into_deadline, unwedge
 from reconciler.drivers.freeze import THAW_WAIT_S, thaw_recorded
 from reconciler.drivers.reaper import reap_later

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Iterable
 from pathlib import Path
 
-from reconciler.apply.runner import VolumeOutcome
+from reconciler.apply.outcomes import VolumeOutcome
 from reconciler.drivers import fuseforce
 from reconciler.drivers.fusemapper import FuseMapper
 from reconciler.drivers.run import Runner

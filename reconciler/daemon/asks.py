@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from reconciler.apply.runner import VolumeOutcome
+from reconciler.apply.outcomes import VolumeOutcome
 from reconciler.engine import MAX_FOLLOW_UP_PASSES, merge_outcomes
 from reconciler.plan.planner import FROZEN
 from reconciler.spec.loader import LoadResult

@@ -14,7 +14,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
 
-from reconciler.apply.runner import LEFT, VolumeOutcome
+from reconciler.apply.outcomes import LEFT, VolumeOutcome
 from reconciler.daemon.asks import Asks, Inflight
 from reconciler.daemon.loop import PassLoop, next_backoff
 from reconciler.daemon.metrics import Metrics

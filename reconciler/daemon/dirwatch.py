@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from reconciler.spec.linkpath import resolve
-from reconciler.spec.loader import is_ignored
+from reconciler.spec.reading import is_ignored
 
 log = logging.getLogger("rbd-reconciler")
 

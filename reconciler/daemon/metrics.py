@@ -33,7 +33,7 @@ from reconciler.state.files import write_atomic
 if TYPE_CHECKING:
     from http.server import HTTPServer
 
-    from reconciler.apply.runner import VolumeOutcome
+    from reconciler.apply.outcomes import VolumeOutcome
     from reconciler.plan.planner import VolumePlan
     from reconciler.spec.model import Volume
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from reconciler.apply.runner import VolumeOutcome
+from reconciler.apply.outcomes import VolumeOutcome
 from reconciler.facts.clock import now_iso
 from reconciler.plan.planner import VolumePlan
 from reconciler.spec.model import Phase, Volume

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reconciler.apply.runner import VolumeOutcome, without_steps
+from reconciler.apply.outcomes import VolumeOutcome, without_steps
 from reconciler.daemon import sdnotify
 from reconciler.daemon.asks import Asks, PassContext
 from reconciler.daemon.claimpoll import ClaimPoll, Wait

@@ -67,7 +67,8 @@ from reconciler.engine import (
 from reconciler.facts.clock import now_iso
 from reconciler.observe.node import Node
 from reconciler.spec.config import Config, ConfigError, load_config
-from reconciler.spec.loader import LoadCache, LoadResult, discover
+from reconciler.spec.loader import LoadCache, LoadResult
+from reconciler.spec.reading import discover
 from reconciler.spec.security import desired_dir_problems, directory_problems
 from reconciler.state import holds
 from reconciler.state.files import CannotWrite, read_json

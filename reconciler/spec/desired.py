@@ -12,9 +12,10 @@ import bisect
 import os
 from pathlib import Path
 
+from reconciler.spec.claims import Settled
 from reconciler.spec.config import Config
 from reconciler.spec.diagnostics import Diagnostic, excerpt
-from reconciler.spec.loader import LoadCache, LoadResult, Settled, load
+from reconciler.spec.loader import LoadCache, LoadResult, load
 from reconciler.spec.model import Volume
 
 

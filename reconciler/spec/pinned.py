@@ -7,7 +7,7 @@ through the link and reads through it again could see a set of files that
 no revision has (issue 36, item 1). The loader (spec/loader.py) pins each
 directory it is given with ``Pins`` and reads every file relative to the
 pin; ``Pins.torn`` says whether that read may mix two states. Used by the
-loader only.
+loader only (spec/loader.py and spec/reading.py).
 """
 
 from __future__ import annotations

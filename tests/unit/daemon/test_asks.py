@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from reconciler.apply.runner import StepOutcome, VolumeOutcome
+from reconciler.apply.outcomes import StepOutcome, VolumeOutcome
 from reconciler.daemon.asks import Ask, Asks, Inflight, PassContext
 from reconciler.plan.planner import FROZEN
 from reconciler.plan.steps import Unpublish

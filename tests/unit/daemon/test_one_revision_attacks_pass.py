@@ -20,15 +20,15 @@ from test_one_revision_pass import one_pass
 
 from reconciler.daemon import passes
 from reconciler.daemon.service import Daemon
-from reconciler.spec import loader
+from reconciler.spec import loader, reading
 from reconciler.spec.config import default_config
 
 
 @pytest.fixture
 def daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Daemon, Source]]:
     monkeypatch.setattr(loader, "RACY_NS", 0)
-    monkeypatch.setattr(loader, "LISTING_RACY_NS", 0)
-    monkeypatch.setattr(loader, "_LISTINGS", {})
+    monkeypatch.setattr(reading, "LISTING_RACY_NS", 0)
+    monkeypatch.setattr(reading, "_LISTINGS", {})
     state = tmp_path / "state"
     src = Source(state / "source")
     src.add("N", N)

@@ -21,7 +21,7 @@ from test_one_revision import N1, SETS, N, Source, after_listing
 
 from reconciler.daemon import passes
 from reconciler.daemon.service import Daemon
-from reconciler.spec import loader
+from reconciler.spec import loader, reading
 from reconciler.spec.config import default_config
 
 SWITCHES = 40
@@ -34,8 +34,8 @@ class Looked(Exception):
 @pytest.fixture
 def daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Daemon, Source]]:
     monkeypatch.setattr(loader, "RACY_NS", 0)  # the daemon's cache answers, as on a node
-    monkeypatch.setattr(loader, "LISTING_RACY_NS", 0)
-    monkeypatch.setattr(loader, "_LISTINGS", {})
+    monkeypatch.setattr(reading, "LISTING_RACY_NS", 0)
+    monkeypatch.setattr(reading, "_LISTINGS", {})
     src = Source(tmp_path / "state" / "source")
     src.add("N", N)
     src.add("N1", N1)

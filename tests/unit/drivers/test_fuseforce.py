@@ -10,7 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from reconciler.apply.runner import StepOutcome, VolumeOutcome
+from reconciler.apply.outcomes import StepOutcome, VolumeOutcome
 from reconciler.cli.unwedge import ran_into_deadline, stuck_threads
 from reconciler.drivers import fuseforce, reaper
 from reconciler.facts.observed import Mount

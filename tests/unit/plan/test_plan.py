@@ -15,7 +15,8 @@ import pytest
 from reconciler.facts import meta
 from reconciler.facts.claim import Claim
 from reconciler.facts.observed import Device, ImageState, Mapping, Mount, Observed
-from reconciler.plan.planner import GROW_SLACK, Context, VolumePlan, plan, resolve_mapper
+from reconciler.plan.planner import Context, VolumePlan, plan
+from reconciler.plan.staging import GROW_SLACK
 from reconciler.plan.steps import (
     ClaimImage,
     CreateImage,
@@ -47,6 +48,7 @@ from reconciler.spec.model import (
     Source,
     StageSpec,
     Volume,
+    resolve_mapper,
 )
 
 MiB = 2**20

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.spec import loader
+from reconciler.spec import loader, reading
 from reconciler.spec.config import default_config
 from reconciler.spec.desired import load_desired
 from reconciler.spec.loader import LoadCache, load
@@ -162,8 +162,8 @@ def test_a_load_of_unchanged_files_is_the_last_result(tmp_path: Path, settled: N
     for i in range(20):
         (tmp_path / f"v{i}.yaml").write_text(doc(f"v{i}"))
     checks = []
-    real = loader._cross_file_checks
-    monkeypatch.setattr(loader, "_cross_file_checks",
+    real = loader.cross_file_checks
+    monkeypatch.setattr(loader, "cross_file_checks",
                         lambda r, s=None: (checks.append(1), real(r, s))[1])
     cache = LoadCache()
     first = load([tmp_path], CONFIG, cache)
@@ -178,19 +178,19 @@ def test_a_load_of_unchanged_files_is_the_last_result(tmp_path: Path, settled: N
 
 def test_an_unchanged_directory_is_not_listed_again(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loader, "LISTING_RACY_NS", 0)
-    monkeypatch.setattr(loader, "_LISTINGS", {})
+    monkeypatch.setattr(reading, "LISTING_RACY_NS", 0)
+    monkeypatch.setattr(reading, "_LISTINGS", {})
     (tmp_path / "a.yaml").write_text(doc("a"))
     scans = []
     real = os.scandir
     monkeypatch.setattr(os, "scandir", lambda p: (scans.append(p), real(p))[1])
-    assert loader.discover([tmp_path])[0] == [tmp_path / "a.yaml"]
-    assert loader.discover([tmp_path])[0] == [tmp_path / "a.yaml"]
+    assert reading.discover([tmp_path])[0] == [tmp_path / "a.yaml"]
+    assert reading.discover([tmp_path])[0] == [tmp_path / "a.yaml"]
     assert len(scans) == 1
     # A new entry moves the directory's timestamps (put a second ahead here,
     # so that a coarse clock cannot hide the change from the test).
     before = tmp_path.stat()
     (tmp_path / "b.yaml").write_text(doc("b"))
     os.utime(tmp_path, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
-    assert loader.discover([tmp_path])[0] == [tmp_path / "a.yaml", tmp_path / "b.yaml"]
+    assert reading.discover([tmp_path])[0] == [tmp_path / "a.yaml", tmp_path / "b.yaml"]
     assert len(scans) == 2

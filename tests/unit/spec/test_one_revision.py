@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from reconciler.source.layout import Layout
-from reconciler.spec import loader
+from reconciler.spec import loader, reading
 from reconciler.spec.config import default_config
 from reconciler.spec.loader import LoadCache, LoadResult, load
 
@@ -84,8 +84,8 @@ def source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Source:
     # Files and listings written by the test count as settled at once: the
     # caches answer, as they do for a daemon beside old revisions.
     monkeypatch.setattr(loader, "RACY_NS", 0)
-    monkeypatch.setattr(loader, "LISTING_RACY_NS", 0)
-    monkeypatch.setattr(loader, "_LISTINGS", {})
+    monkeypatch.setattr(reading, "LISTING_RACY_NS", 0)
+    monkeypatch.setattr(reading, "_LISTINGS", {})
     src = Source(tmp_path / "source")
     src.add("N", N)
     src.add("N1", N1)
@@ -96,7 +96,7 @@ def source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Source:
 def after_listing(monkeypatch: pytest.MonkeyPatch, action: Callable[[], None],
                   times: int = 1) -> list[int]:
     """Run ``action`` right after each of the first ``times`` listings."""
-    real, done = loader._listing, [0]
+    real, done = reading._listing, [0]
 
     def listing(*args: object, **kwargs: object) -> object:
         out = real(*args, **kwargs)  # type: ignore[arg-type]
@@ -105,7 +105,7 @@ def after_listing(monkeypatch: pytest.MonkeyPatch, action: Callable[[], None],
             action()
         return out
 
-    monkeypatch.setattr(loader, "_listing", listing)
+    monkeypatch.setattr(reading, "_listing", listing)
     return done
 
 

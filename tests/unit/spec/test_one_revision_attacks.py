@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from test_one_revision import N1, SETS, N, Source, after_listing, doc, names, rev
 
-from reconciler.spec import loader
+from reconciler.spec import loader, reading
 from reconciler.spec.config import default_config
 from reconciler.spec.loader import LoadCache, load
 
@@ -26,8 +26,8 @@ CONFIG = default_config()
 @pytest.fixture
 def source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Source:
     monkeypatch.setattr(loader, "RACY_NS", 0)
-    monkeypatch.setattr(loader, "LISTING_RACY_NS", 0)
-    monkeypatch.setattr(loader, "_LISTINGS", {})
+    monkeypatch.setattr(reading, "LISTING_RACY_NS", 0)
+    monkeypatch.setattr(reading, "_LISTINGS", {})
     src = Source(tmp_path / "source")
     src.add("N", N)
     src.add("N1", N1)
@@ -91,7 +91,7 @@ def test_no_load_leaves_a_descriptor_open(source: Source, monkeypatch: pytest.Mo
     def boom(*_: object) -> None:
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(loader, "_cross_file_checks", boom)
+    monkeypatch.setattr(loader, "cross_file_checks", boom)
     for _ in range(10):
         with pytest.raises(RuntimeError):
             load([source.current], CONFIG)
@@ -144,7 +144,7 @@ def test_a_failure_to_list_is_not_kept_for_the_directory_once_it_is_back(
     """The cache keeps a result while the same files are there unchanged:
     none, for a directory that could not be read. The same directory back,
     empty, is read as it is now, not as the failure."""
-    monkeypatch.setattr(loader, "_LISTINGS", {})
+    monkeypatch.setattr(reading, "_LISTINGS", {})
     desired = tmp_path / "volumes.d"
     cache = LoadCache()
     gone = load([desired], CONFIG, cache)
@@ -218,7 +218,7 @@ def test_a_file_made_a_symlink_out_after_the_listing_is_refused_or_read_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """In a plain directory (no link to pin): a.yaml replaced by a symlink
     to a file outside between the listing and the open."""
-    monkeypatch.setattr(loader, "_LISTINGS", {})
+    monkeypatch.setattr(reading, "_LISTINGS", {})
     desired = tmp_path / "volumes.d"
     desired.mkdir(mode=0o755)
     (desired / "a.yaml").write_text(doc("gx"))

@@ -1,0 +1,98 @@
+"""The chain's map step and the claim around it: one writer per image, the
+claim taken in the OSD before the map and checked again after it; this
+node's former clients of a mapping that is gone fenced; the claim released
+after an unmap.
+
+Mixed into the chain by apply/runner.py; imported by it only.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import rados
+import rbd
+
+from reconciler.apply import claims
+from reconciler.apply.chainstate import ChainState
+from reconciler.apply.outcomes import StepRefused
+from reconciler.drivers import ceph
+from reconciler.facts.claim import Claim
+from reconciler.facts.observed import Mapping
+from reconciler.plan.steps import MapImage
+
+log = logging.getLogger("reconciler.apply")  # the name log lines have always carried
+
+
+class MapSteps(ChainState):
+    def map(self, step: MapImage) -> tuple[str, str]:
+        """One writer per image: the claim is taken (atomically, in the OSD)
+        before the map, and checked again after it, before anything is
+        mounted: a loser unmaps and refuses, naming the holder."""
+        cluster, me = self.need_cluster(), self.node.config.node_name
+        held, fresh = self.take_claim(cluster, step.pool, step.image)
+        if fresh:  # a claim this node held before (a takeover's) is kept on failure
+            self.acquired.append(("release claim", lambda: claims.release(
+                cluster, step.pool, step.image, me)))
+        if not fresh and held.clients:
+            self.fence_former_clients(cluster, step, held)
+        mapper = self.node.mapper(step.mapper)
+        self.device = mapper.map(step.pool, step.image, step.options)
+        mapping = Mapping(step.mapper, step.pool, step.image, self.device,
+                          str(self.node.fuse.mount_point(step.pool, step.image))
+                          if step.mapper == "fuse" else None)
+        self.acquired.append((f"unmap {self.device}", lambda: mapper.unmap(mapping)))
+        with cluster.open_ioctx(step.pool) as ioctx:
+            # A watch of our own earlier helper (dead, its watch not yet
+            # expired) is no other writer: the claim names it.
+            after = tuple(a for a in claims.watchers(ioctx, step.image)
+                          if a not in held.clients)
+        if len(after) > 1:  # our helper is one; someone opened it meanwhile
+            raise StepRefused(f"image {step.pool}/{step.image} is open by {len(after)} "
+                              f"clients ({', '.join(after)}) right after mapping it: another "
+                              "client opened it at the same time; unmapped here")
+        try:
+            claims.record_clients(cluster, step.pool, step.image, me, after)
+        except claims.ClaimedElsewhere as exc:
+            raise StepRefused(f"{step.pool}/{step.image} is claimed by node {exc.holder.node} "
+                              "(taken while mapping here); unmapped here") from None
+        return "changed", self.device
+
+    def fence_former_clients(self, cluster: rados.Rados, step: MapImage, held: Claim) -> None:
+        """Mapping an image this node's claim already names: its recorded
+        clients served a mapping here that is gone (a helper that died; a
+        live one would have been observed, and nothing would be mapped).
+        One still watching holds the image's exclusive lock until Ceph times
+        its watch out (30 s), and the new helper's I/O waits for it: fence
+        exactly those client instances (ip:port/nonce), as a takeover does."""
+        with cluster.open_ioctx(step.pool) as ioctx:
+            stale = {a for a in claims.watchers(ioctx, step.image) if a in held.clients}
+        if not stale:
+            return
+        for addr in sorted(stale):
+            claims.blocklist_add(cluster, addr)
+        left = claims.wait_watchers_gone(cluster, step.pool, step.image, stale, timeout=10.0)
+        self.out.notes.append(f"fenced this node's former client(s) {', '.join(sorted(stale))} "
+                          "of a mapping that is gone"
+                          + (f"; still watching: {', '.join(left)}" if left else ""))
+
+    def take_claim(self, cluster: rados.Rados, pool: str, image: str) -> tuple[Claim, bool]:
+        try:
+            return claims.take(cluster, pool, image, self.node.config.node_name)
+        except claims.ClaimedElsewhere as exc:
+            raise StepRefused(f"{pool}/{image} is claimed by node {exc.holder.node}"
+                              + (f" (clients {', '.join(exc.holder.clients)})"
+                                 if exc.holder.clients else "")
+                              + ": one writer per image, so it is not mapped here") from None
+
+    def release_claim(self, pool: str, image: str) -> str:
+        """After an unmap. Without Ceph the unmap still counts; the claim stays
+        until a pass that reaches Ceph sees it with no mapping here."""
+        if self.cluster is None:
+            return "claim kept (Ceph not reachable); a later pass releases it"
+        try:
+            claims.release(self.cluster, pool, image, self.node.config.node_name)
+        except (rados.Error, rbd.Error, ceph.CephError) as exc:
+            log.warning("%s/%s: claim not released: %s", pool, image, exc)
+            return f"claim kept ({exc}); a later pass releases it"
+        return ""

@@ -1,0 +1,151 @@
+"""The planner's rules for the mapping (pure; no I/O): map (one writer per
+image: never where another node's claim or client is), remap a dead or
+changed mapping when nothing is mounted from it, refresh a grown device,
+close our LUKS2 device over it, and io.max for the mapped device.
+
+Mixed into the volume planner by plan/planner.py; ``close_crypt`` is used
+by the teardown's rules too. Imported by plan/planner.py only.
+"""
+
+from __future__ import annotations
+
+from reconciler.facts.luks import crypt_name
+from reconciler.plan.steps import (
+    ClaimImage,
+    CloseCrypt,
+    LimitDeviceIo,
+    MapImage,
+    RefreshDevice,
+    Unmap,
+)
+from reconciler.plan.types import Refused
+from reconciler.plan.volumeview import VolumeView
+from reconciler.spec import qos
+from reconciler.spec.model import Phase, resolve_mapper
+
+
+class MapRules(VolumeView):
+    def dead_mapping(self) -> None:
+        """A mapping that no longer answers (its rbd-fuse helper died). With
+        nothing mounted from it, map it again; with mounts, report and refuse:
+        never reformat, never pull a filesystem from under its users."""
+        assert self.mapping is not None
+        v, mp = self.v, self.mapping
+        self.plan.notes.append(f"mapping of {v.image.spec} ({mp.device or 'no device'}) is "
+                               f"dead: {mp.problem}")
+        mounted = self.mounted_paths()
+        if mounted:
+            raise Refused(
+                f"the mapping of {v.image.spec} is dead ({mp.problem}); {', '.join(mounted)} "
+                "cannot do I/O. Nothing is formatted or unmounted behind the applications' "
+                "backs: stop what uses them, then `rbd-reconciler release` this volume's file "
+                "and apply again")
+        if v.state == "absent" or v.wanted_phase < Phase.MAPPED:
+            return  # the teardown unmaps it
+        self.close_crypt()
+        self.add(Unmap(v.name, v.image.pool, v.image.name, mp.kind, mp.device, mp.fuse_mount,
+                       release_claim=False))
+        self.forget_mapping()
+
+    def forget_mapping(self) -> None:
+        """Unmapped by a step planned above: what follows maps it afresh."""
+        self.mapping, self.raw, self.crypt, self.dev = None, None, None, None
+
+    def close_crypt(self) -> None:
+        """Close the open LUKS2 device over the mapping, if there is one (it
+        holds the mapped device: nothing unmaps under it). Only ours."""
+        c = self.crypt
+        if c is None:
+            return
+        if c.name != crypt_name(self.v.name):
+            raise Refused(f"{c.path} (LUKS2, not opened by this reconciler: its name is not "
+                          f"{crypt_name(self.v.name)}) is open over {c.raw}; refusing to "
+                          "close it. Close it by hand (cryptsetup close) if it is not in use")
+        self.add(CloseCrypt(self.v.name, c.name, (c.major, c.minor)))
+        self.crypt = None
+        self.dev = self.raw if self.v.encryption is None else None
+
+    def forward_io_limits(self, size: int | None) -> None:
+        """io.max for the mapped device on the unit or cgroup the spec names:
+        a kernel-mapped device's I/O never passes through librbd's limits.
+        Set in place, never a remap."""
+        v = self.v
+        size = size if size is not None else (self.img.size if self.img else None)
+        if v.qos is not None and v.qos.io_target is not None:
+            self.limit_io(v.qos.io_target, qos.io_max(v.qos, size), required=True)
+        # A publish's user (the CSI adapter: the pod) gets the volume's limits,
+        # or the image's own (set through another file, another node, CSI).
+        if v.wanted_phase >= Phase.PUBLISHED and self.img is not None:
+            limits = qos.io_max(v.qos if v.qos is not None and v.qos.io_target is None
+                                else qos.from_meta(self.img.meta), size)
+            for p in v.publish:
+                if p.io_cgroup:
+                    self.limit_io(p.io_cgroup, limits, required=False)
+
+    def limit_io(self, target: str, limits: dict[str, int], required: bool) -> None:
+        """``required``: the spec names the target (cannot read it: refused);
+        else a publish's user: a note, never a reason to keep a pod from its
+        volume, and nothing at all while there is no limit to set."""
+        v, want = self.v, tuple(sorted(limits.items()))
+        if not required and not want:
+            return
+        if self.mapping is None or self.raw is None:  # mapped by this run
+            self.add(LimitDeviceIo(v.name, target, None, (), want, required))
+            return
+        if target in self.obs.io_errors:
+            if required:
+                raise Refused(f"QoS: {self.obs.io_errors[target]}")
+            self.plan.notes.append(f"QoS not set for {target}: {self.obs.io_errors[target]}")
+            return
+        rdev = f"{self.raw.major}:{self.raw.minor}"
+        have = tuple(sorted(self.obs.io_limits.get(target, {}).get(rdev, {}).items()))
+        if have != want:
+            self.add(LimitDeviceIo(v.name, target, self.mapping.device, have, want, required))
+
+    def forward_map(self, new_size: int | None) -> None:
+        v = self.v
+        assert v.map is not None
+        if (self.mapping is not None and v.map.mapper != "auto"
+                and self.mapping.kind != v.map.mapper):
+            if v.wanted_phase >= Phase.STAGED and self.mounted_paths():
+                raise Refused(
+                    f"{v.image.spec} is mapped with {self.mapping.kind} and the spec now wants "
+                    f"{v.map.mapper}: remapping would pull it from under its users. Release it "
+                    "(`rbd-reconciler release FILE`) and apply again, or set mapper back to "
+                    f"{self.mapping.kind}")
+            mp = self.mapping
+            self.close_crypt()
+            self.add(Unmap(v.name, v.image.pool, v.image.name, mp.kind, mp.device,
+                           mp.fuse_mount, release_claim=False))
+            self.forget_mapping()
+        if self.mapping is not None and self.mapping.device is None:
+            # A fuse mount without its loop device: half mapped. Redo it.
+            self.add(Unmap(v.name, v.image.pool, v.image.name, "fuse", None,
+                           self.mapping.fuse_mount, release_claim=False))
+            self.mapping = None
+        if self.mapping is None:
+            busy = self.foreign_watchers() if self.img is not None else 0
+            users = f"{busy} other client(s) ({', '.join(self.img.watchers)})" if busy else ""
+            other = self.claimed_elsewhere()
+            if other is not None:
+                self.plan.claimed_by = other.node
+                raise Refused(
+                    f"image {v.image.spec} is claimed by node {other.node}"
+                    + (f" and is open by {users}" if busy else
+                       f" (clients {', '.join(other.clients)})" if other.clients else "")
+                    + ": one writer per image, so it is not mapped here. If that node is "
+                    f"gone for good, `rbd-reconciler takeover {v.name} --yes-i-am-sure` on "
+                    "this node blocklists its client and takes the claim")
+            if busy:
+                raise Refused(f"image {v.image.spec} is open by {users}; mapping it here "
+                              "too could corrupt it")
+            mapper = resolve_mapper(v.map.mapper, self.ctx.mappers_available)
+            self.add(MapImage(v.name, v.image.pool, v.image.name, mapper, v.map.options))
+            return
+        if self.claim is None and self.img is not None:
+            self.add(ClaimImage(v.name, v.image.pool, v.image.name, self.ctx.node_name))
+        # A loop device over the rbd-fuse file keeps its old size until told
+        # (losetup -c); krbd and rbd-nbd follow a resize by themselves, a moment
+        # later: the step waits for it, so what grows next sees the new size.
+        if self.raw is not None and new_size is not None and self.raw.size < new_size:
+            self.add(RefreshDevice(v.name, self.mapping.device, self.mapping.kind, new_size))
