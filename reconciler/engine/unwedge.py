@@ -9,25 +9,25 @@ shutdown would never end. Such a connection, when it has requests still
 waiting for an answer, is ended (drivers/fuseforce.py): what it held could
 not reach Ceph anyway. A connection with nothing waiting is left alone, as
 is every volume whose release did not run into a deadline (a busy mount is
-not a dead helper).
+not a dead helper; which ones did: plan/release.py ``ran_into_deadline``).
+
+Imported by engine/release.py and by the CLI's ``release --all``
+(cli/release.py), which ends these connections itself when the release
+does not return by its deadline.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from pathlib import Path
 
-from reconciler.apply.runner import VolumeOutcome
 from reconciler.drivers import fuseforce
 from reconciler.drivers.mappers import FuseMapper
 from reconciler.drivers.run import Runner
+from reconciler.plan.release import Image
 from reconciler.spec.config import Config
-from reconciler.spec.model import Volume
 
 log = logging.getLogger("reconciler.shutdown")
-
-Image = tuple[str, str]
 
 
 def stuck_threads(task_dir: Path = Path("/proc/self/task")) -> list[int]:
@@ -42,24 +42,6 @@ def stuck_threads(task_dir: Path = Path("/proc/self/task")) -> list[int]:
             continue
         if text[text.rindex(")") + 2:][:1] == "D":
             out.append(int(stat.parent.name))
-    return out
-
-
-def ran_into_deadline(outcomes: Iterable[VolumeOutcome], volumes: dict[str, Volume],
-                      step_timeout: float, stalled: frozenset[str] = frozenset()) -> set[Image]:
-    """Images whose chain was stopped at the deadline, or failed in a step that
-    lasted a whole command deadline (a command killed at its step timeout), or
-    failed at all while its device's I/O does not complete (``stalled``, by
-    volume name: an umount refused as busy by a writer stuck in D state on
-    that device fails at once, long before any deadline)."""
-    out = set()
-    for o in outcomes:
-        vol = volumes.get(o.name)
-        if vol is None:
-            continue
-        if o.status == "aborted" or any(s.status == "failed" and (
-                s.seconds >= step_timeout or o.name in stalled) for s in o.steps):
-            out.add((vol.image.pool, vol.image.name))
     return out
 
 
