@@ -26,8 +26,7 @@ from reconciler.cli.reconcile import default_paths
 TYPE_CHECKING = False  # typing itself costs ~5 ms at start-up
 if TYPE_CHECKING:
     from reconciler.drivers.holders import User
-    from reconciler.facts.observed import Observed
-    from reconciler.plan.types import VolumePlan
+    from reconciler.engine import Observed, VolumePlan
     from reconciler.spec.config import Config
     from reconciler.spec.model import Volume
 
@@ -59,9 +58,7 @@ def cmd_recover(args: argparse.Namespace, config: Config) -> int:
 
 
 def _recover(args: argparse.Namespace, config: Config, vol: Volume) -> int:
-    from reconciler.engine import act, context, look
-    from reconciler.observe.node import Node
-    from reconciler.plan.planner import plan
+    from reconciler.engine import Node, act, look, plan_again
     from reconciler.plan.steps import Unmap
 
     node = Node.from_config(config)
@@ -69,7 +66,7 @@ def _recover(args: argparse.Namespace, config: Config, vol: Volume) -> int:
     observed, [vp] = looked.observed, looked.plans
     if vp.fenced is None:
         # What it would be, not taken down: why there is nothing to recover.
-        [now] = plan([vol], observed, context(config, node))
+        [now] = plan_again([vol], observed, config, node)
         why = (f"its claim and Ceph's blocklist cannot be seen ({now.unknown}); recover acts "
                "only on a fence it sees" if now.unknown else
                f"it is not fenced (phase {now.phase_name}): nothing to recover; "

@@ -13,17 +13,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from reconciler.apply.runner import VolumeOutcome, apply
-from reconciler.facts.observed import Observed
+from reconciler.apply.runner import VolumeOutcome as VolumeOutcome  # a chain's result
+from reconciler.apply.runner import apply
+from reconciler.facts.observed import Observed as Observed  # what a look saw
 from reconciler.observe.ceph import Connecting
-from reconciler.observe.node import Node, observe
-from reconciler.plan.planner import Context, VolumePlan, plan
+from reconciler.observe.ceph import Session as Session  # a connection begun early
+from reconciler.observe.node import Node as Node  # the node a pass looks at and acts on
+from reconciler.observe.node import observe
+from reconciler.plan.planner import Context, plan
 from reconciler.plan.steps import Step
+from reconciler.plan.types import VolumePlan as VolumePlan  # one volume's plan
 from reconciler.spec.config import Config
 from reconciler.spec.loader import LoadResult, load
 from reconciler.spec.model import Volume
+from reconciler.state import holds
 from reconciler.state.lock import Busy as Busy  # at home in state/lock.py
 from reconciler.state.lock import locked
+
+# The names imported "as" themselves above are the front doors' (cli/) way to
+# the types below the engine: they import the engine, views and spec only.
 
 
 @dataclass
@@ -103,6 +111,29 @@ def state_lock(config: Config, wait: bool = False) -> contextlib.AbstractContext
     return locked(config.state_dir, wait)
 
 
+def session_begun(config: Config) -> Session:
+    """A Ceph connection begun now, for a pass about to observe: it overlaps
+    whatever the caller does first (imports, the look at the node)."""
+    session = Session()
+    session.begin(config.ceph)
+    return session
+
+
+def lift_holds(config: Config, names: Iterable[str]) -> None:
+    """Volumes applied outside the daemon: no longer held down by an earlier
+    ``release`` when it starts again (state/holds.py). OSError: not recorded."""
+    holds.lift(config.state_dir, list(names))
+
+
+def blocklist(config: Config) -> dict[str, str]:
+    """Ceph's blocklist, through a connection of the caller's own (``explain``)."""
+    from reconciler.apply import claims
+    from reconciler.drivers import ceph
+
+    with ceph.connect(config.ceph, timeout=claims.MON_TIMEOUT_S) as cluster:
+        return claims.blocklist(cluster)
+
+
 def context(config: Config, node: Node) -> Context:
     return Context(node_name=config.node_name, staging_root=str(config.staging_root),
                    mappers_available=node.mappers_available,
@@ -134,6 +165,13 @@ def look(volumes: Iterable[Volume], config: Config, node: Node, *,
     plans = plan(volumes, observed, context(config, node), frozen,
                  release=[n for n in release if n in names])
     return Looked(observed, plans, volumes, skipped)
+
+
+def plan_again(volumes: Iterable[Volume], observed: Observed, config: Config, node: Node
+               ) -> list[VolumePlan]:
+    """The plans of what a look saw, planned once more as the planner would
+    without ``release`` (``recover``: what a volume would be, not taken down)."""
+    return plan(list(volumes), observed, context(config, node))
 
 
 def act(plans: list[VolumePlan], volumes: dict[str, Volume], observed: Observed, node: Node,

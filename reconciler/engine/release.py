@@ -28,10 +28,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from reconciler.apply.runner import VolumeOutcome
-from reconciler.drivers.freeze import THAW_WAIT_S, thaw_recorded
+from reconciler.drivers.freeze import THAW_WAIT_S
 from reconciler.drivers.reaper import reap_later
 from reconciler.drivers.run import KILL_WAIT_S, STOP_CHECK_S, Runner
 from reconciler.engine import Busy, act, look, state_lock
+from reconciler.engine.frozen import thaw_left
 from reconciler.engine.unwedge import unwedge
 from reconciler.facts.observed import Mapping, Observed
 from reconciler.observe.node import Node
@@ -47,7 +48,6 @@ from reconciler.spec.config import Config
 from reconciler.spec.desired import load_desired
 from reconciler.spec.model import Volume
 from reconciler.state.files import read_json
-from reconciler.state.registry import freezes_recorded
 
 log = logging.getLogger("reconciler.shutdown")  # the name log lines have always carried
 
@@ -137,16 +137,6 @@ def _plan_release(config: Config, node: Node) -> tuple[list[VolumePlan], dict[st
             looked.skipped)
 
 
-def thaw_first(config: Config, wait: float = THAW_WAIT_S) -> list[str]:
-    """What a killed snapshot run left frozen, thawed from its record before
-    anything else (as ``apply`` and ``release`` do): sync waits on a frozen
-    filesystem, its writers keep its mounts busy, and one unmounted frozen
-    lives on frozen in the kernel, to be mounted again still frozen."""
-    if not freezes_recorded(config.state_dir):
-        return []
-    return thaw_recorded(config.state_dir, wait)
-
-
 class Deadline:
     """One deadline for the whole of ``release --all``, under the unit's stop
     timeout: each phase gets its own limit or what is left, whichever is
@@ -194,7 +184,7 @@ def release_all(config: Config, step_timeout: float, deadline: float = DEFAULT_D
     out = out if out is not None else Released()
     limit = Deadline(deadline)
     out.phase = "thawing what a killed snapshot run left frozen"
-    out.thawed = thaw_first(config, limit.budget(THAW_WAIT_S))
+    out.thawed = thaw_left(config, limit.budget(THAW_WAIT_S))
     out.phase = "syncing"
     out.sync = sync_all(limit.budget(step_timeout))
     out.phase = "waiting for the state lock"
