@@ -1,8 +1,8 @@
 """``rbd-reconciler release --all``: give back everything of ours on this node.
 
 The front door only: it asks the engine (engine/release.py does it, within
-``--deadline``; plan/release.py decides what is ours) and prints the report,
-at the deadline whatever happens. Imported by cli/reconcile.py's
+``--deadline``, and is back by then whatever happens; plan/release.py
+decides what is ours) and prints the report. Imported by cli/reconcile.py's
 ``cmd_release`` when ``--all`` is given.
 """
 
@@ -12,12 +12,10 @@ import argparse
 import json
 import os
 import sys
-import threading
 
 from reconciler.cli.exits import EXIT_FAILED, EXIT_OK
 from reconciler.engine import Busy
-from reconciler.engine.release import Released, release_all, report_at_deadline
-from reconciler.engine.unwedge import unwedge
+from reconciler.engine.release import Released, force_off_stuck, release_all
 from reconciler.spec.config import Config
 
 
@@ -26,38 +24,24 @@ def cmd_release_all(args: argparse.Namespace, config: Config) -> int:
         print("rbd-reconciler: release --all takes no PATH (it releases every volume of ours)",
               file=sys.stderr)
         return EXIT_FAILED
-    progress = Released()
-    result: list[Released | BaseException] = []
-
-    def work() -> None:
-        try:
-            result.append(release_all(config, args.step_timeout, args.deadline, progress))
-        except BaseException as exc:  # handed to the main thread, which reports it
-            result.append(exc)
-
-    # The work runs in a thread so that the report is printed at the deadline
-    # even when something is stuck where no command can be killed (a thaw or
-    # an unmount in the kernel, a Ceph call): then the process exits at once,
-    # leaving that thread (and the stuck call) behind.
-    worker = threading.Thread(target=work, name="release-all", daemon=True)
-    worker.start()
-    worker.join(args.deadline)
-    if not result:
-        _report_release(args, report_at_deadline(progress, args.deadline))
+    # Back by the deadline whatever happens (engine/release.py): a report of
+    # what was done when the work is stuck where nothing can be killed.
+    try:
+        done = release_all(config, args.step_timeout, args.deadline)
+    except Busy as exc:
+        print(f"rbd-reconciler: {exc}; nothing released", file=sys.stderr)
+        return EXIT_FAILED
+    rc = _report_release(args, done)
+    if done.stuck:
         sys.stdout.flush()
         sys.stderr.flush()
         # A thread stuck in the kernel on an rbd-fuse helper that does not
         # answer would hold even os._exit: end that connection first.
-        for line in unwedge(config, set()):
+        for line in force_off_stuck(done):
             print(f"forced: {line}", file=sys.stderr)
         sys.stderr.flush()
         os._exit(EXIT_FAILED)  # not sys.exit: it would wait for the stuck threads
-    if isinstance(result[0], Busy):
-        print(f"rbd-reconciler: {result[0]}; nothing released", file=sys.stderr)
-        return EXIT_FAILED
-    if isinstance(result[0], BaseException):
-        raise result[0]
-    return _report_release(args, result[0])
+    return rc
 
 
 def _report_release(args: argparse.Namespace, done: Released) -> int:

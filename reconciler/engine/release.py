@@ -12,9 +12,13 @@ kernel mapping whose image claim names this node), such as a
 volume whose file was removed with ``onRemove: keep``. Nothing is deleted and
 no file is written: the daemon maps everything again at the next boot.
 
-This module does it (thaw, sync, the state lock, the rounds of look and act,
-the deadline); what is ours and what is left is decided in plan/release.py.
-Imported by the CLI's ``release --all`` (cli/release.py) only.
+This module does it: the config is read once, at the entry (``Ours``: the
+files, the records, the node's drivers, the planner's context; the FUSE
+mounts for the last resort); then thaw, sync, the state lock and the rounds:
+look, ask plan/release.py for the round's ``ReleasePlan`` (what is provably
+ours, the steps in order, which FUSE connections may be forced off), run
+it, force off what its rule names, all within the deadline. Imported by the
+CLI's ``release --all`` (cli/release.py) only.
 """
 
 from __future__ import annotations
@@ -23,31 +27,25 @@ import logging
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from reconciler.apply.runner import VolumeOutcome
 from reconciler.drivers.freeze import THAW_WAIT_S
 from reconciler.drivers.reaper import reap_later
 from reconciler.drivers.run import KILL_WAIT_S, STOP_CHECK_S, Runner
-from reconciler.engine import Busy, act, look, state_lock
+from reconciler.engine import act, context, seen
 from reconciler.engine.frozen import thaw_left
-from reconciler.engine.unwedge import unwedge
-from reconciler.facts.observed import Mapping, Observed
+from reconciler.engine.unwedge import FuseMounts, unwedge
+from reconciler.facts.observed import Mapping
 from reconciler.observe.node import Node
-from reconciler.plan.release import (
-    not_done,
-    provably_ours,
-    ran_into_deadline,
-    still_held,
-    volumes_of_ours,
-)
-from reconciler.plan.types import VolumePlan
+from reconciler.plan.release import ReleasePlan, not_done, plan_release, volumes_of_ours
+from reconciler.plan.types import Context, VolumePlan
 from reconciler.spec.config import Config
 from reconciler.spec.desired import load_desired
 from reconciler.spec.model import Volume
 from reconciler.state.files import read_json
+from reconciler.state.lock import locked_within
 
 log = logging.getLogger("reconciler.shutdown")  # the name log lines have always carried
 
@@ -74,11 +72,29 @@ class Released:
     phase: str = "starting"
     plans: list[VolumePlan] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    # The work did not return by the deadline: it is left behind, stuck
+    # (``force_off_stuck``, then the process ends at once).
+    stuck: bool = False
+    fuse: FuseMounts | None = None  # where the last resort looks
 
     @property
     def ok(self) -> bool:
         return (self.late is None and not self.left and not self.forced
                 and not any(o.status in ("failed", "aborted") for o in self.outcomes))
+
+
+@dataclass(frozen=True)
+class Ours:
+    """What the rounds of a release need of the config, read once under the
+    state lock: the rounds (and the layers below them) get this, never the
+    config."""
+
+    node: Node  # the drivers; each look builds them again over a runner of its own
+    context: Context  # the planner's (this node's name, the mappers here, the clone rules)
+    declared: tuple[Volume, ...]  # the operator's and the CSI adapter's volume files
+    records: dict[str, Any]  # the daemon's (managed.json)
+    step_timeout: float
+    fuse: FuseMounts  # where the last resort looks
 
 
 def sync_all(timeout: float) -> str | None:
@@ -98,21 +114,6 @@ def sync_all(timeout: float) -> str | None:
     return None if proc.returncode == 0 else f"sync exited {proc.returncode}"
 
 
-@contextmanager
-def lock_within(config: Config, timeout: float) -> Iterator[None]:
-    """The state lock, waiting up to ``timeout`` for a daemon still exiting."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with state_lock(config):
-                yield
-                return
-        except Busy:
-            if time.monotonic() >= deadline:
-                raise
-            time.sleep(0.2)
-
-
 def _mappings(node: Node) -> list[Mapping]:
     found = list(node.fuse.list())
     for kind in ("krbd", "nbd"):
@@ -124,17 +125,12 @@ def _mappings(node: Node) -> list[Mapping]:
     return found
 
 
-def _plan_release(config: Config, node: Node) -> tuple[list[VolumePlan], dict[str, Volume],
-                                                        Observed, list[str]]:
-    loaded = load_desired(config)
-    records = read_json(config.state_dir / "managed.json", {}) or {}
-    candidates, unreadable = volumes_of_ours(loaded.volumes, records, _mappings(node))
+def _plan_release(ours: Ours, node: Node) -> ReleasePlan:
+    """Look at what is ours now and ask plan/release.py what to do with it."""
+    candidates, unreadable = volumes_of_ours(ours.declared, ours.records, _mappings(node))
     for line in unreadable:
         log.warning("%s", line)
-    looked = look(candidates, config, node, release=[v.name for v in candidates],
-                  admit=lambda v, seen: provably_ours(v, seen, config.node_name))
-    return (looked.plans, {v.name: v for v in looked.volumes}, looked.observed,
-            looked.skipped)
+    return plan_release(candidates, seen(candidates, node), ours.context, ours.step_timeout)
 
 
 class Deadline:
@@ -142,7 +138,9 @@ class Deadline:
     timeout: each phase gets its own limit or what is left, whichever is
     less, and the chains are stopped ``WIND_DOWN_S`` before the end (the
     commands still running killed, the steps not started reported), so the
-    report is printed before the deadline, not cut off by systemd's SIGKILL."""
+    report is printed before the deadline, not cut off by systemd's SIGKILL.
+    A FUSE connection is forced off within what is left until the chains
+    must stop (``left``), or, once they were stopped, until the end."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
@@ -170,71 +168,105 @@ class Deadline:
         return timer
 
 
-def release_all(config: Config, step_timeout: float, deadline: float = DEFAULT_DEADLINE_S,
-                out: Released | None = None) -> Released:
+def release_all(config: Config, step_timeout: float,
+                deadline: float = DEFAULT_DEADLINE_S) -> Released:
     """Thaw what a dead run left frozen, sync, release every volume of ours,
     then look again: whatever is still mounted or mapped is reported in
     ``left`` (the command prints it, so the journal has it). Takes the state
-    lock (the daemon must not map while we unmap). All of it within
-    ``deadline`` s; ``out`` shows the progress while it runs (``phase``,
-    ``plans``), for a caller that must report at the deadline whatever
-    happens here. A volume whose release ran into a deadline on an rbd-fuse
-    helper that does not answer has that helper's connection ended
-    (engine/unwedge.py), and is released once more with the time left."""
-    out = out if out is not None else Released()
+    lock (the daemon must not map while we unmap); Busy when it cannot. A
+    volume whose release ran into a deadline on an rbd-fuse helper that does
+    not answer has that helper's connection ended (engine/unwedge.py), and
+    is released once more with the time left.
+
+    Returns by ``deadline`` whatever happens: the work runs in a thread, and
+    when it is stuck where no command can be killed (a thaw or an unmount in
+    the kernel, a Ceph call), what it had done is reported (``stuck``: the
+    caller prints, then ``force_off_stuck``, then ends the process at once,
+    leaving that thread behind)."""
+    fuse = FuseMounts(config.ceph, config.state_dir / "fuse")
+    progress = Released(fuse=fuse)
+    result: list[Released | BaseException] = []
+
+    def work() -> None:
+        try:
+            result.append(_release(config, step_timeout, deadline, fuse, progress))
+        except BaseException as exc:  # handed to the caller's thread, which raises it
+            result.append(exc)
+
+    worker = threading.Thread(target=work, name="release-all", daemon=True)
+    worker.start()
+    worker.join(deadline)
+    if not result:
+        return report_at_deadline(progress, deadline)
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
+
+
+def force_off_stuck(done: Released) -> list[str]:
+    """A thread stuck in the kernel on an rbd-fuse helper that does not
+    answer would hold even the process's exit: end that connection. One
+    line per mount forced."""
+    return unwedge(done.fuse, set()) if done.fuse is not None else []
+
+
+def _release(config: Config, step_timeout: float, deadline: float, fuse: FuseMounts,
+             out: Released) -> Released:
+    """``release_all``'s work; ``out`` shows the progress while it runs
+    (``phase``, ``plans``), for a report at the deadline."""
     limit = Deadline(deadline)
     out.phase = "thawing what a killed snapshot run left frozen"
     out.thawed = thaw_left(config, limit.budget(THAW_WAIT_S))
     out.phase = "syncing"
     out.sync = sync_all(limit.budget(step_timeout))
     out.phase = "waiting for the state lock"
-    with lock_within(config, limit.budget(step_timeout)):
+    with locked_within(config.state_dir, limit.budget(step_timeout)):
+        node = Node.from_config(config, Runner(timeout=step_timeout))
+        ours = Ours(node, context(config, node), load_desired(config).volumes,
+                    read_json(config.state_dir / "managed.json", {}) or {}, step_timeout, fuse)
         for _ in range(2):  # once more only after forcing off what did not answer
-            if _release_round(config, step_timeout, limit, out):
+            if _release_round(ours, limit, out):
                 return out
             if not out.forced or limit.left() <= 0:
                 break
         out.phase = "looking again"
         # Its own runner: the deadline's halt, had it come now, must not
         # refuse the listing commands of this last look.
-        again, _, _, skipped = _plan_release(
-            config, Node.from_config(config, Runner(timeout=step_timeout)))
-    out.left = [*skipped, *still_held(again)]
+        again = _plan_release(ours, node.anew(Runner(timeout=step_timeout)))
+    out.left = again.held()
     # That look may itself have got stuck on a device nobody answers for:
     # the process could not end (engine/unwedge.py).
-    out.forced += unwedge(config, set(), limit.until_end())
+    out.forced += unwedge(fuse, set(), limit.until_end())
     out.phase = "done"
     return out
 
 
-def _release_round(config: Config, step_timeout: float, limit: Deadline,
-                   out: Released) -> bool:
-    """Plan and release what is ours, then end the FUSE connections of the
-    volumes that ran into a deadline. True when the overall deadline stopped
-    the chains (``out`` then says what was not done)."""
-    node = Node.from_config(config, Runner(timeout=step_timeout))
+def _release_round(ours: Ours, limit: Deadline, out: Released) -> bool:
+    """Plan and release what is ours, then force off the FUSE connections
+    that the plan's rule names. True when the overall deadline stopped the
+    chains (``out`` then says what was not done)."""
+    node = ours.node.anew(Runner(timeout=ours.step_timeout))
     timer = limit.stop_chains_in_time(node)
     try:
         out.phase = "looking at what is ours"
-        plans, volumes, observed, skipped = _plan_release(config, node)
-        out.plans, out.skipped = plans, skipped
+        planned = _plan_release(ours, node)
+        out.plans, out.skipped = planned.plans, planned.refused
         out.phase = "releasing"
-        outcomes = act(plans, volumes, observed, node)
+        outcomes = act(planned.plans, planned.volumes, planned.observed, node)
         out.outcomes += outcomes
     finally:
         timer.cancel()
-    stuck = ran_into_deadline(outcomes, volumes, step_timeout,
-                              frozenset(vp.name for vp in plans if vp.stalled))
+    stuck = planned.forced_off(outcomes)
     if node.runner.halt.stopping:
         # Stopped at the deadline: no time to look again. What the chains
         # did not do is still held; what hangs on a dead helper is ended
         # with the little time left, so that this process can end.
         out.late = f"deadline of {limit.seconds:g} s reached while releasing"
-        out.left = [*skipped, *not_done(plans, out.outcomes)]
-        out.forced += unwedge(config, stuck, limit.until_end())
+        out.left = planned.left(out.outcomes)
+        out.forced += unwedge(ours.fuse, stuck, limit.until_end())
         return True
     out.phase = "ending the FUSE connections that do not answer"
-    out.forced += unwedge(config, stuck, limit.left())
+    out.forced += unwedge(ours.fuse, stuck, limit.left())
     return False
 
 
@@ -244,7 +276,7 @@ def report_at_deadline(out: Released, deadline: float) -> Released:
     report, and everything it set out to do that is not known done is held."""
     late = Released(outcomes=list(out.outcomes), sync=out.sync, thawed=list(out.thawed),
                     plans=list(out.plans), skipped=list(out.skipped), phase=out.phase,
-                    forced=list(out.forced))
+                    forced=list(out.forced), stuck=True, fuse=out.fuse)
     late.late = f"deadline of {deadline:g} s reached while {out.phase}"
     late.left = [*late.skipped, *not_done(late.plans, late.outcomes)]
     if not late.plans:

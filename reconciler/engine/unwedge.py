@@ -11,23 +11,32 @@ not reach Ceph anyway. A connection with nothing waiting is left alone, as
 is every volume whose release did not run into a deadline (a busy mount is
 not a dead helper; which ones did: plan/release.py ``ran_into_deadline``).
 
-Imported by engine/release.py and by the CLI's ``release --all``
-(cli/release.py), which ends these connections itself when the release
-does not return by its deadline.
+Imported by engine/release.py only (which also ends these connections for
+the CLI when the release does not return by its deadline).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 from reconciler.drivers import fuseforce
 from reconciler.drivers.mappers import FuseMapper
 from reconciler.drivers.run import Runner
 from reconciler.plan.release import Image
-from reconciler.spec.config import Config
+from reconciler.spec.config import CephConfig
 
 log = logging.getLogger("reconciler.shutdown")
+
+
+@dataclass(frozen=True)
+class FuseMounts:
+    """All the last resort needs of the config: where our rbd-fuse mounts
+    are (stateDir/fuse) and the Ceph settings their mapper is built with."""
+
+    ceph: CephConfig
+    root: Path
 
 
 def stuck_threads(task_dir: Path = Path("/proc/self/task")) -> list[int]:
@@ -45,7 +54,7 @@ def stuck_threads(task_dir: Path = Path("/proc/self/task")) -> list[int]:
     return out
 
 
-def unwedge(config: Config, images: set[Image] | None,
+def unwedge(mounts: FuseMounts, images: set[Image] | None,
             budget: float = fuseforce.UNMOUNT_TIMEOUT_S) -> list[str]:
     """End the connections of the FUSE mounts of ``images`` (None: of every
     image) that have requests waiting, and kill their helpers; also of every
@@ -59,7 +68,7 @@ def unwedge(config: Config, images: set[Image] | None,
     if (images is not None and not images) or budget <= 0:
         return []  # nothing ran into a deadline, nothing is stuck: nothing to touch
     runner = Runner(timeout=min(fuseforce.UNMOUNT_TIMEOUT_S, budget))  # not the halted one
-    fuse = FuseMapper(config.ceph, config.state_dir / "fuse", runner)
+    fuse = FuseMapper(mounts.ceph, mounts.root, runner)
     lines = []
     for m in fuse.list():
         if m.fuse_mount is None or (images is not None and (m.pool, m.image) not in images):

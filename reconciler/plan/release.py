@@ -1,26 +1,32 @@
 """What ``release --all`` releases and what it reports: pure decisions.
 
 Which volumes are ours (the declared ones, the daemon's records, the
-mappings only identity names), which of those found by identity alone are
-provably ours, which images ran into a deadline (their FUSE connections are
-the ones ended when they do not answer), and what is still held afterwards.
-The order of a release is the planner's (``plan(..., release=...)``).
+mappings only identity names: ``volumes_of_ours``), and then, from one look
+at those, one ``ReleasePlan``: which of them are provably ours (and why each
+other one is refused), the steps of each in order (the planner's,
+``plan(..., release=...)``), and ``ForceOff``, the rule for which FUSE
+connections may be forced off after the round (those of the images whose
+release ran into a deadline, when they do not answer); after it, what is
+still held.
 
 Imported by the engine (engine/release.py, engine/unwedge.py) only; it reads
-and runs nothing: the records, the mappings and the outcomes are handed in.
+and runs nothing: the records, the mappings, the look and the outcomes are
+handed in.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from collections.abc import Mapping as MappingOf
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from reconciler.facts import meta
 from reconciler.facts.claim import parse as parse_claim
 from reconciler.facts.observed import Mapping, Observed
-from reconciler.plan.types import VolumePlan
+from reconciler.plan.planner import plan
+from reconciler.plan.types import Context, VolumePlan
 from reconciler.spec.model import ImageSpec, MapSpec, Source, Volume, volume_from_dict
 
 BY_IDENTITY = Path("(found by identity)")
@@ -153,3 +159,61 @@ def not_done(plans: Iterable[VolumePlan], outcomes: Iterable[ChainDone]) -> list
         left += [f"{vp.name}: {s.action} {s.target} not done" for s in vp.steps
                  if id(s) not in done.get(vp.name, set())]
     return left
+
+
+@dataclass(frozen=True)
+class ForceOff:
+    """When a FUSE connection is forced off after a round of the release: the
+    FUSE mounts of the images whose chain ran into a deadline
+    (``ran_into_deadline``), and of those only the connections with requests
+    waiting for an answer (engine/unwedge.py asks the kernel), within what
+    is left of the deadline. A busy mount is not a dead helper: a volume
+    whose release did not run into a deadline is never forced."""
+
+    step_timeout: float  # a step that lasted this long was killed at its deadline
+    stalled: frozenset[str]  # volumes whose device's I/O does not complete
+
+    def images(self, outcomes: Iterable[ChainDone],
+               volumes: MappingOf[str, Volume]) -> set[Image]:
+        return ran_into_deadline(outcomes, volumes, self.step_timeout, self.stalled)
+
+
+@dataclass
+class ReleasePlan:
+    """One round of ``release --all``, decided from one look at what is ours."""
+
+    plans: list[VolumePlan]  # each volume provably ours: its steps, in order
+    volumes: dict[str, Volume]  # those planned, by name
+    observed: Observed  # the look they were planned from (the chains re-check it)
+    refused: list[str]  # found by identity alone and not provably ours: why, one line each
+    force_off: ForceOff
+
+    def forced_off(self, outcomes: Iterable[ChainDone]) -> set[Image]:
+        """The images whose FUSE connections may be forced off after ``outcomes``."""
+        return self.force_off.images(outcomes, self.volumes)
+
+    def left(self, outcomes: Iterable[ChainDone]) -> list[str]:
+        """What is still held when the round was stopped at the deadline:
+        the refused, and what the plans set out to do and did not."""
+        return [*self.refused, *not_done(self.plans, outcomes)]
+
+    def held(self) -> list[str]:
+        """What is still held, when this plan comes from a look after the release."""
+        return [*self.refused, *still_held(self.plans)]
+
+
+def plan_release(candidates: Iterable[Volume], observed: Observed, ctx: Context,
+                 step_timeout: float) -> ReleasePlan:
+    """The release of ``candidates`` (``volumes_of_ours``) as ``observed``:
+    each provably ours taken down to CREATED (unpublish, unstage, unmap), in
+    the planner's order; each other one refused, with why."""
+    volumes, refused = [], []
+    for v in candidates:
+        why = provably_ours(v, observed, ctx.node_name)
+        if why is None:
+            volumes.append(v)
+        else:
+            refused.append(why)
+    plans = plan(volumes, observed, ctx, release=[v.name for v in volumes])
+    return ReleasePlan(plans, {v.name: v for v in volumes}, observed, refused,
+                       ForceOff(step_timeout, frozenset(vp.name for vp in plans if vp.stalled)))

@@ -1,6 +1,7 @@
 """The pure decisions of ``release --all`` (plan/release.py), table by table:
 what is ours, what is provably ours, what ran into a deadline (its FUSE
-connection may be forced off), what is left held."""
+connection may be forced off), what is left held, and the one plan of a
+round that holds them."""
 
 from __future__ import annotations
 
@@ -13,15 +14,17 @@ import pytest
 from reconciler.facts.observed import ImageState, Mapping, Observed
 from reconciler.plan.release import (
     BY_IDENTITY,
+    ForceOff,
     identity_volume,
     not_done,
+    plan_release,
     provably_ours,
     ran_into_deadline,
     still_held,
     volumes_of_ours,
 )
 from reconciler.plan.steps import Unmap, Unstage
-from reconciler.plan.types import VolumePlan
+from reconciler.plan.types import Context, VolumePlan
 from reconciler.spec.model import ImageSpec, MapSpec, Source, Volume, volume_to_dict
 
 KRBD = Mapping("krbd", "p", "i", "/dev/rbd0")
@@ -125,3 +128,25 @@ def test_identity_volume_says_how_it_was_found() -> None:
     v = identity_volume(KRBD)
     assert (v.name, v.source.file, v.map.mapper if v.map else None) == ("p/i", BY_IDENTITY,
                                                                         "krbd")
+
+
+def test_one_release_plan_from_one_look() -> None:
+    """What is provably ours is planned down to CREATED; the rest is refused,
+    with why; the force-off rule is the plan's own."""
+    mine, theirs = identity_volume(KRBD), identity_volume(Mapping("krbd", "p", "j", "/dev/rbd1"))
+    seen = Observed(images={key: ImageState("p", key[1], 1, frozenset(),
+                                            {"rbd-reconciler.holder": holder})
+                            for key, holder in ((("p", "i"), "me"), (("p", "j"), "n2"))},
+                    pools_listed=frozenset({"p"}), pool_errors={},
+                    mappings=(KRBD, Mapping("krbd", "p", "j", "/dev/rbd1")), devices={},
+                    mounts=())
+    planned = plan_release([mine, theirs], seen, Context("me", "/s", frozenset({"krbd"})), 5.0)
+    assert list(planned.volumes) == ["p/i"]
+    assert [vp.name for vp in planned.plans] == ["p/i"]
+    assert [s.action for s in planned.plans[0].steps] == ["unmap"]
+    assert len(planned.refused) == 1 and "claimed by n2; not ours" in planned.refused[0]
+    assert planned.force_off == ForceOff(5.0, frozenset())
+    assert planned.forced_off([Chain("p/i", "aborted")]) == {("p", "i")}
+    assert planned.forced_off([Chain("p/j", "aborted")]) == set()  # refused: never forced
+    assert planned.held() == [planned.refused[0], "p/i: unmap p/i not done"]
+    assert planned.left([]) == planned.held()
