@@ -221,6 +221,7 @@ def _release(config: Config, step_timeout: float, deadline: float, fuse: FuseMou
     out.sync = sync_all(limit.budget(step_timeout))
     out.phase = "waiting for the state lock"
     with locked_within(config.state_dir, limit.budget(step_timeout)):
+        out.phase = "looking at what is ours"  # the files and the records first
         node = Node.from_config(config, Runner(timeout=step_timeout))
         ours = Ours(node, context(config, node), load_desired(config).volumes,
                     read_json(config.state_dir / "managed.json", {}) or {}, step_timeout, fuse)
