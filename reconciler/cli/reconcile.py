@@ -9,7 +9,6 @@ import argparse
 import json
 import os
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,12 +18,7 @@ from reconciler.cli.main import EXIT_FAILED, EXIT_OK
 
 TYPE_CHECKING = False  # typing itself costs ~5 ms at start-up
 if TYPE_CHECKING:
-    from reconciler.apply.outcomes import VolumeOutcome
-    from reconciler.cli.release import Released
-    from reconciler.drivers.freeze import Record
-    from reconciler.engine import Pass
-    from reconciler.observe.ceph import Session
-    from reconciler.observe.node import Node
+    from reconciler.engine import Node, Pass, Session, VolumeOutcome
     from reconciler.spec.config import Config
     from reconciler.spec.loader import LoadResult
     from reconciler.views import Selection
@@ -91,29 +85,15 @@ def local_pass(args: argparse.Namespace, config: Config, node: Node,
             picked.selection)
 
 
-def _left_frozen(config: Config) -> list[Record]:
-    """Plan changes nothing, not even a thaw (apply and the daemon thaw first
-    thing): it reports a freeze a dead run left, which Ceph need not answer."""
-    from reconciler.state.registry import freezes_recorded
-
-    if not freezes_recorded(config.state_dir):
-        return []  # nothing recorded: the freeze driver is not even loaded
-    from reconciler.drivers.freeze import left_frozen
-
-    return left_frozen(config.state_dir)
-
-
 def connect_early(config: Config, picked: Picked) -> Session | None:
     """A Ceph connection begun now, for the pass about to observe the volumes
     picked: it overlaps the imports and the look at the node that come
     first. None when nothing is picked (the pass then reads nothing)."""
     if not picked.loaded.volumes:
         return None
-    from reconciler.observe.ceph import Session
+    from reconciler.engine import session_begun
 
-    session = Session()
-    session.begin(config.ceph)
-    return session
+    return session_begun(config)
 
 
 def cmd_plan(args: argparse.Namespace, config: Config) -> int:
@@ -127,11 +107,13 @@ def cmd_plan(args: argparse.Namespace, config: Config) -> int:
     if picked is None:
         return EXIT_FAILED
     session = connect_early(config, picked)
-    from reconciler.engine import pass_over
-    from reconciler.observe.node import Node
+    from reconciler.engine import Node, pass_over
+    from reconciler.engine.frozen import left_frozen
     from reconciler.views import answered, plan_doc, plan_exit
 
-    left = _left_frozen(config)
+    # Plan changes nothing, not even a thaw (apply and the daemon thaw first
+    # thing): it reports a freeze a dead run left, which Ceph need not answer.
+    left = left_frozen(config)
     at = time.time()
     p = pass_over(picked.loaded, config, Node.from_config(config, session=session),
                   only=picked.only)
@@ -149,13 +131,9 @@ def _thaw_first(config: Config) -> list[str]:
     """A filesystem a dead run left frozen hangs every writer on it: thawed
     from the local record alone, before anything waits on Ceph (an outage
     must not keep it frozen). Freezes of a live run are left alone."""
-    from reconciler.state.registry import freezes_recorded
+    from reconciler.engine.frozen import thaw_left
 
-    if not freezes_recorded(config.state_dir):
-        return []  # nothing recorded: the freeze driver is not even loaded
-    from reconciler.drivers.freeze import thaw_recorded
-
-    thawed = thaw_recorded(config.state_dir)
+    thawed = thaw_left(config)
     for line in thawed:
         print(f"rbd-reconciler: {line}", file=sys.stderr)
     return thawed
@@ -174,11 +152,11 @@ def cmd_apply(args: argparse.Namespace, config: Config) -> int:
               f"the git source is held: {why}; nothing done (`rbd-reconciler source status`)",
               file=sys.stderr)
         return EXIT_FAILED
-    from reconciler.state.lock import Busy, locked
-
     thawed = _thaw_first(config)
+    from reconciler.engine import Busy, state_lock
+
     try:
-        with locked(config.state_dir):
+        with state_lock(config):
             done = _apply_here(args, config, release)
     except Busy as exc:
         print(f"rbd-reconciler: {exc}", file=sys.stderr)
@@ -223,14 +201,14 @@ def _apply_here(args: argparse.Namespace, config: Config, release: bool
     session = None if release else connect_early(config, picked)
     from reconciler.engine import (
         MAX_FOLLOW_UP_PASSES,
+        Node,
         apply_pass,
+        lift_holds,
         merge_outcomes,
         pass_over,
         release_over,
     )
-    from reconciler.observe.node import Node
     from reconciler.spec.loader import load
-    from reconciler.state import holds
 
     node = Node.from_config(config, session=session)
     if release:
@@ -239,7 +217,7 @@ def _apply_here(args: argparse.Namespace, config: Config, release: bool
         p = pass_over(picked.loaded, config, node, only=picked.only)
         # Applied here: no longer held down when the daemon starts again.
         try:
-            holds.lift(config.state_dir, [vp.name for vp in p.plans])
+            lift_holds(config, [vp.name for vp in p.plans])
         except OSError as exc:
             print(f"rbd-reconciler: warning: {exc}: a `release` hold of these volumes "
                   "stays recorded (the daemon, when it starts, takes them down again)",
@@ -257,78 +235,9 @@ def _apply_here(args: argparse.Namespace, config: Config, release: bool
 def cmd_release(args: argparse.Namespace, config: Config) -> int:
     if not args.all:
         return cmd_apply(args, config)
-    if args.paths:
-        print("rbd-reconciler: release --all takes no PATH (it releases every volume of ours)",
-              file=sys.stderr)
-        return EXIT_FAILED
-    from reconciler.cli.release import Released, release_all, report_at_deadline
-    from reconciler.cli.unwedge import unwedge
-    from reconciler.engine import Busy
+    from reconciler.cli.release import cmd_release_all
 
-    progress = Released()
-    result: list[Released | BaseException] = []
-
-    def work() -> None:
-        try:
-            result.append(release_all(config, args.step_timeout, args.deadline, progress))
-        except BaseException as exc:  # handed to the main thread, which reports it
-            result.append(exc)
-
-    # The work runs in a thread so that the report is printed at the deadline
-    # even when something is stuck where no command can be killed (a thaw or
-    # an unmount in the kernel, a Ceph call): then the process exits at once,
-    # leaving that thread (and the stuck call) behind.
-    worker = threading.Thread(target=work, name="release-all", daemon=True)
-    worker.start()
-    worker.join(args.deadline)
-    if not result:
-        _report_release(args, report_at_deadline(progress, args.deadline))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # A thread stuck in the kernel on an rbd-fuse helper that does not
-        # answer would hold even os._exit: end that connection first.
-        for line in unwedge(config, set()):
-            print(f"forced: {line}", file=sys.stderr)
-        sys.stderr.flush()
-        os._exit(EXIT_FAILED)  # not sys.exit: it would wait for the stuck threads
-    if isinstance(result[0], Busy):
-        print(f"rbd-reconciler: {result[0]}; nothing released", file=sys.stderr)
-        return EXIT_FAILED
-    if isinstance(result[0], BaseException):
-        raise result[0]
-    return _report_release(args, result[0])
-
-
-def _report_release(args: argparse.Namespace, done: Released) -> int:
-    for line in done.thawed:
-        print(f"rbd-reconciler: {line}", file=sys.stderr)
-    if done.late:
-        print(f"rbd-reconciler: release --all: {done.late}; stopped there "
-              "(--deadline)", file=sys.stderr)
-    if args.output == "json":
-        json.dump({"sync": done.sync, "thawed": done.thawed, "deadline": done.late,
-                   "forced": done.forced, "notReleased": done.left,
-                   "volumes": [o.as_dict() for o in done.outcomes]}, sys.stdout, indent=2)
-        print()
-    else:
-        for o in done.outcomes:
-            if o.steps or o.status in ("failed", "aborted"):
-                print(f"{o.status}: [{o.name}]" + (f" {o.error}" if o.error else ""))
-            for s in o.steps:
-                msg = f" ({s.message})" if s.message else ""
-                print(f"  {s.status:<7} {s.step.action:<16} {s.step.target}{msg}")
-        if done.sync:
-            print(f"warning: {done.sync}", file=sys.stderr)
-        for line in done.forced:
-            print(f"forced: {line}", file=sys.stderr)
-        for line in done.left:
-            print(f"not released: {line}", file=sys.stderr)
-        # A volume released in a second round (after forcing) counts once.
-        released = len({o.name for o in done.outcomes
-                        if o.steps and o.status in ("ok", "changed")})
-        print(f"released: {released} volume(s); "
-              f"{len(done.left)} thing(s) still held")
-    return EXIT_OK if done.ok else EXIT_FAILED
+    return cmd_release_all(args, config)
 
 
 def cmd_validate(args: argparse.Namespace, config: Config) -> int:

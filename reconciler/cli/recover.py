@@ -14,20 +14,13 @@ is to keep the volume; the next apply maps it here afresh).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
-import os
 import sys
-from pathlib import Path
 
 from reconciler.cli.main import EXIT_FAILED, EXIT_OK
 from reconciler.cli.reconcile import default_paths
 
 TYPE_CHECKING = False  # typing itself costs ~5 ms at start-up
 if TYPE_CHECKING:
-    from reconciler.drivers.holders import User
-    from reconciler.facts.observed import Observed
-    from reconciler.plan.types import VolumePlan
     from reconciler.spec.config import Config
     from reconciler.spec.model import Volume
 
@@ -59,17 +52,15 @@ def cmd_recover(args: argparse.Namespace, config: Config) -> int:
 
 
 def _recover(args: argparse.Namespace, config: Config, vol: Volume) -> int:
-    from reconciler.engine import act, context, look
-    from reconciler.observe.node import Node
-    from reconciler.plan.planner import plan
-    from reconciler.plan.steps import Unmap
+    from reconciler.engine import Node, act, look, plan_again
+    from reconciler.engine.operator import unmap_forced, users_of
 
     node = Node.from_config(config)
     looked = look([vol], config, node, release=[vol.name], all_watchers=True)
     observed, [vp] = looked.observed, looked.plans
     if vp.fenced is None:
         # What it would be, not taken down: why there is nothing to recover.
-        [now] = plan([vol], observed, context(config, node))
+        [now] = plan_again([vol], observed, config, node)
         why = (f"its claim and Ceph's blocklist cannot be seen ({now.unknown}); recover acts "
                "only on a fence it sees" if now.unknown else
                f"it is not fenced (phase {now.phase_name}): nothing to recover; "
@@ -77,17 +68,14 @@ def _recover(args: argparse.Namespace, config: Config, vol: Volume) -> int:
         print(f"rbd-reconciler recover: {vol.name}: {why}", file=sys.stderr)
         return EXIT_FAILED
     print(f"{vol.name}: FENCED: {vp.fenced}")
-    users = _users(vp, observed)
+    users = users_of(vp, observed)
     if users:
         print(f"rbd-reconciler recover: refusing: {vol.name} is still in use; stop these "
               "first (nothing was changed):", file=sys.stderr)
         for u in users:
             print(f"  {u}", file=sys.stderr)
         return EXIT_FAILED
-    # Unmapped with force (krbd); a claim of this node's goes with --leave
-    # and stays with --reclaim (nobody takes it in between).
-    vp.steps = [dataclasses.replace(s, force=True, release_claim=args.leave)
-                if isinstance(s, Unmap) else s for s in vp.steps]
+    unmap_forced(vp, release_claim=args.leave)
     [out] = act([vp], {vol.name: vol}, observed, node)
     for s in out.steps:
         print(f"  {s.status:<7} {s.step.action:<16} {s.step.target}"
@@ -108,36 +96,4 @@ def _recover(args: argparse.Namespace, config: Config, vol: Volume) -> int:
     print(f"{vol.name}: released on this node and claimed by it; apply (or the daemon) "
           "maps it here afresh")
     return EXIT_OK
-
-
-def _users(vp: VolumePlan, observed: Observed) -> list[User | str]:
-    """Processes using the volume's mounts or devices, and kernel holders of
-    the device other than its own LUKS2 container."""
-    from reconciler.drivers.holders import users
-    from reconciler.plan.steps import CloseCrypt, Unmap, Unpublish, Unstage
-
-    points = [s.path for s in vp.steps if isinstance(s, Unpublish | Unstage)]
-    mounts = [m for m in observed.mounts if m.mount_point in points]
-    raw = [s.device for s in vp.steps if isinstance(s, Unmap) and s.device]
-    ours = {s.name for s in vp.steps if isinstance(s, CloseCrypt)}
-    rdevs = {os.makedev(*s.rdev) for s in vp.steps
-             if isinstance(s, Unpublish | Unstage | CloseCrypt)}
-    for dev in raw:
-        with contextlib.suppress(OSError):
-            rdevs.add(os.stat(dev).st_rdev)  # the node on devtmpfs, not the device
-    # The mapping's own helper holds its device open (rbd-nbd): not a user.
-    helpers = set()
-    for dev in raw:
-        with contextlib.suppress(OSError, ValueError):
-            helpers.add(int(Path(f"/sys/block/{Path(dev).name}/pid").read_text()))
-    found: list[User | str] = [u for u in users(points, {m.mount_id for m in mounts}, rdevs)
-                               if u.pid not in helpers]
-    for dev in raw:
-        holders = Path(f"/sys/class/block/{Path(dev).name}/holders")
-        for h in sorted(p.name for p in holders.glob("*")):
-            dm = Path(f"/sys/class/block/{h}/dm/name")
-            name = dm.read_text().strip() if dm.exists() else h
-            if name not in ours:
-                found.append(f"{dev} is held by {name} (a device stacked on it)")
-    return found
 

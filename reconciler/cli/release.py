@@ -1,336 +1,76 @@
 """``rbd-reconciler release --all``: give back everything of ours on this node.
 
-For shutdown and reboot (systemd/rbd-reconciler-shutdown.service runs it while
-the network is still up, after the daemon has stopped): sync, then unpublish,
-unstage and unmap every volume of ours. A mapped RBD device left with dirty
-data or a mounted filesystem when the network goes down hangs the reboot.
-
-"Ours" is wider than the files: the operator's and the CSI adapter's volume
-files, the daemon's records of volumes whose files vanished (or fail to load),
-and what is ours by identity alone (an rbd-fuse mount under stateDir/fuse; a
-kernel mapping whose image claim names this node), such as a
-volume whose file was removed with ``onRemove: keep``. Nothing is deleted and
-no file is written: the daemon maps everything again at the next boot.
+The front door only: it asks the engine (engine/release.py does it, within
+``--deadline``, and is back by then whatever happens; plan/release.py
+decides what is ours) and prints the report. Imported by cli/reconcile.py's
+``cmd_release`` when ``--all`` is given.
 """
 
 from __future__ import annotations
 
-import logging
-import subprocess
-import threading
-import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
+import argparse
+import json
+import os
+import sys
 
-from reconciler.apply.outcomes import VolumeOutcome
-from reconciler.cli.unwedge import ran_into_deadline, unwedge
-from reconciler.drivers.freeze import THAW_WAIT_S, thaw_recorded
-from reconciler.drivers.reaper import reap_later
-from reconciler.drivers.run import KILL_WAIT_S, STOP_CHECK_S, Runner
-from reconciler.engine import Busy, act, look, state_lock
-from reconciler.facts import meta
-from reconciler.facts.claim import parse as parse_claim
-from reconciler.facts.observed import Mapping, Observed
-from reconciler.observe.node import Node
-from reconciler.plan.planner import VolumePlan
+from reconciler.cli.exits import EXIT_FAILED, EXIT_OK
+from reconciler.engine import Busy
+from reconciler.engine.release import Released, force_off_stuck, release_all
 from reconciler.spec.config import Config
-from reconciler.spec.desired import load_desired
-from reconciler.spec.loader import LoadResult
-from reconciler.spec.model import ImageSpec, MapSpec, Source, Volume, volume_from_dict
-from reconciler.state.files import read_json
-from reconciler.state.registry import freezes_recorded
-
-log = logging.getLogger("reconciler.shutdown")  # the name log lines have always carried
-
-BY_IDENTITY = Path("(found by identity)")
-
-# The whole of `release --all`: under rbd-reconciler-shutdown.service's
-# TimeoutStopSec=300s, whose SIGKILL would cut off the report.
-DEFAULT_DEADLINE_S = 240.0
-# Before the deadline, the chains stop: a command still running is killed
-# (noticed within STOP_CHECK_S, its exit waited for up to KILL_WAIT_S), and
-# the report is written.
-WIND_DOWN_S = STOP_CHECK_S + KILL_WAIT_S + 1.5
-MIN_BUDGET_S = 0.1
-REPORT_S = 0.5  # kept at the very end for printing the report
 
 
-@dataclass
-class Released:
-    outcomes: list[VolumeOutcome] = field(default_factory=list)
-    left: list[str] = field(default_factory=list)  # what is still held, one line each
-    sync: str | None = None  # why sync did not finish, if it did not
-    thawed: list[str] = field(default_factory=list)  # freezes a dead run left, one line each
-    late: str | None = None  # the overall deadline passed: while doing what
-    forced: list[str] = field(default_factory=list)  # FUSE connections ended, one line each
-    # Progress, for a report at the deadline: what it does now, what it planned.
-    phase: str = "starting"
-    plans: list[VolumePlan] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return (self.late is None and not self.left and not self.forced
-                and not any(o.status in ("failed", "aborted") for o in self.outcomes))
-
-
-def sync_all(timeout: float) -> str | None:
-    """sync(1) within ``timeout``. A sync stuck on a dead cluster (D state,
-    unkillable) is left behind rather than waited for: the unmounts that
-    follow flush each filesystem anyway, each under its own deadline."""
-    # No output of ours handed to it: one stuck for good would hold the
-    # journal stream (or a caller's pipe) open after we exit.
-    proc = subprocess.Popen(["sync"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+def cmd_release_all(args: argparse.Namespace, config: Config) -> int:
+    if args.paths:
+        print("rbd-reconciler: release --all takes no PATH (it releases every volume of ours)",
+              file=sys.stderr)
+        return EXIT_FAILED
+    # Back by the deadline whatever happens (engine/release.py): a report of
+    # what was done when the work is stuck where nothing can be killed.
     try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        reap_later(proc)  # in D state it is not gone yet, maybe never
-        return f"sync did not finish within {timeout:g} s; releasing anyway"
-    return None if proc.returncode == 0 else f"sync exited {proc.returncode}"
+        done = release_all(config, args.step_timeout, args.deadline)
+    except Busy as exc:
+        print(f"rbd-reconciler: {exc}; nothing released", file=sys.stderr)
+        return EXIT_FAILED
+    rc = _report_release(args, done)
+    if done.stuck:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # A thread stuck in the kernel on an rbd-fuse helper that does not
+        # answer would hold even os._exit: end that connection first.
+        for line in force_off_stuck(done):
+            print(f"forced: {line}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(EXIT_FAILED)  # not sys.exit: it would wait for the stuck threads
+    return rc
 
 
-@contextmanager
-def lock_within(config: Config, timeout: float) -> Iterator[None]:
-    """The state lock, waiting up to ``timeout`` for a daemon still exiting."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with state_lock(config):
-                yield
-                return
-        except Busy:
-            if time.monotonic() >= deadline:
-                raise
-            time.sleep(0.2)
-
-
-def _identity_volume(m: Mapping) -> Volume:
-    """A stand-in for a mapping no file or record names: no stage, no
-    publish, so the planner finds its mounts by device number alone."""
-    return Volume(name=f"{m.pool}/{m.image}", state="present",
-                  image=ImageSpec(m.pool, m.image, None, (), "Retain"),
-                  map=MapSpec(m.kind, ()), stage=None, publish=(), on_remove=None,
-                  source=Source(BY_IDENTITY, 0))
-
-
-def volumes_of_ours(config: Config, loaded: LoadResult, mappings: Iterable[Mapping]
-                    ) -> list[Volume]:
-    """Declared volumes, then recorded ones, then mappings only identity names;
-    each image once. Kernel mappings among the last are only candidates: see
-    ``provably_ours``."""
-    out = list(loaded.volumes)
-    images = {(v.image.pool, v.image.name) for v in out}
-    names = {v.name for v in out}
-    records = read_json(config.state_dir / "managed.json", {}) or {}
-    for name, record in sorted(records.items()):
-        try:
-            vol = volume_from_dict(record["volume"])
-        except (KeyError, TypeError, ValueError) as exc:
-            log.warning("managed.json: record %s unreadable (%s); its volume is "
-                        "looked for by identity only", name, exc)
-            continue
-        if vol.name in names or (vol.image.pool, vol.image.name) in images:
-            continue
-        out.append(vol)
-        names.add(vol.name)
-        images.add((vol.image.pool, vol.image.name))
-    for m in mappings:
-        if (m.pool, m.image) not in images:
-            out.append(_identity_volume(m))
-            images.add((m.pool, m.image))
-    return out
-
-
-def provably_ours(v: Volume, observed: Observed, node_name: str) -> str | None:
-    """None when ``v`` may be released; else why not. A fuse mapping is ours
-    by its mount point; a kernel mapping only when the image's claim names
-    this node (another tool's, e.g. rbdmap's, is left alone)."""
-    if v.source.file != BY_IDENTITY or v.map is None or v.map.mapper == "fuse":
-        return None
-    key = (v.image.pool, v.image.name)
-    img = observed.images.get(key)
-    if img is None:
-        why = observed.image_errors.get(key) or observed.pool_errors.get(v.image.pool)
-        return (f"{v.name}: mapped here by {v.map.mapper} but its image-meta could not be "
-                f"read ({why or 'not found'}); not provably ours, left alone")
-    if meta.HOLDER in img.unreadable:
-        return (f"{v.name}: mapped here by {v.map.mapper}, but its claim is "
-                f"{img.unreadable[meta.HOLDER]}; not provably ours, left alone")
-    held = parse_claim(img.meta.get(meta.HOLDER))
-    if held is None or held.node != node_name:
-        return (f"{v.name}: mapped here by {v.map.mapper}, claimed by "
-                f"{held.node if held else 'nobody'}; not ours, left alone")
-    return None
-
-
-def _mappings(node: Node) -> list[Mapping]:
-    found = list(node.fuse.list())
-    for kind in ("krbd", "nbd"):
-        if kind in node.mappers_available:
-            try:
-                found += node.mapper(kind).list()
-            except Exception as exc:  # listing is best effort: say what was not seen
-                log.error("listing %s mappings failed: %s", kind, exc)
-    return found
-
-
-def _plan_release(config: Config, node: Node) -> tuple[list[VolumePlan], dict[str, Volume],
-                                                        Observed, list[str]]:
-    loaded = load_desired(config)
-    candidates = volumes_of_ours(config, loaded, _mappings(node))
-    looked = look(candidates, config, node, release=[v.name for v in candidates],
-                  admit=lambda v, seen: provably_ours(v, seen, config.node_name))
-    return (looked.plans, {v.name: v for v in looked.volumes}, looked.observed,
-            looked.skipped)
-
-
-def thaw_first(config: Config, wait: float = THAW_WAIT_S) -> list[str]:
-    """What a killed snapshot run left frozen, thawed from its record before
-    anything else (as ``apply`` and ``release`` do): sync waits on a frozen
-    filesystem, its writers keep its mounts busy, and one unmounted frozen
-    lives on frozen in the kernel, to be mounted again still frozen."""
-    if not freezes_recorded(config.state_dir):
-        return []
-    return thaw_recorded(config.state_dir, wait)
-
-
-class Deadline:
-    """One deadline for the whole of ``release --all``, under the unit's stop
-    timeout: each phase gets its own limit or what is left, whichever is
-    less, and the chains are stopped ``WIND_DOWN_S`` before the end (the
-    commands still running killed, the steps not started reported), so the
-    report is printed before the deadline, not cut off by systemd's SIGKILL."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self.end = time.monotonic() + seconds
-        self.wind_down = min(WIND_DOWN_S, seconds / 4)
-
-    def until_end(self) -> float:
-        """Seconds until the deadline itself, less a moment for the report."""
-        return self.end - time.monotonic() - REPORT_S
-
-    def left(self) -> float:
-        """Seconds until the chains must stop (negative: past that)."""
-        return self.end - self.wind_down - time.monotonic()
-
-    def budget(self, limit: float) -> float:
-        """``limit``, or less: what is left before the chains must stop."""
-        return max(MIN_BUDGET_S, min(limit, self.left()))
-
-    def stop_chains_in_time(self, node: Node) -> threading.Timer:
-        why = f"release --all deadline ({self.seconds:g} s) reached"
-        timer = threading.Timer(max(0.0, self.end - self.wind_down - time.monotonic()),
-                                node.runner.halt.begin, (0.0, why))
-        timer.daemon = True
-        timer.start()
-        return timer
-
-
-def release_all(config: Config, step_timeout: float, deadline: float = DEFAULT_DEADLINE_S,
-                out: Released | None = None) -> Released:
-    """Thaw what a dead run left frozen, sync, release every volume of ours,
-    then look again: whatever is still mounted or mapped is reported in
-    ``left`` (the command prints it, so the journal has it). Takes the state
-    lock (the daemon must not map while we unmap). All of it within
-    ``deadline`` s; ``out`` shows the progress while it runs (``phase``,
-    ``plans``), for a caller that must report at the deadline whatever
-    happens here. A volume whose release ran into a deadline on an rbd-fuse
-    helper that does not answer has that helper's connection ended
-    (cli/unwedge.py), and is released once more with the time left."""
-    out = out if out is not None else Released()
-    limit = Deadline(deadline)
-    out.phase = "thawing what a killed snapshot run left frozen"
-    out.thawed = thaw_first(config, limit.budget(THAW_WAIT_S))
-    out.phase = "syncing"
-    out.sync = sync_all(limit.budget(step_timeout))
-    out.phase = "waiting for the state lock"
-    with lock_within(config, limit.budget(step_timeout)):
-        for _ in range(2):  # once more only after forcing off what did not answer
-            if _release_round(config, step_timeout, limit, out):
-                return out
-            if not out.forced or limit.left() <= 0:
-                break
-        out.phase = "looking again"
-        # Its own runner: the deadline's halt, had it come now, must not
-        # refuse the listing commands of this last look.
-        again, _, _, skipped = _plan_release(
-            config, Node.from_config(config, Runner(timeout=step_timeout)))
-    out.left = [*skipped, *_still_held(again)]
-    # That look may itself have got stuck on a device nobody answers for:
-    # the process could not end (cli/unwedge.py).
-    out.forced += unwedge(config, set(), limit.until_end())
-    out.phase = "done"
-    return out
-
-
-def _release_round(config: Config, step_timeout: float, limit: Deadline,
-                   out: Released) -> bool:
-    """Plan and release what is ours, then end the FUSE connections of the
-    volumes that ran into a deadline. True when the overall deadline stopped
-    the chains (``out`` then says what was not done)."""
-    node = Node.from_config(config, Runner(timeout=step_timeout))
-    timer = limit.stop_chains_in_time(node)
-    try:
-        out.phase = "looking at what is ours"
-        plans, volumes, observed, skipped = _plan_release(config, node)
-        out.plans, out.skipped = plans, skipped
-        out.phase = "releasing"
-        outcomes = act(plans, volumes, observed, node)
-        out.outcomes += outcomes
-    finally:
-        timer.cancel()
-    stuck = ran_into_deadline(outcomes, volumes, step_timeout,
-                              frozenset(vp.name for vp in plans if vp.stalled))
-    if node.runner.halt.stopping:
-        # Stopped at the deadline: no time to look again. What the chains
-        # did not do is still held; what hangs on a dead helper is ended
-        # with the little time left, so that this process can end.
-        out.late = f"deadline of {limit.seconds:g} s reached while releasing"
-        out.left = [*skipped, *_not_done(plans, out.outcomes)]
-        out.forced += unwedge(config, stuck, limit.until_end())
-        return True
-    out.phase = "ending the FUSE connections that do not answer"
-    out.forced += unwedge(config, stuck, limit.left())
-    return False
-
-
-def _still_held(plans: Iterable[VolumePlan]) -> list[str]:
-    left = []
-    for vp in plans:
-        if vp.refusal:
-            left.append(f"{vp.name}: {vp.refusal}")
-        left += [f"{vp.name}: {s.action} {s.target} not done" for s in vp.steps]
-    return left
-
-
-def _not_done(plans: Iterable[VolumePlan], outcomes: Iterable[VolumeOutcome]) -> list[str]:
-    """What the plans set out to do and their chains did not (nor are known
-    to have done: a plan without an outcome yet counts as not done at all)."""
-    done = {o.name: {id(s.step) for s in o.steps if s.status in ("ok", "changed")}
-            for o in outcomes}
-    left = []
-    for vp in plans:
-        if vp.refusal:
-            left.append(f"{vp.name}: {vp.refusal}")
-        left += [f"{vp.name}: {s.action} {s.target} not done" for s in vp.steps
-                 if id(s) not in done.get(vp.name, set())]
-    return left
-
-
-def report_at_deadline(out: Released, deadline: float) -> Released:
-    """``release_all`` has not returned by its deadline (stuck outside any
-    command: the kernel, a Ceph call): what it had done is all there is to
-    report, and everything it set out to do that is not known done is held."""
-    late = Released(outcomes=list(out.outcomes), sync=out.sync, thawed=list(out.thawed),
-                    plans=list(out.plans), skipped=list(out.skipped), phase=out.phase,
-                    forced=list(out.forced))
-    late.late = f"deadline of {deadline:g} s reached while {out.phase}"
-    late.left = [*late.skipped, *_not_done(late.plans, late.outcomes)]
-    if not late.plans:
-        late.left.append(f"{out.phase} did not end: what is ours was not listed")
-    return late
+def _report_release(args: argparse.Namespace, done: Released) -> int:
+    for line in done.thawed:
+        print(f"rbd-reconciler: {line}", file=sys.stderr)
+    if done.late:
+        print(f"rbd-reconciler: release --all: {done.late}; stopped there "
+              "(--deadline)", file=sys.stderr)
+    if args.output == "json":
+        json.dump({"sync": done.sync, "thawed": done.thawed, "deadline": done.late,
+                   "forced": done.forced, "notReleased": done.left,
+                   "volumes": [o.as_dict() for o in done.outcomes]}, sys.stdout, indent=2)
+        print()
+    else:
+        for o in done.outcomes:
+            if o.steps or o.status in ("failed", "aborted"):
+                print(f"{o.status}: [{o.name}]" + (f" {o.error}" if o.error else ""))
+            for s in o.steps:
+                msg = f" ({s.message})" if s.message else ""
+                print(f"  {s.status:<7} {s.step.action:<16} {s.step.target}{msg}")
+        if done.sync:
+            print(f"warning: {done.sync}", file=sys.stderr)
+        for line in done.forced:
+            print(f"forced: {line}", file=sys.stderr)
+        for line in done.left:
+            print(f"not released: {line}", file=sys.stderr)
+        # A volume released in a second round (after forcing) counts once.
+        released = len({o.name for o in done.outcomes
+                        if o.steps and o.status in ("ok", "changed")})
+        print(f"released: {released} volume(s); "
+              f"{len(done.left)} thing(s) still held")
+    return EXIT_OK if done.ok else EXIT_FAILED

@@ -42,9 +42,8 @@ def cmd_rotate_key(args: argparse.Namespace, config: Config) -> int:
 
 
 def _rotate(name: str, new_key_file: str | None, config: Config) -> int:
-    from reconciler.apply.rotate import mapped_device, rotate_key
-    from reconciler.engine import look
-    from reconciler.observe.node import Node
+    from reconciler.engine import Node, look
+    from reconciler.engine.operator import mapped_device, rotate_key
     from reconciler.spec.loader import load
 
     vol = next((v for v in load(default_paths(config), config).volumes if v.name == name), None)

@@ -27,8 +27,7 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
             return rc
     import time
 
-    from reconciler.engine import context
-    from reconciler.observe.node import Node
+    from reconciler.engine import Node, context
     from reconciler.views import answered, status_exit, status_of
 
     node = Node.from_config(config)
@@ -54,8 +53,7 @@ def cmd_explain(args: argparse.Namespace, config: Config) -> int:
         return rc
     import time
 
-    from reconciler.engine import context, plan_pass
-    from reconciler.observe.node import Node
+    from reconciler.engine import Node, blocklist, context, plan_pass
     from reconciler.views import answered, claim_doc, daemon_status, explain_exit, explanation
 
     node = Node.from_config(config)
@@ -73,7 +71,7 @@ def cmd_explain(args: argparse.Namespace, config: Config) -> int:
     vp = next((x for x in p.plans if x.name == args.name), None)
     doc = explanation(args.name, vols.get(args.name), vp, p.observed, context(config, node),
                       args.name in p.loaded.frozen_names, p.loaded.diagnostics, daemon,
-                      lambda actual: claim_doc(actual, lambda: _blocklist(config)))
+                      lambda actual: claim_doc(actual, lambda: blocklist(config)))
     answered(doc, "this command", at)
     if args.output == "json":
         show.as_json(doc)
@@ -81,11 +79,3 @@ def cmd_explain(args: argparse.Namespace, config: Config) -> int:
         show.explanation(doc)
     return explain_exit(doc)
 
-
-def _blocklist(config: Config) -> dict[str, str]:
-    """Ceph's blocklist, through a connection of this command's own."""
-    from reconciler.apply import claims
-    from reconciler.drivers import ceph
-
-    with ceph.connect(config.ceph, timeout=claims.MON_TIMEOUT_S) as cluster:
-        return claims.blocklist(cluster)

@@ -23,7 +23,7 @@ def cmd_takeover(args: argparse.Namespace, config: Config) -> int:
     rc = ask(config, "takeover", {"name": args.name, "sure": args.sure})
     if rc is not None:
         return rc
-    from reconciler.apply.takeover import takeover
+    from reconciler.engine.operator import takeover
     from reconciler.spec.loader import load
 
     vol = next((v for v in load(default_paths(config), config).volumes

@@ -5,7 +5,7 @@ Teardown order matters: loop device first, then the FUSE mount. Also the
 rbd-fuse helpers we started (reaped here), the ones serving a mount (found
 by their arguments in /proc), and loop devices read from sysfs.
 
-Imported by observe/node.py (``Node.mapper``), cli/unwedge.py and the
+Imported by observe/node.py (``Node.mapper``), engine/unwedge.py and the
 commands that build a mapper; the common part is drivers/mappers.py.
 """
 

@@ -64,22 +64,30 @@ class Node:
         runner = runner or Runner(timeout=config.timeouts.command_seconds,
                                   long_timeout=config.timeouts.mkfs_seconds,
                                   halt=halt or Halt())
+        # Built from the top down (observe's, then the drivers', then the
+        # node's records): each part of the config goes down once.
+        io_watch = IoWatch(config.events.io_stall_seconds)
+        crypt = Cryptsetup(runner, Pbkdf(config.encryption.pbkdf, config.encryption.iter_time_ms,
+                                         config.encryption.iterations,
+                                         config.encryption.memory_kib))
         in_scopes = scopes.wanted(config.helper_scopes)
+        nbd_records = NbdMappings(config.state_dir)
         return cls(
             config=config, runner=runner,
             fs=Filesystems(runner, CreatedPaths(config.state_dir / "created.json")),
             fuse=FuseMapper(config.ceph, config.state_dir / "fuse", runner, scopes=in_scopes),
             krbd=KernelMapper("krbd", config.ceph, runner),
-            nbd=KernelMapper("nbd", config.ceph, runner,
-                             records=NbdMappings(config.state_dir), scopes=in_scopes),
-            crypt=Cryptsetup(runner, Pbkdf(config.encryption.pbkdf,
-                                           config.encryption.iter_time_ms,
-                                           config.encryption.iterations,
-                                           config.encryption.memory_kib)),
+            nbd=KernelMapper("nbd", config.ceph, runner, records=nbd_records, scopes=in_scopes),
+            crypt=crypt,
             mappers_available=available_mappers(),
-            io_watch=IoWatch(config.events.io_stall_seconds),
+            io_watch=io_watch,
             ceph_session=session or Session(),
         )
+
+    def anew(self, runner: Runner) -> Node:
+        """This node's drivers built again over ``runner`` (``release --all``'s
+        next look: the halt of the last one's runner must not refuse it)."""
+        return Node.from_config(self.config, runner)
 
     def mapper(self, kind: str) -> FuseMapper | KernelMapper:
         return {"fuse": self.fuse, "krbd": self.krbd, "nbd": self.nbd}[kind]

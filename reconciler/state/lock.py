@@ -9,6 +9,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,3 +35,19 @@ def locked(state_dir: Path, wait: bool = False) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def locked_within(state_dir: Path, timeout: float) -> Iterator[None]:
+    """``state_dir``'s lock, waiting up to ``timeout`` s for another holder
+    still exiting (``release --all`` right after the daemon stopped)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with locked(state_dir):
+                yield
+                return
+        except Busy:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)

@@ -22,11 +22,11 @@ from conftest import NodeUnderTest, _loops_under
 from test_daemon import Daemon, wait_for
 from test_lifecycle import checksum_tree, fs_spec
 
-from reconciler.cli.release import _identity_volume, provably_ours
 from reconciler.drivers.fusemapper import _helper_args, reap_fuse_children
 from reconciler.drivers.reaper import reap_zombies
 from reconciler.drivers.safepath import ensure_dir
 from reconciler.facts.observed import ImageState, Mapping, Observed
+from reconciler.plan.release import identity_volume, provably_ours
 
 ROOT = Path(__file__).resolve().parents[2]
 UNITS = ROOT / "systemd"
@@ -153,8 +153,8 @@ def test_kernel_mappings_by_identity_need_our_holder() -> None:
                         mappings=(), devices={}, mounts=(),
                         image_errors={} if meta is not None else {("p", "i"): "timed out"})
 
-    krbd = _identity_volume(Mapping("krbd", "p", "i", "/dev/rbd0"))
-    fuse = _identity_volume(Mapping("fuse", "p", "i", "/dev/loop0", "/x/fuse/p@i"))
+    krbd = identity_volume(Mapping("krbd", "p", "i", "/dev/rbd0"))
+    fuse = identity_volume(Mapping("fuse", "p", "i", "/dev/loop0", "/x/fuse/p@i"))
     assert provably_ours(krbd, observed({"rbd-reconciler.holder": "me"}), "me") is None
     assert "not ours" in provably_ours(krbd, observed({"rbd-reconciler.holder": "n2"}), "me")
     # The claim as apply writes it (JSON, with the mapping clients).
@@ -313,8 +313,8 @@ def test_the_deadline_fits_the_unit() -> None:
     """`release --all` ends (and has printed its report) by --deadline, which
     the unit passes, well under the unit's TimeoutStopSec: systemd's SIGKILL
     there would cut the report off."""
-    from reconciler.cli import release
     from reconciler.cli.main import build_parser
+    from reconciler.engine import release
 
     sd = unit_options(SHUTDOWN_UNIT)
     argv = shlex.split(sd["ExecStop"][0])

@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 
 from reconciler.apply.outcomes import StepOutcome, VolumeOutcome
-from reconciler.cli.unwedge import ran_into_deadline, stuck_threads
 from reconciler.drivers import fuseforce, reaper
+from reconciler.engine.unwedge import stuck_threads
 from reconciler.facts.observed import Mount
+from reconciler.plan.release import ran_into_deadline
 from reconciler.plan.steps import Unmap, Unstage
 from reconciler.spec.model import ImageSpec, MapSpec, Source, Volume
 

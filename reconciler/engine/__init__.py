@@ -1,9 +1,14 @@
 """One reconcile pass: load -> observe -> plan (-> apply). Shared by the CLI and daemon.
 
 ``look`` (observe, then plan) and ``act`` (run the plans' chains) are the
-pass itself: the CLI's commands, each of the daemon's passes and chains, and
-``release --all`` call these two and nothing below them, so every front door
-sees the node and changes it the same way."""
+pass itself: the CLI's commands and each of the daemon's passes and chains
+call these two and nothing below them, so every front door sees the node and
+changes it the same way. ``release --all`` (engine/release.py) looks with
+``seen`` (``look``'s first half) and plans with plan/release.py, then acts.
+The package's modules: ``release`` and ``unwedge`` (``release --all``),
+``frozen`` (freezes a dead run left), ``operator`` (takeover, rotate-key,
+recover's own steps). Imported by the front doors (cli/, daemon/, csi/
+through ``Served``) and by its own modules."""
 
 from __future__ import annotations
 
@@ -13,18 +18,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from reconciler.apply.outcomes import VolumeOutcome
+from reconciler.apply.outcomes import VolumeOutcome as VolumeOutcome  # a chain's result
 from reconciler.apply.runner import apply
-from reconciler.facts.observed import Observed
+from reconciler.facts.observed import Observed as Observed  # what a look saw
 from reconciler.observe.ceph import Connecting
-from reconciler.observe.node import Node, observe
-from reconciler.plan.planner import Context, VolumePlan, plan
+from reconciler.observe.ceph import Session as Session  # a connection begun early
+from reconciler.observe.node import Node as Node  # the node a pass looks at and acts on
+from reconciler.observe.node import observe
+from reconciler.plan.planner import Context, plan
 from reconciler.plan.steps import Step
+from reconciler.plan.types import VolumePlan as VolumePlan  # one volume's plan
 from reconciler.spec.config import Config
 from reconciler.spec.loader import LoadResult, load
 from reconciler.spec.model import Volume
+from reconciler.state import holds
 from reconciler.state.lock import Busy as Busy  # at home in state/lock.py
 from reconciler.state.lock import locked
+
+# The names imported "as" themselves above are the front doors' (cli/) way to
+# the types below the engine: they import the engine, views and spec only.
 
 
 @dataclass
@@ -43,13 +55,6 @@ NOTHING_OBSERVED = Observed(images={}, pools_listed=frozenset(), pool_errors={},
 class Looked:
     observed: Observed
     plans: list[VolumePlan]
-    volumes: list[Volume]  # those planned (``admit`` may have left some out)
-    skipped: list[str]  # why each one left out was (``admit``'s words)
-
-
-# Asked of each volume after the observation, before the plan: None to plan
-# it, or why not (``release --all``: a mapping not provably ours).
-Admit = Callable[[Volume, Observed], str | None]
 
 
 # How a wait for a volume's status ended.
@@ -104,6 +109,29 @@ def state_lock(config: Config, wait: bool = False) -> contextlib.AbstractContext
     return locked(config.state_dir, wait)
 
 
+def session_begun(config: Config) -> Session:
+    """A Ceph connection begun now, for a pass about to observe: it overlaps
+    whatever the caller does first (imports, the look at the node)."""
+    session = Session()
+    session.begin(config.ceph)
+    return session
+
+
+def lift_holds(config: Config, names: Iterable[str]) -> None:
+    """Volumes applied outside the daemon: no longer held down by an earlier
+    ``release`` when it starts again (state/holds.py). OSError: not recorded."""
+    holds.lift(config.state_dir, list(names))
+
+
+def blocklist(config: Config) -> dict[str, str]:
+    """Ceph's blocklist, through a connection of the caller's own (``explain``)."""
+    from reconciler.apply import claims
+    from reconciler.drivers import ceph
+
+    with ceph.connect(config.ceph, timeout=claims.MON_TIMEOUT_S) as cluster:
+        return claims.blocklist(cluster)
+
+
 def context(config: Config, node: Node) -> Context:
     return Context(node_name=config.node_name, staging_root=str(config.staging_root),
                    mappers_available=node.mappers_available,
@@ -111,30 +139,34 @@ def context(config: Config, node: Node) -> Context:
                    flatten_on_delete=config.clone.flatten_on_delete)
 
 
+def seen(volumes: Iterable[Volume], node: Node, all_watchers: bool = False,
+         ceph: bool = True) -> Observed:
+    """One observation of the node for all of ``volumes``: nothing read when
+    there are none (``look``'s first half; ``release --all`` plans what it
+    saw with plan/release.py)."""
+    volumes = list(volumes)
+    return observe(node, volumes, all_watchers, ceph) if volumes else NOTHING_OBSERVED
+
+
 def look(volumes: Iterable[Volume], config: Config, node: Node, *,
          frozen: Iterable[str] = (), release: Iterable[str] = (), all_watchers: bool = False,
-         ceph: bool = True, admit: Admit | None = None) -> Looked:
+         ceph: bool = True) -> Looked:
     """Observe ``volumes`` and plan them: one observation for all of them
     (nothing read when there are none), then the planner, a pure function of
     what is wanted and what was seen. ``release``: names only taken down to
     CREATED; ``frozen``: names refused (their file fails to load);
     ``ceph=False``: the node alone (a release's teardown)."""
     volumes = list(volumes)
-    observed = observe(node, volumes, all_watchers, ceph) if volumes else NOTHING_OBSERVED
-    skipped: list[str] = []
-    if admit is not None:
-        admitted = []
-        for v in volumes:
-            why = admit(v, observed)
-            if why is None:
-                admitted.append(v)
-            else:
-                skipped.append(why)
-        volumes = admitted
-    names = {v.name for v in volumes}
-    plans = plan(volumes, observed, context(config, node), frozen,
-                 release=[n for n in release if n in names])
-    return Looked(observed, plans, volumes, skipped)
+    observed = seen(volumes, node, all_watchers, ceph)
+    plans = plan(volumes, observed, context(config, node), frozen, release=release)
+    return Looked(observed, plans)
+
+
+def plan_again(volumes: Iterable[Volume], observed: Observed, config: Config, node: Node
+               ) -> list[VolumePlan]:
+    """The plans of what a look saw, planned once more as the planner would
+    without ``release`` (``recover``: what a volume would be, not taken down)."""
+    return plan(list(volumes), observed, context(config, node))
 
 
 def act(plans: list[VolumePlan], volumes: dict[str, Volume], observed: Observed, node: Node,

@@ -9,25 +9,34 @@ shutdown would never end. Such a connection, when it has requests still
 waiting for an answer, is ended (drivers/fuseforce.py): what it held could
 not reach Ceph anyway. A connection with nothing waiting is left alone, as
 is every volume whose release did not run into a deadline (a busy mount is
-not a dead helper).
+not a dead helper; which ones did: plan/release.py ``ran_into_deadline``).
+
+Imported by engine/release.py only (which also ends these connections for
+the CLI when the release does not return by its deadline).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
-from reconciler.apply.outcomes import VolumeOutcome
 from reconciler.drivers import fuseforce
 from reconciler.drivers.fusemapper import FuseMapper
 from reconciler.drivers.run import Runner
-from reconciler.spec.config import Config
-from reconciler.spec.model import Volume
+from reconciler.plan.release import Image
+from reconciler.spec.config import CephConfig
 
 log = logging.getLogger("reconciler.shutdown")
 
-Image = tuple[str, str]
+
+@dataclass(frozen=True)
+class FuseMounts:
+    """All the last resort needs of the config: where our rbd-fuse mounts
+    are (stateDir/fuse) and the Ceph settings their mapper is built with."""
+
+    ceph: CephConfig
+    root: Path
 
 
 def stuck_threads(task_dir: Path = Path("/proc/self/task")) -> list[int]:
@@ -45,25 +54,7 @@ def stuck_threads(task_dir: Path = Path("/proc/self/task")) -> list[int]:
     return out
 
 
-def ran_into_deadline(outcomes: Iterable[VolumeOutcome], volumes: dict[str, Volume],
-                      step_timeout: float, stalled: frozenset[str] = frozenset()) -> set[Image]:
-    """Images whose chain was stopped at the deadline, or failed in a step that
-    lasted a whole command deadline (a command killed at its step timeout), or
-    failed at all while its device's I/O does not complete (``stalled``, by
-    volume name: an umount refused as busy by a writer stuck in D state on
-    that device fails at once, long before any deadline)."""
-    out = set()
-    for o in outcomes:
-        vol = volumes.get(o.name)
-        if vol is None:
-            continue
-        if o.status == "aborted" or any(s.status == "failed" and (
-                s.seconds >= step_timeout or o.name in stalled) for s in o.steps):
-            out.add((vol.image.pool, vol.image.name))
-    return out
-
-
-def unwedge(config: Config, images: set[Image] | None,
+def unwedge(mounts: FuseMounts, images: set[Image] | None,
             budget: float = fuseforce.UNMOUNT_TIMEOUT_S) -> list[str]:
     """End the connections of the FUSE mounts of ``images`` (None: of every
     image) that have requests waiting, and kill their helpers; also of every
@@ -77,7 +68,7 @@ def unwedge(config: Config, images: set[Image] | None,
     if (images is not None and not images) or budget <= 0:
         return []  # nothing ran into a deadline, nothing is stuck: nothing to touch
     runner = Runner(timeout=min(fuseforce.UNMOUNT_TIMEOUT_S, budget))  # not the halted one
-    fuse = FuseMapper(config.ceph, config.state_dir / "fuse", runner)
+    fuse = FuseMapper(mounts.ceph, mounts.root, runner)
     lines = []
     for m in fuse.list():
         if m.fuse_mount is None or (images is not None and (m.pool, m.image) not in images):
