@@ -4,9 +4,11 @@ Wake-ups (an event, a CSI call, the command line, a chain's end), the
 debounce after a burst, the periodic resync, the retries of failing
 volumes (exponential backoff with jitter, forgotten when the spec
 changes), and READY=1 (daemon/readiness.py), asked on every turn without
-ever blocking it. The pass itself is daemon/service.py's, which owns this
-loop and is the only importer; the loop shares its lock (the in-flight
-chains, the records and the backoff change together).
+ever blocking it. The pass itself is daemon/passes.py's. Built by
+daemon/service.py, which shares its lock with it (the in-flight chains,
+the records and the backoff change together); imported by it and by the
+rooms it gives the loop to (daemon/passes.py, daemon/chains.py,
+daemon/watchers.py).
 """
 
 from __future__ import annotations

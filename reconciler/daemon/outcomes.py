@@ -1,8 +1,8 @@
 """What a volume's status says after the daemon looked at it or ran its
 chain: the phase, reason and message of a chain's end, a chain cut short
 by SIGTERM, and a volume with nothing left to do. Pure: the status file is
-written by daemon/service.py (through state/statusfiles.py). Imported by
-daemon/service.py only.
+written by daemon/progress.py (through state/statusfiles.py). Imported by
+daemon/chains.py and daemon/passes.py.
 """
 
 from __future__ import annotations

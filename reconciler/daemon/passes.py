@@ -1,16 +1,19 @@
 """One pass of the daemon: load the desired files, decide the removals
 (plan/removals.py), observe and plan the volumes due, write what is known,
-start a chain for each volume with steps, and answer the command line's
-asks. A part of the Daemon (daemon/service.py, its only importer), sharing
-its state: the attributes below are the Daemon's.
+start a chain for each volume with steps (daemon/chains.py), and answer the
+command line's asks; the holds of `release`; and the preflight, why the
+desired directories may not be trusted (at start and every pass). Built by
+daemon/service.py, its only importer.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,14 +21,16 @@ from typing import Any
 from reconciler.apply.outcomes import VolumeOutcome, without_steps
 from reconciler.daemon import sdnotify
 from reconciler.daemon.asks import Asks, PassContext
-from reconciler.daemon.claimpoll import ClaimPoll, Wait
+from reconciler.daemon.chains import Chains
+from reconciler.daemon.claimpoll import Wait
 from reconciler.daemon.conditions import Conditions
-from reconciler.daemon.events import EventHub
-from reconciler.daemon.interest import VolumeInterest, combine, forget, volume_interest
+from reconciler.daemon.interest import VolumeInterest, forget, volume_interest
 from reconciler.daemon.liveview import LiveView
 from reconciler.daemon.loop import PassLoop
 from reconciler.daemon.metrics import Metrics, ceph_reachable
 from reconciler.daemon.outcomes import Down
+from reconciler.daemon.progress import Progress, Statuses
+from reconciler.daemon.watchers import Watchers
 from reconciler.drivers.reaper import reap_zombies
 from reconciler.engine import context, look
 from reconciler.facts.observed import Observed
@@ -37,6 +42,8 @@ from reconciler.spec.config import Config
 from reconciler.spec.desired import claims, forgettable, load_desired
 from reconciler.spec.loader import LoadCache, LoadResult
 from reconciler.spec.model import Volume, volume_from_dict, volume_to_dict
+from reconciler.spec.reading import discover
+from reconciler.spec.security import desired_dir_problems, directory_problems
 from reconciler.state import allowance, holds
 from reconciler.state.allowance import Allowance
 from reconciler.state.files import CannotWrite
@@ -44,6 +51,33 @@ from reconciler.state.status import VolumeStatus
 from reconciler.state.statusfiles import StatusFiles
 
 log = logging.getLogger("rbd-reconciler")
+
+
+
+def awaiting_source(config: Config) -> bool:
+    return config.git is not None and not os.path.lexists(config.desired_dir)
+
+
+def preflight(config: Config, files: bool = True) -> list[str]:
+    """Why the desired directories may not be trusted. ``files=False`` (a
+    pass): the directories only, since the load that follows checks every
+    file as it stats it, and refuses an untrusted one the same way."""
+    dirs = [config.desired_dir]
+    if awaiting_source(config):
+        # Nothing applied yet (the first sync runs, or fails: source status).
+        assert config.git is not None
+        return [f"the git source {config.git.url} has no revision applied yet "
+                "(rbd-reconciler source status)"]
+    if config.csi_dir.is_dir():  # the CSI adapter's files converge like the operator's
+        dirs.append(config.csi_dir)
+    problems = []
+    for d in dirs:
+        problems += desired_dir_problems(d, discover([d])[0] if files else [])
+    if config.state_dir.is_dir():
+        # Root's records, locks and mount points: whoever could change the
+        # state dir could swap them (safety rule 6).
+        problems += directory_problems(config.state_dir)
+    return problems
 
 
 @dataclass
@@ -57,42 +91,55 @@ class PassKnew:
 
 
 class Passes:
-    """The pass methods of the Daemon (daemon/service.py)."""
+    def __init__(self, config: Callable[[], Config], node: Callable[[], Node],
+                 lock: threading.Lock, loop: PassLoop, progress: Progress,
+                 records: dict[str, dict], files: StatusFiles, statuses: Statuses,
+                 chains: Chains, watchers: Watchers, asks: Asks, view: LiveView,
+                 conditions: Conditions, metrics: Metrics, allow_mass_removal: bool) -> None:
+        self.config = config  # the current one: a reload (SIGHUP) replaces it between passes
+        self.node = node  # likewise
+        self.lock = lock  # the daemon's: records, in-flight set, backoff
+        self.loop = loop  # what this pass looks at
+        self.progress = progress  # the passes begun and ended
+        self.records = records  # managed.json's, shared with the chains
+        self.files = files
+        self.statuses = statuses
+        self.chains = chains  # started for the volumes with steps
+        self.watchers = watchers  # told what of the node belongs to which volume
+        self.asks = asks
+        self.view = view  # the files as this pass loaded them
+        self.conditions = conditions
+        self.metrics = metrics
+        self.allow_mass_removal = allow_mass_removal
+        self.number = 0  # of the pass under way (or the last)
+        self.recorded: dict[str, tuple[str, Path]] = {}  # name -> what its record holds
+        # What `release` holds down until `apply` (state/holds.py).
+        self.holds: set[str] = set()
+        # Files unchanged since the last pass (stat) are not read again.
+        self.load_cache = LoadCache()
+        self.interest: dict[str, VolumeInterest] = {}
+        # Volumes refused by another node's claim, and the claim they wait
+        # on (daemon/claimpoll.py): name -> ((pool, image), what the pass saw).
+        self.claim_waits: dict[str, tuple[tuple[str, str], Wait]] = {}
+        self.refusing = ""  # why the pass under way refused to look, for the asks
+        self.pass_knew = PassKnew()  # what the pass under way knew, for the asks
+        self.not_reconciling: str | None = None  # why the last pass refused; None: it looked
 
-    config: Config
-    node: Node
-    lock: threading.Lock
-    loop: PassLoop
-    files: StatusFiles
-    records: dict[str, dict]
-    recorded: dict[str, tuple[str, Path]]
-    holds: set[str]
-    load_cache: LoadCache
-    allow_mass_removal: bool
-    conditions: Conditions
-    metrics: Metrics
-    asks: Asks
-    view: LiveView
-    progress: threading.Condition
-    passes_started: int
-    passes_done: int
-    progress_seq: int
-    interest: dict[str, VolumeInterest]
-    events: EventHub | None
-    claim_waits: dict[str, tuple[tuple[str, str], Wait]]
-    claim_poll: ClaimPoll | None
-    source_revision: str | None
-    refusing: str
-    pass_knew: PassKnew
-    not_reconciling: str | None
+    def read_holds(self) -> None:
+        """At start: what `release` held down before."""
+        self.holds = holds.read(self.config().state_dir)
+
+    def held(self) -> set[str]:
+        """What `release` holds down now (replaced whole, never changed in place)."""
+        return self.holds
 
     def _answer_asks(self, loaded: LoadResult, current: dict[str, Volume], frozen: set[str],
                      release: list[Volume], held: dict[str, str], unrecorded: set[str]) -> None:
-        look = self.asks.resolve(self.passes_started, PassContext(
+        look = self.asks.resolve(self.number, PassContext(
             loaded=loaded, current=current, frozen=frozen,
             released={v.name for v in release}, held_back=held, unrecorded=unrecorded,
-            state_line=self._state_line(), hold=self._hold_down,
-            lift=self._lift_holds, reserve=self._reserve))
+            state_line=self.files.line(), hold=self._hold_down,
+            lift=self._lift_holds, reserve=self.chains.reserve))
         if look:
             with self.lock:
                 for name in look:
@@ -110,7 +157,7 @@ class Passes:
         if wanted == self.holds:
             return None
         try:
-            holds.write(self.config.state_dir, wanted)
+            holds.write(self.config().state_dir, wanted)
         except OSError as exc:
             return str(exc) if isinstance(exc, CannotWrite) else f"cannot record: {exc}"
         for name in self.holds - wanted:
@@ -122,8 +169,7 @@ class Passes:
         return None
 
     def reconcile(self) -> None:
-        with self.progress:
-            self.passes_started += 1
+        self.number = self.progress.begin()
         t0, result = time.monotonic(), "error"
         self.refusing = "its pass failed (the daemon's log says why)"
         self.pass_knew = PassKnew()
@@ -134,37 +180,35 @@ class Passes:
             self.not_reconciling = None if result == "ok" else \
                 f"the daemon is not reconciling: {self.refusing}"
             knew = self.pass_knew
-            self.asks.pass_ended(self.passes_started, self.not_reconciling,
+            self.asks.pass_ended(self.number, self.not_reconciling,
                                  current=knew.current, released=knew.released,
                                  frozen=knew.frozen)
             self.metrics.pass_done(time.monotonic() - t0, result)
-            if self.config.metrics.textfile is not None:
-                self.metrics.write_textfile(self.config.metrics.textfile)
-            with self.progress:
-                self.passes_done += 1
-                self.progress_seq += 1
-                self.progress.notify_all()
+            if self.config().metrics.textfile is not None:
+                self.metrics.write_textfile(self.config().metrics.textfile)
+            self.progress.end()
 
     def _reconcile(self) -> bool:
         """One pass; False when it refused to look (preflight, untrusted files)."""
         t0 = time.monotonic()
-        self._watch()  # the link may point elsewhere now
+        config = self.config()  # a reload comes between passes, never during one
+        self.watchers.watch()  # the link may point elsewhere now
         reap_zombies()
-        self.source_revision = applied_revision(self.config)
-        problems = self.preflight(files=False)
-        if not problems and (why := distrust(self.config)) is not None:
+        self.statuses.from_revision(applied_revision(config))
+        problems = preflight(config, files=False)
+        if not problems and (why := distrust(config)) is not None:
             # The applied revision no longer verifies (a key revoked since):
             # its files are not acted on, and nothing is taken down either.
             problems = [f"the applied revision of the git source is held: {why}"]
         # Waiting for the source's first revision is expected at a first
         # start: said once, not as an error (source status says why if it lasts).
         self.conditions.update("preflight", [f"not reconciling: {p}" for p in problems],
-                               level=logging.INFO if self._awaiting_source() else logging.ERROR)
+                               level=logging.INFO if awaiting_source(config) else logging.ERROR)
         if problems:
             sdnotify.notify(f"STATUS=refusing: {problems[0]}")
             self.refusing = problems[0]
             return False
-        loaded = load_desired(self.config, self.load_cache, self._settled)
+        loaded = load_desired(self.config(), self.load_cache, self._settled)
         self.conditions.update("load", [str(d) for d in loaded.diagnostics])
         if loaded.refused:  # an untrusted file or directory: read nothing, touch nothing
             sdnotify.notify("STATUS=refusing: the desired directory is not trusted")
@@ -176,9 +220,9 @@ class Passes:
         failed_files = sorted(str(f) for f in loaded.failed_files)
         frozen = set(loaded.frozen_names) | {
             n for n, r in self.records.items() if r["file"] in failed_files}
-        self._retry_statuses()
+        self.statuses.retry()
         release, held = self._removals(current, frozen, failed_files,
-                                       self.asks.allowance(self.passes_started))
+                                       self.asks.allowance(self.number))
         with self.lock:
             unrecorded = self.files.unrecorded & set(current)
             self.loop.dirty |= unrecorded  # looked at again once it can be recorded
@@ -192,17 +236,17 @@ class Passes:
 
         wanted, why = self.loop.take_dirty(current, release)
         for name in sorted(unrecorded):
-            self._write_status(name, VolumeStatus(
+            self.statuses.write(name, VolumeStatus(
                 "Pending", reason="StateDirNotWritable",
-                message=f"not converged: {self._state_line()}",
+                message=f"not converged: {self.files.line()}",
                 observed_generation=current[name].spec_hash))
         # Those held back for their record are looked at too (status tells
         # what is there), but nothing is done to them.
         candidates = [v for v in [*current.values(), *release]
-                      if v.name in wanted and self.loop.due(v, self.inflight)]
+                      if v.name in wanted and self.chains.may_start(v)]
         t_obs = time.monotonic()
         # Nothing to look at: nothing of the node is read (an idle pass).
-        looked = look(candidates, self.config, self.node,
+        looked = look(candidates, self.config(), self.node(),
                       release=[v.name for v in [*release, *holding]])
         observed, plans = looked.observed, looked.plans
         t_obs = time.monotonic() - t_obs
@@ -212,11 +256,11 @@ class Passes:
         self.metrics.observed(plans, current.values(),
                               ceph_reachable(observed.pools_listed, observed.pool_errors))
         for name in sorted(frozen):
-            self._write_status(name, VolumeStatus(
+            self.statuses.write(name, VolumeStatus(
                 "Frozen", reason="FileFailedToLoad",
                 message="its file failed to load; left as it is"))
         for name, why in sorted(held.items()):
-            self._write_status(name, VolumeStatus("Frozen", reason="RemovalHeld", message=why))
+            self.statuses.write(name, VolumeStatus("Frozen", reason="RemovalHeld", message=why))
         busy = 0
         unknown: dict[str, str] = {}
         # Looked at again by the next pass, whatever wakes it: what they wait
@@ -225,7 +269,7 @@ class Passes:
         with self.lock:
             self.loop.dirty |= again
         held_io: dict[str, str] = {}
-        n = self.passes_started
+        n = self.number
         vanished, kept_down = {v.name for v in release}, {v.name for v in holding}
         for vp in plans:
             vol = by_name[vp.name]
@@ -233,7 +277,7 @@ class Passes:
                           "held" if vol.name in kept_down else None)
             if vol.name in unrecorded:  # not recorded, not done (its status says so)
                 self.asks.looked(n, vol.name, False, VolumeOutcome(
-                    vol.name, status="failed", error=f"not converged: {self._state_line()}"))
+                    vol.name, status="failed", error=f"not converged: {self.files.line()}"))
                 continue
             if vp.fenced or vp.stalled:
                 # Never touched automatically, a release included: a fence
@@ -244,17 +288,17 @@ class Passes:
             if vp.unknown and down != "vanished":
                 # Unknown is not absent: report it, act on nothing, look again.
                 unknown[vol.name] = f"{vol.name}: unknown: {vp.unknown}"
-                self._write_status(vol.name, VolumeStatus(
+                self.statuses.write(vol.name, VolumeStatus(
                     "Unknown", reason="CannotObserve", message=vp.unknown,
                     observed_generation=vol.spec_hash))
                 self.asks.looked(n, vol.name, False, without_steps(vp))
                 continue
             if not vp.steps and not vp.refused:
-                self._converged(vol, vp, observed, down)
+                self.chains.converged(vol, vp, observed, down)
                 self.asks.looked(n, vol.name, bool(vp.waiting), without_steps(vp))
                 continue
             busy += 1
-            self._submit(vol, vp, observed, down)
+            self.chains.submit(vol, vp, observed, down, n)
         # Volumes in backoff or in flight were not observed: they keep their state.
         still = {n: m for n, m in self.conditions.active("unknown").items()
                  if n in current and n not in by_name}
@@ -269,22 +313,27 @@ class Passes:
         sdnotify.notify(f"STATUS={len(current)} volume(s), {busy} converging, "
                         f"{len(unknown)} unknown, {len(frozen)} frozen, "
                         f"{len(held)} removal(s) held")
-        log.debug("pass %d: looked at %d volume(s): %s", self.passes_started, len(candidates),
+        log.debug("pass %d: looked at %d volume(s): %s", self.number, len(candidates),
                   "; ".join(why) or "nothing changed")
         log.info("pass %d: %d volume(s), %d observed, %d converging, %d unknown, %d frozen, "
                  "%d releasing, %d removal(s) held; observe and plan %.0f ms, pass %.0f ms",
-                 self.passes_started, len(current), len(candidates), busy, len(unknown),
+                 self.number, len(current), len(candidates), busy, len(unknown),
                  len(frozen),
                  len(release), len(held), t_obs * 1e3, (time.monotonic() - t0) * 1e3)
         return True
+
+    def _state_condition(self) -> None:
+        """Logged once when it starts (one line: the directory and the cause),
+        and when it ends; rbd_reconciler_state_dir_writable says it meanwhile."""
+        self.conditions.update("state", self.files.episode())
 
     def _hold(self, vol: Volume, vp: VolumePlan, observed: Observed) -> str:
         """Report a fenced or stalled volume (its status says what is known:
         the holder and the blocklist entries, or since when I/O is stuck) and
         leave it as it is; it is looked at again (a stall's end marks it)."""
-        actual = actual_state(vol, observed, context(self.config, self.node))
+        actual = actual_state(vol, observed, context(self.config(), self.node()))
         if vp.fenced:
-            self._write_status(vol.name, VolumeStatus(
+            self.statuses.write(vol.name, VolumeStatus(
                 "Fenced", reason=vp.fence_reason or "Fenced", message=vp.fenced,
                 observed_generation=vol.spec_hash, fence=actual.get("fence")))
             return f"{vol.name}: fenced: {vp.fenced}"
@@ -292,7 +341,7 @@ class Passes:
         if vp.unknown:
             message += f"; {vp.unknown}"
         stall = observed.stalled.get(str(actual.get("device")))
-        self._write_status(vol.name, VolumeStatus(
+        self.statuses.write(vol.name, VolumeStatus(
             "Stalled", reason="IoStalled", message=message, observed_generation=vol.spec_hash,
             stalled=actual.get("stalled")), stall.since if stall else None)
         with self.lock:
@@ -303,25 +352,23 @@ class Passes:
                          current: dict[str, Volume], plans: list[VolumePlan]) -> None:
         """What the event sources and the claim poll map back to volumes, for
         the volumes this pass looked at; the others keep their entries."""
-        helpers = self.node.fuse.helper_pids()
+        helpers = self.node().fuse.helper_pids()
         for v in looked:
             self.interest[v.name] = volume_interest(v, observed, helpers)
         forget(self.interest, current)
-        if self.events is not None:
-            self.events.update(combine(self.interest))
+        self.watchers.follow_interest(self.interest)
         by_name = {v.name: v for v in looked}
         for vp in plans:
             v = by_name[vp.name]
             if vp.claimed_by is not None and v.name in current:
                 key = (v.image.pool, v.image.name)
                 self.claim_waits[v.name] = (key, Wait(v.name, vp.claimed_by,
-                                                      self.passes_started))
+                                                      self.number))
             else:
                 self.claim_waits.pop(vp.name, None)
         for name in [n for n in self.claim_waits if n not in current]:
             del self.claim_waits[name]
-        if self.claim_poll is not None:
-            self.claim_poll.update(dict(self.claim_waits.values()))
+        self.watchers.poll_claims(dict(self.claim_waits.values()))
 
     def _settled(self, name: str, file: Path) -> frozenset[tuple[str, str]]:
         """What volume ``name`` claimed (kind, value) when it last loaded from
@@ -341,15 +388,15 @@ class Passes:
         what allow-removal let go through the control socket (with the file's)."""
         vanished = sorted(set(self.records) - set(current) - frozen)
         with self.lock:
-            for name in [n for n in vanished if forgettable(self.records[n], self.config)]:
+            for name in [n for n in vanished if forgettable(self.records[n], self.config())]:
                 del self.records[name]  # the CSI adapter removed it on purpose
                 vanished.remove(name)
-        taken = allowance.take(self.config.state_dir)
+        taken = allowance.take(self.config().state_dir)
         allowed = Allowance(taken.names | asked.names, taken.all or asked.all)
         decided = decide_removals(vanished, failed_files, allowed.names, allowed.all,
                                   present=len(current) + len(frozen), managed=len(self.records),
                                   allow_mass_removal=self.allow_mass_removal,
-                                  mass_removal_share=self.config.mass_removal_share)
+                                  mass_removal_share=self.config().mass_removal_share)
         removing, held = decided.releasing, decided.held
         if decided.refused:
             sdnotify.notify(f"STATUS=mass removal refused: {decided.guarded} volume(s)")
@@ -362,10 +409,10 @@ class Passes:
         with self.lock:
             for name in removing:
                 vol = volume_from_dict(self.records[name]["volume"])
-                if (vol.on_remove or self.config.on_remove) == "keep":
+                if (vol.on_remove or self.config().on_remove) == "keep":
                     log.info("%s: file removed; onRemove=keep leaves it as it is", name)
                     del self.records[name]
-                    self._write_status(name, VolumeStatus("Released", reason="FileRemovedKept"))
+                    self.statuses.write(name, VolumeStatus("Released", reason="FileRemovedKept"))
                 else:
                     release.append(vol)
             changed = bool(removing)
@@ -381,7 +428,7 @@ class Passes:
                 self.files.unrecorded.add(v.name)
                 changed = True
             if changed or self.files.unsaved_records:
-                self._save_records()
+                self.files.save_records(self.records)
         return release, held
 
 

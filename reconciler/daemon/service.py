@@ -11,13 +11,16 @@ volume never holds up the others (a failing one backs off exponentially,
 with jitter, until its spec changes).
 
 This module is the glue: the ``Daemon`` (imported by cli/run.py, and the
-tests) starts and stops everything, and is what the CSI adapter
-(``engine.Served``) and the command line (daemon/commands.py ``Running``)
-are given. Its rooms: daemon/loop.py (when a pass runs; READY=1 through
-daemon/readiness.py), daemon/passes.py (one pass), daemon/chains.py (the
-chains and what comes of them, worded by daemon/outcomes.py),
-daemon/watchers.py (what says when to look), plan/removals.py (the removal
-policy) and state/statusfiles.py (the status files and managed.json).
+tests) builds the rooms, gives each what it uses, starts and stops
+everything, and is what the CSI adapter (``engine.Served``) and the command
+line (daemon/commands.py ``Running``) are given. Its rooms, each an object
+of its own: daemon/loop.py ``PassLoop`` (when a pass runs; READY=1 through
+daemon/readiness.py), daemon/passes.py ``Passes`` (one pass; the removal
+policy is plan/removals.py's), daemon/chains.py ``Chains`` (the chains and
+what comes of them, worded by daemon/outcomes.py), daemon/watchers.py
+``Watchers`` (what says when to look), daemon/progress.py (the passes
+begun and ended, the statuses written) and state/statusfiles.py (the status
+files and managed.json).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import Any
@@ -38,18 +41,14 @@ from typing import Any
 from reconciler.daemon import sdnotify
 from reconciler.daemon.asks import Asks, Inflight
 from reconciler.daemon.chains import Chains
-from reconciler.daemon.claimpoll import ClaimPoll, Wait
 from reconciler.daemon.commands import Commands
 from reconciler.daemon.conditions import Conditions
 from reconciler.daemon.control import ControlServer
-from reconciler.daemon.dirwatch import DirWatcher
-from reconciler.daemon.events import EventHub
-from reconciler.daemon.follow import Follower
-from reconciler.daemon.interest import VolumeInterest
 from reconciler.daemon.liveview import LiveView
 from reconciler.daemon.loop import PassLoop
 from reconciler.daemon.metrics import Metrics
-from reconciler.daemon.passes import Passes, PassKnew
+from reconciler.daemon.passes import Passes, awaiting_source, preflight
+from reconciler.daemon.progress import Progress, Statuses
 from reconciler.daemon.watchers import Watchers
 from reconciler.drivers.freeze import thaw_recorded
 from reconciler.drivers.reaper import become_subreaper, reap_zombies
@@ -67,12 +66,8 @@ from reconciler.engine import (
 from reconciler.facts.clock import now_iso
 from reconciler.observe.node import Node
 from reconciler.spec.config import Config, ConfigError, load_config
-from reconciler.spec.loader import LoadCache, LoadResult
-from reconciler.spec.reading import discover
-from reconciler.spec.security import desired_dir_problems, directory_problems
-from reconciler.state import holds
+from reconciler.spec.loader import LoadResult
 from reconciler.state.files import CannotWrite, read_json
-from reconciler.state.status import VolumeStatus
 from reconciler.state.statusfiles import StatusFiles
 
 log = logging.getLogger("rbd-reconciler")
@@ -85,13 +80,12 @@ STALL_MIN_S = 120.0
 STOP_RESERVE_S = 3.0
 
 
-class Daemon(Passes, Chains, Watchers):
+class Daemon:
     def __init__(self, config: Config, config_path: Path | None,
                  allow_mass_removal: bool = False, csi_endpoint: str | None = None,
                  serve_csi: FrontDoor | None = None) -> None:
         self.config = config
         self.config_path = config_path
-        self.allow_mass_removal = allow_mass_removal
         # Set at SIGTERM: commands refused and killed after the grace (every
         # Node built here shares it: a reload leaves chains on the old one).
         self.halt = Halt()
@@ -100,51 +94,49 @@ class Daemon(Passes, Chains, Watchers):
         self.stopping = threading.Event()
         self.reload_wanted = threading.Event()
         self.lock = threading.Lock()  # records, in-flight set, backoff
-        self.inflight: dict[str, Future[None]] = {}
+        # managed.json's records, shared by the passes and the chains.
         self.records: dict[str, dict] = {}
-        self.recorded: dict[str, tuple[str, Path]] = {}  # name -> what its record holds
         # Status files and managed.json, and what is not on disk yet.
         self.files = StatusFiles(lambda: self.config.state_dir, now_iso)
-        # Files unchanged since the last pass (stat) are not read again.
-        self.load_cache = LoadCache()
         self.pool = ThreadPoolExecutor(max_workers=config.parallel,
                                        thread_name_prefix="volume")
-        self.dirwatch: DirWatcher | None = None  # inotify on the desired files' paths
         self.conditions = Conditions(log)
         self.busy_since: float | None = None  # the pass thread is inside a pass
         # Hooks for the CSI adapter (reconciler/csi): a wake that skips the
         # debounce, and counts of passes begun and finished it can wait on.
         self.csi_endpoint = csi_endpoint
         self.serve_csi = serve_csi
-        self.gate: Gate | None = None  # the CSI adapter's say over its files, per step
-        self.passes_started = 0  # passes run one after another: started - done <= 1
-        self.passes_done = 0
-        self.progress = threading.Condition()  # notified: pass finished, status written
-        self.progress_seq = 0  # bumped with every notify: a waiter never misses one
+        self.progress = Progress()
         # When the next pass runs and what it looks at (daemon/loop.py).
         self.loop = PassLoop(self.lock)
-        self.interest: dict[str, VolumeInterest] = {}
-        self.events: EventHub | None = None
-        self.follower: Follower | None = None  # the GitOps source (config.git)
-        self.source_revision: str | None = None  # what the desired files came from
-        # Volumes refused by another node's claim, and the claim they wait
-        # on (daemon/claimpoll.py): name -> ((pool, image), what the pass saw).
-        self.claim_waits: dict[str, tuple[tuple[str, str], Wait]] = {}
-        self.claim_poll: ClaimPoll | None = None
         # The command line's way in (daemon/control.py): what it asks of the
-        # passes, what they saw, and what `release` holds down until `apply`.
+        # passes, and what they saw.
         self.control: ControlServer | None = None
         self.asks = Asks(self.look_again, self.first_pass_after_now)
         self.view = LiveView(self._look_for_view)
-        self.holds: set[str] = set()
-        self.inflight_info: dict[str, Inflight] = {}  # what each chain in flight is for
-        self.refusing = ""  # why the pass under way refused to look, for the asks
-        self.pass_knew = PassKnew()  # what the pass under way knew, for the asks
-        self.not_reconciling: str | None = None  # why the last pass refused; None: it looked
         self.metrics = Metrics()
         self.metrics.in_backoff.set_function(lambda: len(self.loop.backoff))
         self.metrics.state_writable.set_function(lambda: 0 if self.files.failing else 1)
         self.metrics.resync.set_function(lambda: self.config.resync_seconds)  # follows SIGHUP
+        self.statuses = Statuses(self.files, self.metrics, self.progress)
+
+        # The rooms, given what each uses; the config and the Node as they are
+        # at each use (a reload replaces both).
+        def current_config() -> Config:
+            return self.config
+
+        def current_node() -> Node:
+            return self.node
+
+        self.watchers = Watchers(current_config, current_node, self.halt, self.loop,
+                                 self.metrics)
+        self.chains = Chains(current_config, current_node, self.halt, self.lock, self.loop,
+                             self.pool, self.records, self.files, self.statuses, self.asks,
+                             self.metrics)
+        self.passes = Passes(current_config, current_node, self.lock, self.loop, self.progress,
+                             self.records, self.files, self.statuses, self.chains,
+                             self.watchers, self.asks, self.view, self.conditions,
+                             self.metrics, allow_mass_removal)
 
     # -- hooks for the CSI adapter -------------------------------------------
     def wake_volume(self, name: str) -> None:
@@ -153,11 +145,11 @@ class Daemon(Passes, Chains, Watchers):
         self.loop.wake_volume(name)
 
     def set_gate(self, gate: Gate | None) -> None:
-        self.gate = gate
+        self.chains.set_gate(gate)
 
     @property
     def ready(self) -> bool:
-        return self.passes_done > 0
+        return self.progress.done > 0
 
     # -- hooks for the command line (daemon/commands.py) ----------------------
     def look_again(self, names: set[str] | None, why: str) -> None:
@@ -167,19 +159,30 @@ class Daemon(Passes, Chains, Watchers):
 
     def first_pass_after_now(self) -> int:
         """The number of the first pass that begins after this call."""
-        with self.progress:
-            return self.passes_started + 1
+        return self.progress.first_pass_after_now()
 
     def wait_pass(self, number: int, deadline: float) -> bool:
         """Wait until pass ``number`` has ended; False at ``deadline``, or
         when the daemon stops first."""
-        with self.progress:
-            while self.passes_done < number:
-                left = deadline - time.monotonic()
-                if left <= 0 or self.stopping.is_set():
-                    return False
-                self.progress.wait(min(left, 1.0))
-        return True
+        return self.progress.wait_pass(number, deadline, self.stopping)
+
+    @property
+    def passes_done(self) -> int:
+        return self.progress.done
+
+    @property
+    def not_reconciling(self) -> str | None:
+        """Why the last pass refused to look; None: it looked."""
+        return self.passes.not_reconciling
+
+    @property
+    def inflight_info(self) -> dict[str, Inflight]:
+        """What each chain in flight is for (read under ``lock``)."""
+        return self.chains.inflight_info
+
+    def unreserve(self, name: str) -> None:
+        """A job of the command line is done (daemon/chains.py)."""
+        self.chains.unreserve(name)
 
     def _look_for_view(self, loaded: LoadResult, names: frozenset[str] | None,
                        all_watchers: bool) -> Pass:
@@ -187,7 +190,7 @@ class Daemon(Passes, Chains, Watchers):
         command alone makes it, through this daemon's Node: its Ceph
         connection, probe cache and I/O history. What ``release`` holds down
         is planned released, as the passes plan it (what the daemon does)."""
-        held = self.holds  # replaced whole by the pass thread, never changed in place
+        held = self.passes.held()
         volumes = [v for v in loaded.volumes if names is None or v.name in names]
         # A stall judged as the command alone judges it (the same words).
         node = dataclasses.replace(self.node, io_watch=self.node.io_watch.as_a_command_judges())
@@ -205,16 +208,13 @@ class Daemon(Passes, Chains, Watchers):
         """Wake the engine for ``name`` and wait for a status that ``covers``
         accepts: from a pass that began after this call (and the node was as
         the caller found it), with no chain for the volume still running."""
-        with self.progress:
-            # A pass under way now may have read the node before the change
-            # the caller waits for: only one that begins after this point counts.
-            first = self.passes_started + 1
+        # A pass under way now may have read the node before the change
+        # the caller waits for: only one that begins after this point counts.
+        first = self.progress.first_pass_after_now()
         self.wake_volume(name)
         while True:
-            with self.progress:
-                seq = self.progress_seq
-                passes = self.passes_done
-            if passes >= first and not self.busy(name):
+            seq, passes = self.progress.seen()
+            if passes >= first and not self.chains.busy(name):
                 status = self.status(name)
                 if covers(status):
                     return "covered", status
@@ -223,9 +223,7 @@ class Daemon(Passes, Chains, Watchers):
                 return "deadline", {}
             if self.stopping.is_set():
                 return "stopping", {}
-            with self.progress:
-                if self.progress_seq == seq:
-                    self.progress.wait(min(left, 1.0))
+            self.progress.wait_change(seq, min(left, 1.0))
 
     def install_signals(self) -> None:
         def stop(signum: int, _frame: object) -> None:
@@ -246,34 +244,10 @@ class Daemon(Passes, Chains, Watchers):
         signal.signal(signal.SIGINT, stop)
         signal.signal(signal.SIGHUP, reload)
 
-    def _awaiting_source(self) -> bool:
-        return self.config.git is not None and not os.path.lexists(self.config.desired_dir)
-
-    def preflight(self, files: bool = True) -> list[str]:
-        """Why the desired directories may not be trusted. ``files=False`` (a
-        pass): the directories only, since the load that follows checks every
-        file as it stats it, and refuses an untrusted one the same way."""
-        dirs = [self.config.desired_dir]
-        if self._awaiting_source():
-            # Nothing applied yet (the first sync runs, or fails: source status).
-            assert self.config.git is not None
-            return [f"the git source {self.config.git.url} has no revision applied yet "
-                    "(rbd-reconciler source status)"]
-        if self.config.csi_dir.is_dir():  # the CSI adapter's files converge like the operator's
-            dirs.append(self.config.csi_dir)
-        problems = []
-        for d in dirs:
-            problems += desired_dir_problems(d, discover([d])[0] if files else [])
-        if self.config.state_dir.is_dir():
-            # Root's records, locks and mount points: whoever could change the
-            # state dir could swap them (safety rule 6).
-            problems += directory_problems(self.config.state_dir)
-        return problems
-
     def run(self) -> int:
         # Waiting for the source's first revision is no reason not to start:
         # the source thread fetches it, the passes refuse until then.
-        problems = [] if self._awaiting_source() else self.preflight()
+        problems = [] if awaiting_source(self.config) else preflight(self.config)
         if problems:
             for p in problems:
                 log.error("refusing to start: %s", p)
@@ -285,8 +259,9 @@ class Daemon(Passes, Chains, Watchers):
                 for line in thaw_recorded(self.config.state_dir):
                     log.warning("freeze: %s", line)
                 become_subreaper()
-                self.records = read_json(self.files.records_path, {}) or {}
-                self.holds = holds.read(self.config.state_dir)
+                # The dict the passes and the chains were given, filled.
+                self.records.update(read_json(self.files.records_path, {}) or {})
+                self.passes.read_holds()
                 # Early: a command typed while the first pass runs waits for it.
                 try:
                     self.control = ControlServer(self.config.control_socket,
@@ -296,9 +271,9 @@ class Daemon(Passes, Chains, Watchers):
                     log.error("refusing to start: %s", exc)
                     return 1
                 self.install_signals()
-                self._watch()
-                self._start_events()
-                self._start_source()
+                self.watchers.watch()
+                self.watchers.start_events()
+                self.watchers.start_source()
                 if self.config.metrics.listen:
                     try:
                         self.metrics.serve(self.config.metrics.listen)
@@ -353,14 +328,7 @@ class Daemon(Passes, Chains, Watchers):
         sdnotify.notify("STOPPING=1")
         deadline = time.monotonic() + self.config.timeouts.stop_seconds - STOP_RESERVE_S
         self._stop_chains(worker, deadline)
-        if self.dirwatch is not None:
-            self.dirwatch.stop(timeout=max(0.1, min(2.0, deadline + 1 - time.monotonic())))
-        if self.events is not None:
-            self.events.stop(timeout=max(0.1, min(2.0, deadline + 1 - time.monotonic())))
-        if self.follower is not None:
-            self.follower.stop(timeout=max(0.1, min(2.0, deadline + 1 - time.monotonic())))
-        if self.claim_poll is not None:
-            self.claim_poll.stop(timeout=max(0.1, min(2.0, deadline + 1 - time.monotonic())))
+        self.watchers.stop(deadline)
         reap_zombies()
         return rc
 
@@ -374,8 +342,7 @@ class Daemon(Passes, Chains, Watchers):
         self.loop.wake()
         worker.join(timeout=max(0.0, deadline - time.monotonic()))  # observe is bounded
         self.pool.shutdown(wait=False, cancel_futures=True)  # queued chains never start
-        with self.lock:
-            inflight = dict(self.inflight)
+        inflight = self.chains.in_flight()
         _, pending = wait_futures(inflight.values(),
                                   timeout=max(0.0, deadline - time.monotonic()))
         with self.lock:
@@ -401,16 +368,13 @@ class Daemon(Passes, Chains, Watchers):
         return since is None or time.monotonic() - since < limit
 
     def _loop(self) -> None:
-        def inflight() -> dict[str, Future[None]]:
-            with self.lock:
-                return dict(self.inflight)
-        self.loop.run(self._pass, inflight, lambda: self.config.resync_seconds,
+        self.loop.run(self._pass, self.chains.in_flight, lambda: self.config.resync_seconds,
                       self.stopping, self.reload_wanted, self._reload)
 
     def _pass(self) -> None:
         self.busy_since = time.monotonic()
         try:
-            self.reconcile()
+            self.passes.reconcile()
         except Aborted as exc:  # SIGTERM: the pass's commands were refused
             log.info("pass cut short: %s", exc)
         except CannotWrite as exc:  # one line: the file and the cause are the news
@@ -433,41 +397,5 @@ class Daemon(Passes, Chains, Watchers):
         self.config = config
         self.node = Node.from_config(config, halt=self.halt)
         log.info("config reloaded from %s", config.source or "built-in defaults")
-        self._start_source()
-        if self.follower is not None and config.git is None:
-            self.follower.stop(timeout=1.0)
-            self.follower = None
-        elif self.follower is not None:
-            self.follower.sync_now()
-        self._watch()
+        self.watchers.reloaded()
         self.loop.mark_dirty(None, "config reloaded")
-
-    def _write_status(self, name: str, status: VolumeStatus,
-                      stalled_since: float | None = None) -> None:
-        data = status.to_json()
-        if self.source_revision is not None:
-            data["sourceRevision"] = self.source_revision
-        self.metrics.set_phase(name, status.phase, stalled_since)
-        if self.files.write(name, data):
-            self._progressed()
-
-    def _progressed(self) -> None:
-        """A status was written: whoever waits on one looks again."""
-        with self.progress:
-            self.progress_seq += 1
-            self.progress.notify_all()
-
-    def _retry_statuses(self) -> None:
-        if self.files.retry():
-            self._progressed()
-
-    def _save_records(self) -> bool:
-        return self.files.save_records(self.records)
-
-    def _state_line(self) -> str:
-        return self.files.line()
-
-    def _state_condition(self) -> None:
-        """Logged once when it starts (one line: the directory and the cause),
-        and when it ends; rbd_reconciler_state_dir_writable says it meanwhile."""
-        self.conditions.update("state", self.files.episode())

@@ -4,7 +4,7 @@ A pure function of what was managed, what is declared now, what failed to
 load and what allow-removal let go: which removals proceed, which are held
 (a file that fails to load may declare them: safety rule 3) and whether the
 mass-removal guard refuses the rest (a checkout gone wrong). No I/O; the
-daemon (daemon/service.py) gathers the inputs, records and reports the
+daemon's passes (daemon/passes.py) gather the inputs, records and reports the
 answer. May be imported by the daemon and by anything above ``plan``.
 """
 

@@ -5,7 +5,7 @@ others, up to /), and each file's bytes read through a checked descriptor
 (root's, regular, small, no symlink out of its directory).
 
 Imported by spec/loader.py (a load), and for ``discover``/``is_ignored`` by
-the daemon (daemon/service.py, daemon/dirwatch.py), which lists what a load
+the daemon (daemon/passes.py, daemon/dirwatch.py), which lists what a load
 would list.
 """
 

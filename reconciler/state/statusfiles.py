@@ -6,7 +6,9 @@ stateDir cannot be written (full, read-only).
 What is not recorded is not done: a volume whose new or changed record is
 not on disk is held back (``unrecorded``) until it is, and a status that
 could not be written is kept and written again by every pass. Imported by
-the daemon (daemon/service.py); the words of a status are daemon/outcomes.py's.
+the daemon (daemon/service.py builds it; daemon/progress.py writes the
+statuses, daemon/passes.py and daemon/chains.py the records); the words of
+a status are daemon/outcomes.py's.
 """
 
 from __future__ import annotations

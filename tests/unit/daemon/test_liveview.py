@@ -113,7 +113,7 @@ def test_a_volume_release_holds_down_is_planned_by_the_view_as_the_passes_plan_i
                                  state_dir=tmp_path / "state")
     d = Daemon(config, None)
     try:
-        d.holds = {"a"}  # released through the daemon, kept down
+        d.passes.holds = {"a"}  # released through the daemon, kept down
         nothing_mapped = Observed(
             images={("rbd", "a"): ImageState("rbd", "a", 256 << 20, frozenset({"layering"}))},
             pools_listed=frozenset({"rbd"}), pool_errors={}, mappings=(), devices={},

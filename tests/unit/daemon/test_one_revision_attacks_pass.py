@@ -40,7 +40,7 @@ def daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Da
     config = dataclasses.replace(default_config(), desired_dir=src.current, state_dir=state)
     assert config.csi_dir == csi
     d = Daemon(config, None)
-    monkeypatch.setattr(d, "_watch", lambda: None)
+    monkeypatch.setattr(d.watchers, "watch", lambda: None)
     try:
         yield d, src
     finally:

@@ -43,7 +43,7 @@ def daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Da
     config = dataclasses.replace(default_config(), desired_dir=src.current,
                                  state_dir=tmp_path / "state")
     d = Daemon(config, None)
-    monkeypatch.setattr(d, "_watch", lambda: None)  # no inotify thread: not the decision
+    monkeypatch.setattr(d.watchers, "watch", lambda: None)  # no inotify thread: not the decision
     try:
         yield d, src
     finally:
@@ -61,7 +61,7 @@ def one_pass(d: Daemon, monkeypatch: pytest.MonkeyPatch) -> tuple[set[str], set[
 
     monkeypatch.setattr(passes, "look", look)
     with pytest.raises(Looked):
-        d._reconcile()
+        d.passes._reconcile()
     return seen["looked"], seen["release"]
 
 

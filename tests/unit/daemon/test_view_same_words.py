@@ -67,7 +67,7 @@ def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Config, Daem
     loaded = load([desired], config)
     assert loaded.frozen_names == {"b"} and [v.name for v in loaded.volumes] == ["g"]
     d.view.update(loaded)
-    d.passes_done = 1
+    d.progress.done = 1
     return config, d
 
 
