@@ -34,7 +34,7 @@ BY_IDENTITY = Path("(found by identity)")
 Image = tuple[str, str]
 
 
-# What the decisions read of a chain's result (apply/runner.py's StepOutcome
+# What the decisions read of a chain's result (apply/outcomes.py's StepOutcome
 # and VolumeOutcome): the planner may not import apply/, so only their shape.
 class StepDone(Protocol):
     @property
