@@ -25,7 +25,7 @@ from test_claim import Node, blocklisted, claim_of, mon, two_nodes, watchers  # 
 
 from reconciler.apply import claims
 from reconciler.drivers import fusemapper
-from reconciler.plan import planner
+from reconciler.plan import volumeview
 
 pytestmark = pytest.mark.ceph
 
@@ -74,7 +74,7 @@ def test_a_client_the_holder_maps_while_being_fenced_is_fenced_too(
             # (Fenced); one that does not look (an older version, or one that
             # read Ceph's blocklist an instant before the fence) maps again.
             with monkeypatch.context() as m:
-                m.setattr(planner, "fence_of", lambda *_a, **_k: None)
+                m.setattr(volumeview, "fence_of", lambda *_a, **_k: None)
                 assert a.cli("apply")[0] == 0
             remapped.extend(claim_of(node, image).clients)  # type: ignore[union-attr]
             fenced.update(remapped)
