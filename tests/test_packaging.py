@@ -111,3 +111,18 @@ def test_the_installed_plan_talks_to_ceph(installed: Path, tmp_path: Path,
     out = _run([installed / "bin" / "rbd-reconciler", "--config", config, "plan"],
                cwd=tmp_path, ok=(2,))
     assert "archive" in out.stdout and "create" in out.stdout, out.stdout
+
+
+def test_every_package_of_the_tree_is_listed_for_the_wheel() -> None:
+    """pyproject.toml lists the packages by name (no discovery): a package
+    added to the tree and not there is missing from the wheel and the Debian
+    package, and every installed command fails to import it (engine.py
+    became engine/ and was missed once)."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())
+                 ["tool"]["setuptools"]["packages"])
+    tree = {".".join(p.parent.relative_to(REPO).parts)
+            for p in (REPO / "reconciler").rglob("__init__.py")
+            if "__pycache__" not in p.parts}
+    assert tree - listed == set(), "add these to [tool.setuptools] packages"
