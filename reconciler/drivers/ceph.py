@@ -34,6 +34,7 @@ from reconciler.drivers.rbdbase import (
     list_images,
     meta_cas,
     meta_set_absent,
+    object_exists,
     open_image,
     operate_compared,
     parent_of,
@@ -179,12 +180,19 @@ def remove_unlisted(cluster: rados.Rados, pool: str, name: str) -> bool:
         if name in image_names(ioctx):
             oid = header_oid(ioctx, name)
             if oid is None:
-                return False
-            try:
-                ioctx.stat(oid)
-                return False  # a real image
-            except rados.ObjectNotFound:
-                pass  # listed, but its create died before the header
+                # Listed without an id object: a create killed right after
+                # its directory entry (seen under load in CI; nothing but
+                # the entry exists). An id object we cannot read, or a
+                # format-1 image (listed, its header NAME.rbd, no id
+                # object) is a real one: never touched.
+                if object_exists(ioctx, f"rbd_id.{name}") or object_exists(ioctx, f"{name}.rbd"):
+                    return False
+            else:
+                try:
+                    ioctx.stat(oid)
+                    return False  # a real image
+                except rados.ObjectNotFound:
+                    pass  # listed, but its create died before the header
         # librbd's remove clears the id object (and any header) of such an
         # image, then reports ImageNotFound for the part that never existed.
         with contextlib.suppress(rbd.ImageNotFound):

@@ -185,6 +185,14 @@ META_PREFIX = "metadata_"
 MAX_META = 4096
 
 
+def object_exists(ioctx: rados.Ioctx, oid: str) -> bool:
+    try:
+        ioctx.stat(oid)
+    except rados.ObjectNotFound:
+        return False
+    return True
+
+
 def header_oid(ioctx: rados.Ioctx, name: str) -> str | None:
     """``rbd_header.<id>`` from the image's id object; None: no id object (a
     format-1 image, or none at all): use librbd."""

@@ -355,6 +355,40 @@ def test_killed_inside_librbd_create_is_recovered(
     assert image_meta(node, name)[meta.OWNER] == "test-node"
 
 
+def test_killed_right_after_librbd_listed_the_image_is_recovered(
+        node: NodeUnderTest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed inside librbd's create right after its directory entry (seen
+    in CI: a daemon SIGKILLed at its first step under load): the name is
+    listed and taken, with no id object and no header, so the image cannot
+    be opened and reads as absent. Our own recorded attempt is cleared and
+    the create done again (before: 'already exists' at every retry, for ever)."""
+    name = node.name("halflisted")
+    node.write(name, f"  image: {{pool: {node.cluster.pool}, size: 16Mi}}\n")
+
+    from reconciler.drivers import ceph
+
+    def die_inside_create(cluster, pool, image, *_: object) -> None:  # type: ignore[no-untyped-def]
+        with cluster.open_ioctx(pool) as io:
+            image_id = b"0badc0ffee"
+            io.execute("rbd_directory", "rbd", "dir_add_image",
+                       struct.pack("<I", len(image)) + image.encode()
+                       + struct.pack("<I", len(image_id)) + image_id)
+        raise ProcessDies
+
+    monkeypatch.setattr(ceph, "create_image", die_inside_create)
+    with pytest.raises(ProcessDies):
+        node.apply()
+    monkeypatch.undo()
+    with node.cluster.client() as c, c.open_ioctx(node.cluster.pool) as io:
+        assert name in rbd.RBD().list(io)  # listed, but no image behind it
+        with pytest.raises(rbd.ImageExists):
+            rbd.RBD().create(io, name, 1 << 20)
+
+    assert node.apply()["rc"] == 0
+    assert image_meta(node, name)[meta.OWNER] == "test-node"
+    assert json.loads((node.state / "intents.json").read_text()) == {}
+
+
 # --- 18: a mapper change ------------------------------------------------------------
 
 
