@@ -187,12 +187,8 @@ def remove_unlisted(cluster: rados.Rados, pool: str, name: str) -> bool:
                 # object) is a real one: never touched.
                 if object_exists(ioctx, f"rbd_id.{name}") or object_exists(ioctx, f"{name}.rbd"):
                     return False
-            else:
-                try:
-                    ioctx.stat(oid)
-                    return False  # a real image
-                except rados.ObjectNotFound:
-                    pass  # listed, but its create died before the header
+            elif object_exists(ioctx, oid):
+                return False  # a real image; else its create died before the header
         # librbd's remove clears the id object (and any header) of such an
         # image, then reports ImageNotFound for the part that never existed.
         with contextlib.suppress(rbd.ImageNotFound):
