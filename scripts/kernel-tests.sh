@@ -87,7 +87,7 @@ EOF
       # under TCG cost minutes per boot, for tests the marker then deselects.
       # A test still running after 15 minutes prints every thread's stack
       # (and runs on): a hang then says where it is before the deadline's kill.
-      printf '.venv/bin/python -m pytest -p no:cacheprovider -o faulthandler_timeout=900 -m %q tests/kernel "$@"; rc=$?\n' \
+      printf '.venv/bin/python -m pytest -p no:cacheprovider --durations=0 -o faulthandler_timeout=900 -m %q tests/kernel "$@"; rc=$?\n' \
         "$MARKERS"
     fi
     echo '((rc)) && { echo "--- kernel-tests: guest dmesg (tail) after exit $rc"; dmesg | tail -n 60; } >&2'
