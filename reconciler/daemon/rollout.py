@@ -138,6 +138,7 @@ class Rollouts:
         self.mono, self.wall = mono, wall
         self.lock = threading.Lock()  # what the pass, the chains and the source tell it
         self.sightings: dict[str, Sighting] = {}  # the source thread's own (the gate)
+        self.answered: tuple[str, str, str] | None = None  # the gate's last answer (logged)
         self.statuses: dict[str, dict[str, Any]] = {}  # volume -> its last status
         self.looked: tuple[str | None, frozenset[str], str | None] | None = None
         # The report thread's own: the counter, the last written, the one waiting.
@@ -195,8 +196,12 @@ class Rollouts:
                 self.problems = read.problems
             answer = answer_of(decide(rollout, config.node_name, commit, self.sightings,
                                       hold, now, self.wall()))
-        if not answer.applies:
+        # The same wait worded anew ("healthy for only 12s") is no news.
+        said = (commit, answer.state, str([(w["node"], w["why"]) for w in
+                                           answer.details.get("waitingFor", ())]))
+        if not answer.applies and said != self.answered:  # one line per change, not per sync
             log.info("fleet: %s not applied yet: %s", commit[:12], answer.message)
+        self.answered = said
         return answer
 
     def store(self, config: Config) -> FleetStore:
