@@ -7,15 +7,17 @@ the volumes per phase. Pure: from the statuses the daemon wrote
 the revision. Imported by daemon/rollout.py only.
 
 A status counts for the revision only when the pass that wrote it applied
-that revision (its ``sourceRevision``): right after a switch, every volume
-is Converging until a pass looked at it again.
+that revision (its ``sourceRevision``) and it is of the volume's spec in
+that revision (its ``observedGeneration``: a chain begun under the revision
+before may end after the switch): right after a switch, every volume is
+Converging until a pass looked at it again.
 """
 
 from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,19 +40,22 @@ class Health:
     phases: tuple[tuple[str, int], ...] = ()
 
 
-def health_of(revision: str | None, volumes: Iterable[str],
+def health_of(revision: str | None, volumes: Mapping[str, str | None],
               statuses: Mapping[str, Mapping[str, Any]], refusing: str | None = None) -> Health:
     """``revision``: what is applied (``main@sha1:…``; None: nothing);
-    ``volumes``: its volumes' names, as the last pass under it loaded them;
+    ``volumes``: its volumes' names and spec hashes (None: its file failed
+    to load), as the last pass under it loaded them;
     ``statuses``: each volume's last status; ``refusing``: why the last
     pass refused to look (then nothing can be judged: Converging)."""
-    names = sorted(set(volumes))
+    names = sorted(volumes)
     phases: Counter[str] = Counter()
     failed: tuple[str, str] | None = None
     done = 0
     for name in names:
         st = statuses.get(name)
-        if st is None or st.get("sourceRevision") != revision:
+        spec = volumes[name]
+        if st is None or st.get("sourceRevision") != revision or (
+                spec is not None and st.get("observedGeneration") not in (None, spec)):
             phases[NOT_LOOKED] += 1
             continue
         phase = str(st.get("phase") or NOT_LOOKED)

@@ -80,18 +80,18 @@ class Said:
     phases: tuple[tuple[str, int], ...] = ()
 
 
-def said_of(config: Config, looked: tuple[str | None, frozenset[str], str | None] | None,
+def said_of(config: Config, looked: tuple[str | None, dict[str, str | None], str | None] | None,
             statuses: Mapping[str, Mapping[str, Any]]) -> Said:
     """This node's report, from its source's state and the last pass.
-    ``looked``: (the revision the last pass applied, its volumes, why it
-    refused to look)."""
+    ``looked``: (the revision the last pass applied, its volumes' spec
+    hashes, why it refused to look)."""
     assert config.git is not None
     layout = Layout(config.source_dir)
     state, applied = layout.read_state(), layout.applied()
     commit = applied["commit"] if applied is not None else None
     rev = revision(config.git, commit)
     if looked is None or looked[0] != rev:
-        health = health_of(rev, (), {}, refusing="no pass under this revision yet")
+        health = health_of(rev, {}, {}, refusing="no pass under this revision yet")
     else:
         health = health_of(rev, looked[1], statuses, looked[2])
     meta = (applied or {}).get("fleet")
@@ -140,7 +140,8 @@ class Rollouts:
         self.sightings: dict[str, Sighting] = {}  # the source thread's own (the gate)
         self.answered: tuple[str, str, str] | None = None  # the gate's last answer (logged)
         self.statuses: dict[str, dict[str, Any]] = {}  # volume -> its last status
-        self.looked: tuple[str | None, frozenset[str], str | None] | None = None
+        # The last pass: its revision, its volumes' spec hashes, why it refused.
+        self.looked: tuple[str | None, dict[str, str | None], str | None] | None = None
         # The report thread's own: the counter, the last written, the one waiting.
         self.counter = 0
         self.counter_known = False  # read back from Ceph since the start
@@ -164,14 +165,15 @@ class Rollouts:
         """A pass ended: the revision it applied, what it loaded from it (the
         volumes whose files are in desiredDir), why it refused to look."""
         desired = self.config().desired_dir
-        names: set[str] = set()
+        specs: dict[str, str | None] = {}
         if loaded is not None:
-            names = {v.name for v in loaded.volumes if _inside(v.source.file, desired)}
             for path, frozen in loaded.frozen_in.items():
                 if _inside(path, desired):
-                    names |= frozen
+                    specs.update(dict.fromkeys(frozen))
+            specs.update((v.name, v.spec_hash) for v in loaded.volumes
+                         if _inside(v.source.file, desired))
         with self.lock:
-            self.looked = (rev, frozenset(names), refusing)
+            self.looked = (rev, specs, refusing)
         self.wake.set()
 
     def synced(self) -> None:

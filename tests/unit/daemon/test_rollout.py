@@ -38,35 +38,46 @@ def st(phase: str, rev: str = REV, **more: Any) -> dict[str, Any]:
 
 def test_healthy_once_every_volume_of_the_revision_converged_under_it() -> None:
     statuses = {"a": st("Published"), "b": st("Created"), "other": st("Failed", OLD)}
-    h = health_of(REV, ["a", "b"], statuses)
+    h = health_of(REV, dict.fromkeys(["a", "b"]), statuses)
     assert (h.health, h.failed_volume, h.phases) == ("Healthy", None,
                                                      (("Created", 1), ("Published", 1)))
-    assert health_of(REV, [], {}).health == "Healthy"  # a revision with no volume
+    assert health_of(REV, dict.fromkeys([]), {}).health == "Healthy"  # a revision with no volume
 
 
 def test_a_status_of_the_revision_before_is_not_yet_converged() -> None:
-    h = health_of(REV, ["a", "b"], {"a": st("Published"), "b": st("Published", OLD)})
+    h = health_of(REV, dict.fromkeys(["a", "b"]),
+                  {"a": st("Published"), "b": st("Published", OLD)})
     assert (h.health, h.phases) == ("Converging", (("Pending", 1), ("Published", 1)))
     for phase in ("Pending", "Unknown", "Stalled", "Degraded", "Fenced"):
-        assert health_of(REV, ["a"], {"a": st(phase)}).health == "Converging", phase
+        assert health_of(REV, dict.fromkeys(["a"]), {"a": st(phase)}).health == "Converging", phase
+
+
+def test_a_status_of_another_spec_is_not_of_this_revision() -> None:
+    """A chain begun before the switch, ended after it: about the old spec."""
+    old = st("Failed", observedGeneration="old", lastError="x")
+    assert health_of(REV, {"a": "new"}, {"a": old}).health == "Converging"
+    assert health_of(REV, {"a": "new"}, {"a": st("Created", observedGeneration="new")}
+                     ).health == "Healthy"
+    assert health_of(REV, {"a": "old"}, {"a": old}).health == "Failed"
 
 
 def test_failed_names_the_volume_and_why() -> None:
     refused = st("Failed", refusal="shrinking 2 GiB to 1 GiB is refused (never shrink)",
                  lastError="x")
-    h = health_of(REV, ["z", "b", "a"], {"a": st("Published"), "b": refused,
+    h = health_of(REV, dict.fromkeys(["z", "b", "a"]), {"a": st("Published"), "b": refused,
                                          "z": st("Frozen", message="its file failed")})
     assert (h.health, h.failed_volume) == ("Failed", "b")
     assert h.failed_reason is not None and "never shrink" in h.failed_reason
-    h = health_of(REV, ["a"], {"a": st("Failed", lastError="map: timed out\x1b[2J" * 100)})
+    noisy = st("Failed", lastError="map: timed out\x1b[2J" * 100)
+    h = health_of(REV, {"a": None}, {"a": noisy})
     assert h.health == "Failed" and h.failed_reason is not None
     assert len(h.failed_reason) <= 512 and "\x1b" not in h.failed_reason
 
 
 def test_nothing_applied_or_a_refused_pass_is_converging() -> None:
-    assert health_of(None, ["a"], {}).health == "Converging"
-    assert health_of(REV, ["a"], {"a": st("Published")}, refusing="untrusted").health \
-        == "Converging"
+    assert health_of(None, dict.fromkeys(["a"]), {}).health == "Converging"
+    assert health_of(REV, {"a": None}, {"a": st("Published")},
+                     refusing="untrusted").health == "Converging"
 
 
 # -- the node's report ----------------------------------------------------------------
@@ -139,12 +150,12 @@ def test_said_of_the_source_and_the_last_pass(tmp_path: Path) -> None:
     state = {"heldBack": {"commit": "c" * 40, "state": "Waiting", "message": "waits for x"},
              "held": {"at": "t", "commit": commit, "by": "hold", "reason": "disk swap"}}
     layout.write_state(state)
-    said = said_of(config, (REV, frozenset({"v"}), None), {"v": st("Published")})
+    said = said_of(config, (REV, {"v": None}, None), {"v": st("Published")})
     assert said == Said(applied=commit, health="Healthy", wave="canary",
                         held_back="c" * 40, held_back_why="Waiting: waits for x", held=True,
                         hold_reason="disk swap", phases=(("Published", 1),))
     # A pass under the revision before: converging, whatever its statuses say.
-    assert said_of(config, (OLD, frozenset({"v"}), None), {"v": st("Published")}).health \
+    assert said_of(config, (OLD, {"v": None}, None), {"v": st("Published")}).health \
         == "Converging"
     # Nothing applied yet.
     empty = fleet_config(tmp_path / "x")
@@ -296,3 +307,24 @@ def test_the_gate_halts_on_a_failed_node_and_waits_when_ceph_does_not_answer(
     store.up = False
     answer = r.gate(new, rollout_of())
     assert answer.state == "Waiting" and "cannot read the fleet's reports" in answer.message
+
+
+def test_the_rollout_state_metric_follows_the_source(tmp_path: Path) -> None:
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def series(r: Rollouts) -> list[dict[str, str]]:
+        fams = {f.name: f for f in text_string_to_metric_families(
+            generate_latest(r.metrics.registry).decode())}
+        return [s.labels for s in fams["rbd_reconciler_rollout_state"].samples]
+
+    config = fleet_config(tmp_path)
+    apply_revision(config, "a" * 40)
+    r = rollouts(config, FakeStore(), Clock())
+    r.tick()
+    assert series(r) == [{"state": "Applied", "revision": ""}]
+    Layout(config.source_dir).write_state({"heldBack": {
+        "commit": "c" * 40, "revision": "main@sha1:" + "c" * 40, "state": "Halted",
+        "message": "halted"}})
+    r.tick()
+    assert series(r) == [{"state": "Halted", "revision": "main@sha1:" + "c" * 40}]
