@@ -152,6 +152,7 @@ class Syncer(Trusting):
                     out.message = answer.message[:MAX_MESSAGE]
                     state["heldBack"] = held_back(out.commit, revision(self.src, out.commit),
                                                   answer, now_iso())
+                    self._prune(also=name)  # one revision waits, not each one pushed meanwhile
                     if distrust is not None:  # and what stays applied is distrusted
                         out.result, out.reason, out.message = "distrusted", *distrust
                     return out
@@ -341,8 +342,8 @@ class Syncer(Trusting):
                         "fetch): %s", self.git.repo, exc)
         _step("compacted")
 
-    def _prune(self) -> None:
-        keep = {self.layout.target("current"), self.layout.target("previous")} - {None}
+    def _prune(self, also: str | None = None) -> None:
+        keep = {self.layout.target("current"), self.layout.target("previous"), also} - {None}
         for p in self.layout.revs.iterdir():
             name = p.name.removesuffix(".json")
             if name in keep:

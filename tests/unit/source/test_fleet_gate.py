@@ -226,3 +226,18 @@ def test_hold_and_resume(tmp_path: Path, signer: Signing, alice: SshKey) -> None
     out = Syncer(config, gate=gate).sync()
     assert (out.result, out.commit) == ("applied", new) and len(gate.asked) == 1
     assert "heldBack" not in Layout(config.source_dir).read_state()
+
+
+def test_one_revision_waits_not_each_one_pushed_meanwhile(tmp_path: Path, signer: Signing,
+                                                          alice: SshKey) -> None:
+    config = fleet_config(tmp_path, signer, alice)
+    good = start(tmp_path, signer, alice, config)
+    gate = FakeGate(WAITING)
+    layout = Layout(config.source_dir)
+    for size in ("2Gi", "3Gi", "4Gi"):
+        new = push(signer, tmp_path, alice, size, {"nodes/a/v.yaml": vol(size),
+                                                   "fleet.yaml": FLEET})
+        assert Syncer(config, gate=gate).sync().result == "waiting"
+        kept = sorted(p.name for p in layout.revs.iterdir() if p.is_dir())
+        assert [n.split("-")[0] for n in kept] == sorted([good, new]), kept
+    assert applied_files(config) == {"v.yaml": vol("1Gi")}
