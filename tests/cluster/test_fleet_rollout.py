@@ -28,7 +28,9 @@ from test_move import node_b
 from test_source import Repo
 from test_source_fleet import anchor
 
+from reconciler.drivers.fleetstore import FleetStore
 from reconciler.source.layout import Layout
+from reconciler.spec.config import load_config
 
 pytestmark = pytest.mark.ceph
 
@@ -50,6 +52,13 @@ class Fleet:
     nodes: dict[str, NodeUnderTest]
     daemons: dict[str, Daemon]
     anchors: dict[str, str]  # node -> its image-only volume
+    namespace: str  # of the reports in the cluster's pool
+
+    def report(self, n: str):  # type: ignore[no-untyped-def]
+        """Node ``n``'s report as the fleet reads it."""
+        config = load_config(self.nodes[n].config)
+        with FleetStore(config.ceph, self.nodes[n].cluster.pool, self.namespace) as store:
+            return store.read_one(n)
 
     def applied(self, n: str) -> str | None:
         meta = Layout(self.nodes[n].state / "source").applied()
@@ -81,7 +90,7 @@ def fleet(node: NodeUnderTest, tmp_path: Path, ceph_cluster: object) -> Iterator
         try:
             for n, under in nodes.items():
                 daemons[n] = Daemon(under, args=("--log-format", "json"))
-            yield Fleet(repo, nodes, daemons, anchors)
+            yield Fleet(repo, nodes, daemons, anchors, namespace)
         finally:
             for d in daemons.values():
                 if d.proc.poll() is None:
@@ -144,3 +153,45 @@ def test_a_commit_rolls_out_wave_by_wave_and_a_failed_canary_halts_it(
     for n in NODES:
         wait_for(lambda n=n: fleet.applied(n) == fixed, f"{n} to apply the fix", timeout=120)
     fleet.daemons[NODES[0]].wait_phase(fleet.anchors[NODES[0]], "Created")
+
+
+def roll_out(node: NodeUnderTest, fleet: Fleet) -> str:
+    """The first commit, applied by every node (wave by wave)."""
+    files = {f"nodes/{n}/anchor.yaml": anchor(node, fleet.anchors[n]) for n in NODES}
+    good = fleet.repo.push("the fleet", {**files, "fleet.yaml": fleet_yaml()})
+    for n in NODES:
+        wait_for(lambda n=n: fleet.applied(n) == good, f"{n} to apply the good commit",
+                 timeout=120)
+    return good
+
+
+def test_a_held_canary_holds_the_later_waves_and_the_fleet_sees_why(
+        node: NodeUnderTest, fleet: Fleet) -> None:
+    good = roll_out(node, fleet)
+    canary = NODES[0]
+    rc, out = fleet.nodes[canary].cli("source", "hold", "--reason", "disk swap")
+    assert rc == 0 and "held at" in out, out
+    new = fleet.repo.push("a second volume file", {
+        f"nodes/{n}/more.yaml": anchor(node, node.name(f"more-{n}")) for n in NODES})
+    wait_for(lambda: (fleet.state(canary).get("heldBack") or {}).get("commit") == new,
+             "the canary to see the commit and hold it back")
+    wait_for(lambda: (r := fleet.report(canary)) is not None and r.held
+             and r.held_back == new, "the canary's report to say it is held")
+    report = fleet.report(canary)
+    assert (report.applied, report.hold_reason) == (good, "disk swap"), report
+    for n in NODES[1:]:
+        def waits_for_held_canary(n: str = n) -> bool:
+            back = fleet.state(n).get("heldBack") or {}
+            return back.get("state") == "Waiting" and any(
+                w["node"] == canary and w["why"] == "held" for w in back["waitingFor"])
+        wait_for(waits_for_held_canary, f"{n} to wait for the held canary")
+    assert [fleet.applied(n) for n in NODES] == [good, good, good]
+    _, text = fleet.nodes[NODES[1]].cli("source", "status")
+    assert f"waiting for {canary}: held: disk swap" in text, text
+
+    rc, out = fleet.nodes[canary].cli("source", "resume")
+    assert rc == 0, out
+    for n in NODES:
+        wait_for(lambda n=n: fleet.applied(n) == new, f"{n} to apply it after the resume",
+                 timeout=120)
+    assert not fleet.report(canary).held
