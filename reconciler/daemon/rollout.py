@@ -135,6 +135,7 @@ class Rollouts:
         self.metrics = metrics
         self._make_store = store or _store
         self._store: tuple[tuple[Any, ...], FleetStore] | None = None
+        self._store_lock = threading.Lock()  # the gate's thread and the report's
         self.mono, self.wall = mono, wall
         self.lock = threading.Lock()  # what the pass, the chains and the source tell it
         self.sightings: dict[str, Sighting] = {}  # the source thread's own (the gate)
@@ -209,9 +210,12 @@ class Rollouts:
     def store(self, config: Config) -> FleetStore:
         assert config.git is not None and config.git.fleet is not None
         key = (config.ceph, config.git.fleet)
-        if self._store is None or self._store[0] != key:
-            self._store = (key, self._make_store(config))
-        return self._store[1]
+        with self._store_lock:  # never self.lock: a close may wait for a call under way
+            if self._store is None or self._store[0] != key:
+                if self._store is not None:  # a reload changed where reports are
+                    self._store[1].close()
+                self._store = (key, self._make_store(config))
+            return self._store[1]
 
     # -- the report (its thread) ----------------------------------------------------
     def start(self) -> None:
@@ -223,6 +227,8 @@ class Rollouts:
         self.wake.set()
         if self.thread.is_alive():
             self.thread.join(timeout)
+        if self._store is not None and not self.thread.is_alive():
+            self._store[1].close()  # the source thread has stopped before (watchers.py)
 
     def _loop(self) -> None:
         while not self.stopping.is_set():

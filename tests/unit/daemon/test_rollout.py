@@ -107,6 +107,9 @@ class FakeStore:
         self._check()
         return self.reports.get(node)
 
+    def close(self) -> None:
+        pass
+
 
 class Clock:
     def __init__(self) -> None:
