@@ -10,6 +10,7 @@ _rbd_reconciler() {
         --log-format) COMPREPLY=($(compgen -W "auto journal json plain" -- "$cur")); return ;;
         --new-key-file) COMPREPLY=(); return ;;
         --output) COMPREPLY=($(compgen -W "human json" -- "$cur")); return ;;
+        --reason) COMPREPLY=(); return ;;
         --step-timeout) COMPREPLY=(); return ;;
         -c) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         -o) COMPREPLY=($(compgen -W "human json" -- "$cur")); return ;;
@@ -19,7 +20,7 @@ _rbd_reconciler() {
     for ((i = 1; i < COMP_CWORD; i++)); do
         word=${COMP_WORDS[i]}
         if ((skip)); then skip=0; continue; fi
-        case " --config --csi-endpoint --deadline --log-format --new-key-file --output --step-timeout -c -o " in *" $word "*) skip=1; continue ;; esac
+        case " --config --csi-endpoint --deadline --log-format --new-key-file --output --reason --step-timeout -c -o " in *" $word "*) skip=1; continue ;; esac
         [[ $word == -* ]] && continue
         cmd=$word; break
     done
@@ -38,7 +39,7 @@ _rbd_reconciler() {
         recover) opts="-h --help --leave --reclaim --yes-i-am-sure -c --config -v --verbose"; paths=0 ;;
         rotate-key) opts="-h --help --new-key-file -c --config -v --verbose"; paths=0 ;;
         status) opts="-h --help -o --output -c --config -v --verbose"; paths=1 ;;
-        source) opts="-h --help -o --output -c --config -v --verbose"; paths=0 ;;
+        source) opts="-h --help --reason -o --output -c --config -v --verbose"; paths=0 ;;
         *) return ;;
     esac
     if [[ $cur == -* ]]; then

@@ -295,7 +295,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         _add_targets_and_output(p)
         p.set_defaults(func=_Command("status", "cmd_status"))
     if only in (None, "source"):
-        p = sub.add_parser("source", help="the git source: status, sync now, verify, rollback",
+        p = sub.add_parser("source", help="the git source: status, sync now, verify, rollback, "
+                                          "hold",
                            description="The GitOps source (docs/gitops-source.md). status: "
                                        "the URL, ref, observed, attempted and applied revision, "
                                        "signer and conditions (exit 1 unless Ready). sync: fetch, "
@@ -303,12 +304,16 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                                        "switch up at once). verify REV: verify a revision, apply "
                                        "nothing (REV: a commit or ref of the mirror; default: the "
                                        "remote's). rollback: back to the previous revision and "
-                                       "hold there; resume: apply new revisions again.")
+                                       "hold there; hold [--reason TEXT]: stay at the applied "
+                                       "revision (a fleet sees this node held, with the "
+                                       "reason); resume: apply new revisions again.")
         p.add_argument("action", nargs="?", default="status",
-                       choices=("status", "sync", "verify", "rollback", "resume"),
+                       choices=("status", "sync", "verify", "rollback", "hold", "resume"),
                        help="default: status")
         p.add_argument("rev", nargs="?", default="", metavar="REV",
                        help="verify: the revision (default: the remote's)")
+        p.add_argument("--reason", default="", metavar="TEXT",
+                       help="hold: why (reported to the fleet; at most 512 characters)")
         _add_output(p)
         p.set_defaults(func=_Command("source", "cmd_source"))
     for p in sub.choices.values():

@@ -119,6 +119,30 @@ def applied(doc: dict[str, Any]) -> None:
     recap(doc["recap"])
 
 
+def rollout_lines(ro: dict[str, Any] | None) -> list[str]:
+    """The node's rollout state, for people (``source status``, ``status``)."""
+    if not ro:
+        return []
+    if not ro["inFleet"] and ro["state"] == "NotInFleet":
+        return [f"rollout   {ro['message']}"]
+    where = f"wave {ro['wave']}" if ro.get("wave") else "in no wave"
+    head = f"rollout   {ro['state']}" + (f" ({where} of {ro['rollout']})" if ro.get("rollout")
+                                           else "")
+    lines = [head + (f": {ro['message']}" if ro.get("message") else "")]
+    hb = ro.get("heldBack") or {}
+    if hb:
+        lines.append(f"  held back {hb.get('revision') or hb.get('commit')} since {hb.get('at')}")
+    for w in hb.get("waitingFor") or ():
+        lines.append(f"  waiting for {w.get('node')}: {w.get('detail') or w.get('why')}")
+    if hb.get("nextOpening"):
+        lines.append(f"  next window opens at {hb['nextOpening']}")
+    if halted := hb.get("halted"):
+        lines.append(f"  halted by {halted.get('node')}"
+                     + (f", volume {halted['volume']}" if halted.get("volume") else "")
+                     + f": {halted.get('reason')}")
+    return lines
+
+
 # -- status ---------------------------------------------------------------------------
 def status(doc: dict[str, Any]) -> None:
     from reconciler.spec.units import format_size
@@ -131,6 +155,8 @@ def status(doc: dict[str, Any]) -> None:
         for c in source["conditions"]:
             if (c["type"] == "Stalled") == (c["status"] == "True"):  # what is not well
                 print(f"source: {c['type']} {c['status']} {c['reason']}: {c['message']}")
+        for line in rollout_lines(source.get("rollout")):
+            print(f"source: {line.strip()}")
     if doc.get("stateDirProblem"):
         print(f"rbd-reconciler: {doc['stateDirProblem']}: new and changed volumes are not "
               "converged until it can (the daemon holds back what it cannot record)",

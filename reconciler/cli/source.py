@@ -8,6 +8,7 @@ import json
 import sys
 from typing import Any
 
+from reconciler.cli.show import rollout_lines
 from reconciler.source.layout import SourceBusy
 from reconciler.source.outcome import Failed
 from reconciler.source.report import distrust, revision, source_status
@@ -62,6 +63,17 @@ def cmd_source(args: argparse.Namespace, config: Config) -> int:
                       f"distrusted: {why}", file=sys.stderr)
                 return EXIT_FAILED
             return EXIT_OK
+        if args.action == "hold":
+            commit = syncer.hold(args.reason)
+            print(f"held at {revision(config.git, commit) or 'nothing applied yet'}"
+                  + (f" ({args.reason})" if args.reason else "")
+                  + "; new revisions are fetched and verified, not applied, until "
+                    "`rbd-reconciler source resume`")
+            return EXIT_OK
+        if args.reason:
+            print(f"rbd-reconciler source {args.action}: --reason is for `source hold`",
+                  file=sys.stderr)
+            return EXIT_FAILED
         syncer.resume()
         print("resumed: the next sync applies the remote's revision")
         return EXIT_OK
@@ -89,7 +101,9 @@ def human(st: dict[str, Any]) -> str:
     if st.get("distrusted"):
         d = st["distrusted"]
         lines.append(f"distrusted since {d['at']}: {d['reason']}: every volume held as it is")
+    lines += rollout_lines(st.get("rollout"))
     for c in st["conditions"]:
         lines.append(f"{c['type']:<15} {c['status']:<7} {c['reason']}"
                      + (f": {c['message']}" if c["message"] else ""))
     return "\n".join(lines)
+

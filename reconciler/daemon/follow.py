@@ -14,6 +14,7 @@ from collections.abc import Callable
 from datetime import datetime
 
 from reconciler.daemon.metrics import Metrics
+from reconciler.daemon.rollout import Rollouts
 from reconciler.drivers.run import Aborted, Halt, Runner
 from reconciler.source.layout import SourceBusy
 from reconciler.source.outcome import Outcome
@@ -38,11 +39,12 @@ def backoff(failures: int, interval: float) -> float:
 
 class Follower:
     def __init__(self, config: Callable[[], Config], metrics: Metrics, halt: Halt,
-                 applied: Callable[[str], None]) -> None:
+                 applied: Callable[[str], None], rollout: Rollouts | None = None) -> None:
         self.config = config  # the current config (SIGHUP may replace it)
         self.metrics = metrics
         self.halt = halt
         self.applied = applied  # called with the new revision after a switch
+        self.rollout = rollout  # a fleet's gate, and the report told of each sync
         self.wake = threading.Event()
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="source", daemon=True)
@@ -92,10 +94,13 @@ class Follower:
     def once(self, config: Config) -> Outcome:
         src = config.git
         assert src is not None
-        syncer = Syncer(config, Runner(timeout=src.timeout_seconds, halt=self.halt))
+        gate = self.rollout.gate if self.rollout is not None and src.fleet is not None else None
+        syncer = Syncer(config, Runner(timeout=src.timeout_seconds, halt=self.halt), gate=gate)
         was_distrusted = distrust(config) is not None
         said_distrusted = self.last is not None and self.last[0] == "distrusted"
         out = syncer.sync()
+        if self.rollout is not None:
+            self.rollout.synced()
         failed_before = self._schedule(out.result, src.interval_seconds)
         self._report(config, out, failed_before)
         if out.result == "applied":
@@ -128,7 +133,8 @@ class Follower:
         m.source_info.labels(src.url, src.ref.label, applied or "").set(1)
         key = (out.result, out.reason, out.commit)
         if out.ok:
-            if self.last is not None and self.last[0] not in ("applied", "unchanged", "held"):
+            if self.last is not None and self.last[0] not in ("applied", "unchanged", "held",
+                                                              "waiting"):
                 log.info("source: %s again (%s)%s", out.result, revision(src, out.commit),
                          f" after {failed_before} failed attempt(s)" if failed_before else "")
         elif key != self.last:  # one line per new failure, not one per retry

@@ -252,6 +252,12 @@ class Metrics:
                                        "...).", ["reason"], registry=r)
         self.source_interval = Gauge(f"{NS}_source_interval_seconds",
                                      "The configured source.intervalSeconds.", registry=r)
+        # A fleet's rollout (source.fleet): one series, the state now.
+        self.rollout = Gauge(f"{NS}_rollout_state", "Always 1 while the node is in a fleet; "
+                             "state: Applied, Waiting, OutsideWindow, Halted or Held; "
+                             "revision: the revision held back (empty: none).",
+                             ["state", "revision"], registry=r)
+        self._rollout: tuple[str, str] | None = None
         self.build_info = Gauge(f"{NS}_build_info", "Always 1; the labels say which build "
                                 "runs.", ["version", "python"], registry=r)
         self.build_info.labels(__version__, platform.python_version()).set(1)
@@ -285,6 +291,16 @@ class Metrics:
     def csi_call(self, method: str, code: str, seconds: float) -> None:
         self.csi_calls.labels(method, code).inc()
         self.csi_seconds.labels(method).observe(seconds)
+
+    def set_rollout(self, state: str | None, revision: str | None) -> None:
+        """The node's rollout state now (None: in no fleet: no series)."""
+        now = None if state is None else (state, revision or "")
+        if now == self._rollout:
+            return
+        self.rollout.clear()
+        if now is not None:
+            self.rollout.labels(*now).set(1)
+        self._rollout = now
 
     # -- per-volume state -------------------------------------------------------
     def set_phase(self, name: str, phase: str, stalled_since: float | None = None) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 from reconciler.daemon.metrics import Metrics
 from reconciler.state.status import VolumeStatus
@@ -81,6 +83,9 @@ class Statuses:
         self.metrics = metrics
         self.progress = progress
         self.source_revision: str | None = None  # what the desired files came from
+        # Told every status as it is written (daemon/rollout.py: the node's
+        # report to its fleet), whether or not its file changed.
+        self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
 
     def from_revision(self, revision: str | None) -> None:
         """The revision of the git source the pass under way applies."""
@@ -92,6 +97,8 @@ class Statuses:
         if self.source_revision is not None:
             data["sourceRevision"] = self.source_revision
         self.metrics.set_phase(name, status.phase, stalled_since)
+        for listener in self.listeners:
+            listener(name, data)
         if self.files.write(name, data):
             self.progress.notify()
 

@@ -49,6 +49,7 @@ from reconciler.daemon.loop import PassLoop
 from reconciler.daemon.metrics import Metrics
 from reconciler.daemon.passes import Passes, awaiting_source, preflight
 from reconciler.daemon.progress import Progress, Statuses
+from reconciler.daemon.rollout import Rollouts
 from reconciler.daemon.watchers import Watchers
 from reconciler.drivers.freeze import thaw_recorded
 from reconciler.drivers.reaper import become_subreaper, reap_zombies
@@ -128,8 +129,11 @@ class Daemon:
         def current_node() -> Node:
             return self.node
 
+        # A fleet's gate and this node's report to it (source.fleet).
+        self.rollout = Rollouts(current_config, self.metrics)
+        self.statuses.listeners.append(self.rollout.status_written)
         self.watchers = Watchers(current_config, current_node, self.halt, self.loop,
-                                 self.metrics)
+                                 self.metrics, self.rollout)
         self.chains = Chains(current_config, current_node, self.halt, self.lock, self.loop,
                              self.pool, self.records, self.files, self.statuses, self.asks,
                              self.metrics)
@@ -375,6 +379,8 @@ class Daemon:
         self.busy_since = time.monotonic()
         try:
             self.passes.reconcile()
+            self.rollout.pass_ended(self.statuses.source_revision, self.view.loaded,
+                                    self.passes.not_reconciling)
         except Aborted as exc:  # SIGTERM: the pass's commands were refused
             log.info("pass cut short: %s", exc)
         except CannotWrite as exc:  # one line: the file and the cause are the news

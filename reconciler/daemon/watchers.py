@@ -1,7 +1,8 @@
 """What tells the daemon when to look, and at what: inotify on the desired
 files' paths (daemon/dirwatch.py), the node's events (daemon/events.py),
 the claim poll (daemon/claimpoll.py) and the git source's thread
-(daemon/follow.py), started, kept in step with the config and stopped.
+(daemon/follow.py) with its fleet's gate and report (daemon/rollout.py),
+started, kept in step with the config and stopped.
 Each marks volumes for the next pass through the pass loop
 (daemon/loop.py); the passes tell them what belongs to which volume.
 Built by daemon/service.py; imported by it and daemon/passes.py.
@@ -21,6 +22,7 @@ from reconciler.daemon.follow import Follower
 from reconciler.daemon.interest import VolumeInterest, combine
 from reconciler.daemon.loop import PassLoop
 from reconciler.daemon.metrics import Metrics
+from reconciler.daemon.rollout import Rollouts
 from reconciler.drivers.run import Halt
 from reconciler.observe.ceph import observe_images
 from reconciler.observe.node import Node
@@ -31,7 +33,7 @@ log = logging.getLogger("rbd-reconciler")
 
 class Watchers:
     def __init__(self, config: Callable[[], Config], node: Callable[[], Node], halt: Halt,
-                 loop: PassLoop, metrics: Metrics) -> None:
+                 loop: PassLoop, metrics: Metrics, rollout: Rollouts | None = None) -> None:
         self.config = config  # the current one: a reload (SIGHUP) replaces it
         self.node = node  # likewise
         self.halt = halt  # the git source's commands stop with the daemon's
@@ -41,6 +43,7 @@ class Watchers:
         self.events: EventHub | None = None
         self.follower: Follower | None = None  # the GitOps source (config.git)
         self.claim_poll: ClaimPoll | None = None
+        self.rollout = rollout  # the fleet's gate and this node's report (source.fleet)
 
     def watch(self) -> None:
         """Watch what can change the desired files (daemon/dirwatch.py): the
@@ -109,8 +112,11 @@ class Watchers:
         if self.config().git is None or self.follower is not None:
             return
         self.follower = Follower(self.config, self.metrics, self.halt,
-                                 lambda rev: self.loop.mark_dirty(None, f"source applied {rev}"))
+                                 lambda rev: self.loop.mark_dirty(None, f"source applied {rev}"),
+                                 self.rollout)
         self.follower.start()
+        if self.rollout is not None:
+            self.rollout.start()
 
     def reloaded(self) -> None:
         """The config was reloaded: the git source started, stopped or synced
@@ -133,6 +139,7 @@ class Watchers:
     def stop(self, deadline: float) -> None:
         """Each thread stopped, waiting for it until a second past ``deadline``
         (at least 0.1 s, at most 2 s each)."""
-        for thread in (self.dirwatch, self.events, self.follower, self.claim_poll):
+        for thread in (self.dirwatch, self.events, self.follower, self.claim_poll,
+                       self.rollout):
             if thread is not None:
                 thread.stop(timeout=max(0.1, min(2.0, deadline + 1 - time.monotonic())))

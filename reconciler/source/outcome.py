@@ -15,7 +15,7 @@ MAX_MESSAGE = 600
 
 @dataclass
 class Outcome:
-    result: str  # applied | unchanged | held | refused | distrusted | failed
+    result: str  # applied | unchanged | held | waiting | refused | distrusted | failed
     reason: str = ""  # CamelCase: Unsigned, NotDescendant, LoadFailed, FetchFailed ...
     message: str = ""
     commit: str | None = None  # what the remote ref named (observed)
@@ -25,7 +25,7 @@ class Outcome:
 
     @property
     def ok(self) -> bool:
-        return self.result in ("applied", "unchanged", "held")
+        return self.result in ("applied", "unchanged", "held", "waiting")
 
 
 class Failed(Exception):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+from reconciler.source.gating import hold_of
 from reconciler.source.layout import Layout
 from reconciler.source.reasons import verdict
 from reconciler.spec.config import Config
@@ -46,8 +47,42 @@ def source_status(config: Config, now: datetime | None = None) -> dict[str, Any]
         "lastAppliedAt": state.get("lastAppliedAt"),
         "consecutiveFailures": int(state.get("consecutiveFailures", 0)),
         "refusals": state.get("refusals", {}),
+        "rollout": rollout_status(config, state, applied),
     }
     out["conditions"] = conditions(out, src.interval_seconds, now or datetime.now(UTC))
+    return out
+
+
+def rollout_status(config: Config, state: dict[str, Any], applied: dict[str, Any] | None
+                   ) -> dict[str, Any]:
+    """This node's part in a rollout: its wave (by the applied revision's
+    fleet.yaml), and ``state``: Applied (nothing held back), or why a newer
+    verified revision is not applied: Waiting (``heldBack.waitingFor``),
+    OutsideWindow (``heldBack.nextOpening``), Halted (``heldBack.halted``),
+    Held (this node's own hold). NotInFleet: no ``source.fleet``."""
+    assert config.git is not None
+    fleet = config.git.fleet
+    held_back = state.get("heldBack") if isinstance(state.get("heldBack"), dict) else None
+    hold = hold_of(state)
+    meta = (applied or {}).get("fleet")
+    out: dict[str, Any] = {
+        "inFleet": fleet is not None,
+        "pool": fleet.pool if fleet is not None else None,
+        "namespace": fleet.namespace if fleet is not None else None,
+        "rollout": meta.get("rollout") if isinstance(meta, dict) else None,
+        "wave": meta.get("wave") if isinstance(meta, dict) else None,
+        "held": hold, "heldBack": held_back}
+    if held_back is not None:
+        out["state"], out["message"] = held_back.get("state"), held_back.get("message")
+    elif hold is not None:
+        out["state"] = "Held"
+        out["message"] = "held by this node (`source hold`)" + (f": {hold}" if hold else "")
+    elif fleet is None:
+        out["state"] = "NotInFleet"
+        out["message"] = "in no fleet (no source.fleet): a verified revision is applied at once"
+    else:
+        out["state"] = "Applied"
+        out["message"] = "nothing held back" if applied is not None else "nothing applied yet"
     return out
 
 
@@ -90,7 +125,7 @@ def conditions(st: dict[str, Any], interval: float, now: datetime) -> list[dict[
     kind = verdict(reason).kind
     if result == "distrusted" or (result == "refused" and kind == "signature"):
         verified = _cond("SourceVerified", "False", reason, message)
-    elif result in ("applied", "unchanged", "held") or (
+    elif result in ("applied", "unchanged", "held", "waiting") or (
             result == "refused" and kind == "revision"):
         who = ", ".join(f"{s.get('name')} ({s.get('format')} {s.get('fingerprint')})"
                         for s in (applied or {}).get("signers", [])) if up_to_date else ""

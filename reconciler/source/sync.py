@@ -1,10 +1,20 @@
-"""One sync of the GitOps source: look → fetch → verify → export → switch.
+"""One sync of the GitOps source: look → fetch → verify → export → gate → switch.
 
 Each step either completes or changes nothing that is applied: the mirror's
 refs move only after a fetch completes, a revision is exported into a
 directory of its own, and what the daemon reads switches last, with one
 rename(2) (layout.py). On any failure the last good revision stays applied
 and the state says why; the caller retries with backoff.
+
+The gate: a revision whose root holds ``fleet.yaml`` (source/fleetfile.py;
+an error in it refuses the revision as a whole) is applied by a node in a
+fleet (``source.fleet``) only when the injected ``gate`` answers Apply
+(daemon/rollout.py asks plan/rollout.py). Any other answer is the result
+``waiting`` (a success: no backoff, no refusal counted): the revision stays
+exported, unswitched, and ``state["heldBack"]`` says why until it is
+applied or the remote moves on. It is asked after the descent check and
+the export's load check, so a revision this node would refuse is refused at
+once, never reported as waiting. A node in no fleet applies at once.
 
 ``Syncer`` does the steps in order; its bases hold the fetch
 (source/fetching.py) and the verification (source/trust.py). Imported by
@@ -20,10 +30,21 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from reconciler.drivers.run import CommandError
+from reconciler.drivers.run import CommandError, Runner
 from reconciler.facts.clock import now_iso
+from reconciler.facts.fleetreport import clip
 from reconciler.source import verify
 from reconciler.source.fetching import APPLIED, NEWEST
+from reconciler.source.fleetfile import read_fleet
+from reconciler.source.gating import (
+    UNGATED,
+    Gate,
+    GateAnswer,
+    held_back,
+    held_message,
+    hold_of,
+    wave_name,
+)
 from reconciler.source.mirror import (
     APPLIED_TAG,
     PREVIOUS,
@@ -35,13 +56,20 @@ from reconciler.source.outcome import MAX_MESSAGE, Failed, Outcome, rev_name
 from reconciler.source.report import revision
 from reconciler.source.tree import TreeRefused, list_tree, read_blobs, write_tree
 from reconciler.source.trust import Trusting
+from reconciler.spec.config import Config
 from reconciler.spec.desired import load_desired
+from reconciler.spec.fleet import FLEET_FILE, Rollout
 from reconciler.state.files import sync_dir, write_json
 
 log = logging.getLogger("rbd-reconciler.source")
 
 
 class Syncer(Trusting):
+    def __init__(self, config: Config, runner: Runner | None = None,
+                 gate: Gate | None = None) -> None:
+        super().__init__(config, runner)
+        self.gate = gate  # None: no fleet's gate here (a fleet node then applies nothing)
+
     # -- the whole sync, under the lock ----------------------------------------
     def sync(self) -> Outcome:
         with self.layout.locked(self.src.timeout_seconds * 4):
@@ -81,6 +109,7 @@ class Syncer(Trusting):
                 return out
             out.fetched = True
             state.pop("tooLarge", None)
+            state.pop("heldBack", None)  # set again below while one still is
             _step("fetched")
             applied = self.layout.applied()
             self._repair_refs(applied)
@@ -102,16 +131,32 @@ class Syncer(Trusting):
             _step("verified")
             if state.get("held"):
                 out.result, out.reason = "held", "Held"
-                out.message = (f"held at {revision(self.src, applied and applied['commit'])} "
-                               "by `rbd-reconciler source rollback`; `source resume` applies "
-                               "new revisions again")
+                out.message = held_message(
+                    state["held"], revision(self.src, applied and applied["commit"]))
+                state["heldBack"] = held_back(
+                    out.commit, revision(self.src, out.commit),
+                    GateAnswer("Held", out.message, {"hold": hold_of(state)}), now_iso())
                 if distrust is not None:  # held, and what it is held at is distrusted
                     out.result, out.reason, out.message = "distrusted", *distrust
                 return out
+            rollout = read_fleet(self.git, out.commit, self.src.max_file_bytes,
+                                 revision(self.src, out.commit))
             if applied is not None:
                 self._check_descent(applied["commit"], out.commit)
-            self._export(name, out)
+            self._export(name, out, rollout)
             _step("exported")
+            if rollout is not None and self.src.fleet is not None:
+                answer = self.gate(out.commit, rollout) if self.gate is not None else UNGATED
+                if not answer.applies:
+                    out.result, out.reason = "waiting", answer.state
+                    out.message = answer.message[:MAX_MESSAGE]
+                    state["heldBack"] = held_back(out.commit, revision(self.src, out.commit),
+                                                  answer, now_iso())
+                    self._prune(also=name)  # one revision waits, not each one pushed meanwhile
+                    if distrust is not None:  # and what stays applied is distrusted
+                        out.result, out.reason, out.message = "distrusted", *distrust
+                    return out
+                _step("gate passed")
             self._switch(name)
             out.result = "applied"
             state.pop("distrusted", None)
@@ -136,13 +181,15 @@ class Syncer(Trusting):
                           f"{exc.strerror or exc}"
         return out
 
-    def _export(self, name: str, out: Outcome) -> None:
+    def _export(self, name: str, out: Outcome, rollout: Rollout | None = None) -> None:
         final = self.layout.revs / name
         if final.is_dir() and self.layout.meta_file(name).exists():
             return  # exported by an attempt killed before its switch: complete
         self.layout.revs.mkdir(mode=0o755, exist_ok=True)
         entries = list_tree(self.git, out.commit or "", self.node_path,
                             self.src.max_file_bytes, self.src.max_tree_bytes)
+        if not self.node_path:  # the rollout policy, read from the root: no volume file
+            entries = [e for e in entries if e.path != FLEET_FILE]
         blobs = read_blobs(self.git, entries)
         tmp = self.layout.revs / f".tmp-{name}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -158,7 +205,9 @@ class Syncer(Trusting):
             "commit": out.commit, "tag": out.tag, "signers": out.signers,
             "revision": revision(self.src, out.commit), "path": self.node_path,
             "files": len(entries), "verifiedAt": now_iso(),
-            "empty": not entries})
+            "empty": not entries,
+            "fleet": None if rollout is None else {
+                "rollout": rollout.name, "wave": wave_name(rollout, self.config.node_name)}})
         _step("meta written")
         if final.exists():
             shutil.rmtree(final)
@@ -223,10 +272,26 @@ class Syncer(Trusting):
                 self.layout.write_state(state)
             return prev.split("-")[0]
 
+    def hold(self, reason: str = "") -> str | None:
+        """Hold the node at its applied revision (``source hold``): a sync
+        fetches, verifies and reports, and applies nothing new until
+        ``resume``; the fleet sees it held, with ``reason``. Returns the
+        commit it is held at (None: nothing applied yet)."""
+        with self.layout.locked(self.src.timeout_seconds * 4):
+            state = self.layout.read_state()
+            applied = self.layout.applied()
+            commit = applied["commit"] if applied is not None else None
+            state["held"] = {"at": now_iso(), "commit": commit, "by": "hold",
+                             "reason": clip(reason)}
+            self.layout.write_state(state)
+            return commit
+
     def resume(self) -> None:
         with self.layout.locked(self.src.timeout_seconds * 4):
             state = self.layout.read_state()
             state.pop("held", None)
+            if (state.get("heldBack") or {}).get("state") == "Held":
+                state.pop("heldBack")  # the next sync judges it afresh
             self.layout.write_state(state)
 
     def verify_only(self, rev: str) -> Outcome:
@@ -277,8 +342,8 @@ class Syncer(Trusting):
                         "fetch): %s", self.git.repo, exc)
         _step("compacted")
 
-    def _prune(self) -> None:
-        keep = {self.layout.target("current"), self.layout.target("previous")} - {None}
+    def _prune(self, also: str | None = None) -> None:
+        keep = {self.layout.target("current"), self.layout.target("previous"), also} - {None}
         for p in self.layout.revs.iterdir():
             name = p.name.removesuffix(".json")
             if name in keep:
