@@ -57,6 +57,18 @@ class SourceCredentials:
     ca_file: Path | None = None  # https: the CAs to trust instead of the system's
 
 
+FLEET_NAMESPACE = "rbd-reconciler-fleet"
+
+
+@dataclass(frozen=True)
+class SourceFleet:
+    """Where the fleet's reports live: RADOS objects in this
+    pool and namespace, one per node."""
+
+    pool: str
+    namespace: str = FLEET_NAMESPACE
+
+
 @dataclass(frozen=True)
 class SourceConfig:
     url: str
@@ -71,6 +83,7 @@ class SourceConfig:
     max_file_bytes: int = 1 << 20  # the loader's own limit per file
     max_tree_bytes: int = 64 << 20  # all files under the node's path together
     max_fetch_bytes: int = MAX_FETCH_BYTES  # each file one fetch writes, before verification
+    fleet: SourceFleet | None = None  # None: in no fleet; a revision applies at once
 
     def node_path(self, node_name: str) -> str:
         return self.path.replace(NODE_NAME, node_name)
@@ -163,4 +176,7 @@ def build_source(data: dict) -> SourceConfig:
         allow_non_descendant=bool(data.get("allowNonDescendant", False)),
         max_tree_bytes=int(data.get("maxTreeBytes", 64 << 20)),
         max_fetch_bytes=int(data.get("maxFetchBytes", MAX_FETCH_BYTES)),
+        fleet=SourceFleet(pool=data["fleet"]["pool"],
+                          namespace=data["fleet"].get("namespace", FLEET_NAMESPACE))
+        if data.get("fleet") else None,
     )

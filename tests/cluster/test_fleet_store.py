@@ -199,3 +199,123 @@ def test_a_nodes_key_writes_only_its_own_report(ceph_cluster: DevCluster, namesp
         assert got.reports["edge-001"].counter == 4
     finally:
         drop_users(ceph_cluster, [one, two])
+
+
+# ---------------------------------------------------------------- fleet status
+
+FLEET_YAML = """\
+apiVersion: rbd-reconciler/v1
+kind: Rollout
+metadata: {name: edge}
+spec:
+  waves:
+    - {name: canary, nodes: [edge-001]}
+    - {name: rest, nodes: ["edge-*"]}
+  gate: {healthySeconds: 5, staleSeconds: 30}
+"""
+
+
+def fleet_node(tmp_path: Path, cluster: DevCluster, ns: str | None) -> tuple[Path, Path]:
+    """A node config following a (local) repository, in the fleet of ``ns``;
+    its stateDir."""
+    state = tmp_path / "state"
+    state.mkdir()
+    signers = tmp_path / "allowed_signers"
+    signers.write_text("")
+    fleet = f"  fleet: {{pool: {cluster.pool}, namespace: {ns}}}\n" if ns else ""
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"stateDir: {state}\nnodeName: edge-001\ncontrolSocket: {state}/control.sock\n"
+        f"ceph:\n  conf: {cluster.conf}\n  user: {cluster.user}\n  keyring: {cluster.keyring}\n"
+        f"allowedRoots: [{tmp_path}]\nmapper: fuse\n"
+        f"source:\n  url: file://{tmp_path}/remote.git\n  ref: {{branch: main}}\n"
+        f"  path: nodes/{{nodeName}}\n"
+        f"  verify: {{mode: head, format: ssh, allowedSignersFile: {signers}}}\n{fleet}")
+    return config, state
+
+
+def verified_commit(state: Path, files: dict[str, str]) -> str:
+    """A commit in the node's mirror, recorded as verified and applied by
+    this node (as a sync leaves it: revs/<commit>-<path hash>.json, current)."""
+    import hashlib
+    import subprocess
+
+    repo = state / "source" / "repo.git"
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(state), "GIT_AUTHOR_NAME": "t",
+           "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    subprocess.run(["git", "init", "-q", "--bare", str(repo)], check=True, env=env)
+    work = state / "work"
+    subprocess.run(["git", "init", "-q", str(work)], check=True, env=env)
+    for name, text in files.items():
+        (work / name).parent.mkdir(parents=True, exist_ok=True)
+        (work / name).write_text(text)
+    git = ["git", "-C", str(work)]
+    subprocess.run([*git, "add", "-A"], check=True, env=env)
+    subprocess.run([*git, "commit", "-qm", "x"], check=True, env=env)
+    subprocess.run([*git, "push", "-q", str(repo), "HEAD:refs/heads/main"], check=True, env=env)
+    commit = subprocess.run([*git, "rev-parse", "HEAD"], check=True, env=env,
+                            capture_output=True, text=True).stdout.strip()
+    revs = state / "source" / "revs"
+    revs.mkdir(parents=True)
+    path_hash = hashlib.sha256(b"nodes/edge-001").hexdigest()[:8]
+    (revs / f"{commit}-{path_hash}.json").write_text("{}")
+    (state / "source" / "current").symlink_to(f"revs/{commit}-{path_hash}")  # applied
+    return commit
+
+
+def run_cli(config: Path, *args: str) -> tuple[int, str, str]:
+    import contextlib
+    import io
+
+    from reconciler.cli import main as cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main(["--config", str(config), *args])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_fleet_status_cli(ceph_cluster: DevCluster, namespace: str, tmp_path: Path) -> None:
+    config, state = fleet_node(tmp_path, ceph_cluster, namespace)
+    good = verified_commit(state, {"fleet.yaml": FLEET_YAML, "nodes/edge-001/v.yaml": ""})
+    bad = "c" * 40  # a commit this node never verified: its fleet.yaml is never read
+    with FleetStore(admin(ceph_cluster), ceph_cluster.pool, namespace) as store:
+        store.write(Report(node="edge-001", applied=good, health=FAILED, counter=1,
+                           written_at="2026-01-01T00:00:00+00:00", wave="canary",
+                           failed_volume="pg", failed_reason="never shrink"))
+        store.write(Report(node="edge-002", applied=bad, health=HEALTHY, counter=4,
+                           written_at="2026-01-01T00:00:00+00:00", held_back=good,
+                           held_back_why="halted by edge-001"))
+    raw_write(ceph_cluster, namespace, "node/edge-003/report", b"not json")
+    rc, out, err = run_cli(config, "fleet", "status", "-o", "json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["rollout"] == "edge" and doc["observedForSeconds"] == 0, doc["problems"]
+    nodes = {n["node"]: n for n in doc["nodes"]}
+    assert nodes["edge-001"]["wave"] == "canary" and nodes["edge-002"]["wave"] == "rest"
+    assert nodes["edge-001"]["failedReason"] == "never shrink"
+    assert nodes["edge-002"]["heldBack"] == good and nodes["edge-002"]["stale"] is False
+    revs = {r["commit"]: r for r in doc["revisions"]}
+    assert revs[good]["state"] == "Halted"
+    assert revs[good]["halted"] == {"node": "edge-001", "volume": "pg", "reason": "never shrink"}
+    assert revs[good]["heldBackBy"] == ["edge-002"]
+    assert any(p.startswith(f"{bad[:12]}: not a revision this node verified")
+               for p in doc["problems"]), doc["problems"]
+    assert any(p.startswith("'node/edge-003/report': not JSON") for p in doc["problems"])
+    assert "one read" in doc["note"]
+    rc, text, err = run_cli(config, "fleet", "status")
+    assert rc == 0, err
+    assert f"revision {good[:12]}: Halted: halted: it failed on edge-001, volume pg" in text
+    assert "edge-002" in text and "holds back" in text
+
+
+def test_fleet_status_errors(ceph_cluster: DevCluster, tmp_path: Path) -> None:
+    config, _ = fleet_node(tmp_path, ceph_cluster, None)
+    rc, out, err = run_cli(config, "fleet", "status")
+    assert rc == 1 and out == ""
+    assert "no source.fleet" in err and "source.fleet.pool" in err
+    config.write_text(config.read_text() + "  fleet: {pool: no-such-pool}\n")
+    rc, out, err = run_cli(config, "fleet", "status", "-o", "json")
+    assert rc == 1 and out == ""
+    assert "pool no-such-pool does not exist" in err
+    assert "Traceback" not in err
