@@ -39,10 +39,23 @@ def cmd_fleet(args: argparse.Namespace, config: Config) -> int:
         doc = document(summary)
         if summary.observed_for is not None:
             doc["note"] = ONE_READ
-        print(json.dumps(doc, indent=2))
+        print(dumps(doc))
     else:
         print(human(summary))
     return EXIT_OK
+
+
+def dumps(doc: dict[str, object]) -> str:
+    """JSON with one node or revision a line: json's indented encoder is
+    pure Python, ~0.15 s for 1,000 nodes; a line each is C's and as readable."""
+    parts = []
+    for key, value in doc.items():
+        if isinstance(value, list) and value:
+            items = ",\n    ".join(json.dumps(v, separators=(", ", ": ")) for v in value)
+            parts.append(f"  {json.dumps(key)}: [\n    {items}\n  ]")
+        else:
+            parts.append(f"  {json.dumps(key)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(parts) + "\n}"
 
 
 def _short(commit: str | None) -> str:

@@ -117,35 +117,53 @@ def summarize(rollout: Rollout | None, seen: Mapping[str, Sighting], now_mono: f
     newest verified revision's); ``rollouts``: each revision's own policy
     (a commit absent from it is judged by ``rollout``)."""
     stale_s = rollout.gate.stale_seconds if rollout else DEFAULT_STALE_SECONDS
-    rows = [_node_row(rollout, node, s, now_mono, stale_s) for node, s in sorted(seen.items())]
+    waves = _Waves(rollout)
+    rows = [_node_row(waves.name(node), node, s, now_mono, stale_s)
+            for node, s in sorted(seen.items())]
     if rollout is not None:
         listed = {n for wave in rollout.waves for n in wave.names} - set(seen)
-        rows += [NodeRow(n, _wave_name(rollout, n), missing=True) for n in sorted(listed)]
-    rows.sort(key=lambda r: (_wave_rank(rollout, r.node), r.node))
+        rows += [NodeRow(n, waves.name(n), missing=True) for n in sorted(listed)]
+    rows.sort(key=lambda r: (waves.rank(r.node), r.node))
     commits = sorted({c for s in seen.values()
                       for c in (s.report.applied, s.report.held_back) if c is not None})
-    revisions = [_revision(c, (rollouts or {}).get(c, rollout), seen, now_mono, now_utc)
-                 for c in commits]
+    revisions = []
+    for c in commits:
+        own = (rollouts or {}).get(c, rollout)
+        revisions.append(_revision(c, own, waves if own is rollout else _Waves(own), seen,
+                                   now_mono, now_utc))
     revisions.sort(key=lambda r: (-len(r.applied_by) - len(r.held_back_by), r.commit))
     return FleetSummary(rollout.name if rollout else None, tuple(rows), tuple(revisions),
                         stale_s, observed_for, problems)
 
 
-def _wave_name(rollout: Rollout | None, node: str) -> str | None:
-    k = wave_of(rollout, node) if rollout else None
-    return rollout.waves[k].name if rollout and k is not None else None
+class _Waves:
+    """``wave_of`` of one rollout, asked once per node (a glob match each)."""
+
+    def __init__(self, rollout: Rollout | None) -> None:
+        self.rollout = rollout
+        self._of: dict[str, int | None] = {}
+
+    def index(self, node: str) -> int | None:
+        if self.rollout is None:
+            return None
+        if node not in self._of:
+            self._of[node] = wave_of(self.rollout, node)
+        return self._of[node]
+
+    def name(self, node: str) -> str | None:
+        k = self.index(node)
+        return self.rollout.waves[k].name if self.rollout and k is not None else None
+
+    def rank(self, node: str) -> int:
+        k = self.index(node)
+        return k if k is not None else 1 << 30
 
 
-def _wave_rank(rollout: Rollout | None, node: str) -> int:
-    k = wave_of(rollout, node) if rollout else None
-    return k if k is not None else 1 << 30
-
-
-def _node_row(rollout: Rollout | None, node: str, s: Sighting, now_mono: float,
+def _node_row(wave: str | None, node: str, s: Sighting, now_mono: float,
               stale_s: int) -> NodeRow:
     r = s.report
     quiet = max(0.0, now_mono - s.last_change_mono)
-    return NodeRow(node, _wave_name(rollout, node), applied=r.applied, health=r.health,
+    return NodeRow(node, wave, applied=r.applied, health=r.health,
                    failed_volume=r.failed_volume, failed_reason=r.failed_reason,
                    held_back=r.held_back, held_back_why=r.held_back_why, held=r.held,
                    hold_reason=r.hold_reason, counter=r.counter, written_at=r.written_at,
@@ -153,26 +171,27 @@ def _node_row(rollout: Rollout | None, node: str, s: Sighting, now_mono: float,
                    phases=r.phases)
 
 
-def _members(rollout: Rollout, seen: Mapping[str, Sighting]) -> list[tuple[str, list[str]]]:
+def _members(rollout: Rollout, waves: _Waves, seen: Mapping[str, Sighting]
+             ) -> list[tuple[str, list[str]]]:
     """Each wave's name and nodes (and NO_WAVE's, if any reported node is in none)."""
     out: list[tuple[str, list[str]]] = [(w.name, []) for w in rollout.waves]
     lost: list[str] = []
     for node in sorted({n for w in rollout.waves for n in w.names}.union(seen)):
-        k = wave_of(rollout, node)
+        k = waves.index(node)
         (out[k][1] if k is not None else lost).append(node)
     if lost:
         out.append((NO_WAVE, lost))
     return out
 
 
-def _revision(commit: str, rollout: Rollout | None, seen: Mapping[str, Sighting],
-              now_mono: float, now_utc: datetime) -> RevisionRow:
+def _revision(commit: str, rollout: Rollout | None, index: _Waves,
+              seen: Mapping[str, Sighting], now_mono: float, now_utc: datetime) -> RevisionRow:
     applied = tuple(n for n, s in sorted(seen.items()) if s.report.applied == commit)
     held_back = tuple(n for n, s in sorted(seen.items()) if s.report.held_back == commit)
     if rollout is None:
         return RevisionRow(commit, applied, held_back, (), (), None, None, None)
     waves: list[WaveRow] = []
-    for name, nodes in _members(rollout, seen):
+    for name, nodes in _members(rollout, index, seen):
         at = tuple(n for n in nodes if n in applied)
         waves.append(WaveRow(name, tuple(nodes), at,
                              tuple(n for n in at if seen[n].report.health == HEALTHY)))
@@ -194,7 +213,10 @@ def _revision(commit: str, rollout: Rollout | None, seen: Mapping[str, Sighting]
                       now_mono, now_utc)
         if me in seen and seen[me].report.applied == commit and not isinstance(gate, Halted):
             gate = Apply()  # every node of the wave is at it: converging, not gated
-    whole = decide(rollout, "", commit, seen, None, now_mono, now_utc)  # "" is nobody's name
+    # Rule 3 of decide (a halt) reads only the reports at the commit; ""
+    # is nobody's name.
+    whole = decide(rollout, "", commit, {n: seen[n] for n in applied}, None, now_mono,
+                   now_utc)
     if isinstance(whole, Halted):
         halted = whole
     elif isinstance(gate, Halted):
