@@ -8,16 +8,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from reconciler.cli.main import EXIT_FAILED, EXIT_OK
-from reconciler.engine.fleet import (
-    FleetSummary,
-    FleetUnavailable,
-    NotInFleet,
-    document,
-    fleet_status,
-    gate_text,
-)
+from reconciler.engine.fleet import FleetUnavailable, NotInFleet, document, fleet_status
 from reconciler.spec.config import Config
 
 ONE_READ = ("one read, no daemon asked: no report is stale to a first read and no node "
@@ -35,13 +29,13 @@ def cmd_fleet(args: argparse.Namespace, config: Config) -> int:
         print(f"rbd-reconciler fleet {args.action}: cannot read the reports: {exc}",
               file=sys.stderr)
         return EXIT_FAILED
+    doc = document(summary)
     if args.output == "json":
-        doc = document(summary)
-        if summary.observed_for is not None:
-            doc["note"] = ONE_READ
+        if (note := _note(doc)) is not None:
+            doc["note"] = note
         print(dumps(doc))
     else:
-        print(human(summary))
+        print(human(doc))
     return EXIT_OK
 
 
@@ -62,37 +56,47 @@ def _short(commit: str | None) -> str:
     return commit[:12] if commit else "-"
 
 
-def human(s: FleetSummary) -> str:
-    lines = [f"rollout {s.rollout}" if s.rollout else "no fleet.yaml: every node applies at once"]
+def _note(doc: dict[str, Any]) -> str | None:
+    """The caveat of a reader that has not watched for staleSeconds yet."""
+    watched, stale = doc["observedForSeconds"], doc["staleSeconds"]
+    if watched is None or watched >= stale:
+        return None
+    return (f"read for {watched:g}s of the {stale}s after which a report is stale: "
+            + ONE_READ)
+
+
+def human(doc: dict[str, Any]) -> str:
+    """The document as a table (the same from this read or the daemon's)."""
+    lines = [f"rollout {doc['rollout']}" if doc["rollout"]
+             else "no fleet.yaml: every node applies at once"]
     rows = [("NODE", "WAVE", "APPLIED", "HEALTH", "UNCHANGED", "WRITTEN AT (its clock)", "NOTE")]
-    for r in s.nodes:
-        if r.missing:
-            rows.append((r.node, r.wave or "-", "-", "-", "-", "-", "missing: no report"))
+    for r in doc["nodes"]:
+        if r["missing"]:
+            rows.append((r["node"], r["wave"] or "-", "-", "-", "-", "-", "missing: no report"))
             continue
         notes = []
-        if r.health == "Failed":
-            notes.append(f"failed {r.failed_volume or '(revision)'}: {r.failed_reason}")
-        if r.held_back:
-            notes.append(f"holds back {_short(r.held_back)}: {r.held_back_why}")
-        if r.held:
-            notes.append("held" + (f": {r.hold_reason}" if r.hold_reason else ""))
-        if r.claimed_wave and r.claimed_wave != r.wave:
-            notes.append(f"says wave {r.claimed_wave}")
-        quiet = f"{r.unchanged_for:.0f}s" + (" STALE" if r.stale else "")
-        rows.append((r.node, r.wave or "-", _short(r.applied), r.health or "-", quiet,
-                     r.written_at or "-", "; ".join(notes)))
+        if r["health"] == "Failed":
+            notes.append(f"failed {r['failedVolume'] or '(revision)'}: {r['failedReason']}")
+        if r["heldBack"]:
+            notes.append(f"holds back {_short(r['heldBack'])}: {r['heldBackWhy']}")
+        if r["held"]:
+            notes.append("held" + (f": {r['holdReason']}" if r["holdReason"] else ""))
+        if r["reportedWave"] and r["reportedWave"] != r["wave"]:
+            notes.append(f"says wave {r['reportedWave']}")
+        quiet = f"{r['unchangedForSeconds']:.0f}s" + (" STALE" if r["stale"] else "")
+        rows.append((r["node"], r["wave"] or "-", _short(r["applied"]), r["health"] or "-",
+                     quiet, r["writtenAt"] or "-", "; ".join(notes)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1]
               for row in rows]
-    for rev in s.revisions:
-        lines.append("")
-        lines.append(f"revision {_short(rev.commit)}: {rev.state}: {gate_text(rev)}")
-        lines.append(f"  applied by {len(rev.applied_by)}, held back by "
-                     f"{len(rev.held_back_by)}; waves done: "
-                     + (", ".join(rev.waves_done) or "none"))
-    if s.observed_for is not None:
-        lines += ["", f"note: {ONE_READ}; stale after {s.stale_seconds}s unchanged"]
-    if s.problems:
-        lines += ["", f"{len(s.problems)} problem(s) reading the fleet:"]
-        lines += [f"  {p}" for p in s.problems]
+    for rev in doc["revisions"]:
+        lines += ["", f"revision {_short(rev['commit'])}: {rev['state']}: {rev['summary']}",
+                  f"  applied by {len(rev['appliedBy'])}, held back by "
+                  f"{len(rev['heldBackBy'])}; waves done: "
+                  + (", ".join(rev["wavesDone"]) or "none")]
+    if (note := _note(doc)) is not None:
+        lines += ["", f"note: {note}"]
+    if doc["problems"]:
+        lines += ["", f"{len(doc['problems'])} problem(s) reading the fleet:"]
+        lines += [f"  {p}" for p in doc["problems"]]
     return "\n".join(lines)

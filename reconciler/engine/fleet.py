@@ -12,8 +12,9 @@ so in the problems. No fleet.yaml: no waves (every node applies at once).
 
 This reader has seen every report once (``observed_for`` 0): no report is
 stale to it and no node has been healthy for any time yet, as a daemon
-just started sees them. The daemon, which keeps its sightings, is the one
-to ask for those (not wired yet: see the closing note of issue 40).
+just started sees them. The daemon keeps its sightings: ``summary_of`` is
+the same summary from them (its answer to ``fleet status``; the command
+is not routed to the daemon yet).
 
 Imported by cli/fleet.py (the front door); the names it re-exports are
 the CLI's way to the document and its words.
@@ -22,15 +23,16 @@ the CLI's way to the document and its words.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from reconciler.drivers.fleetstore import FleetRead, FleetStore
+from reconciler.drivers.fleetstore import FleetStore
 from reconciler.drivers.fleetstore import FleetUnavailable as FleetUnavailable
 from reconciler.drivers.run import CommandError, Runner
+from reconciler.facts.fleetreport import Report
 from reconciler.plan.fleetstatus import FleetSummary as FleetSummary
 from reconciler.plan.fleetstatus import document as document
-from reconciler.plan.fleetstatus import gate_text as gate_text
 from reconciler.plan.fleetstatus import summarize
 from reconciler.plan.rollout import Sighting
 from reconciler.source.fleetfile import read_fleet
@@ -64,14 +66,23 @@ def fleet_status(config: Config, store: FleetStore | None = None) -> FleetSummar
     finally:
         if own:
             store.close()
-    now_mono, now_utc = time.monotonic(), datetime.now(UTC)
+    now_mono = time.monotonic()
     seen = {node: Sighting(r, now_mono, now_mono) for node, r in read.reports.items()}
-    rollout, rollouts, problems = _policies(config, read)
-    return summarize(rollout, seen, now_mono, now_utc, rollouts=rollouts, observed_for=0.0,
-                     problems=problems + read.problems)
+    return summary_of(config, seen, now_mono, observed_for=0.0, problems=read.problems)
 
 
-def _policies(config: Config, read: FleetRead
+def summary_of(config: Config, seen: Mapping[str, Sighting], now_mono: float, *,
+               observed_for: float | None, problems: tuple[str, ...] = ()) -> FleetSummary:
+    """The summary of reports as a reader saw them (``seen``, on its own
+    monotonic clock; ``observed_for``: how long it has been reading them):
+    this one read's, or the running daemon's sightings (its answer to
+    ``fleet status``), each revision judged by its own fleet.yaml."""
+    rollout, rollouts, more = _policies(config, [s.report for s in seen.values()])
+    return summarize(rollout, seen, now_mono, datetime.now(UTC), rollouts=rollouts,
+                     observed_for=observed_for, problems=more + problems)
+
+
+def _policies(config: Config, reports: list[Report]
               ) -> tuple[Rollout | None, dict[str, Rollout | None], tuple[str, ...]]:
     """The policy the node rows are placed by, each revision's own, and
     what could not be read (one line each)."""
@@ -102,7 +113,7 @@ def _policies(config: Config, read: FleetRead
         problems.append(f"{mine}: {base}; shown without waves")
         base = None
     rollouts: dict[str, Rollout | None] = {}
-    commits = sorted({c for r in read.reports.values()
+    commits = sorted({c for r in reports
                       for c in (r.applied, r.held_back) if c is not None})
     for commit in commits:
         got = policy(commit)
