@@ -319,3 +319,30 @@ def test_fleet_status_errors(ceph_cluster: DevCluster, tmp_path: Path) -> None:
     assert rc == 1 and out == ""
     assert "pool no-such-pool does not exist" in err
     assert "Traceback" not in err
+
+
+def test_an_osd_that_does_not_answer(ceph_cluster: DevCluster, namespace: str) -> None:
+    """A listing that librados ends for a timed-out op looks complete: the
+    store must say unavailable, never "no reports", within its bound."""
+    import os
+    import signal
+    import time
+
+    store = FleetStore(admin(ceph_cluster), ceph_cluster.pool, namespace, timeout=2)
+    store.write(report("edge-001"))
+    osd = ceph_cluster.pids["osd.0"]
+    os.kill(osd, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(FleetUnavailable, match="did not answer within 2 s"):
+            store.read_all()
+        assert time.monotonic() - t0 < 8
+        t0 = time.monotonic()
+        with pytest.raises(FleetUnavailable):
+            store.write(report("edge-001", 2))
+        assert time.monotonic() - t0 < 8
+    finally:
+        os.kill(osd, signal.SIGCONT)
+    # The failed connection was dropped; the next call connects anew.
+    assert store.read_all().reports["edge-001"].counter == 1
+    store.close()
