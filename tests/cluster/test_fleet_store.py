@@ -346,3 +346,62 @@ def test_an_osd_that_does_not_answer(ceph_cluster: DevCluster, namespace: str) -
     # The failed connection was dropped; the next call connects anew.
     assert store.read_all().reports["edge-001"].counter == 1
     store.close()
+
+
+@pytest.fixture
+def fleet_pool(ceph_cluster: DevCluster) -> Iterator[str]:
+    """A pool of its own for the reports (docs: the recommended set-up)."""
+    pool = f"fleet-{uuid.uuid4().hex[:6]}"
+    with ceph_cluster.client() as c:
+        mon_cmd(c, {"prefix": "osd pool create", "pool": pool, "pg_num": 8, "pgp_num": 8})
+    try:
+        yield pool
+    finally:
+        with ceph_cluster.client() as c:
+            mon_cmd(c, {"prefix": "osd pool rm", "pool": pool, "pool2": pool,
+                        "yes_i_really_really_mean_it": True})
+
+
+def keyed(cluster: DevCluster, entity: str, caps: list[str], tmp_path: Path) -> CephConfig:
+    with cluster.client() as c:
+        out = mon_cmd(c, {"prefix": "auth get-or-create", "entity": entity, "caps": caps})
+    keyring = tmp_path / f"{entity}.keyring"
+    keyring.write_text(f"[{entity}]\n\tkey = {json.loads(out)[0]['key']}\n")
+    return CephConfig(conf=str(cluster.conf), user=entity.removeprefix("client."),
+                      keyring=str(keyring))
+
+
+def test_one_key_for_rbd_and_its_report(ceph_cluster: DevCluster, fleet_pool: str,
+                                        tmp_path: Path) -> None:
+    """The node's one Ceph user (the config's ceph.user serves RBD and the
+    reports): ``profile rbd`` on the volumes' pool and the report caps on a
+    pool of its own. And the residual risk when the reports share the
+    volumes' pool: ``profile rbd pool=P`` covers every namespace of P, so
+    that key writes any node's report."""
+    ns, rbd_pool = "fleet", ceph_cluster.pool
+    tag = uuid.uuid4().hex[:6]
+    report_caps = (f"allow r pool={fleet_pool} namespace={ns}, allow rw pool={fleet_pool} "
+                   f"namespace={ns} object_prefix node/edge-001/")
+    good = keyed(ceph_cluster, f"client.edge-001-{tag}",
+                 ["mon", "profile rbd", "osd", f"profile rbd pool={rbd_pool}, {report_caps}"],
+                 tmp_path)
+    shared = keyed(ceph_cluster, f"client.edge-009-{tag}",
+                   ["mon", "profile rbd", "osd", f"profile rbd pool={rbd_pool}"], tmp_path)
+    try:
+        with FleetStore(good, fleet_pool, ns) as store:
+            store.write(report("edge-001"))
+            with pytest.raises(FleetUnavailable, match="permission denied"):
+                store.write(report("edge-002"))
+            assert list(store.read_all().reports) == ["edge-001"]
+        with FleetStore(shared, fleet_pool, ns) as store, \
+                pytest.raises(FleetUnavailable, match="permission denied"):
+            store.write(report("edge-009"))  # no report caps on that pool
+        with FleetStore(shared, rbd_pool, ns) as store:  # reports in the volumes' pool
+            store.write(report("edge-002", 77))  # another node's: NOT refused
+            assert store.read_one("edge-002") is not None
+    finally:
+        drop_users(ceph_cluster, [good, shared])
+        with ceph_cluster.client() as c, c.open_ioctx(rbd_pool) as io:
+            io.set_namespace(ns)
+            for obj in list(io.list_objects()):
+                io.remove_object(obj.key)
