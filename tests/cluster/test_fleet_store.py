@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import json
+import subprocess
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -49,8 +50,14 @@ def namespace(ceph_cluster: DevCluster) -> Iterator[str]:
     yield ns
     with ceph_cluster.client() as c, c.open_ioctx(ceph_cluster.pool) as io:
         io.set_namespace(ns)
-        for obj in list(io.list_objects()):
-            io.remove_object(obj.key)
+        it = io.list_objects()
+        while True:
+            try:
+                io.remove_object(next(it).key)
+            except StopIteration:
+                break
+            except UnicodeDecodeError:  # a test's name that is not UTF-8: its own to remove
+                continue
 
 
 def raw_write(cluster: DevCluster, ns: str, name: str, data: bytes) -> None:
@@ -82,7 +89,8 @@ def test_write_read_back(ceph_cluster: DevCluster, namespace: str) -> None:
         assert io.read(object_name("edge-001"), 1 << 20, 0) == newer.to_bytes()
 
 
-def test_hostile_objects_are_problems(ceph_cluster: DevCluster, namespace: str) -> None:
+def test_hostile_objects_are_problems(ceph_cluster: DevCluster, namespace: str,
+                                     tmp_path: Path) -> None:
     good = report("edge-001")
     raw_write(ceph_cluster, namespace, object_name("edge-001"), good.to_bytes())
     hostile = {
@@ -102,15 +110,27 @@ def test_hostile_objects_are_problems(ceph_cluster: DevCluster, namespace: str) 
     }
     for name, data in hostile.items():
         raw_write(ceph_cluster, namespace, name, data)
+    # A name that is not UTF-8 (the binding cannot write one: the rados tool can).
+    body = tmp_path / "body"
+    body.write_bytes(good.to_bytes())
+    rados = [b"rados", b"-c", bytes(ceph_cluster.conf), b"--id", ceph_cluster.user.encode(),
+             b"--keyring", bytes(ceph_cluster.keyring), b"-p", ceph_cluster.pool.encode(),
+             b"-N", namespace.encode()]
+    subprocess.run([*rados, b"put", b"node/\xff/report", bytes(body)], check=True,
+                   capture_output=True, timeout=60)
     with FleetStore(admin(ceph_cluster), ceph_cluster.pool, namespace) as store:
         got = store.read_all()
         assert got.reports == {"edge-001": good}  # the liar's claim never becomes edge-001's
         assert store.read_one("liar") is None  # its report names another node
-    assert len(got.problems) == len(hostile), got.problems
+    assert len(got.problems) == len(hostile) + 1, got.problems
+    assert "b'node/\\xff/report': the name is not UTF-8" in got.problems, got.problems
+    subprocess.run([*rados, b"rm", b"node/\xff/report"], check=True, capture_output=True,
+                   timeout=60)  # the fixture's listing could not name it
     for name in hostile:
         assert any(p.startswith(repr(name)) for p in got.problems), (name, got.problems)
     text = "\n".join(got.problems)
-    assert f"larger than {MAX_REPORT_BYTES} bytes" in text
+    assert f"'node/big/report': larger than {MAX_REPORT_BYTES} bytes" in text
+    assert "'node/zero/report': not JSON" in text  # an empty object is read as empty
     assert "its report says it is node 'edge-001'" in text
     assert "not the name of a report" in text
 
