@@ -26,7 +26,7 @@ _rbd_reconciler() {
     done
     local opts paths
     case $cmd in
-        "") COMPREPLY=($(compgen -W "-h --help --version -c --config -v --verbose validate plan apply release run allow-removal explain takeover recover rotate-key status source" -- "$cur"))
+        "") COMPREPLY=($(compgen -W "-h --help --version -c --config -v --verbose validate plan apply release run allow-removal explain takeover recover rotate-key status source fleet" -- "$cur"))
             return ;;
         validate) opts="-h --help -o --output -c --config -v --verbose"; paths=1 ;;
         plan) opts="-h --help -o --output -c --config -v --verbose"; paths=1 ;;
@@ -40,6 +40,7 @@ _rbd_reconciler() {
         rotate-key) opts="-h --help --new-key-file -c --config -v --verbose"; paths=0 ;;
         status) opts="-h --help -o --output -c --config -v --verbose"; paths=1 ;;
         source) opts="-h --help --reason -o --output -c --config -v --verbose"; paths=0 ;;
+        fleet) opts="-h --help -o --output -c --config -v --verbose"; paths=0 ;;
         *) return ;;
     esac
     if [[ $cur == -* ]]; then

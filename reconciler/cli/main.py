@@ -38,7 +38,7 @@ UNPRIVILEGED = ("validate",)
 LAZY_LOGGING = ("validate",)
 # Commands that read node keys or unseal passphrases (the daemon: through its
 # passes and CSI calls): made non-dumpable before anything is read.
-HOLDS_KEYS = ("apply", "release", "run", "rotate-key", "recover")
+HOLDS_KEYS = ("apply", "release", "run", "rotate-key", "recover", "fleet")
 
 
 def _columns() -> int:
@@ -316,6 +316,20 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                        help="hold: why (reported to the fleet; at most 512 characters)")
         _add_output(p)
         p.set_defaults(func=_Command("source", "cmd_source"))
+    if only in (None, "fleet"):
+        p = sub.add_parser("fleet", help="the fleet: every node's revision and health, "
+                                         "each rollout's progress",
+                           description="The fleet's reports in RADOS (docs/fleets.md). status: "
+                                       "per node its wave, applied revision, health, held-back "
+                                       "revision and why, the report's age (stale marked); per "
+                                       "revision being rolled out: the waves done, the wave now "
+                                       "applying, whom it waits for, or who halted it and why. "
+                                       "Exit 1 when the node is in no fleet or Ceph does not "
+                                       "answer.")
+        p.add_argument("action", nargs="?", default="status", choices=("status",),
+                       help="default: status")
+        _add_output(p)
+        p.set_defaults(func=_Command("fleet", "cmd_fleet"))
     for p in sub.choices.values():
         # `rbd-reconciler plan -c FILE` works like `rbd-reconciler -c FILE plan`;
         # SUPPRESS: not given here, the top-level value stands.
@@ -327,7 +341,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 COMMANDS = ("validate", "plan", "apply", "release", "run", "allow-removal", "explain",
-            "takeover", "recover", "rotate-key", "status", "source")
+            "takeover", "recover", "rotate-key", "status", "source", "fleet")
 
 
 def _command_of(argv: Sequence[str]) -> str | None:

@@ -241,36 +241,40 @@ class FleetStore:
         except rados.Error as exc:
             raise self._failed("listing the reports", exc) from None
 
-    def _read(self, io: rados.Ioctx, names: list[str]) -> dict[str, bytes | int]:
-        """name -> its bytes (at most MAX_REPORT_BYTES + 1), or the -errno of
-        its read; WINDOW reads in flight at once."""
-        out: dict[str, bytes | int] = {}
+    def _read(self, io: rados.Ioctx, names: list[str]) -> dict[str, bytes]:
+        """name -> its bytes (at most MAX_REPORT_BYTES + 1; a name removed
+        since the listing is left out), WINDOW reads in flight at once. The
+        first chunk with a failed read ends it (each chunk may take the op
+        timeout: never one more)."""
+        out: dict[str, bytes] = {}
         for chunk in _chunks(names, WINDOW):
-            pending = []
+            pending: list[tuple[str, rados.Completion]] = []
+            failed: tuple[str, BaseException] | None = None
             for name in chunk:
                 try:
                     pending.append((name, io.aio_read(name, MAX_REPORT_BYTES + 1, 0,
                                                       _keep(out, name))))
                 except rados.Error as exc:
-                    raise self._failed(f"reading {name}", exc) from None
-            for name, completion in pending:
+                    failed = (name, exc)
+                    break
+            for name, completion in pending:  # all waited for: none in flight at a retire
                 completion.wait_for_complete_and_cb()
                 rc = completion.get_return_value()
-                if rc < 0:
-                    out[name] = rc
-        gone = -errno.ENOENT
-        failed = [(n, rc) for n, rc in out.items() if isinstance(rc, int) and rc != gone]
-        if failed:
-            name, rc = failed[0]
-            raise self._failed(f"reading {name}", OSError(-rc, _strerror(-rc)))
+                if rc < 0 and rc != -errno.ENOENT and failed is None:
+                    failed = (name, OSError(-rc, _strerror(-rc)))
+            if failed is not None:
+                raise self._failed(f"reading {failed[0]}", failed[1])
         return out
 
 
-def _keep(out: dict[str, bytes | int], name: str
+def _keep(out: dict[str, bytes], name: str
           ) -> Callable[[rados.Completion, bytes | None], None]:
-    def done(_completion: rados.Completion, data: bytes | None) -> None:
-        if data is not None:
-            out[name] = bytes(data)
+    def done(completion: rados.Completion, data: bytes | None) -> None:
+        rc = completion.get_return_value()
+        if data is not None and rc >= 0:
+            # The binding hands over its whole buffer when the read returned
+            # 0 bytes (it trims only a positive short read): cut to what came.
+            out[name] = bytes(data[:rc])
     return done
 
 
@@ -286,13 +290,13 @@ def _strerror(code: int) -> str:
         return f"error {code}"
 
 
-def _sort(names: dict[str, str], raws: dict[str, bytes | int],
+def _sort(names: dict[str, str], raws: dict[str, bytes],
           problems: list[str]) -> FleetRead:
     """The reports and the problems of what was read."""
     reports: dict[str, Report] = {}
     for name in sorted(names):
         node, raw = names[name], raws.get(name)
-        if not isinstance(raw, bytes):
+        if raw is None:
             continue  # removed between the listing and the read: no report
         if len(raw) > MAX_REPORT_BYTES:
             problems.append(f"{shown(name)}: larger than {MAX_REPORT_BYTES} bytes")
