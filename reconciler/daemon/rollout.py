@@ -35,9 +35,10 @@ from typing import Any
 
 from reconciler.daemon.fleethealth import health_of
 from reconciler.daemon.metrics import Metrics
-from reconciler.drivers.fleetstore import FleetStore, FleetUnavailable
+from reconciler.drivers.fleetstore import FleetStore, FleetUnavailable, Lent
 from reconciler.facts.clock import now_iso
 from reconciler.facts.fleetreport import WAVE_NAME, Report, clip
+from reconciler.observe.ceph import Session
 from reconciler.plan.rollout import (
     Decision,
     Halted,
@@ -129,11 +130,14 @@ def answer_of(decision: Decision) -> GateAnswer:
 class Rollouts:
     def __init__(self, config: Callable[[], Config], metrics: Metrics,
                  store: Callable[[Config], FleetStore] | None = None,
+                 session: Callable[[], Session] | None = None,
                  mono: Callable[[], float] = time.monotonic,
                  wall: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
         self.config = config  # the current one (SIGHUP may replace it)
         self.metrics = metrics
-        self._make_store = store or _store
+        # The daemon's kept Ceph connection, lent to the store for each call
+        # (fleetstore.py: a second idle connection costs CPU every minute).
+        self._make_store = store or (lambda c: _store(c, session))
         self._store: tuple[tuple[Any, ...], FleetStore] | None = None
         self._store_lock = threading.Lock()  # the gate's thread and the report's
         self.mono, self.wall = mono, wall
@@ -311,9 +315,23 @@ class Rollouts:
             self.metrics.set_rollout("Held" if hold_of(state) is not None else "Applied", "")
 
 
-def _store(config: Config) -> FleetStore:
+def _store(config: Config, session: Callable[[], Session] | None = None) -> FleetStore:
     assert config.git is not None and config.git.fleet is not None
-    return FleetStore(config.ceph, config.git.fleet.pool, config.git.fleet.namespace)
+    borrow = None if session is None else lambda: _lend(session(), config)
+    return FleetStore(config.ceph, config.git.fleet.pool, config.git.fleet.namespace,
+                      borrow=borrow)
+
+
+def _lend(session: Session, config: Config) -> Lent | None:
+    """The session's kept connection, held for one call (None: none kept now;
+    the store then uses its own)."""
+    handle = session.take(config.ceph)
+    if handle is None:
+        return None
+    if handle.cluster is None:
+        handle.drop()
+        return None
+    return handle.cluster, handle.drop
 
 
 def _inside(path: Path, directory: Path) -> bool:

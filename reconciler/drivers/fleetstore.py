@@ -18,7 +18,11 @@ Ceph that does not answer (no monitor, no OSD, the pool gone, refused) is
 ``FleetUnavailable``, bounded by ``timeout`` (librados' op timeouts): never
 read as "no reports" (safety rule 7). One librados connection is kept
 across calls (a connect costs more than the write it serves; an idle
-node's report is one write) and replaced after a call on it failed.
+node's report is one write) and replaced after a call on it failed. The
+daemon lends its own kept connection instead (``borrow``): an idle
+librados connection costs ~0.017 CPU-s a minute (its ticks; measured,
+benchmarks/p22_fleet_idle.py), a second one for one write a minute doubled
+what a fleet costs an idle node; with a loan, the store's own is closed.
 
 Imported by the daemon's wiring (writes and reads every interval) and by
 engine/fleet.py (``fleet status``).
@@ -89,10 +93,17 @@ def shown(name: str | bytes) -> str:
     return text if len(text) <= 120 else text[:119] + "…"
 
 
+# A connection lent for one call: the handle, and what gives it back.
+Lent = tuple[rados.Rados, Callable[[], None]]
+
+
 class FleetStore:
     def __init__(self, ceph: CephConfig, pool: str, namespace: str = NAMESPACE,
-                 timeout: float = TIMEOUT_S) -> None:
+                 timeout: float = TIMEOUT_S, borrow: Callable[[], Lent | None] | None = None
+                 ) -> None:
         self.ceph, self.pool, self.namespace, self.timeout = ceph, pool, namespace, timeout
+        # Someone else's kept connection for a call (None: none to lend now).
+        self._borrow = borrow
         self._lock = threading.Lock()  # one call at a time: a retired handle is never in use
         self._stack: contextlib.ExitStack | None = None  # the connection
         self._ioctx: rados.Ioctx | None = None
@@ -118,6 +129,32 @@ class FleetStore:
             io.close()
         if stack is not None:
             stack.close()
+
+    @contextlib.contextmanager
+    def _opened(self) -> Iterator[rados.Ioctx]:
+        """An ioctx on the namespace for one call: on a lent connection when
+        one is lent (the store's own is then closed), else on its own."""
+        lent = self._borrow() if self._borrow is not None else None
+        if lent is None:
+            yield self._io()
+            return
+        cluster, give_back = lent
+        try:
+            self._retire()
+            try:
+                io = cluster.open_ioctx(self.pool)
+            except rados.ObjectNotFound:
+                raise FleetUnavailable(f"the fleet reports: pool {self.pool} does not exist "
+                                       "(source.fleet.pool in the node config)") from None
+            except rados.Error as exc:
+                raise FleetUnavailable(f"the fleet reports ({self.where}): {exc}") from None
+            try:
+                io.set_namespace(self.namespace)
+                yield io
+            finally:
+                io.close()
+        finally:
+            give_back()
 
     def _io(self) -> rados.Ioctx:
         if self._ioctx is not None:
@@ -160,8 +197,7 @@ class FleetStore:
         """This node's report, whole (write_full: one op, the newest wins)."""
         name = object_name(report.node)
         data = report.to_bytes()
-        with self._lock:
-            io = self._io()
+        with self._lock, self._opened() as io:
             try:
                 io.write_full(name, data)
             except rados.Error as exc:
@@ -173,8 +209,7 @@ class FleetStore:
         """``node``'s report as it stands; None: none, or one that is not
         ``node``'s valid report (a restart then counts from 0 again)."""
         name = object_name(node)
-        with self._lock:
-            io = self._io()
+        with self._lock, self._opened() as io:
             try:
                 raw = io.read(name, MAX_REPORT_BYTES + 1, 0)
             except rados.ObjectNotFound:
@@ -189,8 +224,7 @@ class FleetStore:
 
     def read_all(self) -> FleetRead:
         """Every report object in the namespace; see the module's docstring."""
-        with self._lock:
-            io = self._io()
+        with self._lock, self._opened() as io:
             start = time.monotonic()
             names, problems = self._list(io)
             if time.monotonic() - start >= self.timeout:
