@@ -60,6 +60,8 @@ from reconciler.state.files import read_json, write_json
 log = logging.getLogger("rbd-reconciler")
 
 COUNTER_FILE = "fleet-report.json"
+INCOMPLETE = GateAnswer("Waiting", "not every report was read (too many objects where the "
+                                   "reports are): waits until they are", {"waitingFor": []})
 RETRY_S = 5.0  # a report not written yet is tried again this often (at most the interval)
 SETTLE_S = 0.2  # wake-ups this close together make one report
 
@@ -199,6 +201,8 @@ class Rollouts:
                 self.problems = read.problems
             answer = answer_of(decide(rollout, config.node_name, commit, self.sightings,
                                       hold, now, self.wall()))
+            if not read.complete and answer.applies:  # an unseen node of a glob wave is
+                answer = INCOMPLETE                    # not counted at all: never on this
         # The same wait worded anew ("healthy for only 12s") is no news.
         said = (commit, answer.state, str([(w["node"], w["why"]) for w in
                                            answer.details.get("waitingFor", ())]))

@@ -46,8 +46,9 @@ NAMESPACE = "rbd-reconciler-fleet"
 PREFIX, SUFFIX = "node/", "/report"
 TIMEOUT_S = 10.0
 # A node's cap lets it write any object under its own prefix: a hostile one
-# could fill the namespace. Past this many objects the listing stops (the
-# nodes not reached read as missing: the gate waits, it never proceeds).
+# could fill the namespace. Past this many objects the listing stops and the
+# read is not ``complete``: a node not reached is unseen (a glob wave would
+# not count it at all), so the gate waits; it never proceeds on such a read.
 MAX_OBJECTS = 20_000
 MAX_PROBLEMS = 200  # lines; the rest are counted in one more
 WINDOW = 256  # reads in flight at once
@@ -61,10 +62,13 @@ class FleetUnavailable(Exception):
 @dataclass(frozen=True)
 class FleetRead:
     """Every readable report keyed by the node its object is named after,
-    and one line per object that is not one (object: what is wrong)."""
+    and one line per object that is not one (object: what is wrong).
+    ``complete``: False when the listing stopped at MAX_OBJECTS (reports
+    may be missing from it: never judge a rollout on it)."""
 
     reports: dict[str, Report]
     problems: tuple[str, ...] = ()
+    complete: bool = True
 
 
 def object_name(node: str) -> str:
@@ -192,7 +196,7 @@ class FleetStore:
         with self._lock:
             io = self._io()
             start = time.monotonic()
-            names, problems = self._list(io)
+            names, problems, complete = self._list(io)
             if time.monotonic() - start >= self.timeout:
                 # librados ends a listing whose op failed as if it were
                 # complete: one that took the op timeout may be cut short.
@@ -200,10 +204,11 @@ class FleetStore:
             if not names:
                 self._probe(io)
             raws = self._read(io, sorted(names))
-        return _sort(names, raws, problems)
+        return _sort(names, raws, problems, complete)
 
-    def _list(self, io: rados.Ioctx) -> tuple[dict[str, str], list[str]]:
-        """object name -> node of every report object; the problems of the rest."""
+    def _list(self, io: rados.Ioctx) -> tuple[dict[str, str], list[str], bool]:
+        """object name -> node of every report object; the problems of the
+        rest; whether the listing was read to its end."""
         names: dict[str, str] = {}
         problems: list[str] = []
         it = io.list_objects()
@@ -221,15 +226,16 @@ class FleetStore:
             seen += 1
             if seen > MAX_OBJECTS:
                 problems.append(f"more than {MAX_OBJECTS} objects in {self.where}: the rest "
-                                "were not read (their nodes count as missing)")
-                break
+                                "were not read (a node's key may write any object under its "
+                                "node/<name>/: see which prefix the names above share)")
+                return names, problems, False
             node = node_of(obj.key)
             if node is None:
                 problems.append(f"{shown(obj.key)}: not the name of a report "
                                 "(node/<nodeName>/report)")
             else:
                 names[obj.key] = node
-        return names, problems
+        return names, problems, True
 
     def _probe(self, io: rados.Ioctx) -> None:
         """An empty listing proves nothing (librados ends a failed one as
@@ -291,7 +297,7 @@ def _strerror(code: int) -> str:
 
 
 def _sort(names: dict[str, str], raws: dict[str, bytes],
-          problems: list[str]) -> FleetRead:
+          problems: list[str], complete: bool = True) -> FleetRead:
     """The reports and the problems of what was read."""
     reports: dict[str, Report] = {}
     for name in sorted(names):
@@ -315,4 +321,4 @@ def _sort(names: dict[str, str], raws: dict[str, bytes],
         reports[node] = report
     if len(problems) > MAX_PROBLEMS:
         problems[MAX_PROBLEMS:] = [f"and {len(problems) - MAX_PROBLEMS} more problems"]
-    return FleetRead(reports, tuple(problems))
+    return FleetRead(reports, tuple(problems), complete)
