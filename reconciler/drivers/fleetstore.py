@@ -15,7 +15,8 @@ OSD cap ``object_prefix node/<name>/`` then names exactly its own object
 (no node name holds "/", so ``node/<name>x/`` is another prefix).
 
 Ceph that does not answer (no monitor, no OSD, the pool gone, refused) is
-``FleetUnavailable``, bounded by ``timeout`` (librados' op timeouts): never
+``FleetUnavailable``, bounded by ``timeout`` (librados' op timeouts; a
+whole ``read_all``, of many ops, ends at most one op timeout past it): never
 read as "no reports" (safety rule 7). One librados connection is kept
 across calls (a connect costs more than the write it serves; an idle
 node's report is one write) and replaced after a call on it failed.
@@ -195,18 +196,21 @@ class FleetStore:
         """Every report object in the namespace; see the module's docstring."""
         with self._lock:
             io = self._io()
-            start = time.monotonic()
-            names, problems, complete = self._list(io)
-            if time.monotonic() - start >= self.timeout:
+            # One bound for the whole read (it runs on the source's thread):
+            # a listing of many objects is many ops, each within the op timeout.
+            deadline = time.monotonic() + self.timeout
+            names, problems, complete = self._list(io, deadline)
+            if time.monotonic() >= deadline:
                 # librados ends a listing whose op failed as if it were
                 # complete: one that took the op timeout may be cut short.
                 raise self._failed("listing the reports", rados.TimedOut("timed out"))
             if not names:
                 self._probe(io)
-            raws = self._read(io, sorted(names))
+            raws = self._read(io, sorted(names), deadline)
         return _sort(names, raws, problems, complete)
 
-    def _list(self, io: rados.Ioctx) -> tuple[dict[str, str], list[str], bool]:
+    def _list(self, io: rados.Ioctx, deadline: float
+              ) -> tuple[dict[str, str], list[str], bool]:
         """object name -> node of every report object; the problems of the
         rest; whether the listing was read to its end."""
         names: dict[str, str] = {}
@@ -224,6 +228,8 @@ class FleetStore:
             except rados.Error as exc:
                 raise self._failed("listing the reports", exc) from None
             seen += 1
+            if time.monotonic() >= deadline:
+                raise self._failed("listing the reports", rados.TimedOut("timed out"))
             if seen > MAX_OBJECTS:
                 problems.append(f"more than {MAX_OBJECTS} objects in {self.where}: the rest "
                                 "were not read (a node's key may write any object under its "
@@ -247,13 +253,15 @@ class FleetStore:
         except rados.Error as exc:
             raise self._failed("listing the reports", exc) from None
 
-    def _read(self, io: rados.Ioctx, names: list[str]) -> dict[str, bytes]:
+    def _read(self, io: rados.Ioctx, names: list[str], deadline: float) -> dict[str, bytes]:
         """name -> its bytes (at most MAX_REPORT_BYTES + 1; a name removed
         since the listing is left out), WINDOW reads in flight at once. The
         first chunk with a failed read ends it (each chunk may take the op
         timeout: never one more)."""
         out: dict[str, bytes] = {}
         for chunk in _chunks(names, WINDOW):
+            if time.monotonic() >= deadline:
+                raise self._failed("reading the reports", rados.TimedOut("timed out"))
             pending: list[tuple[str, rados.Completion]] = []
             failed: tuple[str, BaseException] | None = None
             for name in chunk:
