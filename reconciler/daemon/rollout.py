@@ -37,7 +37,7 @@ from reconciler.daemon.fleethealth import health_of
 from reconciler.daemon.metrics import Metrics
 from reconciler.drivers.fleetstore import FleetStore, FleetUnavailable
 from reconciler.facts.clock import now_iso
-from reconciler.facts.fleetreport import WAVE_NAME, Report, clip
+from reconciler.facts.fleetreport import MAX_COUNTER, WAVE_NAME, Report, clip
 from reconciler.plan.rollout import (
     Decision,
     Halted,
@@ -292,7 +292,9 @@ class Rollouts:
         return True
 
     def _report(self, config: Config, said: Said) -> Report:
-        self.counter += 1
+        # Past the most a report carries (its object written so by another
+        # key, or damaged), start again: readers see a change by any field.
+        self.counter = self.counter + 1 if self.counter < MAX_COUNTER else 1
         path = config.state_dir / COUNTER_FILE
         try:
             write_json(path, {"counter": self.counter})
@@ -302,9 +304,16 @@ class Rollouts:
                       **asdict(said))
 
     def _local_counter(self, config: Config) -> int:
-        doc = read_json(config.state_dir / COUNTER_FILE, {}) or {}
+        path = config.state_dir / COUNTER_FILE
+        try:
+            doc = read_json(path, {}) or {}
+        except (OSError, ValueError) as exc:  # damaged: Ceph's copy still bounds it from below
+            log.warning("fleet: %s: the report counter is not read (%s): counting from the "
+                        "report in Ceph", path, exc)
+            doc = {}
         n = doc.get("counter") if isinstance(doc, dict) else None
-        return max(self.counter, n if isinstance(n, int) and not isinstance(n, bool) else 0)
+        ok = isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_COUNTER
+        return max(self.counter, n if ok else 0)
 
     def _metric(self, config: Config) -> None:
         state = Layout(config.source_dir).read_state()
