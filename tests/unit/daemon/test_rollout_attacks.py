@@ -243,3 +243,33 @@ def test_pathological_globs_are_refused_or_cheap(tmp_path: Path) -> None:
     start = time.monotonic()
     r.gate(NEW, rollout)
     assert time.monotonic() - start < 5
+
+
+class ProblemStore(FakeStore):
+    """A compromised node renames its 200 junk objects before every read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.round = 0
+
+    def read_all(self) -> Any:
+        from reconciler.drivers.fleetstore import FleetRead
+        self.round += 1
+        junk = tuple(f"'node/edge-9/junk{self.round}-{i}': not the name of a report"
+                     for i in range(200))
+        return FleetRead(dict(self.reports), junk)
+
+
+def test_junk_renamed_every_sync_does_not_flood_the_journal(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store, clock = ProblemStore(), Clock()
+    r = rollouts(fleet_config(tmp_path, node="edge-2"), store, clock)  # type: ignore[arg-type]
+    rollout = parse_fleet(GLOB_CANARY).rollout
+    assert rollout is not None
+    with caplog.at_level("INFO", logger="rbd-reconciler"):
+        for _ in range(10):
+            r.gate(NEW, rollout)
+            clock.t += 60
+    lines = [rec for rec in caplog.records if "not read" in rec.getMessage()]
+    assert len(lines) <= 10 * 6, len(lines)  # a few lines per read, not one per object
+    assert any("200" in rec.getMessage() for rec in lines)  # how many, said
