@@ -62,6 +62,7 @@ log = logging.getLogger("rbd-reconciler")
 COUNTER_FILE = "fleet-report.json"
 INCOMPLETE = GateAnswer("Waiting", "not every report was read (too many objects where the "
                                    "reports are): waits until they are", {"waitingFor": []})
+LOGGED_PROBLEMS = 5  # lines of a read's problems in the journal, and one more counting them
 RETRY_S = 5.0  # a report not written yet is tried again this often (at most the interval)
 SETTLE_S = 0.2  # wake-ups this close together make one report
 
@@ -195,9 +196,12 @@ class Rollouts:
             now = self.mono()
             self.sightings = {node: sight(self.sightings.get(node), report, now)
                               for node, report in read.reports.items()}
-            if read.problems != self.problems:
-                for problem in read.problems:
+            if read.problems != self.problems:  # a few lines: junk renamed each sync
+                for problem in read.problems[:LOGGED_PROBLEMS]:  # must not flood the journal
                     log.warning("fleet: a report is not read: %s", problem)
+                if len(read.problems) > LOGGED_PROBLEMS:
+                    log.warning("fleet: %d problems reading the reports in all (`fleet "
+                                "status` lists them)", len(read.problems))
                 self.problems = read.problems
             answer = answer_of(decide(rollout, config.node_name, commit, self.sightings,
                                       hold, now, self.wall()))
