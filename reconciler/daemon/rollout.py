@@ -200,7 +200,7 @@ class Rollouts:
                 for problem in read.problems[:LOGGED_PROBLEMS]:  # must not flood the journal
                     log.warning("fleet: a report is not read: %s", problem)
                 if len(read.problems) > LOGGED_PROBLEMS:
-                    log.warning("fleet: %d problems reading the reports in all (`fleet "
+                    log.warning("fleet: %d objects not read as reports in all (`fleet "
                                 "status` lists them)", len(read.problems))
                 self.problems = read.problems
             answer = answer_of(decide(rollout, config.node_name, commit, self.sightings,
