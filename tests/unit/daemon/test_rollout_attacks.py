@@ -273,3 +273,16 @@ def test_junk_renamed_every_sync_does_not_flood_the_journal(
     lines = [rec for rec in caplog.records if "not read" in rec.getMessage()]
     assert len(lines) <= 10 * 6, len(lines)  # a few lines per read, not one per object
     assert any("200" in rec.getMessage() for rec in lines)  # how many, said
+
+
+def test_fleet_status_says_when_not_every_report_was_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fleet status` of a cut listing must not show a wave's gate as if
+    every node of the waves before it were known."""
+    from reconciler.engine.fleet import fleet_status
+    monkeypatch.setattr(fleetstore, "MAX_OBJECTS", 50)
+    failed = report("canary-1", NEW, "Failed", failed_reason="never shrink")
+    io = FakeIoctx([*[(f"node/edge-9/junk{i}", b"x") for i in range(100)],
+                    (object_name("canary-1"), failed.to_bytes())])
+    summary = fleet_status(fleet_config(tmp_path), store_on(io))
+    assert summary.problems and "not every report was read" in summary.problems[0]
