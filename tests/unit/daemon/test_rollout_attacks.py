@@ -286,3 +286,21 @@ def test_fleet_status_says_when_not_every_report_was_read(
                     (object_name("canary-1"), failed.to_bytes())])
     summary = fleet_status(fleet_config(tmp_path), store_on(io))
     assert summary.problems and "not every report was read" in summary.problems[0]
+
+
+@pytest.mark.parametrize("text", ["x\\ud800y", "\\udfff", "a\\u200bb", "\\ufeffx",
+                                  "a\\u2060b", "\\u00ad"])
+def test_a_report_text_with_a_lone_surrogate_or_an_invisible_character_is_refused(
+        text: str) -> None:
+    """A lone surrogate (JSON may escape one) passed the reader and crashed
+    whatever encodes the text (`fleet status`'s table, the journal); an
+    invisible character hides what a reason says in `fleet status`."""
+    from reconciler.facts.fleetreport import clip, parse
+    raw = ('{"v":1,"node":"edge-1","applied":"' + "a" * 40 + '","health":"Failed",'
+           '"counter":1,"writtenAt":"2026-01-01T00:00:00+00:00","failedReason":"'
+           + text + '"}').encode()
+    with pytest.raises(ValueError, match="control or bidi"):
+        parse(raw)
+    decoded = text.encode().decode("unicode_escape")
+    clip(decoded).encode("utf-8")  # this node's own texts are escaped, never refused
+    assert clip(decoded) != decoded
