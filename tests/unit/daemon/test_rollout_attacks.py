@@ -292,9 +292,10 @@ def test_fleet_status_says_when_not_every_report_was_read(
                                   "a\\u2060b", "\\u00ad"])
 def test_a_report_text_with_a_lone_surrogate_or_an_invisible_character_is_refused(
         text: str) -> None:
-    """A lone surrogate (JSON may escape one) passed the reader and crashed
-    whatever encodes the text (`fleet status`'s table, the journal); an
-    invisible character hides what a reason says in `fleet status`."""
+    """A lone surrogate (JSON may escape one) passed the reader: no UTF-8
+    encoder takes it (the CLI and stderr escape it with backslashreplace;
+    any other writer of it raises); an invisible character hides what a
+    reason says in `fleet status`."""
     from reconciler.facts.fleetreport import clip, parse
     raw = ('{"v":1,"node":"edge-1","applied":"' + "a" * 40 + '","health":"Failed",'
            '"counter":1,"writtenAt":"2026-01-01T00:00:00+00:00","failedReason":"'
