@@ -305,3 +305,24 @@ def test_a_report_text_with_a_lone_surrogate_or_an_invisible_character_is_refuse
     decoded = text.encode().decode("unicode_escape")
     clip(decoded).encode("utf-8")  # this node's own texts are escaped, never refused
     assert clip(decoded) != decoded
+
+
+def test_a_wall_clock_jump_neither_shortens_nor_lengthens_healthy_time(tmp_path: Path) -> None:
+    """The gate times healthy and stale on the monotonic clock: a wall
+    clock set a day ahead (or ten years back) passes no node early."""
+    from tests.unit.daemon.test_rollout import rollout_of
+    store, clock = FakeStore(), Clock()
+    r = rollouts(fleet_config(tmp_path, node="edge-2"), store, clock)
+    walls = iter([datetime(2026, 1, 1, tzinfo=UTC), datetime(2026, 1, 2, tzinfo=UTC),
+                  datetime(2016, 1, 1, tzinfo=UTC), datetime(2036, 1, 1, tzinfo=UTC)])
+    r.wall = lambda: next(walls)
+    store.reports["edge-1"] = report("edge-1", NEW, "Healthy", 2)
+    assert r.gate(NEW, rollout_of()).state == "Waiting"  # seen healthy now
+    clock.t += 10
+    assert "healthy for only 10s" in r.gate(NEW, rollout_of()).message  # wall: a day later
+    clock.t += 10
+    store.reports["edge-1"] = report("edge-1", NEW, "Healthy", 3)
+    assert "healthy for only 20s" in r.gate(NEW, rollout_of()).message  # wall: 10 years back
+    clock.t += 11
+    store.reports["edge-1"] = report("edge-1", NEW, "Healthy", 4)
+    assert r.gate(NEW, rollout_of()).applies
