@@ -326,3 +326,14 @@ def test_a_wall_clock_jump_neither_shortens_nor_lengthens_healthy_time(tmp_path:
     clock.t += 11
     store.reports["edge-1"] = report("edge-1", NEW, "Healthy", 4)
     assert r.gate(NEW, rollout_of()).applies
+
+
+@pytest.mark.parametrize("zone", ["localtime", "posixrules"])
+def test_a_time_zone_that_is_each_nodes_own_is_refused(zone: str) -> None:
+    """``localtime`` is the node's own /etc/localtime (and ``posixrules``
+    whatever the system links it to): one signed window would open at a
+    different instant on each node, and be refused where it is absent."""
+    raw = GLOB_CANARY + (f"  windows:\n    - {{days: [Mon], start: '02:00', end: '04:00', "
+                         f"timeZone: {zone}}}\n").encode()
+    load = parse_fleet(raw)
+    assert not load.ok and "timeZone" in load.diagnostics[0].field, load.diagnostics
