@@ -45,6 +45,9 @@ DEFAULT_HEALTHY_SECONDS = 60
 DEFAULT_MAX_UNHEALTHY = 0
 DEFAULT_STALE_SECONDS = 300
 GLOB_CHARS = frozenset("*?[")
+# Names in tzdata's directory that are each node's own setting, not a zone:
+# one window would open at another instant on each node.
+NODE_LOCAL_ZONES = frozenset({"localtime", "posixrules"})
 
 
 @dataclass(frozen=True)
@@ -266,7 +269,7 @@ def _clock(text: str) -> time:
 def known_zone(name: str) -> zoneinfo.ZoneInfo | None:
     """The zone of that IANA name, or None when this node has no such zone
     (or the name could be a path: only names as the schema allows them)."""
-    if name.startswith("/") or ".." in name.split("/"):
+    if name.startswith("/") or ".." in name.split("/") or name in NODE_LOCAL_ZONES:
         return None
     try:
         return zoneinfo.ZoneInfo(name)
