@@ -114,3 +114,59 @@ def test_a_hold_during_a_sync_is_never_lost_nor_applied_past(
         assert layout.read_state()["heldBack"]["commit"] == later
         Syncer(config).resume()
         assert Syncer(config, gate=FakeGate(GateAnswer("Apply"))).sync().result == "applied"
+
+
+CHILD = """
+import os, pickle, sys, time
+from reconciler.source.sync import Syncer
+config = pickle.load(open(sys.argv[1], "rb"))
+def gate(commit, rollout):
+    open(sys.argv[2], "w").write(str(os.getpid()))
+    while True:
+        time.sleep(1)  # killed here: between the export and the switch
+Syncer(config, gate=gate).sync()
+"""
+
+
+def test_a_sigkill_between_export_and_switch_leaves_no_half_state(
+        tmp_path: Path, signer: Signing, alice: SshKey) -> None:
+    import os
+    import pickle
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    config = fleet_config(tmp_path, signer, alice)
+    good = start(tmp_path, signer, alice, config)
+    layout = Layout(config.source_dir)
+    new = push(signer, tmp_path, alice, "grow", {"nodes/a/v.yaml": vol("2Gi"),
+                                                 "fleet.yaml": FLEET})
+    (tmp_path / "config.pickle").write_bytes(pickle.dumps(config))
+    marker = tmp_path / "in-gate"
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path / "config.pickle"),
+                              str(marker)], env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            assert child.poll() is None, "the sync ended before its gate"
+            assert time.monotonic() < deadline, "the sync never reached its gate"
+            time.sleep(0.05)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGKILL)
+        child.wait(30)
+    assert layout.applied()["commit"] == good  # type: ignore[index]
+    assert applied_files(config) == {"v.yaml": vol("1Gi")}
+    assert not [p for p in layout.revs.iterdir() if p.name.startswith(".tmp-")]
+    back = layout.read_state().get("heldBack")
+    assert back is None or back["commit"] == new
+    # On restart the gate waits, then applies it, once.
+    out = Syncer(config, gate=FakeGate(WAITING)).sync()  # the lock died with the process
+    assert out.result == "waiting" and layout.read_state()["heldBack"]["commit"] == new
+    gate = FakeGate(GateAnswer("Apply"))
+    assert Syncer(config, gate=gate).sync().result == "applied"
+    assert Syncer(config, gate=gate).sync().result == "unchanged" and len(gate.asked) == 1
+    assert applied_files(config) == {"v.yaml": vol("2Gi")}
+    assert "heldBack" not in layout.read_state()
