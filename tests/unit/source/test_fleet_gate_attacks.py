@@ -170,3 +170,26 @@ def test_a_sigkill_between_export_and_switch_leaves_no_half_state(
     assert Syncer(config, gate=gate).sync().result == "unchanged" and len(gate.asked) == 1
     assert applied_files(config) == {"v.yaml": vol("2Gi")}
     assert "heldBack" not in layout.read_state()
+
+
+@pytest.mark.parametrize("shape", ["directory", "too-big", "not-utf8"])
+def test_a_fleet_yaml_that_is_a_directory_too_big_or_not_text_is_refused(
+        tmp_path: Path, signer: Signing, alice: SshKey, shape: str) -> None:
+    config = fleet_config(tmp_path, signer, alice)
+    start(tmp_path, signer, alice, config)
+    files = {"nodes/a/v.yaml": vol("2Gi")}
+    if shape == "directory":
+        files["fleet.yaml/x.yaml"] = FLEET
+    elif shape == "too-big":
+        files["fleet.yaml"] = FLEET + "#" * (2 * 1024 * 1024) + "\n"
+    else:
+        files["fleet.yaml"] = FLEET
+    push(signer, tmp_path, alice, shape, files)
+    if shape == "not-utf8":
+        (signer.work / "fleet.yaml").write_bytes(FLEET.encode() + b"# \xff\xfe\n")
+        push(signer, tmp_path, alice, "bytes", {})
+    gate = FakeGate(GateAnswer("Apply"))
+    out = Syncer(config, gate=gate).sync()
+    assert (out.result, out.reason) == ("refused", "LoadFailed"), out
+    assert "fleet.yaml:" in out.message and not gate.asked
+    assert applied_files(config) == {"v.yaml": vol("1Gi")}
