@@ -37,7 +37,7 @@ from reconciler.daemon.fleethealth import health_of
 from reconciler.daemon.metrics import Metrics
 from reconciler.drivers.fleetstore import FleetStore, FleetUnavailable, Lent
 from reconciler.facts.clock import now_iso
-from reconciler.facts.fleetreport import WAVE_NAME, Report, clip
+from reconciler.facts.fleetreport import MAX_COUNTER, WAVE_NAME, Report, clip
 from reconciler.observe.ceph import Session
 from reconciler.plan.rollout import (
     Decision,
@@ -61,6 +61,9 @@ from reconciler.state.files import read_json, write_json
 log = logging.getLogger("rbd-reconciler")
 
 COUNTER_FILE = "fleet-report.json"
+INCOMPLETE = GateAnswer("Waiting", "not every report was read (too many objects where the "
+                                   "reports are): waits until they are", {"waitingFor": []})
+LOGGED_PROBLEMS = 5  # lines of a read's problems in the journal, and one more counting them
 RETRY_S = 5.0  # a report not written yet is tried again this often (at most the interval)
 SETTLE_S = 0.2  # wake-ups this close together make one report
 
@@ -197,12 +200,17 @@ class Rollouts:
             now = self.mono()
             self.sightings = {node: sight(self.sightings.get(node), report, now)
                               for node, report in read.reports.items()}
-            if read.problems != self.problems:
-                for problem in read.problems:
+            if read.problems != self.problems:  # a few lines: junk renamed each sync
+                for problem in read.problems[:LOGGED_PROBLEMS]:  # must not flood the journal
                     log.warning("fleet: a report is not read: %s", problem)
+                if len(read.problems) > LOGGED_PROBLEMS:
+                    log.warning("fleet: %d objects not read as reports in all (`fleet "
+                                "status` lists them)", len(read.problems))
                 self.problems = read.problems
             answer = answer_of(decide(rollout, config.node_name, commit, self.sightings,
                                       hold, now, self.wall()))
+            if not read.complete and answer.applies:  # an unseen node of a glob wave is
+                answer = INCOMPLETE                    # not counted at all: never on this
         # The same wait worded anew ("healthy for only 12s") is no news.
         said = (commit, answer.state, str([(w["node"], w["why"]) for w in
                                            answer.details.get("waitingFor", ())]))
@@ -292,7 +300,9 @@ class Rollouts:
         return True
 
     def _report(self, config: Config, said: Said) -> Report:
-        self.counter += 1
+        # Past the most a report carries (its object written so by another
+        # key, or damaged), start again: readers see a change by any field.
+        self.counter = self.counter + 1 if self.counter < MAX_COUNTER else 1
         path = config.state_dir / COUNTER_FILE
         try:
             write_json(path, {"counter": self.counter})
@@ -302,9 +312,16 @@ class Rollouts:
                       **asdict(said))
 
     def _local_counter(self, config: Config) -> int:
-        doc = read_json(config.state_dir / COUNTER_FILE, {}) or {}
+        path = config.state_dir / COUNTER_FILE
+        try:
+            doc = read_json(path, {}) or {}
+        except (OSError, ValueError) as exc:  # damaged: Ceph's copy still bounds it from below
+            log.warning("fleet: %s: the report counter is not read (%s): counting from the "
+                        "report in Ceph", path, exc)
+            doc = {}
         n = doc.get("counter") if isinstance(doc, dict) else None
-        return max(self.counter, n if isinstance(n, int) and not isinstance(n, bool) else 0)
+        ok = isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_COUNTER
+        return max(self.counter, n if ok else 0)
 
     def _metric(self, config: Config) -> None:
         state = Layout(config.source_dir).read_state()

@@ -15,7 +15,8 @@ OSD cap ``object_prefix node/<name>/`` then names exactly its own object
 (no node name holds "/", so ``node/<name>x/`` is another prefix).
 
 Ceph that does not answer (no monitor, no OSD, the pool gone, refused) is
-``FleetUnavailable``, bounded by ``timeout`` (librados' op timeouts): never
+``FleetUnavailable``, bounded by ``timeout`` (librados' op timeouts; a
+whole ``read_all``, of many ops, ends at most one op timeout past it): never
 read as "no reports" (safety rule 7). One librados connection is kept
 across calls (a connect costs more than the write it serves; an idle
 node's report is one write) and replaced after a call on it failed. The
@@ -50,8 +51,9 @@ NAMESPACE = "rbd-reconciler-fleet"
 PREFIX, SUFFIX = "node/", "/report"
 TIMEOUT_S = 10.0
 # A node's cap lets it write any object under its own prefix: a hostile one
-# could fill the namespace. Past this many objects the listing stops (the
-# nodes not reached read as missing: the gate waits, it never proceeds).
+# could fill the namespace. Past this many objects the listing stops and the
+# read is not ``complete``: a node not reached is unseen (a glob wave would
+# not count it at all), so the gate waits; it never proceeds on such a read.
 MAX_OBJECTS = 20_000
 MAX_PROBLEMS = 200  # lines; the rest are counted in one more
 WINDOW = 256  # reads in flight at once
@@ -65,10 +67,13 @@ class FleetUnavailable(Exception):
 @dataclass(frozen=True)
 class FleetRead:
     """Every readable report keyed by the node its object is named after,
-    and one line per object that is not one (object: what is wrong)."""
+    and one line per object that is not one (object: what is wrong).
+    ``complete``: False when the listing stopped at MAX_OBJECTS (reports
+    may be missing from it: never judge a rollout on it)."""
 
     reports: dict[str, Report]
     problems: tuple[str, ...] = ()
+    complete: bool = True
 
 
 def object_name(node: str) -> str:
@@ -225,19 +230,23 @@ class FleetStore:
     def read_all(self) -> FleetRead:
         """Every report object in the namespace; see the module's docstring."""
         with self._lock, self._opened() as io:
-            start = time.monotonic()
-            names, problems = self._list(io)
-            if time.monotonic() - start >= self.timeout:
+            # One bound for the whole read (it runs on the source's thread):
+            # a listing of many objects is many ops, each within the op timeout.
+            deadline = time.monotonic() + self.timeout
+            names, problems, complete = self._list(io, deadline)
+            if time.monotonic() >= deadline:
                 # librados ends a listing whose op failed as if it were
                 # complete: one that took the op timeout may be cut short.
                 raise self._failed("listing the reports", rados.TimedOut("timed out"))
             if not names:
                 self._probe(io)
-            raws = self._read(io, sorted(names))
-        return _sort(names, raws, problems)
+            raws = self._read(io, sorted(names), deadline)
+        return _sort(names, raws, problems, complete)
 
-    def _list(self, io: rados.Ioctx) -> tuple[dict[str, str], list[str]]:
-        """object name -> node of every report object; the problems of the rest."""
+    def _list(self, io: rados.Ioctx, deadline: float
+              ) -> tuple[dict[str, str], list[str], bool]:
+        """object name -> node of every report object; the problems of the
+        rest; whether the listing was read to its end."""
         names: dict[str, str] = {}
         problems: list[str] = []
         it = io.list_objects()
@@ -253,17 +262,20 @@ class FleetStore:
             except rados.Error as exc:
                 raise self._failed("listing the reports", exc) from None
             seen += 1
+            if time.monotonic() >= deadline:
+                raise self._failed("listing the reports", rados.TimedOut("timed out"))
             if seen > MAX_OBJECTS:
                 problems.append(f"more than {MAX_OBJECTS} objects in {self.where}: the rest "
-                                "were not read (their nodes count as missing)")
-                break
+                                "were not read (a node's key may write any object under its "
+                                "node/<name>/: see which prefix the names above share)")
+                return names, problems, False
             node = node_of(obj.key)
             if node is None:
                 problems.append(f"{shown(obj.key)}: not the name of a report "
                                 "(node/<nodeName>/report)")
             else:
                 names[obj.key] = node
-        return names, problems
+        return names, problems, True
 
     def _probe(self, io: rados.Ioctx) -> None:
         """An empty listing proves nothing (librados ends a failed one as
@@ -275,13 +287,15 @@ class FleetStore:
         except rados.Error as exc:
             raise self._failed("listing the reports", exc) from None
 
-    def _read(self, io: rados.Ioctx, names: list[str]) -> dict[str, bytes]:
+    def _read(self, io: rados.Ioctx, names: list[str], deadline: float) -> dict[str, bytes]:
         """name -> its bytes (at most MAX_REPORT_BYTES + 1; a name removed
         since the listing is left out), WINDOW reads in flight at once. The
         first chunk with a failed read ends it (each chunk may take the op
         timeout: never one more)."""
         out: dict[str, bytes] = {}
         for chunk in _chunks(names, WINDOW):
+            if time.monotonic() >= deadline:
+                raise self._failed("reading the reports", rados.TimedOut("timed out"))
             pending: list[tuple[str, rados.Completion]] = []
             failed: tuple[str, BaseException] | None = None
             for name in chunk:
@@ -325,7 +339,7 @@ def _strerror(code: int) -> str:
 
 
 def _sort(names: dict[str, str], raws: dict[str, bytes],
-          problems: list[str]) -> FleetRead:
+          problems: list[str], complete: bool = True) -> FleetRead:
     """The reports and the problems of what was read."""
     reports: dict[str, Report] = {}
     for name in sorted(names):
@@ -349,4 +363,4 @@ def _sort(names: dict[str, str], raws: dict[str, bytes],
         reports[node] = report
     if len(problems) > MAX_PROBLEMS:
         problems[MAX_PROBLEMS:] = [f"and {len(problems) - MAX_PROBLEMS} more problems"]
-    return FleetRead(reports, tuple(problems))
+    return FleetRead(reports, tuple(problems), complete)

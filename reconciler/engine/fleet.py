@@ -68,7 +68,11 @@ def fleet_status(config: Config, store: FleetStore | None = None) -> FleetSummar
             store.close()
     now_mono = time.monotonic()
     seen = {node: Sighting(r, now_mono, now_mono) for node, r in read.reports.items()}
-    return summary_of(config, seen, now_mono, observed_for=0.0, problems=read.problems)
+    cut = () if read.complete else (
+        "not every report was read (the listing stopped, see below): nodes not reached are "
+        "not shown, and a gate shown passing may not; the daemons' gates wait meanwhile",)
+    return summary_of(config, seen, now_mono, observed_for=0.0,
+                      problems=cut + read.problems)
 
 
 def summary_of(config: Config, seen: Mapping[str, Sighting], now_mono: float, *,
