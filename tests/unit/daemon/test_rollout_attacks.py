@@ -15,14 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from reconciler.daemon.metrics import Metrics
-from reconciler.daemon.rollout import COUNTER_FILE, Rollouts
-from reconciler.drivers import fleetstore
-from reconciler.drivers.fleetstore import FleetStore, FleetUnavailable, object_name
-from reconciler.facts.fleetreport import MAX_COUNTER, Report
-from reconciler.spec.fleet import parse_fleet
-from tests.unit.daemon.test_rollout import (
+from test_rollouts import (
     Clock,
     FakeStore,
     apply_revision,
@@ -30,6 +23,13 @@ from tests.unit.daemon.test_rollout import (
     report,
     rollouts,
 )
+
+from reconciler.daemon.metrics import Metrics
+from reconciler.daemon.rollout import COUNTER_FILE, Rollouts
+from reconciler.drivers import fleetstore
+from reconciler.drivers.fleetstore import FleetStore, FleetUnavailable, object_name
+from reconciler.facts.fleetreport import MAX_COUNTER, Report
+from reconciler.spec.fleet import parse_fleet
 
 NEW = "e" * 40
 
@@ -310,7 +310,7 @@ def test_a_report_text_with_a_lone_surrogate_or_an_invisible_character_is_refuse
 def test_a_wall_clock_jump_neither_shortens_nor_lengthens_healthy_time(tmp_path: Path) -> None:
     """The gate times healthy and stale on the monotonic clock: a wall
     clock set a day ahead (or ten years back) passes no node early."""
-    from tests.unit.daemon.test_rollout import rollout_of
+    from test_rollouts import rollout_of
     store, clock = FakeStore(), Clock()
     r = rollouts(fleet_config(tmp_path, node="edge-2"), store, clock)
     walls = iter([datetime(2026, 1, 1, tzinfo=UTC), datetime(2026, 1, 2, tzinfo=UTC),
