@@ -29,7 +29,7 @@ from test_source import Repo
 from test_source_fleet import anchor
 
 from reconciler.drivers.fleetstore import NAMESPACE, FleetStore
-from reconciler.facts.fleetreport import Report
+from reconciler.facts.fleetreport import HEALTHY, Report
 from reconciler.source.layout import Layout
 from reconciler.spec.config import CephConfig
 from reconciler.testing.devcluster import DevCluster
@@ -97,6 +97,11 @@ class Fleet:
                            keyring=str(self.cluster.keyring))
         with FleetStore(admin, self.pool) as store:
             return store.read_one(n)
+
+    def healthy(self, n: str, commit: str) -> bool:
+        """Whether ``n``'s report says ``commit`` applied and Healthy."""
+        r = self.report(n)
+        return r is not None and r.applied == commit and r.health == HEALTHY
 
     def applied(self, n: str) -> str | None:
         meta = Layout(self.nodes[n].state / "source").applied()

@@ -32,8 +32,6 @@ from fleet_rig import HEALTHY_S, INTERVAL_S, Fleet, Waves, fleet_rig, fleet_yaml
 from test_daemon import wait_for
 from test_source_fleet import anchor
 
-from reconciler.facts.fleetreport import HEALTHY
-
 pytestmark = pytest.mark.ceph
 
 THREE = [["w1"], ["w2"], ["w3"]]  # one per wave
@@ -54,11 +52,6 @@ def fleet(fleet_of: Callable[[Waves], Fleet]) -> Fleet:
     return fleet_of(THREE)
 
 
-def healthy(fleet: Fleet, n: str, commit: str) -> bool:
-    r = fleet.report(n)
-    return r is not None and r.applied == commit and r.health == HEALTHY
-
-
 def roll_out(fleet: Fleet, message: str, files: dict[str, str | None],
              timeout: float = 120) -> str:
     """Push ``files``; every node applies it and reports it Healthy."""
@@ -67,7 +60,7 @@ def roll_out(fleet: Fleet, message: str, files: dict[str, str | None],
         wait_for(lambda n=n: fleet.applied(n) == commit, f"{n} to apply {message!r}",
                  timeout=timeout)
     for n in fleet.names:
-        wait_for(lambda n=n: healthy(fleet, n, commit), f"{n} to report {message!r} Healthy")
+        wait_for(lambda n=n: fleet.healthy(n, commit), f"{n} to report {message!r} Healthy")
     return commit
 
 
@@ -268,7 +261,7 @@ def test_a_node_whose_report_writes_fail_while_it_applies_reports_once_they_work
     assert fleet.applied("c2") == first
 
     fleet.reconnect("c1")
-    wait_for(lambda: healthy(fleet, "c1", second), "c1's report to arrive")
+    wait_for(lambda: fleet.healthy("c1", second), "c1's report to arrive")
     arrived = fleet.report("c1")
     assert arrived is not None and arrived.counter >= made, (arrived, made)  # continued
     assert "this node's report is written again" in fleet.daemons["c1"].log.read_text()
