@@ -7,7 +7,7 @@ interval 1 s.
 
 - rollout, --runs times: a signed commit growing every node's image-only
   volume by 1 MiB. From the push's return, per wave: when its nodes applied
-  it (their source state's lastAppliedAt) and when their reports said it
+  it (their source's ``current`` link made) and when their reports said it
   Healthy (the first report read that says so; its writer's clock), beside
   the floor: wave k (from 0) applies no sooner than k x healthySeconds
   after the push, and each wave needs a sync to notice (up to an interval
@@ -59,14 +59,13 @@ def grown(fleet: Fleet, size_mi: int) -> dict[str, str]:
     return {p: t.replace("size: 1Mi", f"size: {size_mi}Mi") for p, t in fleet.files().items()}
 
 
-def watch(fleet: Fleet, store: FleetStore, commit: str, since: float
-          ) -> tuple[dict[str, float], dict[str, float]]:
-    """Wall times at which each node applied ``commit`` (pushed at ``since``)
-    and first reported it Healthy."""
+def watch(fleet: Fleet, store: FleetStore, commit: str) -> tuple[dict[str, float],
+                                                                 dict[str, float]]:
+    """Wall times at which each node applied ``commit`` and first reported it Healthy."""
     applied: dict[str, float] = {}
     healthy: dict[str, float] = {}
     end = time.monotonic() + DEADLINE_S
-    while len(healthy) < len(fleet.names) or len(applied) < len(fleet.names):
+    while len(healthy) < len(fleet.names):
         if time.monotonic() > end:
             raise RuntimeError(f"not every node reported {commit[:12]} Healthy within "
                                f"{DEADLINE_S} s: {sorted(healthy)}")
@@ -74,21 +73,17 @@ def watch(fleet: Fleet, store: FleetStore, commit: str, since: float
             if n not in healthy and r.applied == commit and r.health == HEALTHY:
                 healthy[n] = datetime.fromisoformat(r.written_at).timestamp()
         for n in fleet.names:
-            # The state is written after the switch: its time once it is this one's.
-            at = fleet.state(n).get("lastAppliedAt")
-            if n not in applied and fleet.applied(n) == commit and at is not None \
-                    and datetime.fromisoformat(at).timestamp() >= since:
-                applied[n] = datetime.fromisoformat(at).timestamp()
+            if n not in applied and fleet.applied(n) == commit:
+                applied[n] = fleet.applied_at(n)
         time.sleep(0.05)  # polling what the daemons write
     return applied, healthy
 
 
 def rollout_run(fleet: Fleet, store: FleetStore, size_mi: int,
                 rows: list[list[tuple[float, float]]]) -> None:
-    before = time.time()
     commit = fleet.repo.push(f"grow to {size_mi}Mi", grown(fleet, size_mi))
     pushed = time.time()
-    applied, healthy = watch(fleet, store, commit, before)
+    applied, healthy = watch(fleet, store, commit)
     row = []
     for wave in fleet.waves:
         row.append((max(applied[n] for n in wave) - pushed,
@@ -153,7 +148,7 @@ def main() -> int:
             print(f"6 daemons, waves {fleet.waves}, healthySeconds {args.healthy}, "
                   f"interval {INTERVAL_S} s", flush=True)
             first = fleet.repo.push("the fleet", {**fleet.files(), "fleet.yaml": yaml})
-            watch(fleet, store, first, 0)  # untimed: the daemons' first revision
+            watch(fleet, store, first)  # untimed: the daemons' first revision
             size, rows, halts = 1, [], []
             for _ in range(args.runs):
                 size += 1
@@ -161,7 +156,7 @@ def main() -> int:
             for _ in range(args.halt_runs):
                 halts.append(halt_run(fleet, store, size, args.healthy))
                 size += 1  # fix forward: untimed
-                watch(fleet, store, fleet.repo.push("fix", grown(fleet, size)), 0)
+                watch(fleet, store, fleet.repo.push("fix", grown(fleet, size)))
             print(f"\nrollout over {args.runs} runs (from the push's return):")
             for k in range(len(fleet.waves)):
                 floor = k * args.healthy + (k + 1) * INTERVAL_S

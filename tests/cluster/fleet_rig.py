@@ -114,8 +114,9 @@ class Fleet:
         return self.state(n).get("heldBack") or {}
 
     def applied_at(self, n: str) -> float:
-        """When node ``n`` last switched (its state's wall clock: one machine)."""
-        return datetime.fromisoformat(self.state(n)["lastAppliedAt"]).timestamp()
+        """When node ``n`` last switched: its ``current`` link's making (the
+        state's lastAppliedAt is written after the link: it may lag)."""
+        return os.lstat(self.nodes[n].state / "source" / "current").st_mtime
 
     def log(self, n: str) -> list[dict]:
         out = []
