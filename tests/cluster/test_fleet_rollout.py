@@ -195,3 +195,48 @@ def test_a_held_canary_holds_the_later_waves_and_the_fleet_sees_why(
         wait_for(lambda n=n: fleet.applied(n) == new, f"{n} to apply it after the resume",
                  timeout=120)
     assert not fleet.report(canary).held
+
+
+def test_fleet_status_through_the_daemon_and_a_direct_read_without_it(
+        node: NodeUnderTest, fleet: Fleet) -> None:
+    """The running daemon answers ``fleet status`` from its sightings: each
+    node's healthy time grows on its clock between two asks. Without a
+    daemon the command reads the reports itself and says it is a direct read."""
+    good = roll_out(node, fleet)
+    canary = fleet.nodes[NODES[0]]
+    wait_for(lambda: all((r := fleet.report(n)) is not None and r.applied == good
+                         and r.health == "Healthy" for n in NODES),
+             "every node to report the commit Healthy")
+
+    def ask() -> dict:
+        rc, doc = canary.cli_json("fleet", "status")
+        assert rc == 0, doc
+        assert doc["answeredBy"] == f"the daemon (pid {fleet.daemons[NODES[0]].proc.pid})", doc
+        return doc
+
+    first = {n["node"]: n for n in ask()["nodes"]}
+    assert {n: (r["applied"], r["health"]) for n, r in first.items()} == {
+        n: (good, "Healthy") for n in NODES}, first
+    grown: dict = {}
+
+    def grew() -> bool:
+        grown.update(ask())
+        rows = {n["node"]: n for n in grown["nodes"]}
+        return all(rows[n]["healthyForSeconds"] >= first[n]["healthyForSeconds"] + 2
+                   for n in NODES)
+    wait_for(grew, "the healthy times, as the daemon sees them, to grow by 2 s", timeout=30)
+    assert grown["observedForSeconds"] >= 2 and not any(n["stale"] for n in grown["nodes"])
+    # Its answer read live: a report that changed since is seen (the counter moved).
+    assert {n["node"]: n["counter"] for n in grown["nodes"]} != {
+        n: r["counter"] for n, r in first.items()}
+    rc, text = canary.cli("fleet", "status")
+    assert rc == 0 and "HEALTHY FOR" in text and "a direct read" not in text, text
+
+    fleet.daemons[NODES[0]].stop()
+    rc, doc = canary.cli_json("fleet", "status")
+    assert rc == 0, doc
+    assert doc["answeredBy"] == "this command" and doc["note"].startswith("a direct read"), doc
+    assert doc["observedForSeconds"] == 0
+    assert all(n["healthyForSeconds"] == 0 for n in doc["nodes"]), doc["nodes"]
+    rc, text = canary.cli("fleet", "status")
+    assert rc == 0 and "note: a direct read: no daemon answered" in text, text
