@@ -54,9 +54,10 @@ def is_path(text: str) -> bool:
 LOOKS = ("plan", "status", "explain", "fleet-status")
 OBSERVE_TIMEOUT_S = 5.0  # observeTimeoutSeconds when the config does not say
 VIEW_MARGIN_S = 2.0
-# fleet status: the daemon's read of the reports may wait for one of its own
-# under way (the gate's, or its report's write), each within the fleet
-# store's timeout (drivers/fleetstore.py TIMEOUT_S, 10 s).
+# fleet status: the daemon's read of every report ends within the fleet
+# store's timeout and at most one op's past it (drivers/fleetstore.py
+# TIMEOUT_S, 10 s). Past that (it waited for its gate's read first), the
+# command reads them itself.
 FLEET_BOUND_S = 2 * 10.0 + VIEW_MARGIN_S
 
 

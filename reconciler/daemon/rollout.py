@@ -38,10 +38,11 @@ from typing import Any
 
 from reconciler.daemon.fleethealth import health_of
 from reconciler.daemon.metrics import Metrics
-from reconciler.drivers.fleetstore import FleetStore, FleetUnavailable
-from reconciler.engine.fleet import in_fleet, summary_of
+from reconciler.drivers.fleetstore import FleetStore, FleetUnavailable, Lent
+from reconciler.engine.fleet import in_fleet, problems_of, summary_of
 from reconciler.facts.clock import now_iso
-from reconciler.facts.fleetreport import WAVE_NAME, Report, clip
+from reconciler.facts.fleetreport import MAX_COUNTER, WAVE_NAME, Report, clip
+from reconciler.observe.ceph import Session
 from reconciler.plan.fleetstatus import document
 from reconciler.plan.rollout import (
     Decision,
@@ -65,6 +66,9 @@ from reconciler.state.files import read_json, write_json
 log = logging.getLogger("rbd-reconciler")
 
 COUNTER_FILE = "fleet-report.json"
+INCOMPLETE = GateAnswer("Waiting", "not every report was read (too many objects where the "
+                                   "reports are): waits until they are", {"waitingFor": []})
+LOGGED_PROBLEMS = 5  # lines of a read's problems in the journal, and one more counting them
 RETRY_S = 5.0  # a report not written yet is tried again this often (at most the interval)
 SETTLE_S = 0.2  # wake-ups this close together make one report
 
@@ -134,11 +138,14 @@ def answer_of(decision: Decision) -> GateAnswer:
 class Rollouts:
     def __init__(self, config: Callable[[], Config], metrics: Metrics,
                  store: Callable[[Config], FleetStore] | None = None,
+                 session: Callable[[], Session] | None = None,
                  mono: Callable[[], float] = time.monotonic,
                  wall: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
         self.config = config  # the current one (SIGHUP may replace it)
         self.metrics = metrics
-        self._make_store = store or _store
+        # The daemon's kept Ceph connection, lent to the store for each call
+        # (fleetstore.py: a second idle connection costs CPU every minute).
+        self._make_store = store or (lambda c: _store(c, session))
         self._store: tuple[tuple[Any, ...], FleetStore] | None = None
         self._store_lock = threading.Lock()  # the gate's thread and the report's
         self.mono, self.wall = mono, wall
@@ -201,12 +208,17 @@ class Rollouts:
             now = self.mono()
             self.sightings = {node: sight(self.sightings.get(node), report, now)
                               for node, report in read.reports.items()}
-            if read.problems != self.problems:
-                for problem in read.problems:
+            if read.problems != self.problems:  # a few lines: junk renamed each sync
+                for problem in read.problems[:LOGGED_PROBLEMS]:  # must not flood the journal
                     log.warning("fleet: a report is not read: %s", problem)
+                if len(read.problems) > LOGGED_PROBLEMS:
+                    log.warning("fleet: %d objects not read as reports in all (`fleet "
+                                "status` lists them)", len(read.problems))
                 self.problems = read.problems
             answer = answer_of(decide(rollout, config.node_name, commit, self.sightings,
                                       hold, now, self.wall()))
+            if not read.complete and answer.applies:  # an unseen node of a glob wave is
+                answer = INCOMPLETE                    # not counted at all: never on this
         # The same wait worded anew ("healthy for only 12s") is no news.
         said = (commit, answer.state, str([(w["node"], w["why"]) for w in
                                            answer.details.get("waitingFor", ())]))
@@ -246,7 +258,7 @@ class Rollouts:
                         + [s.first_seen_mono for s in old.values()])
             self.first_read = first
         return document(summary_of(config, seen, now, observed_for=now - first,
-                                   problems=read.problems))
+                                   problems=problems_of(read)))
 
     # -- the report (its thread) ----------------------------------------------------
     def start(self) -> None:
@@ -319,7 +331,9 @@ class Rollouts:
         return True
 
     def _report(self, config: Config, said: Said) -> Report:
-        self.counter += 1
+        # Past the most a report carries (its object written so by another
+        # key, or damaged), start again: readers see a change by any field.
+        self.counter = self.counter + 1 if self.counter < MAX_COUNTER else 1
         path = config.state_dir / COUNTER_FILE
         try:
             write_json(path, {"counter": self.counter})
@@ -329,9 +343,16 @@ class Rollouts:
                       **asdict(said))
 
     def _local_counter(self, config: Config) -> int:
-        doc = read_json(config.state_dir / COUNTER_FILE, {}) or {}
+        path = config.state_dir / COUNTER_FILE
+        try:
+            doc = read_json(path, {}) or {}
+        except (OSError, ValueError) as exc:  # damaged: Ceph's copy still bounds it from below
+            log.warning("fleet: %s: the report counter is not read (%s): counting from the "
+                        "report in Ceph", path, exc)
+            doc = {}
         n = doc.get("counter") if isinstance(doc, dict) else None
-        return max(self.counter, n if isinstance(n, int) and not isinstance(n, bool) else 0)
+        ok = isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_COUNTER
+        return max(self.counter, n if ok else 0)
 
     def _metric(self, config: Config) -> None:
         state = Layout(config.source_dir).read_state()
@@ -342,9 +363,23 @@ class Rollouts:
             self.metrics.set_rollout("Held" if hold_of(state) is not None else "Applied", "")
 
 
-def _store(config: Config) -> FleetStore:
+def _store(config: Config, session: Callable[[], Session] | None = None) -> FleetStore:
     assert config.git is not None and config.git.fleet is not None
-    return FleetStore(config.ceph, config.git.fleet.pool, config.git.fleet.namespace)
+    borrow = None if session is None else lambda: _lend(session(), config)
+    return FleetStore(config.ceph, config.git.fleet.pool, config.git.fleet.namespace,
+                      borrow=borrow)
+
+
+def _lend(session: Session, config: Config) -> Lent | None:
+    """The session's kept connection, held for one call (None: none kept now;
+    the store then uses its own)."""
+    handle = session.take(config.ceph)
+    if handle is None:
+        return None
+    if handle.cluster is None:
+        handle.drop()
+        return None
+    return handle.cluster, handle.drop
 
 
 def _inside(path: Path, directory: Path) -> bool:

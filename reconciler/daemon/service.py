@@ -130,7 +130,8 @@ class Daemon:
             return self.node
 
         # A fleet's gate and this node's report to it (source.fleet).
-        self.rollout = Rollouts(current_config, self.metrics)
+        self.rollout = Rollouts(current_config, self.metrics,
+                                session=lambda: current_node().ceph_session)
         self.statuses.listeners.append(self.rollout.status_written)
         self.watchers = Watchers(current_config, current_node, self.halt, self.loop,
                                  self.metrics, self.rollout)

@@ -15,10 +15,15 @@ OSD cap ``object_prefix node/<name>/`` then names exactly its own object
 (no node name holds "/", so ``node/<name>x/`` is another prefix).
 
 Ceph that does not answer (no monitor, no OSD, the pool gone, refused) is
-``FleetUnavailable``, bounded by ``timeout`` (librados' op timeouts): never
+``FleetUnavailable``, bounded by ``timeout`` (librados' op timeouts; a
+whole ``read_all``, of many ops, ends at most one op timeout past it): never
 read as "no reports" (safety rule 7). One librados connection is kept
 across calls (a connect costs more than the write it serves; an idle
-node's report is one write) and replaced after a call on it failed.
+node's report is one write) and replaced after a call on it failed. The
+daemon lends its own kept connection instead (``borrow``): an idle
+librados connection costs ~0.017 CPU-s a minute (its ticks; measured,
+benchmarks/p22_fleet_idle.py), a second one for one write a minute doubled
+what a fleet costs an idle node; with a loan, the store's own is closed.
 
 Imported by the daemon's wiring (writes and reads every interval) and by
 engine/fleet.py (``fleet status``).
@@ -46,8 +51,9 @@ NAMESPACE = "rbd-reconciler-fleet"
 PREFIX, SUFFIX = "node/", "/report"
 TIMEOUT_S = 10.0
 # A node's cap lets it write any object under its own prefix: a hostile one
-# could fill the namespace. Past this many objects the listing stops (the
-# nodes not reached read as missing: the gate waits, it never proceeds).
+# could fill the namespace. Past this many objects the listing stops and the
+# read is not ``complete``: a node not reached is unseen (a glob wave would
+# not count it at all), so the gate waits; it never proceeds on such a read.
 MAX_OBJECTS = 20_000
 MAX_PROBLEMS = 200  # lines; the rest are counted in one more
 WINDOW = 256  # reads in flight at once
@@ -61,10 +67,13 @@ class FleetUnavailable(Exception):
 @dataclass(frozen=True)
 class FleetRead:
     """Every readable report keyed by the node its object is named after,
-    and one line per object that is not one (object: what is wrong)."""
+    and one line per object that is not one (object: what is wrong).
+    ``complete``: False when the listing stopped at MAX_OBJECTS (reports
+    may be missing from it: never judge a rollout on it)."""
 
     reports: dict[str, Report]
     problems: tuple[str, ...] = ()
+    complete: bool = True
 
 
 def object_name(node: str) -> str:
@@ -89,10 +98,17 @@ def shown(name: str | bytes) -> str:
     return text if len(text) <= 120 else text[:119] + "…"
 
 
+# A connection lent for one call: the handle, and what gives it back.
+Lent = tuple[rados.Rados, Callable[[], None]]
+
+
 class FleetStore:
     def __init__(self, ceph: CephConfig, pool: str, namespace: str = NAMESPACE,
-                 timeout: float = TIMEOUT_S) -> None:
+                 timeout: float = TIMEOUT_S, borrow: Callable[[], Lent | None] | None = None
+                 ) -> None:
         self.ceph, self.pool, self.namespace, self.timeout = ceph, pool, namespace, timeout
+        # Someone else's kept connection for a call (None: none to lend now).
+        self._borrow = borrow
         self._lock = threading.Lock()  # one call at a time: a retired handle is never in use
         self._stack: contextlib.ExitStack | None = None  # the connection
         self._ioctx: rados.Ioctx | None = None
@@ -118,6 +134,32 @@ class FleetStore:
             io.close()
         if stack is not None:
             stack.close()
+
+    @contextlib.contextmanager
+    def _opened(self) -> Iterator[rados.Ioctx]:
+        """An ioctx on the namespace for one call: on a lent connection when
+        one is lent (the store's own is then closed), else on its own."""
+        lent = self._borrow() if self._borrow is not None else None
+        if lent is None:
+            yield self._io()
+            return
+        cluster, give_back = lent
+        try:
+            self._retire()
+            try:
+                io = cluster.open_ioctx(self.pool)
+            except rados.ObjectNotFound:
+                raise FleetUnavailable(f"the fleet reports: pool {self.pool} does not exist "
+                                       "(source.fleet.pool in the node config)") from None
+            except rados.Error as exc:
+                raise FleetUnavailable(f"the fleet reports ({self.where}): {exc}") from None
+            try:
+                io.set_namespace(self.namespace)
+                yield io
+            finally:
+                io.close()
+        finally:
+            give_back()
 
     def _io(self) -> rados.Ioctx:
         if self._ioctx is not None:
@@ -160,8 +202,7 @@ class FleetStore:
         """This node's report, whole (write_full: one op, the newest wins)."""
         name = object_name(report.node)
         data = report.to_bytes()
-        with self._lock:
-            io = self._io()
+        with self._lock, self._opened() as io:
             try:
                 io.write_full(name, data)
             except rados.Error as exc:
@@ -173,8 +214,7 @@ class FleetStore:
         """``node``'s report as it stands; None: none, or one that is not
         ``node``'s valid report (a restart then counts from 0 again)."""
         name = object_name(node)
-        with self._lock:
-            io = self._io()
+        with self._lock, self._opened() as io:
             try:
                 raw = io.read(name, MAX_REPORT_BYTES + 1, 0)
             except rados.ObjectNotFound:
@@ -189,21 +229,24 @@ class FleetStore:
 
     def read_all(self) -> FleetRead:
         """Every report object in the namespace; see the module's docstring."""
-        with self._lock:
-            io = self._io()
-            start = time.monotonic()
-            names, problems = self._list(io)
-            if time.monotonic() - start >= self.timeout:
+        with self._lock, self._opened() as io:
+            # One bound for the whole read (it runs on the source's thread):
+            # a listing of many objects is many ops, each within the op timeout.
+            deadline = time.monotonic() + self.timeout
+            names, problems, complete = self._list(io, deadline)
+            if time.monotonic() >= deadline:
                 # librados ends a listing whose op failed as if it were
                 # complete: one that took the op timeout may be cut short.
                 raise self._failed("listing the reports", rados.TimedOut("timed out"))
             if not names:
                 self._probe(io)
-            raws = self._read(io, sorted(names))
-        return _sort(names, raws, problems)
+            raws = self._read(io, sorted(names), deadline)
+        return _sort(names, raws, problems, complete)
 
-    def _list(self, io: rados.Ioctx) -> tuple[dict[str, str], list[str]]:
-        """object name -> node of every report object; the problems of the rest."""
+    def _list(self, io: rados.Ioctx, deadline: float
+              ) -> tuple[dict[str, str], list[str], bool]:
+        """object name -> node of every report object; the problems of the
+        rest; whether the listing was read to its end."""
         names: dict[str, str] = {}
         problems: list[str] = []
         it = io.list_objects()
@@ -219,17 +262,20 @@ class FleetStore:
             except rados.Error as exc:
                 raise self._failed("listing the reports", exc) from None
             seen += 1
+            if time.monotonic() >= deadline:
+                raise self._failed("listing the reports", rados.TimedOut("timed out"))
             if seen > MAX_OBJECTS:
                 problems.append(f"more than {MAX_OBJECTS} objects in {self.where}: the rest "
-                                "were not read (their nodes count as missing)")
-                break
+                                "were not read (a node's key may write any object under its "
+                                "node/<name>/: see which prefix the names above share)")
+                return names, problems, False
             node = node_of(obj.key)
             if node is None:
                 problems.append(f"{shown(obj.key)}: not the name of a report "
                                 "(node/<nodeName>/report)")
             else:
                 names[obj.key] = node
-        return names, problems
+        return names, problems, True
 
     def _probe(self, io: rados.Ioctx) -> None:
         """An empty listing proves nothing (librados ends a failed one as
@@ -241,13 +287,15 @@ class FleetStore:
         except rados.Error as exc:
             raise self._failed("listing the reports", exc) from None
 
-    def _read(self, io: rados.Ioctx, names: list[str]) -> dict[str, bytes]:
+    def _read(self, io: rados.Ioctx, names: list[str], deadline: float) -> dict[str, bytes]:
         """name -> its bytes (at most MAX_REPORT_BYTES + 1; a name removed
         since the listing is left out), WINDOW reads in flight at once. The
         first chunk with a failed read ends it (each chunk may take the op
         timeout: never one more)."""
         out: dict[str, bytes] = {}
         for chunk in _chunks(names, WINDOW):
+            if time.monotonic() >= deadline:
+                raise self._failed("reading the reports", rados.TimedOut("timed out"))
             pending: list[tuple[str, rados.Completion]] = []
             failed: tuple[str, BaseException] | None = None
             for name in chunk:
@@ -291,7 +339,7 @@ def _strerror(code: int) -> str:
 
 
 def _sort(names: dict[str, str], raws: dict[str, bytes],
-          problems: list[str]) -> FleetRead:
+          problems: list[str], complete: bool = True) -> FleetRead:
     """The reports and the problems of what was read."""
     reports: dict[str, Report] = {}
     for name in sorted(names):
@@ -315,4 +363,4 @@ def _sort(names: dict[str, str], raws: dict[str, bytes],
         reports[node] = report
     if len(problems) > MAX_PROBLEMS:
         problems[MAX_PROBLEMS:] = [f"and {len(problems) - MAX_PROBLEMS} more problems"]
-    return FleetRead(reports, tuple(problems))
+    return FleetRead(reports, tuple(problems), complete)

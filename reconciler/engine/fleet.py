@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from reconciler.drivers.fleetstore import FleetStore
+from reconciler.drivers.fleetstore import FleetRead, FleetStore
 from reconciler.drivers.fleetstore import FleetUnavailable as FleetUnavailable
 from reconciler.drivers.run import CommandError, Runner
 from reconciler.facts.fleetreport import Report
@@ -63,7 +63,15 @@ def fleet_status(config: Config, store: FleetStore | None = None) -> FleetSummar
             store.close()
     now_mono = time.monotonic()
     seen = {node: Sighting(r, now_mono, now_mono) for node, r in read.reports.items()}
-    return summary_of(config, seen, now_mono, observed_for=0.0, problems=read.problems)
+    return summary_of(config, seen, now_mono, observed_for=0.0, problems=problems_of(read))
+
+
+def problems_of(read: FleetRead) -> tuple[str, ...]:
+    """A read's problems, led by one saying so when its listing was cut."""
+    cut = () if read.complete else (
+        "not every report was read (the listing stopped, see below): nodes not reached are "
+        "not shown, and a gate shown passing may not; the daemons' gates wait meanwhile",)
+    return cut + read.problems
 
 
 def in_fleet(config: Config) -> SourceFleet:

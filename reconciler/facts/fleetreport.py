@@ -46,9 +46,13 @@ WAVE_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 COMMIT = re.compile(r"[0-9a-f]{40}([0-9a-f]{24})?")  # SHA-1 or SHA-256
 PHASE = re.compile(r"[A-Za-z]{1,32}")
 # Control and bidi characters hide what a text says (spec/diagnostics.py
-# refuses the same ones in specs; facts may not import spec).
+# refuses the same ones in specs; facts may not import spec); so do the
+# invisible format characters (soft hyphen, zero widths, word joiners, BOM,
+# annotations). A lone surrogate (JSON may escape one) cannot be encoded:
+# it would crash whatever prints another node's text.
 FORBIDDEN = re.compile(
-    r"[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+    r"[\x00-\x1f\x7f-\x9f\xad\u061c\u200b-\u200f\u2028\u2029\u202a-\u202e\u2060-\u2069"
+    r"\ud800-\udfff\ufeff\ufff9-\ufffb]")
 MAX_WRITTEN_AT = 40
 
 

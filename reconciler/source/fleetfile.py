@@ -3,7 +3,9 @@ its commit, whatever the node's path (``nodes/{nodeName}`` reads it from the
 root too), read from the mirror exactly as signed and parsed with
 ``spec.fleet.parse_fleet``.
 
-Bounded like a desired file (``max_file_bytes``); anything but a plain file
+A near miss at the root (``Fleet.yaml``, ``fleet.yml``) with no
+``fleet.yaml`` refuses the revision: read as no policy, it would go to every
+node at once. Bounded like a desired file (``max_file_bytes``); anything but a plain file
 (a symlink, a directory, a submodule) is refused, never followed. Any
 problem refuses the revision as a whole, as a file that fails to load does:
 ``Failed("refused", "LoadFailed", "fleet.yaml:LINE:COLUMN: ...")``.
@@ -36,6 +38,10 @@ def read_fleet(git: Git, commit: str, max_file_bytes: int, shown: str | None = N
     raw = git.run(["ls-tree", "-l", "-z", commit, "--", FLEET_FILE]).raw
     records = [r for r in raw.split(b"\0") if r]
     if not records:
+        if near := _near_misses(git, commit):
+            raise refused(where, [f"{n}:1:1: (file): the rollout policy is read from "
+                                  f"{FLEET_FILE} only (this name would roll the revision out "
+                                  "to every node at once): rename it" for n in near])
         return None
     meta, _, name = records[0].partition(b"\t")
     mode, otype, oid, size = meta.decode("ascii").split()
@@ -55,3 +61,12 @@ def read_fleet(git: Git, commit: str, max_file_bytes: int, shown: str | None = N
     if not load.ok:
         raise refused(where, [str(d) for d in load.diagnostics])
     return load.rollout
+
+
+def _near_misses(git: Git, commit: str) -> list[str]:
+    """Names at the root that a person may take for fleet.yaml (another case,
+    ``.yml``): a policy there would be read as none."""
+    raw = git.run(["ls-tree", "-z", "--name-only", commit]).raw
+    wanted = {FLEET_FILE, FLEET_FILE.removesuffix(".yaml") + ".yml"}
+    return sorted(n.decode("utf-8", "backslashreplace") for n in raw.split(b"\0")
+                  if n.decode("utf-8", "replace").lower() in wanted)

@@ -89,6 +89,35 @@ def test_write_read_back(ceph_cluster: DevCluster, namespace: str) -> None:
         assert io.read(object_name("edge-001"), 1 << 20, 0) == newer.to_bytes()
 
 
+def test_a_lent_connection_serves_every_call_and_the_stores_own_is_closed(
+        ceph_cluster: DevCluster, namespace: str) -> None:
+    """The daemon lends its kept connection (a second idle one costs CPU
+    every minute): while one is lent, the store makes none of its own, and
+    the one it had is closed; each loan is given back."""
+    loans: list[str] = []
+    with ceph_cluster.client() as kept:
+        lend: list[bool] = [False]
+
+        def borrow() -> tuple[rados.Rados, object] | None:
+            if not lend[0]:
+                return None
+            loans.append("out")
+            return kept, lambda: loans.append("back")
+
+        with FleetStore(admin(ceph_cluster), ceph_cluster.pool, namespace,
+                        borrow=borrow) as store:  # type: ignore[arg-type]
+            store.write(report("edge-001", 1))  # nothing lent: its own
+            assert store.connects == 1 and store._ioctx is not None
+            lend[0] = True
+            second = report("edge-001", 2)
+            store.write(second)
+            assert store._ioctx is None  # its own closed at the first loan
+            assert store.read_one("edge-001") == second
+            assert sorted(store.read_all().reports) == ["edge-001"]
+            assert store.connects == 1  # no connection made while one was lent
+        assert loans == ["out", "back"] * 3
+
+
 def test_hostile_objects_are_problems(ceph_cluster: DevCluster, namespace: str,
                                      tmp_path: Path) -> None:
     good = report("edge-001")

@@ -1,5 +1,5 @@
 """``fleet status`` as the daemon answers it (daemon/rollout.py
-``Rollouts.fleet_view``), without Ceph (test_rollout.py's fake store): the
+``Rollouts.fleet_view``), without Ceph (test_rollouts.py's fake store): the
 reports sighted into the gate's own sightings, so a node's healthy time and
 a report's age count on this node's clock from the first read (the gate's
 or this one's), and the errors a command turns into words."""
@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from test_rollout import Clock, FakeStore, fleet_config, report, rollout_of, rollouts
+from test_rollouts import Clock, FakeStore, fleet_config, report, rollout_of, rollouts
 
 from reconciler.drivers.fleetstore import FleetUnavailable
 from reconciler.engine.fleet import NotInFleet
