@@ -34,6 +34,26 @@ stop_daemon() {  # SIGTERM, then SIGKILL after 40 s (the daemon's own stop deadl
   wait "$DAEMON_PID" 2>/dev/null || true
   DAEMON_PID=""
 }
+FLEET_PIDS=()
+stop_fleet() {  # every fleet daemon at once: SIGTERM, then SIGKILL after 40 s
+  ((${#FLEET_PIDS[@]})) || return 0
+  kill -TERM "${FLEET_PIDS[@]}" 2>/dev/null || true
+  local deadline=$((SECONDS + 40)) p alive
+  while :; do
+    alive=0
+    for p in "${FLEET_PIDS[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+    ((alive && SECONDS < deadline)) || break
+    sleep 0.2
+  done
+  for p in "${FLEET_PIDS[@]}"; do
+    if kill -0 "$p" 2>/dev/null; then
+      echo "demo: fleet daemon $p did not stop within 40 s of SIGTERM; killing it" >&2
+      kill -KILL "$p" 2>/dev/null || true
+    fi
+    wait "$p" 2>/dev/null || true
+  done
+  FLEET_PIDS=()
+}
 mounts_under() {  # mount points under $1, deepest first (the paths here need no unescaping)
   awk -v p="$1/" 'index($5, p) == 1 {print $5}' /proc/self/mountinfo | sort -r
 }
@@ -51,9 +71,17 @@ cleanup() {
   local rc=$?
   trap - EXIT INT TERM
   stop_daemon
+  stop_fleet
   if ((rc != 0)); then
     echo "demo: failed (exit $rc); releasing what it set up" >&2
+    local c
+    for c in "$DEMO"/fleet/*/daemon.log; do  # the fleet's daemons log to files
+      [[ -e $c ]] && { echo "demo: the last lines of $c:" >&2; tail -n 15 "$c" >&2; }
+    done
     timeout -k 5 120 "${R[@]}" release >/dev/null 2>&1 || true
+    for c in "$DEMO"/git/config.yaml "$DEMO"/fleet/*/config.yaml; do
+      [[ -e $c ]] && { timeout -k 5 120 .venv/bin/rbd-reconciler --config "$c" release >/dev/null 2>&1 || true; }
+    done
     force_clean
   fi
   rm -rf "$SRV" 2>/dev/null || true
@@ -73,6 +101,9 @@ wait_until() {
     if [[ -n $DAEMON_PID ]] && ! kill -0 "$DAEMON_PID" 2>/dev/null; then
       die "the daemon exited while waiting for $what"
     fi
+    for p in "${FLEET_PIDS[@]}"; do
+      kill -0 "$p" 2>/dev/null || die "a fleet daemon (pid $p) exited while waiting for $what"
+    done
     sleep 0.1
   done
 }
@@ -233,3 +264,95 @@ stop_daemon
 left=$(mounts_under "$SRV"; mounts_under "$DEMO")
 [[ -z $left ]] || die "still mounted after release: $left"
 echo "nothing of the demo is mounted or mapped any more"
+
+# --- a fleet: three nodes, one halted commit -----------------------------------
+# Three daemons follow the same repository (each its own stateDir, control
+# socket and nodeName) and report to each other through RADOS (source.fleet).
+# fleet.yaml, signed like the rest: demo-a is the canary; the rest apply a
+# commit once it has reported it applied and Healthy for 2 s.
+FLEET=$DEMO/fleet
+FLEET_NODES=(demo-a demo-b demo-c)
+fleet_cli() { local n=$1; shift; .venv/bin/rbd-reconciler --config "$FLEET/$n/config.yaml" "$@"; }
+fleet_phase_is() { grep -q "\"phase\": \"$2\"" "$FLEET/$1/state/status/fleet-$1.json"; }
+wait_fleet_phase() {
+  wait_until 60 "volume fleet-$1 on $1 to be $2 ($FLEET/$1/state/status/fleet-$1.json)" \
+    fleet_phase_is "$1" "$2"
+  echo "  $1: fleet-$1 $2"
+}
+# rollout_is NODE STATE COMMIT: its source status says STATE, COMMIT applied
+# (source status exits 1 while a revision is held back: its JSON is what counts).
+rollout_is() {
+  { fleet_cli "$1" source status -o json || true; } | .venv/bin/python -c '
+import json, sys
+d = json.load(sys.stdin)
+sys.exit(not (d["rollout"]["state"] == sys.argv[1] and (d["applied"] or {}).get("commit") == sys.argv[2]))
+' "$2" "$3"
+}
+volume() {  # an image-only volume (quick to converge): NAME SIZE
+  printf 'apiVersion: rbd-reconciler/v1\nkind: Volume\nmetadata: {name: %s}\nspec:\n  image: {pool: %s, size: %s}\n' \
+    "$1" "$RBD_RECONCILER_POOL" "$2"
+}
+
+say "a fleet: three nodes, one halted commit (waves: canary demo-a, then the rest)"
+for n in "${FLEET_NODES[@]}"; do
+  mkdir -p "$FLEET/$n"
+  cat > "$FLEET/$n/config.yaml" <<CONF
+stateDir: $FLEET/$n/state
+controlSocket: $FLEET/$n/state/control.sock
+nodeName: $n
+ceph: {conf: $DEMO/ceph.conf, user: admin, keyring: $DEMO/ceph.client.admin.keyring}
+allowedRoots: [$SRV]
+source:
+  url: file://$GIT/fleet.git
+  ref: {branch: main}
+  path: nodes/{nodeName}
+  intervalSeconds: 1
+  verify: {mode: head, format: ssh, allowedSignersFile: $GIT/allowed_signers}
+  fleet: {pool: $RBD_RECONCILER_POOL}
+CONF
+  mkdir -p "$GIT/work/nodes/$n"
+  volume "fleet-$n" 2Mi > "$GIT/work/nodes/$n/data.yaml"
+done
+cat > "$GIT/work/fleet.yaml" <<'YAML'
+apiVersion: rbd-reconciler/v1
+kind: Rollout
+metadata: {name: demo}
+spec:
+  waves:
+    - {name: canary, nodes: [demo-a]}
+    - {name: rest, nodes: ["*"]}
+  gate: {healthySeconds: 2, staleSeconds: 30}
+YAML
+sed 's/^/  /' "$GIT/work/fleet.yaml"
+"${GW[@]}" add -A && "${GW[@]}" commit -q -S -m "fleet: three nodes in two waves"
+"${GW[@]}" push -q "$GIT/fleet.git" main
+GOOD=$("${GW[@]}" rev-parse HEAD)
+for n in "${FLEET_NODES[@]}"; do  # not through fleet_cli: $! must be the daemon's own pid
+  .venv/bin/rbd-reconciler --config "$FLEET/$n/config.yaml" run --log-format plain \
+    > "$FLEET/$n/daemon.log" 2>&1 &
+  FLEET_PIDS+=($!)
+done
+echo "  three daemons (logs in $FLEET/*/daemon.log); the signed commit ${GOOD:0:12} rolls out"
+for n in "${FLEET_NODES[@]}"; do wait_fleet_phase "$n" Created; done
+fleet_cli demo-c fleet status | sed 's/^/  /'
+
+say "a signed commit that shrinks the canary's image (2Mi to 1Mi: never shrink) halts the rollout"
+volume fleet-demo-a 1Mi > "$GIT/work/nodes/demo-a/data.yaml"
+"${GW[@]}" commit -q -a -S -m "shrink fleet-demo-a (refused on the canary)"
+"${GW[@]}" push -q "$GIT/fleet.git" main
+BAD=$("${GW[@]}" rev-parse HEAD)
+wait_fleet_phase demo-a Failed
+for n in demo-b demo-c; do
+  wait_until 30 "$n to hold ${BAD:0:12} back as Halted, ${GOOD:0:12} still applied" \
+    rollout_is "$n" Halted "$GOOD"
+  echo "  $n: keeps ${GOOD:0:12}; ${BAD:0:12} halted"
+done
+out=$(fleet_cli demo-b fleet status)
+echo "$out" | sed 's/^/  /'
+grep -q "revision ${BAD:0:12}: Halted: halted: it failed on demo-a, volume fleet-demo-a" <<<"$out" \
+  || die "fleet status does not name the halt (demo-a, fleet-demo-a)"
+
+say "stop the fleet's daemons; release what they applied"
+stop_fleet
+for n in "${FLEET_NODES[@]}"; do fleet_cli "$n" release >/dev/null; done
+echo "the fleet's daemons are stopped (their images stay, with the disposable cluster)"

@@ -2,7 +2,9 @@
 # The demo on a fresh Debian 12 machine (as root): installs what it needs,
 # starts a disposable local Ceph (1 mon + 1 memstore OSD on 127.0.0.1), and
 # converges the examples: validate -> plan -> apply -> plan (nothing left) ->
-# status -> release. Everything is undone at the end, even on Ctrl-C.
+# status -> release; then the daemon at work, the GitOps source, and a fleet
+# of three daemons with a halted rollout (README). Everything is undone at
+# the end, even on Ctrl-C.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh

@@ -51,9 +51,14 @@ def is_path(text: str) -> bool:
 
 
 # What only reports: with a daemon that does not answer, made here instead.
-LOOKS = ("plan", "status", "explain")
+LOOKS = ("plan", "status", "explain", "fleet-status")
 OBSERVE_TIMEOUT_S = 5.0  # observeTimeoutSeconds when the config does not say
 VIEW_MARGIN_S = 2.0
+# fleet status: the daemon's read of every report ends within the fleet
+# store's timeout and at most one op's past it (drivers/fleetstore.py
+# TIMEOUT_S, 10 s). Past that (it waited for its gate's read first), the
+# command reads them itself.
+FLEET_BOUND_S = 2 * 10.0 + VIEW_MARGIN_S
 
 
 def view_bound(observe_timeout: float) -> float:
@@ -101,7 +106,8 @@ def ask_at(path: Path | str, state_dir: Path | str, command: str, args: dict[str
     key = (os.fspath(path), os.path.normpath(os.fspath(state_dir)))
     if key in _COMMAND.alone:
         return None  # found (and said) earlier in this command
-    bound = view_bound(observe_timeout) if command in LOOKS else None
+    bound = (FLEET_BOUND_S if command == "fleet-status" else view_bound(observe_timeout)
+             ) if command in LOOKS else None
     talk = _Talk(str(path), command, output, bound)
     try:
         return talk.run({"protocol": PROTOCOL, "command": command, "stateDir": str(state_dir),
@@ -227,6 +233,9 @@ class _Talk:
             raise ValueError("its last line's result is not a document")
         if "elsewhere" in obj:
             raise _Alone("")
+        if self.command == "fleet-status" and code == 64 and \
+                "no command" in str(obj.get("error")):  # a daemon older than the command
+            raise _Alone(f"the daemon does not answer fleet status ({obj.get('error')})")
         if "alone" in obj:  # its view is not what is there: look without it
             raise _Alone(str(obj["alone"]))
         self.final = True
@@ -339,7 +348,9 @@ def _why(exc: Exception) -> str:
 def _result(result: dict[str, Any], output: str) -> None:
     kind = result.get("kind")
     doc = result["doc"]
-    if output == "json":
+    if kind == "fleet":  # its own JSON (a node a line) and caveat, as cli/fleet.py's read
+        show.fleet(doc, output)
+    elif output == "json":
         show.as_json(doc)
     elif kind == "plan":
         show.plan(doc)

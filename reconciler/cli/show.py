@@ -1,6 +1,7 @@
-"""The words of ``plan``, ``apply``, ``status`` and ``explain``: each printed
-from its document (reconciler/views.py), whoever made it (this process's own
-pass, or the running daemon's live view), so both print the same.
+"""The words of ``plan``, ``apply``, ``status``, ``explain`` and ``fleet
+status``: each printed from its document (reconciler/views.py; fleet
+status: plan/fleetstatus.py), whoever made it (this process's own pass, or
+the running daemon's live view), so both print the same.
 
 Imports nothing of the engine: a command answered by the daemon loads no
 more than the parser, the config and this."""
@@ -302,3 +303,91 @@ def _claim(claim: dict | None) -> None:
         print(f"  blocklisted: {addr} until {until}")
     if claim["blocklistError"]:
         print(f"  blocklist: not listed ({claim['blocklistError']})")
+
+
+# -- fleet status --------------------------------------------------------------------
+FLEET_DIRECT_READ = ("a direct read: no daemon answered (with one running, fleet status is "
+                     "its answer); no report is stale to one read and no node has been healthy "
+                     "for any time yet (the gate judges both on its reader's own clock over "
+                     "time, never by writtenAt)")
+
+
+def fleet(doc: dict[str, Any], output: str) -> None:
+    """``fleet status``'s document (cli/fleet.py's read, or the daemon's) as
+    ``-o json`` (with its caveat as ``note``) or a table."""
+    if output == "json":
+        if (note := fleet_note(doc)) is not None:
+            doc = {**doc, "note": note}
+        print(fleet_json(doc))
+    else:
+        print(fleet_table(doc))
+
+
+def fleet_json(doc: dict[str, object]) -> str:
+    """JSON with one node or revision a line: json's indented encoder is
+    pure Python, ~0.15 s for 1,000 nodes; a line each is C's and as readable."""
+    parts = []
+    for key, value in doc.items():
+        if isinstance(value, list) and value:
+            items = ",\n    ".join(json.dumps(v, separators=(", ", ": ")) for v in value)
+            parts.append(f"  {json.dumps(key)}: [\n    {items}\n  ]")
+        else:
+            parts.append(f"  {json.dumps(key)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(parts) + "\n}"
+
+
+def _short(commit: str | None) -> str:
+    return commit[:12] if commit else "-"
+
+
+def fleet_note(doc: dict[str, Any]) -> str | None:
+    """The caveat of a direct read, or of a daemon that has not read the
+    reports for staleSeconds yet."""
+    if doc.get("answeredBy") == "this command":
+        return FLEET_DIRECT_READ
+    watched, stale = doc["observedForSeconds"], doc["staleSeconds"]
+    if watched is None or watched >= stale:
+        return None
+    return (f"read for {watched:g}s of the {stale}s after which a report is stale: no "
+            "report is stale, and no node has been healthy, for longer than that yet")
+
+
+def fleet_table(doc: dict[str, Any]) -> str:
+    """The document as a table (the same from this read or the daemon's)."""
+    lines = [f"rollout {doc['rollout']}" if doc["rollout"]
+             else "no fleet.yaml: every node applies at once"]
+    rows = [("NODE", "WAVE", "APPLIED", "HEALTH", "HEALTHY FOR", "UNCHANGED",
+             "WRITTEN AT (its clock)", "NOTE")]
+    for r in doc["nodes"]:
+        if r["missing"]:
+            rows.append((r["node"], r["wave"] or "-", "-", "-", "-", "-", "-",
+                         "missing: no report"))
+            continue
+        notes = []
+        if r["health"] == "Failed":
+            notes.append(f"failed {r['failedVolume'] or '(revision)'}: {r['failedReason']}")
+        if r["heldBack"]:
+            notes.append(f"holds back {_short(r['heldBack'])}: {r['heldBackWhy']}")
+        if r["held"]:
+            notes.append("held" + (f": {r['holdReason']}" if r["holdReason"] else ""))
+        if r["reportedWave"] and r["reportedWave"] != r["wave"]:
+            notes.append(f"says wave {r['reportedWave']}")
+        quiet = f"{r['unchangedForSeconds']:.0f}s" + (" STALE" if r["stale"] else "")
+        healthy = r.get("healthyForSeconds")
+        rows.append((r["node"], r["wave"] or "-", _short(r["applied"]), r["health"] or "-",
+                     "-" if healthy is None else f"{healthy:.0f}s", quiet,
+                     r["writtenAt"] or "-", "; ".join(notes)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1]
+              for row in rows]
+    for rev in doc["revisions"]:
+        lines += ["", f"revision {_short(rev['commit'])}: {rev['state']}: {rev['summary']}",
+                  f"  applied by {len(rev['appliedBy'])}, held back by "
+                  f"{len(rev['heldBackBy'])}; waves done: "
+                  + (", ".join(rev["wavesDone"]) or "none")]
+    if (note := fleet_note(doc)) is not None:
+        lines += ["", f"note: {note}"]
+    if doc["problems"]:
+        lines += ["", f"{len(doc['problems'])} problem(s) reading the fleet:"]
+        lines += [f"  {p}" for p in doc["problems"]]
+    return "\n".join(lines)

@@ -12,6 +12,9 @@ answered from the daemon's passes and its live view, under its own locks.
 - ``rotate-key`` and ``takeover`` run here while the daemon holds the
   volume: no chain of it runs meanwhile, and it is looked at right after
   (rotate-key looks at it first too: where it is mapped).
+- ``fleet-status`` reads the fleet's reports on this connection's thread,
+  into the sightings the daemon's gate keeps (daemon/rollout.py): healthy
+  times and a report's age on this node's clock since its first read.
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ from reconciler.apply.takeover import takeover
 from reconciler.daemon.asks import Ask, Asks, Inflight, Kind
 from reconciler.daemon.control import Reply
 from reconciler.daemon.liveview import LiveView, Looked
+from reconciler.daemon.rollout import Rollouts
 from reconciler.drivers.freeze import left_frozen
 from reconciler.engine import context, look
+from reconciler.engine.fleet import FleetUnavailable, NotInFleet
 from reconciler.observe.ceph import observe_images
 from reconciler.observe.node import Node
 from reconciler.plan.types import VolumePlan
@@ -71,6 +76,7 @@ class Running(Protocol):
     node: Node
     asks: Asks
     view: LiveView
+    rollout: Rollouts
     records: dict[str, dict[str, Any]]
     stopping: threading.Event
     lock: threading.Lock
@@ -104,7 +110,7 @@ class Commands:
             # Another node config than this daemon's: the client works alone.
             reply.finish(1, elsewhere=f"this daemon serves stateDir {config.state_dir}")
             return
-        log.info("control: %s %s", command, _said(args))
+        log.info("control: %s %s", command, "" if command == "fleet-status" else _said(args))
         handler = {
             "apply": lambda: self._ask("apply", _targets(args), reply),
             "release": lambda: self._ask("release", _targets(args), reply),
@@ -114,6 +120,7 @@ class Commands:
             "explain": lambda: self._explain(_name(args), reply),
             "rotate-key": lambda: self._job(_name(args), reply, self._rotate(args)),
             "takeover": lambda: self._job(_name(args), reply, self._takeover(args)),
+            "fleet-status": lambda: self._fleet(reply),
         }[command]
         handler()
 
@@ -260,6 +267,19 @@ class Commands:
                           loaded.diagnostics, daemon,
                           lambda actual: claim_doc(actual, lambda: self._blocklist(vol)))
         reply.finish(explain_exit(doc), result={"kind": "explain", "doc": self._by(doc, looked)})
+
+    def _fleet(self, reply: Reply) -> None:
+        at = time.time()
+        try:
+            doc = self.d.rollout.fleet_view()
+        except NotInFleet as exc:  # the command's own config may say otherwise: its read
+            reply.finish(1, alone=f"the daemon is in no fleet: {exc}")
+            return
+        except FleetUnavailable as exc:
+            reply.finish(1, error=f"fleet status: cannot read the reports: {exc}")
+            return
+        reply.finish(0, result={"kind": "fleet", "doc": answered(
+            doc, f"the daemon (pid {os.getpid()})", at)})
 
     def _blocklist(self, vol: Volume | None) -> dict[str, str]:
         """Ceph's blocklist, through the daemon's connection, bounded like a

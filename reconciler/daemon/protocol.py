@@ -50,7 +50,7 @@ CONNECT_TIMEOUT_S = 10.0
 
 # The commands the daemon answers; every other is refused.
 COMMANDS = ("ping", "apply", "release", "plan", "status", "explain", "rotate-key", "takeover",
-            "allow-removal")
+            "allow-removal", "fleet-status")
 
 
 def line(obj: dict[str, Any]) -> bytes:

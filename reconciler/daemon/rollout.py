@@ -18,6 +18,9 @@ restart starts above both that and the report in Ceph (``read_one``). A
 write that fails (Ceph unreachable) is kept, the newest one only, and
 written again every few seconds until Ceph answers: a report is never lost.
 
+``fleet status`` asked of the daemon (``Rollouts.fleet_view``, from
+daemon/commands.py) reads every report too, into the same sightings.
+
 Built by daemon/service.py, which feeds it the statuses written
 (daemon/progress.py) and the end of each pass.
 """
@@ -36,9 +39,11 @@ from typing import Any
 from reconciler.daemon.fleethealth import health_of
 from reconciler.daemon.metrics import Metrics
 from reconciler.drivers.fleetstore import FleetStore, FleetUnavailable, Lent
+from reconciler.engine.fleet import in_fleet, problems_of, summary_of
 from reconciler.facts.clock import now_iso
 from reconciler.facts.fleetreport import MAX_COUNTER, WAVE_NAME, Report, clip
 from reconciler.observe.ceph import Session
+from reconciler.plan.fleetstatus import document
 from reconciler.plan.rollout import (
     Decision,
     Halted,
@@ -145,7 +150,10 @@ class Rollouts:
         self._store_lock = threading.Lock()  # the gate's thread and the report's
         self.mono, self.wall = mono, wall
         self.lock = threading.Lock()  # what the pass, the chains and the source tell it
-        self.sightings: dict[str, Sighting] = {}  # the source thread's own (the gate)
+        # The gate's (the source thread), and fleet_view's (a control connection):
+        # each replaces the dict whole, never changes it in place.
+        self.sightings: dict[str, Sighting] = {}
+        self.first_read: float | None = None  # fleet_view's first (monotonic)
         self.answered: tuple[str, str, str] | None = None  # the gate's last answer (logged)
         self.statuses: dict[str, dict[str, Any]] = {}  # volume -> its last status
         # The last pass: its revision, its volumes' spec hashes, why it refused.
@@ -228,6 +236,29 @@ class Rollouts:
                     self._store[1].close()
                 self._store = (key, self._make_store(config))
             return self._store[1]
+
+    # -- fleet status (a control connection's thread) -------------------------------
+    def fleet_view(self) -> dict[str, object]:
+        """``fleet status`` as this daemon sees the fleet (daemon/commands.py):
+        every report read now, on the caller's thread (never the loop's; the
+        store's timeout bounds it), and sighted into the gate's sightings, so
+        a node's healthy time and a report's age count on this node's clock
+        from this daemon's first read, as its gate counts them.
+        NotInFleet, FleetUnavailable."""
+        config = self.config()
+        in_fleet(config)
+        read = self.store(config).read_all()
+        with self.lock:  # two connections at once: one sighting each, in turn
+            now = self.mono()
+            old = self.sightings
+            self.sightings = seen = {node: sight(old.get(node), report, now)
+                                     for node, report in read.reports.items()}
+            # Read since the first of these reads, or the gate's earliest sighting kept.
+            first = min([now if self.first_read is None else self.first_read]
+                        + [s.first_seen_mono for s in old.values()])
+            self.first_read = first
+        return document(summary_of(config, seen, now, observed_for=now - first,
+                                   problems=problems_of(read)))
 
     # -- the report (its thread) ----------------------------------------------------
     def start(self) -> None:

@@ -10,14 +10,14 @@ holds back, else the one it applies). A revision the mirror does not hold,
 or whose fleet.yaml cannot be used, is judged by that same policy and said
 so in the problems. No fleet.yaml: no waves (every node applies at once).
 
-This reader has seen every report once (``observed_for`` 0): no report is
-stale to it and no node has been healthy for any time yet, as a daemon
-just started sees them. The daemon keeps its sightings: ``summary_of`` is
-the same summary from them (its answer to ``fleet status``; the command
-is not routed to the daemon yet).
+``fleet_status`` has seen every report once (``observed_for`` 0): no
+report is stale to it and no node has been healthy for any time yet, as a
+daemon just started sees them: the command's read when no daemon answers.
+A running daemon keeps its sightings: ``summary_of`` is the same summary
+from them (its answer to ``fleet status``, daemon/rollout.py).
 
-Imported by cli/fleet.py (the front door); the names it re-exports are
-the CLI's way to the document and its words.
+Imported by cli/fleet.py (the front door; the names it re-exports are the
+CLI's way to the document and its words) and daemon/rollout.py.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from reconciler.drivers.fleetstore import FleetStore
+from reconciler.drivers.fleetstore import FleetRead, FleetStore
 from reconciler.drivers.fleetstore import FleetUnavailable as FleetUnavailable
 from reconciler.drivers.run import CommandError, Runner
 from reconciler.facts.fleetreport import Report
@@ -41,6 +41,7 @@ from reconciler.source.layout import Layout
 from reconciler.source.outcome import Failed, rev_name
 from reconciler.spec.config import Config
 from reconciler.spec.fleet import Rollout
+from reconciler.spec.source import SourceFleet
 
 GIT_TIMEOUT_S = 10.0
 
@@ -52,15 +53,9 @@ class NotInFleet(Exception):
 def fleet_status(config: Config, store: FleetStore | None = None) -> FleetSummary:
     """One read of every report, summed up. NotInFleet without
     ``source.fleet``; FleetUnavailable when Ceph does not answer."""
-    src = config.git
-    if src is None or src.fleet is None:
-        raise NotInFleet("the node config has no source.fleet (source.fleet.pool: the pool "
-                         "holding the fleet's reports; docs/fleets.md)"
-                         if src is not None else
-                         "the node config has no source: (a fleet follows a git "
-                         "repository; source.fleet.pool names the pool of its reports)")
+    src = in_fleet(config)
     own = store is None
-    store = store or FleetStore(config.ceph, src.fleet.pool, src.fleet.namespace)
+    store = store or FleetStore(config.ceph, src.pool, src.namespace)
     try:
         read = store.read_all()
     finally:
@@ -68,11 +63,27 @@ def fleet_status(config: Config, store: FleetStore | None = None) -> FleetSummar
             store.close()
     now_mono = time.monotonic()
     seen = {node: Sighting(r, now_mono, now_mono) for node, r in read.reports.items()}
+    return summary_of(config, seen, now_mono, observed_for=0.0, problems=problems_of(read))
+
+
+def problems_of(read: FleetRead) -> tuple[str, ...]:
+    """A read's problems, led by one saying so when its listing was cut."""
     cut = () if read.complete else (
         "not every report was read (the listing stopped, see below): nodes not reached are "
         "not shown, and a gate shown passing may not; the daemons' gates wait meanwhile",)
-    return summary_of(config, seen, now_mono, observed_for=0.0,
-                      problems=cut + read.problems)
+    return cut + read.problems
+
+
+def in_fleet(config: Config) -> SourceFleet:
+    """The node config's ``source.fleet``; NotInFleet without one."""
+    src = config.git
+    if src is None or src.fleet is None:
+        raise NotInFleet("the node config has no source.fleet (source.fleet.pool: the pool "
+                         "holding the fleet's reports; docs/fleets.md)"
+                         if src is not None else
+                         "the node config has no source: (a fleet follows a git "
+                         "repository; source.fleet.pool names the pool of its reports)")
+    return src.fleet
 
 
 def summary_of(config: Config, seen: Mapping[str, Sighting], now_mono: float, *,

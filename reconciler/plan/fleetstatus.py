@@ -4,7 +4,8 @@ the reports come in as ``plan.rollout.Sighting`` (each with when THIS reader
 saw it change, on its own monotonic clock), the clocks are passed in.
 
 A node row: its wave (from fleet.yaml, never from the report's claim),
-applied revision and health (the failed volume and reason), the revision
+applied revision and health (the failed volume and reason; Healthy: for
+how long this reader has seen it so, as the gate counts it), the revision
 it holds back and why, its own hold, how long this reader has seen the
 report unchanged (stale past the gate's staleSeconds) and ``writtenAt``
 as the writer claims it (its clock; shown, never compared). A node that a
@@ -65,6 +66,7 @@ class NodeRow:
     written_at: str | None = None  # the writer's own clock: a claim
     unchanged_for: float | None = None  # seconds, on this reader's clock
     stale: bool = False
+    healthy_for: float | None = None  # Healthy at ``applied`` this long, on this reader's clock
     claimed_wave: str | None = None  # what the report says (shown when it differs)
     phases: tuple[tuple[str, int], ...] = ()
 
@@ -163,11 +165,13 @@ def _node_row(wave: str | None, node: str, s: Sighting, now_mono: float,
               stale_s: int) -> NodeRow:
     r = s.report
     quiet = max(0.0, now_mono - s.last_change_mono)
+    healthy = max(0.0, now_mono - s.first_seen_mono) if r.health == HEALTHY else None
     return NodeRow(node, wave, applied=r.applied, health=r.health,
                    failed_volume=r.failed_volume, failed_reason=r.failed_reason,
                    held_back=r.held_back, held_back_why=r.held_back_why, held=r.held,
                    hold_reason=r.hold_reason, counter=r.counter, written_at=r.written_at,
-                   unchanged_for=quiet, stale=quiet >= stale_s, claimed_wave=r.wave,
+                   unchanged_for=quiet, stale=quiet >= stale_s, healthy_for=healthy,
+                   claimed_wave=r.wave,
                    phases=r.phases)
 
 
@@ -255,7 +259,9 @@ def document(summary: FleetSummary) -> dict[str, object]:
                 "counter": r.counter, "writtenAt": r.written_at,
                 "unchangedForSeconds": None if r.unchanged_for is None
                 else round(r.unchanged_for, 1),
-                "stale": r.stale, "reportedWave": r.claimed_wave, "phases": dict(r.phases)}
+                "stale": r.stale, "healthyForSeconds": None if r.healthy_for is None
+                else round(r.healthy_for, 1),
+                "reportedWave": r.claimed_wave, "phases": dict(r.phases)}
 
     def revision(r: RevisionRow) -> dict[str, object]:
         gate = r.gate

@@ -266,3 +266,49 @@ def test_a_node_whose_report_writes_fail_while_it_applies_reports_once_they_work
     assert arrived is not None and arrived.counter >= made, (arrived, made)  # continued
     assert "this node's report is written again" in fleet.daemons["c1"].log.read_text()
     wait_for(lambda: fleet.applied("c2") == second, "c2 to apply it after c1's report")
+
+
+def test_fleet_status_through_the_daemon_and_a_direct_read_without_it(
+        node: NodeUnderTest, fleet: Fleet) -> None:
+    """The running daemon answers ``fleet status`` from its sightings: each
+    node's healthy time grows on its clock between two asks. Without a
+    daemon the command reads the reports itself and says it is a direct read."""
+    good = roll_out(fleet, "the fleet", {**fleet.files(), "fleet.yaml": fleet_yaml(THREE)})
+    names = fleet.names
+    canary = fleet.nodes[names[0]]
+    wait_for(lambda: all((r := fleet.report(n)) is not None and r.applied == good
+                         and r.health == "Healthy" for n in names),
+             "every node to report the commit Healthy")
+
+    def ask() -> dict:
+        rc, doc = canary.cli_json("fleet", "status")
+        assert rc == 0, doc
+        assert doc["answeredBy"] == f"the daemon (pid {fleet.daemons[names[0]].proc.pid})", doc
+        return doc
+
+    first = {n["node"]: n for n in ask()["nodes"]}
+    assert {n: (r["applied"], r["health"]) for n, r in first.items()} == {
+        n: (good, "Healthy") for n in names}, first
+    grown: dict = {}
+
+    def grew() -> bool:
+        grown.update(ask())
+        rows = {n["node"]: n for n in grown["nodes"]}
+        return all(rows[n]["healthyForSeconds"] >= first[n]["healthyForSeconds"] + 2
+                   for n in names)
+    wait_for(grew, "the healthy times, as the daemon sees them, to grow by 2 s", timeout=30)
+    assert grown["observedForSeconds"] >= 2 and not any(n["stale"] for n in grown["nodes"])
+    # Its answer read live: a report that changed since is seen (the counter moved).
+    assert {n["node"]: n["counter"] for n in grown["nodes"]} != {
+        n: r["counter"] for n, r in first.items()}
+    rc, text = canary.cli("fleet", "status")
+    assert rc == 0 and "HEALTHY FOR" in text and "a direct read" not in text, text
+
+    fleet.daemons[names[0]].stop()
+    rc, doc = canary.cli_json("fleet", "status")
+    assert rc == 0, doc
+    assert doc["answeredBy"] == "this command" and doc["note"].startswith("a direct read"), doc
+    assert doc["observedForSeconds"] == 0
+    assert all(n["healthyForSeconds"] == 0 for n in doc["nodes"]), doc["nodes"]
+    rc, text = canary.cli("fleet", "status")
+    assert rc == 0 and "note: a direct read: no daemon answered" in text, text

@@ -351,7 +351,7 @@ def test_fleet_status_cli(ceph_cluster: DevCluster, namespace: str, tmp_path: Pa
     assert any(p.startswith(f"{bad[:12]}: not a revision this node verified")
                for p in doc["problems"]), doc["problems"]
     assert any(p.startswith("'node/edge-003/report': not JSON") for p in doc["problems"])
-    assert "one read" in doc["note"]
+    assert doc["answeredBy"] == "this command" and "a direct read" in doc["note"]
     rc, text, err = run_cli(config, "fleet", "status")
     assert rc == 0, err
     assert f"revision {good[:12]}: Halted: halted: it failed on edge-001, volume pg" in text

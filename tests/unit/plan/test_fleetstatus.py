@@ -51,6 +51,18 @@ def test_node_rows_waves_missing_stale_and_claims() -> None:
     assert rows["x9"].wave is None and not rows["x9"].missing
 
 
+def test_healthy_for_on_the_readers_clock() -> None:
+    s = summarize(fleet(), {"c1": seen(rep("c1"), healthy_for=42.5),
+                            "e1": seen(rep("e1", health="Converging"), healthy_for=99)},
+                  NOW, NOON)
+    rows = {r.node: r for r in s.nodes}
+    assert rows["c1"].healthy_for == 42.5 and rows["e1"].healthy_for is None
+    assert rows["r1"].healthy_for is None  # missing
+    nodes = {n["node"]: n for n in document(s)["nodes"]}
+    assert nodes["c1"]["healthyForSeconds"] == 42.5
+    assert nodes["e1"]["healthyForSeconds"] is None
+
+
 def test_a_revision_wave_by_wave() -> None:
     s = summarize(fleet(), {"c1": seen(rep("c1")),
                             "e1": seen(rep("e1")), "e2": seen(rep("e2", OLD)),
