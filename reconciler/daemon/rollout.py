@@ -379,7 +379,12 @@ def _lend(session: Session, config: Config) -> Lent | None:
     if handle.cluster is None:
         handle.drop()
         return None
-    return handle.cluster, handle.drop
+
+    def give_back(failed: bool) -> None:
+        if failed:  # never lent again, nor used by the next pass: it connects anew
+            session.forget(handle)
+        handle.drop()
+    return handle.cluster, give_back
 
 
 def _inside(path: Path, directory: Path) -> bool:

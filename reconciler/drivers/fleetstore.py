@@ -98,8 +98,10 @@ def shown(name: str | bytes) -> str:
     return text if len(text) <= 120 else text[:119] + "…"
 
 
-# A connection lent for one call: the handle, and what gives it back.
-Lent = tuple[rados.Rados, Callable[[], None]]
+# A connection lent for one call: the handle, and what gives it back (told
+# whether a call on it failed: the lender then connects anew, as after a
+# failed pass; a blocklisted or revoked handle is never lent again).
+Lent = tuple[rados.Rados, Callable[[bool], None]]
 
 
 class FleetStore:
@@ -144,6 +146,7 @@ class FleetStore:
             yield self._io()
             return
         cluster, give_back = lent
+        failed = True
         try:
             self._retire()
             try:
@@ -156,10 +159,11 @@ class FleetStore:
             try:
                 io.set_namespace(self.namespace)
                 yield io
+                failed = False
             finally:
                 io.close()
         finally:
-            give_back()
+            give_back(failed)
 
     def _io(self) -> rados.Ioctx:
         if self._ioctx is not None:

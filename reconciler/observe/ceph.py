@@ -173,6 +173,15 @@ class Session:
     def discard(self) -> None:
         _drop_all(self._kept, self._lock)
 
+    def forget(self, handle: _Handle) -> None:
+        """Stop keeping ``handle`` (a call on it failed: a borrower's, as a
+        failed pass's), if it still is the one kept."""
+        with self._lock:
+            if handle not in self._kept:
+                return
+            self._kept.remove(handle)
+        handle.drop()
+
 
 def _drop_all(kept: list[_Handle], lock: threading.Lock) -> None:
     with lock:

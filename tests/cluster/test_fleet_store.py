@@ -102,7 +102,7 @@ def test_a_lent_connection_serves_every_call_and_the_stores_own_is_closed(
             if not lend[0]:
                 return None
             loans.append("out")
-            return kept, lambda: loans.append("back")
+            return kept, lambda failed: loans.append("failed" if failed else "back")
 
         with FleetStore(admin(ceph_cluster), ceph_cluster.pool, namespace,
                         borrow=borrow) as store:  # type: ignore[arg-type]
@@ -116,6 +116,12 @@ def test_a_lent_connection_serves_every_call_and_the_stores_own_is_closed(
             assert sorted(store.read_all().reports) == ["edge-001"]
             assert store.connects == 1  # no connection made while one was lent
         assert loans == ["out", "back"] * 3
+        loans.clear()
+        with (FleetStore(admin(ceph_cluster), "no-such-pool", namespace,
+                         borrow=borrow) as store,  # type: ignore[arg-type]
+              pytest.raises(FleetUnavailable, match="does not exist")):
+            store.write(report("edge-001", 3))
+        assert loans == ["out", "failed"]  # the lender drops a loan a call failed on
 
 
 def test_hostile_objects_are_problems(ceph_cluster: DevCluster, namespace: str,
