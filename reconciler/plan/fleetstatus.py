@@ -29,7 +29,7 @@ the daemon's answer to ``fleet status``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 
 from reconciler.facts.fleetreport import HEALTHY
@@ -89,11 +89,16 @@ class RevisionRow:
     current: str | None  # the first wave not done; None: all done (or no waves)
     gate: Decision | None  # the current wave's gate (None: no current wave)
     halted: Halted | None
+    # A newer revision under way that a node of this one's current wave
+    # applies instead (no node holds this one back): it goes no further.
+    superseded_by: str | None = None
 
     @property
     def state(self) -> str:
         if self.halted is not None:
             return "Halted"
+        if self.superseded_by is not None:
+            return "Superseded"
         if not self.waves:
             return "NoRollout"
         if self.current is None:
@@ -133,6 +138,7 @@ def summarize(rollout: Rollout | None, seen: Mapping[str, Sighting], now_mono: f
         own = (rollouts or {}).get(c, rollout)
         revisions.append(_revision(c, own, waves if own is rollout else _Waves(own), seen,
                                    now_mono, now_utc))
+    revisions = [_superseded(r, seen) for r in revisions]
     revisions.sort(key=lambda r: (-len(r.applied_by) - len(r.held_back_by), r.commit))
     return FleetSummary(rollout.name if rollout else None, tuple(rows), tuple(revisions),
                         stale_s, observed_for, problems)
@@ -229,10 +235,27 @@ def _revision(commit: str, rollout: Rollout | None, index: _Waves,
                        current.name if current else None, gate, halted)
 
 
+def _superseded(row: RevisionRow, seen: Mapping[str, Sighting]) -> RevisionRow:
+    """``row`` marked superseded when nobody holds it back and a node of its
+    current wave applies another revision that some node holds back (a newer
+    rollout under way): without git no reader knows which commit is newer,
+    but a revision held back by someone is one being rolled out now."""
+    if row.halted is not None or row.current is None or row.held_back_by:
+        return row
+    wave = next(w for w in row.waves if w.name == row.current)
+    held = {s.report.held_back for s in seen.values()} - {None, row.commit}
+    newer = sorted({a for n in wave.nodes if n in seen
+                    and (a := seen[n].report.applied) in held})
+    return replace(row, superseded_by=newer[0]) if newer else row
+
+
 def gate_text(row: RevisionRow) -> str:
     """One line: where the rollout of ``row.commit`` is, and why."""
     if row.halted is not None:
         return describe(row.halted)
+    if row.superseded_by is not None:
+        return (f"superseded: wave {row.current} applies {row.superseded_by[:12]}, "
+                "which is being rolled out")
     if not row.waves:
         return "no fleet.yaml: every node applies it at once"
     if row.current is None:
@@ -272,6 +295,7 @@ def document(summary: FleetSummary) -> dict[str, object]:
                 "currentWave": r.current, "waitingFor": waits,
                 "nextWindow": gate.next_opening.isoformat()
                 if isinstance(gate, OutsideWindow) and gate.next_opening else None,
+                "supersededBy": r.superseded_by,
                 "halted": None if r.halted is None else {
                     "node": r.halted.node, "volume": r.halted.volume,
                     "reason": r.halted.reason},

@@ -135,3 +135,24 @@ def test_each_revision_by_its_own_rollout() -> None:
                   NOW, NOON, rollouts={OLD: other})
     assert [w.name for w in s.revisions[0].waves] == ["first", "then"]
     assert s.revisions[0].state == "Done"
+
+
+def test_a_revision_a_newer_rollout_moved_past_is_superseded_not_applying() -> None:
+    """The canary applied a newer commit (halted there); the others keep R
+    and hold the newer one back: R is not "applying" to the canary."""
+    new = "c" * 40
+    s = summarize(fleet(), {
+        "c1": seen(rep("c1", new, "Failed")),
+        "e1": seen(rep("e1", R, held_back=new, held_back_why="Halted")),
+        "r1": seen(rep("r1", R, held_back=new, held_back_why="Halted")),
+        "r2": seen(rep("r2", R, held_back=new, held_back_why="Halted"))}, NOW, NOON)
+    rows = {r.commit: r for r in s.revisions}
+    assert rows[new].state == "Halted"
+    assert rows[R].state == "Superseded" and rows[R].superseded_by == new
+    assert gate_text(rows[R]).startswith("superseded: wave canary applies cccccccccccc")
+    assert next(r for r in document(s)["revisions"] if r["commit"] == R)["supersededBy"] == new
+    # While a node holds R back, R is still being rolled out: not superseded.
+    s = summarize(fleet(), {"c1": seen(rep("c1", new, held_back=R, held_back_why="Waiting")),
+                            "e1": seen(rep("e1", R, held_back=new, held_back_why="Waiting"))},
+                  NOW, NOON)
+    assert {r.commit: r for r in s.revisions}[R].superseded_by is None
