@@ -115,6 +115,7 @@ MOVED = "p18-moved"
 
 CONFIG = """\
 stateDir: {root}/state
+controlSocket: {root}/state/control.sock
 nodeName: {node}
 ceph:
   conf: {conf}

@@ -92,8 +92,7 @@ def run(r: Run, volumes: int, interval: float, idle: float, rounds: int
 
 def _source(r: Run, url: str, interval: float, more: str) -> str:
     """The node's ``source:`` (``more``: keys under it), resync 60 s."""
-    return (source_yaml(url, r.allowed, interval) + more
-            + "resyncSeconds: 60\ncontrolSocket: {root}/control.sock\n")
+    return source_yaml(url, r.allowed, interval) + more + "resyncSeconds: 60\n"
 
 
 def report(per_min: dict[str, list[float]], interval: float) -> None:

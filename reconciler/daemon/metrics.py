@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("rbd-reconciler")
 
 NS = "rbd_reconciler"
+NOT_IN_FLEET = "NotInFleet"  # rbd_reconciler_rollout_state of a node in no fleet
 # What a status file's "phase" can say (daemon.py); other values count as Other.
 STATUS_PHASES = ("Pending", "Absent", "Created", "Mapped", "Staged", "Published", "Degraded",
                  "Deleting", "Released", "Failed", "Frozen", "Unknown", "Stalled", "Fenced")
@@ -252,12 +253,14 @@ class Metrics:
                                        "...).", ["reason"], registry=r)
         self.source_interval = Gauge(f"{NS}_source_interval_seconds",
                                      "The configured source.intervalSeconds.", registry=r)
-        # A fleet's rollout (source.fleet): one series, the state now.
-        self.rollout = Gauge(f"{NS}_rollout_state", "Always 1 while the node is in a fleet; "
-                             "state: Applied, Waiting, OutsideWindow, Halted or Held; "
-                             "revision: the revision held back (empty: none).",
+        # A fleet's rollout (source.fleet): one series, the state now; from
+        # start-up (an alert reads it), NotInFleet until the node is in one.
+        self.rollout = Gauge(f"{NS}_rollout_state", "Always 1; state: NotInFleet, Applied, "
+                             "Waiting, OutsideWindow, Halted or Held; revision: the revision "
+                             "held back (empty: none).",
                              ["state", "revision"], registry=r)
         self._rollout: tuple[str, str] | None = None
+        self.set_rollout(None, None)
         self.build_info = Gauge(f"{NS}_build_info", "Always 1; the labels say which build "
                                 "runs.", ["version", "python"], registry=r)
         self.build_info.labels(__version__, platform.python_version()).set(1)
@@ -293,13 +296,12 @@ class Metrics:
         self.csi_seconds.labels(method).observe(seconds)
 
     def set_rollout(self, state: str | None, revision: str | None) -> None:
-        """The node's rollout state now (None: in no fleet: no series)."""
-        now = None if state is None else (state, revision or "")
+        """The node's rollout state now (None: in no fleet: NotInFleet)."""
+        now = (state or NOT_IN_FLEET, revision or "")
         if now == self._rollout:
             return
         self.rollout.clear()
-        if now is not None:
-            self.rollout.labels(*now).set(1)
+        self.rollout.labels(*now).set(1)
         self._rollout = now
 
     # -- per-volume state -------------------------------------------------------

@@ -324,6 +324,8 @@ def test_the_rollout_state_metric_follows_the_source(tmp_path: Path) -> None:
     config = fleet_config(tmp_path)
     apply_revision(config, "a" * 40)
     r = rollouts(config, FakeStore(), Clock())
+    # From start-up, before any tick: an alert reads it (tests/cluster/test_metrics.py).
+    assert series(r) == [{"state": "NotInFleet", "revision": ""}]
     r.tick()
     assert series(r) == [{"state": "Applied", "revision": ""}]
     Layout(config.source_dir).write_state({"heldBack": {
