@@ -151,7 +151,7 @@ class Rollouts:
         self.mono, self.wall = mono, wall
         self.lock = threading.Lock()  # what the pass, the chains and the source tell it
         # The gate's (the source thread), and fleet_view's (a control connection):
-        # each replaces the dict whole, never changes it in place.
+        # each replaces the dict whole, under self.lock (neither loses the other's).
         self.sightings: dict[str, Sighting] = {}
         self.first_read: float | None = None  # fleet_view's first (monotonic)
         self.answered: tuple[str, str, str] | None = None  # the gate's last answer (logged)
@@ -205,9 +205,11 @@ class Rollouts:
             answer = GateAnswer("Waiting", f"cannot read the fleet's reports ({exc}): waits "
                                            "until Ceph answers", {"waitingFor": []})
         else:
-            now = self.mono()
-            self.sightings = {node: sight(self.sightings.get(node), report, now)
-                              for node, report in read.reports.items()}
+            with self.lock:  # fleet_view sights into the same map from a control thread
+                now = self.mono()
+                self.sightings = {node: sight(self.sightings.get(node), report, now)
+                                  for node, report in read.reports.items()}
+                seen = self.sightings
             if read.problems != self.problems:  # a few lines: junk renamed each sync
                 for problem in read.problems[:LOGGED_PROBLEMS]:  # must not flood the journal
                     log.warning("fleet: a report is not read: %s", problem)
@@ -215,7 +217,7 @@ class Rollouts:
                     log.warning("fleet: %d objects not read as reports in all (`fleet "
                                 "status` lists them)", len(read.problems))
                 self.problems = read.problems
-            answer = answer_of(decide(rollout, config.node_name, commit, self.sightings,
+            answer = answer_of(decide(rollout, config.node_name, commit, seen,
                                       hold, now, self.wall()))
             if not read.complete and answer.applies:  # an unseen node of a glob wave is
                 answer = INCOMPLETE                    # not counted at all: never on this
