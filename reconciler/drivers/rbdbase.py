@@ -10,9 +10,11 @@ by what reads Ceph directly (observe/ceph.py, apply/claims.py, csi/cephinfo.py).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Iterator
 
 import rados
 import rbd
@@ -274,10 +276,46 @@ def meta_cas(ioctx: rados.Ioctx, oid: str, key: str, value: str | None) -> None:
 OPENS = [0]
 
 
+# One writable handle per image in this process at a time. librbd 16.2
+# (Debian 12) aborts the whole process (``~AsyncOpTracker``: FAILED
+# ceph_assert(m_pending_ops == 0)) when handles of one image in one client
+# pass its exclusive lock among themselves while one closes: a teardown that
+# removed three snapshots of one image in parallel chains did, in CI. Ceph
+# would run such changes one after the other anyway (the exclusive lock), so
+# waiting here costs nothing; images that differ never wait for each other.
+_WRITERS: dict[tuple[str, str, str], tuple[threading.Lock, int]] = {}
+_WRITERS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _sole_writer(ioctx: rados.Ioctx, name: str) -> Iterator[None]:
+    key = (ioctx.get_pool_name(), ioctx.get_namespace(), name)
+    with _WRITERS_LOCK:
+        lock, users = _WRITERS.get(key) or (threading.Lock(), 0)
+        _WRITERS[key] = (lock, users + 1)
+    try:
+        with lock:
+            yield
+    finally:
+        with _WRITERS_LOCK:
+            lock, users = _WRITERS[key]
+            if users == 1:
+                del _WRITERS[key]
+            else:
+                _WRITERS[key] = (lock, users - 1)
+
+
+@contextlib.contextmanager
 def open_image(ioctx: rados.Ioctx, name: str, read_only: bool = False,
-          snapshot: str | None = None) -> rbd.Image:
-    OPENS[0] += 1
-    return rbd.Image(ioctx, name, snapshot=snapshot, read_only=read_only)
+               snapshot: str | None = None) -> Iterator[rbd.Image]:
+    """An open image, closed on leaving; a writable one is this process's only
+    writable handle of that image meanwhile (see _WRITERS)."""
+    with contextlib.ExitStack() as stack:
+        if not read_only:
+            stack.enter_context(_sole_writer(ioctx, name))
+        OPENS[0] += 1
+        with rbd.Image(ioctx, name, snapshot=snapshot, read_only=read_only) as img:
+            yield img
 
 def snapshot_children(cluster: rados.Rados, pool: str, image: str, snap: str) -> list[str]:
     with cluster.open_ioctx(pool) as ioctx, open_image(ioctx, image, read_only=True,
