@@ -310,3 +310,66 @@ def test_daemon_takes_the_snapshot_then_clones(node: NodeUnderTest,
     wait_for(lambda: daemon.status(snap).get("phase") == "Created", "snapshot status")
     assert daemon.stop() == 0
     tear_down(node, src, copy)
+
+
+def test_a_snapshot_taken_after_its_record_moved_on_is_removed(node: NodeUnderTest) -> None:
+    """A replica paused between the gate's check and the snapshot wakes after
+    another replica deleted that snapshot (stop 48's CI, the history checker):
+    the gate asked again after the take refuses, and the snapshot goes."""
+    from reconciler.apply.runner import apply
+    from reconciler.engine import plan_pass
+    from reconciler.observe.node import Node
+    from reconciler.plan.steps import CreateSnapshot, Step
+    from reconciler.spec.config import load_config
+
+    src, snap = node.name("moved"), node.name("moved-s1")
+    image_only(node, src)
+    assert node.apply()["rc"] == 0
+    snapshot(node, snap, src)
+    config = load_config(node.config)
+    n = Node.from_config(config)
+    p = plan_pass([node.desired], config, n)
+    asked: list[str] = []
+
+    def gate(name: str, _file: Path, step: Step) -> str | None:
+        if not isinstance(step, CreateSnapshot):
+            return None
+        asked.append(name)
+        return None if len(asked) == 1 else "its controller record moved on (test)"
+
+    outs = {o.name: o for o in apply(p.plans, {v.name: v for v in p.loaded.volumes},
+                                     p.observed, n, gate=gate)}
+    assert asked == [snap, snap]
+    assert outs[snap].status == "failed" and outs[snap].refused, outs[snap]
+    assert "was removed" in (outs[snap].error or ""), outs[snap]
+    assert snaps_of(node, src) == []
+    # Nothing asks twice when the gate lets it be: taken, and kept.
+    assert node.apply()["rc"] == 0 and snaps_of(node, src) == [snap]
+    tear_down(node, src)
+
+
+def test_an_image_created_after_its_record_moved_on_is_removed(node: NodeUnderTest) -> None:
+    """The same for a volume: a create woken after its name was deleted
+    removes the image it just made (no one was told of it)."""
+    from reconciler.apply.runner import apply
+    from reconciler.engine import plan_pass
+    from reconciler.observe.node import Node
+    from reconciler.plan.steps import CreateImage, Step
+    from reconciler.spec.config import load_config
+
+    vol = node.name("moved-vol")
+    image_only(node, vol)
+    config = load_config(node.config)
+    n = Node.from_config(config)
+    p = plan_pass([node.desired], config, n)
+    asked: list[str] = []
+
+    def gate(name: str, _file: Path, step: Step) -> str | None:
+        if isinstance(step, CreateImage):
+            asked.append(name)
+            return None if len(asked) == 1 else "its controller record moved on (test)"
+        return None
+
+    [out] = apply(p.plans, {v.name: v for v in p.loaded.volumes}, p.observed, n, gate=gate)
+    assert asked == [vol, vol] and out.refused and "was removed" in (out.error or ""), out
+    assert not node.image_exists(vol)
