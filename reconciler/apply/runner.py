@@ -160,9 +160,10 @@ class _VolumeRun(ImageSteps, MapSteps, DeviceSteps):
             else:
                 ceph.remove_image(self.need_cluster(), step.pool, step.image)
         except Exception as exc:
-            raise StepRefused(f"{why}; what it had just made ({step.target}) could not be "
-                              f"removed: {exc}") from None
-        raise StepRefused(f"{why}; what it had just made ({step.target}) was removed")
+            raise StepRefused(f"{why}; what it had just made ({step.target}) after its record "
+                              f"moved on could not be removed: {exc}") from None
+        raise StepRefused(f"{why}; what it had just made ({step.target}) after its record "
+                          "moved on was removed")
 
     # -- one step --------------------------------------------------------------
     def execute(self, step: Step) -> tuple[str, str]:

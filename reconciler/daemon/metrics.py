@@ -81,6 +81,7 @@ REFUSAL_REASONS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
                        r"refusing to open it twice|refusing to close it"),
         ("qos", r"^QoS: "),
         ("unknown", r"unknown, not absent"),
+        ("moved_on", r"record moved on"),
     ))
 REFUSAL_OTHER = "other"
 
