@@ -284,7 +284,6 @@ def test_killed_rbd_nbd_is_reattached_under_a_writer(node: NodeUnderTest, mode: 
             gaps.append(round(reattached, 1))
     finally:
         writer.stop()
-        print(subprocess.run(["dmesg"], capture_output=True, text=True).stdout[-3000:])
     assert writer.errors == [], writer.errors
     writer.verify()
     print(f"\nrbd-nbd re-attach ({mode}): kill to re-attached {gaps} s; longest gap "
