@@ -15,6 +15,7 @@ from reconciler.plan.steps import (
     CloseCrypt,
     LimitDeviceIo,
     MapImage,
+    ReattachNbd,
     RefreshDevice,
     Unmap,
 )
@@ -46,6 +47,20 @@ class MapRules(VolumeView):
         self.add(Unmap(v.name, v.image.pool, v.image.name, mp.kind, mp.device, mp.fuse_mount,
                        release_claim=False))
         self.forget_mapping()
+
+    def reattach(self) -> bool:
+        """An nbd device whose rbd-nbd died and that the kernel keeps (with
+        the cookie we recorded): a new rbd-nbd is attached to it, and that is
+        the whole plan. Its stalled I/O and unreadable device are that death's
+        doing; they are looked at again once it is served. True if planned."""
+        v, mp = self.v, self.mapping
+        if mp is None or mp.reattach is None or mp.device is None or v.state == "absent" \
+                or v.wanted_phase < Phase.MAPPED:
+            return False
+        self.plan.notes.append(f"{mp.problem}: re-attached")
+        self.add(ReattachNbd(v.name, v.image.pool, v.image.name, mp.device, mp.reattach,
+                             v.map.options))
+        return True
 
     def forget_mapping(self) -> None:
         """Unmapped by a step planned above: what follows maps it afresh."""

@@ -578,6 +578,22 @@ WantedBy=multi-user.target
 """
 
 
+def reload() -> str:
+    """`systemctl reload`: ExecReload is the shell's kill (a minimal Debian 12
+    has no /bin/kill, procps's): the same process reads its config again."""
+    before = daemon()
+    mark = cursor()
+    sh("systemctl", "reload", "rbd-reconciler")
+    wait_for("the daemon's 'config reloaded' line",
+             lambda: any("config reloaded" in str(e.get("MESSAGE", ""))
+                         for e in journal("-u", "rbd-reconciler", f"--after-cursor={mark}")),
+             60)
+    after = daemon()
+    assert after["MainPID"] == before["MainPID"], (before, after)
+    assert after["ActiveState"] == "active", after
+    return f"reloaded in place (pid {after['MainPID']})"
+
+
 def application() -> str:
     Path("/usr/local/lib/nodebox-app.py").write_text(APP)
     Path("/etc/systemd/system/nodebox-app.service").write_text(APP_UNIT)
@@ -754,6 +770,7 @@ def boot1() -> str:
           f"{scope_overhead()} to a start")
     check("journal fields", journal_fields)
     check("systemd-analyze security", security)
+    check("systemctl reload", reload)
     app = check("application unit", application)
     check("qos.unit through systemd", qos_unit)
     check("upgrade keeps volumes", upgrade)
