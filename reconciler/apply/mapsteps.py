@@ -98,8 +98,10 @@ class MapSteps(ChainState):
         # for it (measured: a 30 s pause). The attach succeeding proves its
         # connection dead (the kernel takes a new one only in place of a
         # dead one), so its client is blocklisted now, as `rbd lock break`
-        # does, and the lock passes at once. Only the claim's clients: ours.
-        for addr in held.clients if new else ():
+        # does, and the lock passes at once. Only the claim's one client: a
+        # claim naming more (someone else's client watched the image when it
+        # was recorded) could name a live one, and is left to Ceph's timeout.
+        for addr in held.clients if new and len(held.clients) == 1 else ():
             try:
                 claims.blocklist_add(cluster, addr)
             except (rados.Error, ceph.CephError) as exc:
