@@ -88,11 +88,18 @@ class MapSteps(ChainState):
         log.warning("%s: rbd-nbd serving %s was gone; re-attached", step.volume, step.device)
         with cluster.open_ioctx(step.pool) as ioctx:
             new = tuple(a for a in claims.watchers(ioctx, step.image) if a not in held.clients)
+        if len(new) > 1:  # ours is one; someone else opened it meanwhile
+            self.detach_again(step)
+            raise StepRefused(f"image {step.pool}/{step.image} is open by {len(new)} clients "
+                              f"({', '.join(new)}) right after re-attaching it: another "
+                              "client opened it at the same time; detached again, the kernel "
+                              "keeps the device")
         try:
             claims.record_clients(cluster, step.pool, step.image, me, new or held.clients)
         except claims.ClaimedElsewhere as exc:
+            self.detach_again(step)
             raise StepRefused(f"{step.pool}/{step.image} is claimed by node {exc.holder.node} "
-                              "(taken while re-attaching here)") from None
+                              "(taken while re-attaching here); detached again") from None
         # The dead one still holds the image's exclusive lock, and its watch
         # lives on until Ceph times it out (30 s): the new one's writes wait
         # for it (measured: a 30 s pause). The attach succeeding proves its
@@ -108,6 +115,15 @@ class MapSteps(ChainState):
                 log.warning("%s: the dead rbd-nbd's client %s not blocklisted (%s): its "
                             "lock passes when Ceph times its watch out", step.volume, addr, exc)
         return "changed", f"re-attached {step.device}"
+
+    def detach_again(self, step: ReattachNbd) -> None:
+        """The new rbd-nbd must not serve (another writer): stopped, the
+        device kept as it was; a failure to stop it is said, never hidden."""
+        try:
+            self.node.nbd.detach(step.device)
+        except Exception as exc:
+            log.error("%s: the rbd-nbd just attached to %s could not be detached again: %s",
+                      step.volume, step.device, exc)
 
     def take_claim(self, cluster: rados.Rados, pool: str, image: str) -> tuple[Claim, bool]:
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -83,6 +84,9 @@ log = logging.getLogger("reconciler.apply")  # the name log lines have always ca
 CEPH_STEPS = (CreateImage, ResizeImage, SetImageMeta, SetQos, DeleteImage, FormatDevice,
               GrowFilesystem, MountStaging, CreateSnapshot, CloneImage, FlattenImage,
               DeleteSnapshot, MapImage, ClaimImage, ReleaseClaim, GroupStep, ReattachNbd)
+# The gate's word for a CSI file whose controller record is gone or changed
+# (recorded.py, Volumes.gate): what a step made after that is no one's.
+MOVED_ON = re.compile(r"record moved on")
 # Failures here leave a stage half done: undo what this run acquired.
 STAGE_CHAIN = (MapImage, RefreshDevice, FormatCrypt, OpenCrypt, ResizeCrypt, FormatDevice,
                MountStaging)
@@ -154,6 +158,11 @@ class _VolumeRun(ImageSteps, MapSteps, DeviceSteps):
         why = self.gate(self.volume.name, self.volume.source.file, step)
         if not why:
             return
+        if not MOVED_ON.search(why):
+            # Not known (a record that cannot be read may still be current,
+            # its call still waiting): unknown is never absent. Nothing more
+            # is done, and what it made stays.
+            raise StepRefused(why)
         try:
             if isinstance(step, CreateSnapshot):
                 ceph.remove_snapshot(self.need_cluster(), step.pool, step.image, step.snap)

@@ -226,6 +226,12 @@ class KernelMapper:
         if self.kind == "nbd" and self.records is not None and mapping.device:
             self.records.forget(mapping.device)
 
+    def detach(self, device: str) -> None:
+        """Stop the rbd-nbd serving ``device`` and keep the device (netlink):
+        what a re-attach that must not stand leaves, as it found it."""
+        self.runner.run(["rbd", "device", "detach", "-t", "nbd", _device(device),
+                         *ceph_args(self.ceph)])
+
     def refresh(self, device: str, size: int, wait: float = RESIZE_WAIT_S) -> None:
         """krbd and rbd-nbd follow an image resize by themselves (a header
         watch): wait, bounded, until the device shows at least ``size``."""

@@ -209,7 +209,7 @@ def actual_state(vol: Volume, observed: Observed, ctx: Context,
                p.dev.problem if p.dev and p.dev.problem else None)
     # An nbd device the kernel keeps for a re-attach still serves its mounts:
     # its phase stands, and the problem says a new rbd-nbd is due.
-    reattaching = bool(p.mapping and p.mapping.reattach)
+    reattaching = bool(p.mapping and p.mapping.reattach) and not image_unknown
     if problem is None and not unknown:
         if found is None:
             found = problems(vol, observed, ctx)

@@ -84,7 +84,7 @@ def test_a_reattach_whose_claim_was_taken_meanwhile_does_not_leave_its_rbd_nbd_s
     nbd = FakeNbd()
     with pytest.raises(StepRefused, match="claimed by node node-b"):
         chain(nbd).reattach(STEP)
-    assert [c for c, _ in nbd.calls][0] == "attach"
+    assert next(c for c, _ in nbd.calls) == "attach"
     assert any(c in ("detach", "unmap") for c, _ in nbd.calls[1:]), (
         "the new rbd-nbd is left serving an image claimed by node-b")
 

@@ -689,3 +689,11 @@ def test_attach_runs_rbd_device_attach_only_on_our_cookie(tmp_path: Path) -> Non
     with pytest.raises(CommandError, match="cookie none"):
         m.attach("rbd", "web", "/dev/nbd9", COOKIE, ())
     assert len(runner.history) == 1
+
+
+def test_detach_stops_rbd_nbd_and_keeps_the_device() -> None:
+    runner = RecordingRunner(replies=[ok()])
+    KernelMapper("nbd", CEPH, runner, udev=lambda: True).detach("/dev/nbd5")
+    assert runner.history == [["rbd", "device", "detach", "-t", "nbd", "/dev/nbd5", *CEPH_ARGS]]
+    with pytest.raises(ValueError):
+        KernelMapper("nbd", CEPH, runner, udev=lambda: True).detach("--evil")

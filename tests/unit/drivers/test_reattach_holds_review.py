@@ -62,9 +62,8 @@ def test_the_writer_lock_does_not_leak_and_other_images_do_not_wait(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(rbdbase.rbd, "Image", _Image)
     io = _Ioctx()
-    with pytest.raises(KeyError):
-        with rbdbase.open_image(io, "missing"):
-            pass
+    with pytest.raises(KeyError), rbdbase.open_image(io, "missing"):
+        pass
     assert rbdbase._WRITERS == {}
     done = threading.Event()
     with rbdbase.open_image(io, "a"):

@@ -107,6 +107,7 @@ class World:
     devices: dict[str, Device] = field(default_factory=dict)
     mounts: list[Mount] = field(default_factory=list)
     path_rdev: dict[str, tuple[int, int]] = field(default_factory=dict)
+    blocklist: dict[str, str] | None = None  # None: not asked for, or no answer
     _ids: itertools.count = field(default_factory=lambda: itertools.count(100))
 
     def image(self, name: str, size: int, *, pool: str = "rbd",
@@ -147,7 +148,7 @@ class World:
             images=images, pools_listed=frozenset(self.pools),
             pool_errors=dict(self.pool_errors), mappings=tuple(self.mappings),
             devices=dict(self.devices), mounts=tuple(self.mounts),
-            path_rdev=dict(self.path_rdev),
+            path_rdev=dict(self.path_rdev), blocklist=self.blocklist,
         )
 
 
@@ -1039,6 +1040,7 @@ def nbd_kept(vol: Volume, *, cookie: str | None = "c00k1e") -> World:
     w = converged(vol, kind="nbd", device="/dev/nbd0")
     w.mappings = [replace(w.mappings[0], reattach=cookie,
                           problem="rbd-nbd serving /dev/nbd0 is gone")]
+    w.blocklist = {}  # asked for (something of ours is mapped), nothing fenced
     return w
 
 
@@ -1086,3 +1088,11 @@ def test_a_kept_nbd_device_claimed_by_another_node_is_not_reattached() -> None:
         img, meta={**img.meta, meta.HOLDER: Claim("node-b").encode()})})
     p = plan_one(vol, obs)
     assert "reattach" not in actions(p) and p.refusal
+
+
+def test_a_kept_nbd_device_is_not_reattached_while_the_blocklist_is_unknown() -> None:
+    """Whether its client is fenced cannot be told: no new writer."""
+    vol = volume(mapper="nbd")
+    w = nbd_kept(vol)
+    w.blocklist = None
+    assert "reattach" not in actions(plan_one(vol, w))

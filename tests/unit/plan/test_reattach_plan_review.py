@@ -18,6 +18,7 @@ def kept(vol, cookie: str = "c00k1e"):  # type: ignore[no-untyped-def]
     w = converged(vol, kind="nbd", device="/dev/nbd0")
     w.mappings = [replace(w.mappings[0], reattach=cookie,
                           problem="rbd-nbd serving /dev/nbd0 is gone")]
+    w.blocklist = {}  # asked for, as observe does when something of ours is mapped
     return w
 
 
