@@ -47,6 +47,14 @@ from reconciler.state.registry import NbdMappings
 # and waits on). Shorter is a shorter pause after a re-attach, and one such
 # kernel line per stuck request that often while Ceph does not answer.
 NBD_REQUEUE_MS = 5000
+# librbd's cache inside rbd-nbd is writeback by default (after the first
+# flush): a write is acknowledged once it is in that process's memory, and a
+# rbd-nbd that dies takes it along. A flush the kernel then sends again to
+# the re-attached rbd-nbd finds nothing to flush and succeeds: an fsync
+# answered OK for data that never reached Ceph (measured in the VM: a record
+# written and fsynced before the kill read back as it was before). Writes
+# go through to the OSDs before they are acknowledged; reads stay cached.
+NBD_CACHE = "rbd_cache_policy=writethrough"
 NBD_IO_TIMEOUT = "io-timeout=0"
 NBD_REATTACH_S = 300
 NBD_NETLINK = ("try-netlink", f"reattach-timeout={NBD_REATTACH_S}")
@@ -306,7 +314,7 @@ def nbd_options(options: tuple[str, ...]) -> tuple[str, ...]:
     """rbd-nbd's options: the volume's, then netlink and its re-attach
     timeout, and no request timeout, unless the volume set them."""
     keys = {o.partition("=")[0] for o in options}
-    extra = [o for o in (*NBD_NETLINK, NBD_IO_TIMEOUT)
+    extra = [o for o in (*NBD_NETLINK, NBD_IO_TIMEOUT, NBD_CACHE)
              if o.partition("=")[0] not in keys
              and not (o.startswith("io-timeout") and "timeout" in keys)]
     return (*options, *extra)

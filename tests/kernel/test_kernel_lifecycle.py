@@ -180,6 +180,7 @@ class RecordWriter:
     between completed records measured. The file is opened once."""
 
     def __init__(self, path: Path, records: int = 24) -> None:
+        """``records`` slots; the writer stops at the last one (never wraps)."""
         import mmap
         import threading
 
@@ -202,8 +203,8 @@ class RecordWriter:
         fd = os.open(self.path, os.O_WRONLY | os.O_DIRECT)
         i, last = 0, time.monotonic()
         try:
-            while not self._stop.is_set():
-                slot = i % self.records
+            while not self._stop.is_set() and i < self.records:
+                slot = i
                 data = i.to_bytes(8, "little") + os.urandom(MiB - 8)
                 self._buf[:] = data
                 try:
@@ -261,12 +262,15 @@ def test_killed_rbd_nbd_is_reattached_under_a_writer(node: NodeUnderTest, mode: 
     assert timer.read_text().strip() == "5000", "the requeue timer (NBD_REQUEUE_MS) is not set"
     mount_id = next(line.split()[0] for line in Path("/proc/self/mountinfo").read_text()
                     .splitlines() if line.split()[4] == str(node.srv / "app"))
-    writer = RecordWriter(node.srv / "app" / "records.bin")
-    gaps = []
-    try:
-        for _ in range(5):
-            n = writer.count()
-            wait_for(lambda n=n: writer.count() >= n + 3, 60, "3 more records")
+    gaps: list[float] = []
+    pauses: list[float] = []
+    for k in range(5):
+        # A writer per kill, on a file of its own that it never wraps: a
+        # record acknowledged before the kill and lost with rbd-nbd (its
+        # cache) reads back wrong, never overwritten by a later one.
+        writer = RecordWriter(node.srv / "app" / f"records-{k}.bin", records=10)
+        try:
+            wait_for(lambda w=writer: w.count() >= 3, 60, "3 records")
             _kill_rbd_nbd(device)
             killed = time.monotonic()
             st = status_of(node, name)
@@ -278,18 +282,18 @@ def test_killed_rbd_nbd_is_reattached_under_a_writer(node: NodeUnderTest, mode: 
             # Requests in flight on the dead connection are sent again when
             # their timer fires (NBD_REQUEUE_MS): until then its I/O stalls.
             n = writer.count()
-            wait_for(lambda n=n: writer.count() >= n + 3, 90, "records after the re-attach")
+            wait_for(lambda n=n, w=writer: w.count() >= min(n + 2, w.records), 90,
+                     "records after the re-attach")
             st = status_of(node, name)
             assert st["phase"] == "PUBLISHED" and st["problem"] is None, st
             gaps.append(round(reattached, 1))
-    finally:
-        writer.stop()
-    assert writer.errors == [], writer.errors
-    writer.verify()
-    print(f"\nrbd-nbd re-attach ({mode}): kill to re-attached {gaps} s; longest gap "
-          f"between records {max(writer.gaps):.1f} s; p99 "
-          f"{sorted(writer.gaps)[int(len(writer.gaps) * 0.99)]:.2f} s over "
-          f"{writer.count()} records")
+        finally:
+            writer.stop()
+        assert writer.errors == [], writer.errors
+        writer.verify()
+        pauses.append(max(writer.gaps))
+    print(f"\nrbd-nbd re-attach ({mode}): kill to re-attached {gaps} s; longest pause "
+          f"between records per kill {[round(p, 1) for p in pauses]} s")
     # The same mount all along: nothing was unmounted or mounted again.
     assert any(line.split()[0] == mount_id and line.split()[4] == str(node.srv / "app")
                for line in Path("/proc/self/mountinfo").read_text().splitlines())
@@ -321,3 +325,48 @@ def test_the_real_device_list_parses(node: NodeUnderTest, mapper: str,
         assert krbd_devices() == parse_rbd_device_list(out)
     else:
         assert nbd_any_connected()
+
+
+def test_the_daemon_reattaches_a_killed_rbd_nbd_at_once(node: NodeUnderTest) -> None:
+    """The daemon, with a resync an hour away: the kernel's message about the
+    dead connection ("block nbdN: Receive control failed") wakes the volume
+    (daemon/events.py, /dev/kmsg), and its pass re-attaches. Measured: the
+    time from the kill to the new rbd-nbd, and the writer's longest pause."""
+    import time
+
+    from partition import Daemon
+
+    node.config.write_text(node.config.read_text() + "resyncSeconds: 3600\n")
+    name = node.name("nbd-dmn")
+    node.write(name, spec(node, "64Mi", "nbd", "ext4"))
+    daemon = Daemon(node.config, node.root / "daemon.log", 120)
+    writer = None
+    try:
+        def row() -> dict:
+            return daemon.status(node.state, name)
+
+        wait_for(lambda: row().get("phase") == "Published", 180, "the volume Published")
+        device = status_of(node, name)["device"]
+        writer = RecordWriter(node.srv / "app" / "records.bin", records=16)
+        wait_for(lambda: writer.count() >= 3, 60, "the first records")
+        old = _rbd_nbd_pid(device)
+        _kill_rbd_nbd(device)
+        killed = time.monotonic()
+        wait_for(lambda: any(d.get("device") == device and int(d.get("id", 0)) != old
+                             for d in mapped_devices()), 60, "a new rbd-nbd on the device")
+        took = time.monotonic() - killed
+        n = writer.count()
+        wait_for(lambda: writer.count() >= min(n + 2, writer.records), 90,
+                 "records after the re-attach")
+        writer.stop()
+        assert writer.errors == [], writer.errors
+        writer.verify()
+        assert "re-attached" in (node.root / "daemon.log").read_text()
+        assert took < 60, f"re-attached {took:.1f} s after the kill: not woken by the event"
+        print(f"\ndaemon: rbd-nbd killed to re-attached {took:.1f} s; longest pause between "
+              f"records {max(writer.gaps):.1f} s")
+    finally:
+        if writer is not None:
+            writer.stop()
+        assert daemon.stop() == 0
+    assert node.cli("release")[0] == 0

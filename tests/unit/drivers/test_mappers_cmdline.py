@@ -28,7 +28,9 @@ DATA = Path(__file__).resolve().parents[2] / "data"
 CEPH = CephConfig(conf="/etc/ceph/ceph.conf", user="admin", keyring="/k")
 CEPH_ARGS = ["--conf=/etc/ceph/ceph.conf", "--id=admin", "--keyring=/k"]
 # rbd-nbd through netlink, kept 300 s for a re-attach, no request timeout.
-NBD_DEFAULTS = "--options=try-netlink,reattach-timeout=300,io-timeout=0"
+# librbd inside it writes through (a dead rbd-nbd takes no acknowledged write along).
+NBD_DEFAULTS = ("--options=try-netlink,reattach-timeout=300,io-timeout=0,"
+                "rbd_cache_policy=writethrough")
 RECORDED_FUSE_ROOT = "/tmp/rec.PL1R/node/state dir/fuse"
 
 
@@ -126,8 +128,9 @@ def test_nbd_io_timeout_is_none_unless_the_spec_sets_one(given: str) -> None:
     fails the requests and loses the device); a spec's own value stands alone."""
     m, _ = kernel("nbd")
     assert m.map_command("rbd", "pgdata", ())[-1] == NBD_DEFAULTS
-    assert m.map_command("rbd", "pgdata", ("exclusive", given))[-1] == \
-        f"--options=exclusive,{given},try-netlink,reattach-timeout=300"
+    assert m.map_command("rbd", "pgdata", ("exclusive", given))[-1] == (
+        f"--options=exclusive,{given},try-netlink,reattach-timeout=300,"
+        "rbd_cache_policy=writethrough")
     krbd, _ = kernel("krbd")
     assert "io-timeout" not in " ".join(krbd.map_command("rbd", "pgdata", ()))
 
@@ -137,7 +140,8 @@ def test_nbd_map_with_options() -> None:
     assert m.map("rbd", "pgdata", ("try-netlink", "timeout=120")) == "/dev/nbd2"
     assert runner.history == [["rbd", "device", "map", "-t", "nbd", "--pool=rbd",
                                "--image=pgdata", *CEPH_ARGS, "--show-cookie",
-                               "--options=try-netlink,timeout=120,reattach-timeout=300"]]
+                               "--options=try-netlink,timeout=120,reattach-timeout=300,"
+                               "rbd_cache_policy=writethrough"]]
 
 
 def test_map_command_without_keyring_leaves_it_to_ceph_conf() -> None:
@@ -683,7 +687,7 @@ def test_attach_runs_rbd_device_attach_only_on_our_cookie(tmp_path: Path) -> Non
     assert runner.history == [["rbd", "device", "attach", "-t", "nbd", "--device=/dev/nbd5",
                                f"--cookie={COOKIE}", "--pool=rbd", "--image=web", *CEPH_ARGS,
                                "--options=exclusive,try-netlink,reattach-timeout=300,"
-                               "io-timeout=0"]]
+                               "io-timeout=0,rbd_cache_policy=writethrough"]]
     with pytest.raises(CommandError, match="no longer the device we mapped"):
         m.attach("rbd", "web", "/dev/nbd5", "another-cookie", ())
     with pytest.raises(CommandError, match="cookie none"):

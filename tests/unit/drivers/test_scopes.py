@@ -141,8 +141,8 @@ def test_wrap() -> None:
 # --- the mappers, wrapper on and off -------------------------------------------------
 
 
-def nbd_map_argv(options: str = "--options=try-netlink,reattach-timeout=300,io-timeout=0"
-                 ) -> list[str]:
+def nbd_map_argv(options: str = ("--options=try-netlink,reattach-timeout=300,io-timeout=0,"
+                                 "rbd_cache_policy=writethrough")) -> list[str]:
     return ["rbd", "device", "map", "-t", "nbd", "--pool=rbd", "--image=pgdata", *CEPH_ARGS,
             "--show-cookie", options]
 
