@@ -152,12 +152,12 @@ def _rbd_nbd_pid(device: str) -> int:
     return int(pid)
 
 
-def _kill_rbd_nbd(device: str) -> None:
+def _kill_rbd_nbd(device: str, pid: int | None = None) -> None:
     """SIGKILL the rbd-nbd serving ``device``; wait (bounded) until it is gone
     (or a zombie: the test session is a subreaper, so it may be ours to reap)."""
     import time
 
-    pid = _rbd_nbd_pid(device)
+    pid = pid or _rbd_nbd_pid(device)
     os.kill(pid, 9)
     deadline = time.monotonic() + 30
     while True:
@@ -179,8 +179,11 @@ class RecordWriter:
     pattern (its index, then random bytes): every error is kept, every gap
     between completed records measured. The file is opened once."""
 
-    def __init__(self, path: Path, records: int = 24) -> None:
-        """``records`` slots; the writer stops at the last one (never wraps)."""
+    def __init__(self, path: Path, records: int = 24, every: float = 0.0) -> None:
+        """``records`` slots; the writer stops at the last one (never wraps).
+        ``every``: at most one record that often (so that a kill finds it
+        still writing)."""
+        self.every = every
         import mmap
         import threading
 
@@ -215,6 +218,8 @@ class RecordWriter:
                     self._stop.wait(0.1)
                     continue
                 self.written[slot] = hashlib.sha256(data).hexdigest()
+                if self.every:
+                    self._stop.wait(max(0.0, last + self.every - time.monotonic()))
                 now = time.monotonic()
                 self.gaps.append(now - last)
                 last, i = now, i + 1
@@ -255,7 +260,7 @@ def test_killed_rbd_nbd_is_reattached_under_a_writer(node: NodeUnderTest, mode: 
     import time
 
     name = node.name(f"nbd-re-{mode}")
-    node.write(name, spec(node, "320Mi" if mode == "xfs" else "64Mi", "nbd", mode))
+    node.write(name, spec(node, "320Mi", "nbd", mode))
     assert node.apply()["rc"] == 0
     device = status_of(node, name)["device"]
     timer = Path(f"/sys/block/{os.path.basename(device)}/queue/io_timeout")
@@ -268,10 +273,12 @@ def test_killed_rbd_nbd_is_reattached_under_a_writer(node: NodeUnderTest, mode: 
         # A writer per kill, on a file of its own that it never wraps: a
         # record acknowledged before the kill and lost with rbd-nbd (its
         # cache) reads back wrong, never overwritten by a later one.
-        writer = RecordWriter(node.srv / "app" / f"records-{k}.bin", records=10)
+        writer = RecordWriter(node.srv / "app" / f"records-{k}.bin", records=200, every=0.2)
         try:
             wait_for(lambda w=writer: w.count() >= 3, 60, "3 records")
-            _kill_rbd_nbd(device)
+            pid = _rbd_nbd_pid(device)
+            assert writer.count() < writer.records, "the writer ended before the kill"
+            _kill_rbd_nbd(device, pid)
             killed = time.monotonic()
             st = status_of(node, name)
             assert st["phase"] == "PUBLISHED" and "re-attach" in st["problem"], st
@@ -291,7 +298,9 @@ def test_killed_rbd_nbd_is_reattached_under_a_writer(node: NodeUnderTest, mode: 
             writer.stop()
         assert writer.errors == [], writer.errors
         writer.verify()
+        assert writer.count() < writer.records, "the writer ran out of slots"
         pauses.append(max(writer.gaps))
+        writer.path.unlink()
     print(f"\nrbd-nbd re-attach ({mode}): kill to re-attached {gaps} s; longest pause "
           f"between records per kill {[round(p, 1) for p in pauses]} s")
     # The same mount all along: nothing was unmounted or mounted again.
@@ -338,7 +347,7 @@ def test_the_daemon_reattaches_a_killed_rbd_nbd_at_once(node: NodeUnderTest) -> 
 
     node.config.write_text(node.config.read_text() + "resyncSeconds: 3600\n")
     name = node.name("nbd-dmn")
-    node.write(name, spec(node, "64Mi", "nbd", "ext4"))
+    node.write(name, spec(node, "320Mi", "nbd", "ext4"))
     daemon = Daemon(node.config, node.root / "daemon.log", 120)
     writer = None
     try:
@@ -347,10 +356,11 @@ def test_the_daemon_reattaches_a_killed_rbd_nbd_at_once(node: NodeUnderTest) -> 
 
         wait_for(lambda: row().get("phase") == "Published", 180, "the volume Published")
         device = status_of(node, name)["device"]
-        writer = RecordWriter(node.srv / "app" / "records.bin", records=16)
+        writer = RecordWriter(node.srv / "app" / "records.bin", records=150, every=0.2)
         wait_for(lambda: writer.count() >= 3, 60, "the first records")
         old = _rbd_nbd_pid(device)
-        _kill_rbd_nbd(device)
+        assert writer.count() < writer.records, "the writer ended before the kill"
+        _kill_rbd_nbd(device, old)
         killed = time.monotonic()
         wait_for(lambda: any(d.get("device") == device and int(d.get("id", 0)) != old
                              for d in mapped_devices()), 60, "a new rbd-nbd on the device")
@@ -361,6 +371,7 @@ def test_the_daemon_reattaches_a_killed_rbd_nbd_at_once(node: NodeUnderTest) -> 
         writer.stop()
         assert writer.errors == [], writer.errors
         writer.verify()
+        assert writer.count() < writer.records, "the writer ran out of slots"
         assert "re-attached" in (node.root / "daemon.log").read_text()
         assert took < 60, f"re-attached {took:.1f} s after the kill: not woken by the event"
         print(f"\ndaemon: rbd-nbd killed to re-attached {took:.1f} s; longest pause between "
