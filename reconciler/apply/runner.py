@@ -56,7 +56,6 @@ from reconciler.plan.steps import (
     MountStaging,
     OpenCrypt,
     Publish,
-    ReattachNbd,
     RefreshDevice,
     ReleaseClaim,
     Remount,
@@ -83,7 +82,7 @@ log = logging.getLogger("reconciler.apply")  # the name log lines have always ca
 
 CEPH_STEPS = (CreateImage, ResizeImage, SetImageMeta, SetQos, DeleteImage, FormatDevice,
               GrowFilesystem, MountStaging, CreateSnapshot, CloneImage, FlattenImage,
-              DeleteSnapshot, MapImage, ClaimImage, ReleaseClaim, GroupStep, ReattachNbd)
+              DeleteSnapshot, MapImage, ClaimImage, ReleaseClaim, GroupStep)
 # The gate's word for a CSI file whose controller record is gone or changed
 # (recorded.py, Volumes.gate): what a step made after that is no one's.
 MOVED_ON = re.compile(r"record moved on")
@@ -201,8 +200,6 @@ class _VolumeRun(ImageSteps, MapSteps, DeviceSteps):
                     return "ok", f"not set: {exc}"
             case MapImage():
                 return self.map(step)
-            case ReattachNbd():
-                return self.reattach(step)
             case ClaimImage():
                 cluster = self.need_cluster()
                 self.take_claim(cluster, step.pool, step.image)
