@@ -21,6 +21,12 @@ class StepRefused(Exception):
     """A safety check at execution time said no."""
 
 
+# What the engine's gate says (csi/recorded.py, Volumes.gate) of a CSI file
+# whose controller record is gone or changed: what a step made after that is
+# no one's (apply/runner.py removes it), and the refusal's metric reason.
+MOVED_ON = "controller record moved on"
+
+
 class FreezeExpired(Exception):
     """The watchdog thawed the filesystem before the snapshot was taken."""
 

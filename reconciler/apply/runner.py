@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +27,13 @@ from reconciler.apply.devicesteps import DeviceSteps
 from reconciler.apply.imagesteps import ImageSteps
 from reconciler.apply.logfmt import log_not_run, log_step
 from reconciler.apply.mapsteps import MapSteps
-from reconciler.apply.outcomes import StepOutcome, StepRefused, VolumeOutcome, with_refusal
+from reconciler.apply.outcomes import (
+    MOVED_ON,
+    StepOutcome,
+    StepRefused,
+    VolumeOutcome,
+    with_refusal,
+)
 from reconciler.drivers import ceph
 from reconciler.drivers.bounded import NoAnswer
 from reconciler.drivers.fs import OnlineGrowRefused
@@ -83,9 +88,6 @@ log = logging.getLogger("reconciler.apply")  # the name log lines have always ca
 CEPH_STEPS = (CreateImage, ResizeImage, SetImageMeta, SetQos, DeleteImage, FormatDevice,
               GrowFilesystem, MountStaging, CreateSnapshot, CloneImage, FlattenImage,
               DeleteSnapshot, MapImage, ClaimImage, ReleaseClaim, GroupStep)
-# The gate's word for a CSI file whose controller record is gone or changed
-# (recorded.py, Volumes.gate): what a step made after that is no one's.
-MOVED_ON = re.compile(r"record moved on")
 # Failures here leave a stage half done: undo what this run acquired.
 STAGE_CHAIN = (MapImage, RefreshDevice, FormatCrypt, OpenCrypt, ResizeCrypt, FormatDevice,
                MountStaging)
@@ -157,7 +159,7 @@ class _VolumeRun(ImageSteps, MapSteps, DeviceSteps):
         why = self.gate(self.volume.name, self.volume.source.file, step)
         if not why:
             return
-        if not MOVED_ON.search(why):
+        if MOVED_ON not in why:
             # Not known (a record that cannot be read may still be current,
             # its call still waiting): unknown is never absent. Nothing more
             # is done, and what it made stays.
@@ -168,10 +170,11 @@ class _VolumeRun(ImageSteps, MapSteps, DeviceSteps):
             else:
                 ceph.remove_image(self.need_cluster(), step.pool, step.image)
         except Exception as exc:
-            raise StepRefused(f"{why}; what it had just made ({step.target}) after its record "
-                              f"moved on could not be removed: {exc}") from None
-        raise StepRefused(f"{why}; what it had just made ({step.target}) after its record "
-                          "moved on was removed")
+            raise StepRefused(f"{why}; what it had just made ({step.target}) after its "
+                              f"controller record moved on could not be removed: {exc}"
+                              ) from None
+        raise StepRefused(f"{why}; what it had just made ({step.target}) after its controller "
+                          "record moved on was removed")
 
     # -- one step --------------------------------------------------------------
     def execute(self, step: Step) -> tuple[str, str]:

@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 
+from reconciler.apply.outcomes import MOVED_ON
 from reconciler.csi import ids
 from reconciler.csi.converge import Converging
 from reconciler.csi.errors import CsiError
@@ -339,7 +340,7 @@ class RecordedFiles(Converging):
                         "clock (another replica may take it over): nothing more is done on "
                         "it until a call claims it again")
             return None
-        why = (f"its controller record moved on (revision {rev} is "
+        why = (f"its {MOVED_ON} (revision {rev} is "
                + ("gone" if rec is None else f"now {rec.rev}, {rec.state}") +
                "): the file is dropped, not converged")
         try:

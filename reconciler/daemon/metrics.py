@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 
 from reconciler import __version__
 from reconciler.apply.logfmt import step_kind
+from reconciler.apply.outcomes import MOVED_ON
 from reconciler.source.reasons import VERDICTS
 from reconciler.state.files import write_atomic
 
@@ -81,7 +82,7 @@ REFUSAL_REASONS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
                        r"refusing to open it twice|refusing to close it"),
         ("qos", r"^QoS: "),
         ("unknown", r"unknown, not absent"),
-        ("moved_on", r"record moved on"),
+        ("moved_on", re.escape(MOVED_ON)),
     ))
 REFUSAL_OTHER = "other"
 
