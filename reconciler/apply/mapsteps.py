@@ -19,7 +19,7 @@ from reconciler.apply.outcomes import StepRefused
 from reconciler.drivers import ceph
 from reconciler.facts.claim import Claim
 from reconciler.facts.observed import Mapping
-from reconciler.plan.steps import MapImage
+from reconciler.plan.steps import MapImage, ReattachNbd
 
 log = logging.getLogger("reconciler.apply")  # the name log lines have always carried
 
@@ -75,6 +75,55 @@ class MapSteps(ChainState):
         self.out.notes.append(f"fenced this node's former client(s) {', '.join(sorted(stale))} "
                           "of a mapping that is gone"
                           + (f"; still watching: {', '.join(left)}" if left else ""))
+
+    def reattach(self, step: ReattachNbd) -> tuple[str, str]:
+        """A new rbd-nbd for a device the kernel kept: only while the claim is
+        ours (another node's: refused, the device stays as it is). The claim
+        then names the new client, for a takeover to fence, and no longer the
+        dead one, which is blocklisted last (below): a claim still naming it
+        would read as our node fenced."""
+        cluster, me = self.need_cluster(), self.node.config.node_name
+        held, _ = self.take_claim(cluster, step.pool, step.image)
+        self.node.nbd.attach(step.pool, step.image, step.device, step.cookie, step.options)
+        log.warning("%s: rbd-nbd serving %s was gone; re-attached", step.volume, step.device)
+        with cluster.open_ioctx(step.pool) as ioctx:
+            new = tuple(a for a in claims.watchers(ioctx, step.image) if a not in held.clients)
+        if len(new) > 1:  # ours is one; someone else opened it meanwhile
+            self.detach_again(step)
+            raise StepRefused(f"image {step.pool}/{step.image} is open by {len(new)} clients "
+                              f"({', '.join(new)}) right after re-attaching it: another "
+                              "client opened it at the same time; detached again, the kernel "
+                              "keeps the device")
+        try:
+            claims.record_clients(cluster, step.pool, step.image, me, new or held.clients)
+        except claims.ClaimedElsewhere as exc:
+            self.detach_again(step)
+            raise StepRefused(f"{step.pool}/{step.image} is claimed by node {exc.holder.node} "
+                              "(taken while re-attaching here); detached again") from None
+        # The dead one still holds the image's exclusive lock, and its watch
+        # lives on until Ceph times it out (30 s): the new one's writes wait
+        # for it (measured: a 30 s pause). The attach succeeding proves its
+        # connection dead (the kernel takes a new one only in place of a
+        # dead one), so its client is blocklisted now, as `rbd lock break`
+        # does, and the lock passes at once. Only the claim's one client: a
+        # claim naming more (someone else's client watched the image when it
+        # was recorded) could name a live one, and is left to Ceph's timeout.
+        for addr in held.clients if new and len(held.clients) == 1 else ():
+            try:
+                claims.blocklist_add(cluster, addr)
+            except (rados.Error, ceph.CephError) as exc:
+                log.warning("%s: the dead rbd-nbd's client %s not blocklisted (%s): its "
+                            "lock passes when Ceph times its watch out", step.volume, addr, exc)
+        return "changed", f"re-attached {step.device}"
+
+    def detach_again(self, step: ReattachNbd) -> None:
+        """The new rbd-nbd must not serve (another writer): stopped, the
+        device kept as it was; a failure to stop it is said, never hidden."""
+        try:
+            self.node.nbd.detach(step.device)
+        except Exception as exc:
+            log.error("%s: the rbd-nbd just attached to %s could not be detached again: %s",
+                      step.volume, step.device, exc)
 
     def take_claim(self, cluster: rados.Rados, pool: str, image: str) -> tuple[Claim, bool]:
         try:

@@ -61,6 +61,7 @@ from reconciler.plan.steps import (
     MountStaging,
     OpenCrypt,
     Publish,
+    ReattachNbd,
     RefreshDevice,
     ReleaseClaim,
     Remount,
@@ -87,7 +88,7 @@ log = logging.getLogger("reconciler.apply")  # the name log lines have always ca
 
 CEPH_STEPS = (CreateImage, ResizeImage, SetImageMeta, SetQos, DeleteImage, FormatDevice,
               GrowFilesystem, MountStaging, CreateSnapshot, CloneImage, FlattenImage,
-              DeleteSnapshot, MapImage, ClaimImage, ReleaseClaim, GroupStep)
+              DeleteSnapshot, MapImage, ClaimImage, ReleaseClaim, GroupStep, ReattachNbd)
 # Failures here leave a stage half done: undo what this run acquired.
 STAGE_CHAIN = (MapImage, RefreshDevice, FormatCrypt, OpenCrypt, ResizeCrypt, FormatDevice,
                MountStaging)
@@ -203,6 +204,8 @@ class _VolumeRun(ImageSteps, MapSteps, DeviceSteps):
                     return "ok", f"not set: {exc}"
             case MapImage():
                 return self.map(step)
+            case ReattachNbd():
+                return self.reattach(step)
             case ClaimImage():
                 cluster = self.need_cluster()
                 self.take_claim(cluster, step.pool, step.image)

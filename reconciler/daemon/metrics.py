@@ -220,6 +220,9 @@ class Metrics:
                                 ["reason"], registry=r)
         self.backoffs = Counter(f"{NS}_backoffs", "Backoffs scheduled after a failed chain.",
                                 registry=r)
+        self.reattachments = Counter(f"{NS}_nbd_reattachments", "rbd-nbd helpers started "
+                                     "again for a device the kernel kept after its rbd-nbd "
+                                     "died, by volume.", ["volume"], registry=r)
         self.in_backoff = Gauge(f"{NS}_volumes_in_backoff", "Volumes waiting out a backoff.",
                                 registry=r)
         self.frozen_files = Gauge(f"{NS}_frozen_files", "Desired files that fail to load (their "
@@ -342,6 +345,8 @@ class Metrics:
     def outcome(self, vp: VolumePlan, out: VolumeOutcome, crashed: bool = False) -> None:
         for s in out.steps:
             self.step_seconds.labels(step_kind(s.step.action)).observe(s.seconds)
+            if s.step.action == "reattach" and s.status == "changed":
+                self.reattachments.labels(s.step.volume).inc()
         for why in ([vp.refusal] if vp.refusal else []) + list(vp.withheld):
             self.refusals.labels(refusal_reason(why)).inc()
         if out.refused:  # a safety check at execution time

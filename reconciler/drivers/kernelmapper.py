@@ -9,6 +9,7 @@ mapper; the common part is drivers/mappers.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -31,10 +32,32 @@ from reconciler.state.registry import NbdMappings
 # io-timeout=30 a 45 s partition failed the requests at 30 s, ext4 went
 # read-only and the device was lost. librbd inside rbd-nbd waits without a
 # limit as well (rados_osd_op_timeout 0), as krbd does (osd_request_timeout
-# 0). map.options may set another (io-timeout=N). --reattach-timeout applies
-# only to devices attached through netlink (try-netlink), which is not how
-# they are mapped here: a dead rbd-nbd ends its device at once (DEGRADED).
+# 0). map.options may set another (io-timeout=N).
+#
+# Attached through netlink with a re-attach timeout, the kernel keeps a
+# device whose rbd-nbd died, with its queued I/O, for that long: a new
+# rbd-nbd attached to it (``rbd device attach``, the device's cookie) serves
+# it on, with no error to the application (measured in the VM: a kill -9
+# under an O_DIRECT writer, zero errors). ceph-csi uses 300 s as well. A
+# request that was in flight on the dead connection is sent again only when
+# its block-layer timer fires: 30 s by default with io-timeout 0 (measured:
+# a 32 s pause). The timer is set to NBD_REQUEUE_MS instead (the queue's
+# io_timeout; io-timeout stays 0, so a timer that fires never fails a
+# request or drops the connection: the kernel logs "Possible stuck request"
+# and waits on). Shorter is a shorter pause after a re-attach, and one such
+# kernel line per stuck request that often while Ceph does not answer.
+NBD_REQUEUE_MS = 5000
+# librbd's cache inside rbd-nbd is writeback by default (after the first
+# flush): a write is acknowledged once it is in that process's memory, and a
+# rbd-nbd that dies takes it along. A flush the kernel then sends again to
+# the re-attached rbd-nbd finds nothing to flush and succeeds: an fsync
+# answered OK for data that never reached Ceph (measured in the VM: a record
+# written and fsynced before the kill read back as it was before). Writes
+# go through to the OSDs before they are acknowledged; reads stay cached.
+NBD_CACHE = "rbd_cache_policy=writethrough"
 NBD_IO_TIMEOUT = "io-timeout=0"
+NBD_REATTACH_S = 300
+NBD_NETLINK = ("try-netlink", f"reattach-timeout={NBD_REATTACH_S}")
 RESIZE_WAIT_S = 30.0  # krbd / rbd-nbd: a resize reaches the device this soon
 
 
@@ -47,8 +70,21 @@ def udev_running() -> bool:
 
 
 def nbd_connected(device: str | None) -> bool:
-    """Whether an nbd device still has a connection (its pid file is there)."""
+    """Whether an nbd device is still configured (its pid file is there): served,
+    or kept by the kernel for a re-attach after its rbd-nbd died."""
     return device is not None and Path(f"/sys/block/{os.path.basename(device)}/pid").exists()
+
+
+def nbd_cookie(device: str, sys_root: Path = Path("/sys")) -> str | None:
+    """The cookie (``backend``) of a configured nbd device; None when it is
+    not configured or has none (not attached through netlink)."""
+    block = sys_root / "block" / os.path.basename(device)
+    try:
+        if not (block / "pid").exists():
+            return None
+        return procfs.read_text(block / "backend").strip() or None
+    except OSError:
+        return None
 
 
 def krbd_devices(sys_root: Path = Path("/sys")) -> tuple[RbdDevice, ...]:
@@ -132,25 +168,55 @@ class KernelMapper:
                 *ceph_args(self.ceph)]
         if self._noudev() and "noudev" not in options:
             options = (*options, "noudev")
-        if self.kind == "nbd" and not any(o.partition("=")[0] in ("io-timeout", "timeout")
-                                          for o in options):
-            options = (*options, NBD_IO_TIMEOUT)
+        if self.kind == "nbd":
+            argv.append("--show-cookie")
+            options = nbd_options(options)
         if options:
             argv.append("--options=" + ",".join(options))
         if self.kind == "nbd" and self.scopes:
             return scopes.wrap(argv, self.kind, pool, image)
         return argv
 
+    def attach_command(self, pool: str, image: str, device: str, cookie: str,
+                       options: tuple[str, ...]) -> list[str]:
+        argv = ["rbd", "device", "attach", "-t", "nbd", f"--device={_device(device)}",
+                f"--cookie={cookie}", f"--pool={pool}", f"--image={image}",
+                *ceph_args(self.ceph), "--options=" + ",".join(nbd_options(options))]
+        return scopes.wrap(argv, self.kind, pool, image) if self.scopes else argv
+
+    def attach(self, pool: str, image: str, device: str, cookie: str,
+               options: tuple[str, ...]) -> None:
+        """A new rbd-nbd for ``device``, which the kernel kept after its last
+        one died: the device, its mounts and its queued I/O carry on. Only a
+        device whose cookie is still the one we recorded (not mapped again
+        since, by anyone)."""
+        now = nbd_cookie(device, self.sys_root)
+        if now != cookie:
+            raise CommandError(["attach", device], 1,
+                               f"{device} is no longer the device we mapped (cookie "
+                               f"{now or 'none'}, recorded {cookie}); not re-attached")
+        try:
+            self.runner.run(self.attach_command(pool, image, device, cookie, options))
+        except CommandError as exc:
+            raise explain_map_failure(self.kind, exc.returncode, exc.stderr) from None
+        _requeue_timer(device, options, self.sys_root)
+
     def map(self, pool: str, image: str, options: tuple[str, ...]) -> str:
         try:
             out = self.runner.run(self.map_command(pool, image, options)).stdout
         except CommandError as exc:
             raise explain_map_failure(self.kind, exc.returncode, exc.stderr) from None
-        device = out.strip().splitlines()[-1] if out.strip() else ""
+        last = out.strip().splitlines()[-1].split() if out.strip() else []
+        # nbd (--show-cookie): "/dev/nbd0 COOKIE"; krbd: "/dev/rbd0"
+        device = last[0] if last else ""
         if not device.startswith("/dev/"):
             raise explain_map_failure(self.kind, 0, f"unexpected output {out!r}")
+        if self.kind == "nbd":
+            _requeue_timer(device, options, self.sys_root)
         if self.kind == "nbd" and self.records is not None:
-            self.records.record(device, {"pool": pool, "image": image})
+            cookie = last[1] if len(last) > 1 else None
+            self.records.record(device, {"pool": pool, "image": image,
+                                         **({"cookie": cookie} if cookie else {})})
         return device
 
     def unmap(self, mapping: Mapping, force: bool = False) -> None:
@@ -167,6 +233,12 @@ class KernelMapper:
         # else: its rbd-nbd is gone and the kernel dropped the connection: nothing to undo
         if self.kind == "nbd" and self.records is not None and mapping.device:
             self.records.forget(mapping.device)
+
+    def detach(self, device: str) -> None:
+        """Stop the rbd-nbd serving ``device`` and keep the device (netlink):
+        what a re-attach that must not stand leaves, as it found it."""
+        self.runner.run(["rbd", "device", "detach", "-t", "nbd", _device(device),
+                         *ceph_args(self.ceph)])
 
     def refresh(self, device: str, size: int, wait: float = RESIZE_WAIT_S) -> None:
         """krbd and rbd-nbd follow an image resize by themselves (a header
@@ -201,15 +273,49 @@ class KernelMapper:
             return live
         here = {m.device: m for m in live}
         dead = []
+        cookies = self.records.cookies()
         for device, (pool, image) in sorted(self.records.images().items()):
             now = here.get(device)
             if now is not None:
                 if (now.pool, now.image) != (pool, image):
                     self.records.forget(device)  # mapped again since, for another image
                 continue
-            # Ours, and no rbd-nbd serves it: dead until we unmap it (mounted
-            # or not), as a dead rbd-fuse helper is.
+            # Ours, and no rbd-nbd serves it. Kept by the kernel with the
+            # cookie we recorded (this boot's record): re-attachable, nothing
+            # lost. Else dead until we unmap it (mounted or not), as a dead
+            # rbd-fuse helper is.
+            cookie = cookies.get(device)
+            if cookie is not None and nbd_cookie(device, self.sys_root) == cookie:
+                dead.append(Mapping("nbd", pool, image, device, reattach=cookie,
+                                    problem=f"rbd-nbd serving {device} is gone; the kernel "
+                                            f"keeps the device for {NBD_REATTACH_S} s to "
+                                            "re-attach"))
+                continue
             dead.append(Mapping("nbd", pool, image, device,
                                 problem=f"rbd-nbd serving {device} is gone"))
         return live + dead
+
+
+def _requeue_timer(device: str, options: tuple[str, ...], sys_root: Path) -> None:
+    """NBD_REQUEUE_MS as the device's block-layer timer, unless the volume set
+    its own request timeout. Best effort: a kernel without the file keeps 30 s."""
+    if any(o.partition("=")[0] in ("io-timeout", "timeout") for o in options):
+        return
+    path = sys_root / "block" / os.path.basename(device) / "queue" / "io_timeout"
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+        try:
+            os.write(fd, str(NBD_REQUEUE_MS).encode())
+        finally:
+            os.close(fd)
+
+
+def nbd_options(options: tuple[str, ...]) -> tuple[str, ...]:
+    """rbd-nbd's options: the volume's, then netlink and its re-attach
+    timeout, and no request timeout, unless the volume set them."""
+    keys = {o.partition("=")[0] for o in options}
+    extra = [o for o in (*NBD_NETLINK, NBD_IO_TIMEOUT, NBD_CACHE)
+             if o.partition("=")[0] not in keys
+             and not (o.startswith("io-timeout") and "timeout" in keys)]
+    return (*options, *extra)
 

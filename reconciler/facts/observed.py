@@ -71,6 +71,9 @@ class Mapping:
     device: str | None  # None: a fuse mount whose loop device is missing (half mapped)
     fuse_mount: str | None = None  # fuse only: the private rbd-fuse mount point
     problem: str | None = None  # set: the mapping is dead (its helper is gone)
+    # nbd: its rbd-nbd is gone but the kernel keeps the device, whose cookie
+    # (recorded when we mapped it, this boot) this is: re-attachable.
+    reattach: str | None = None
 
 
 @dataclass(frozen=True)

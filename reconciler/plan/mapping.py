@@ -15,12 +15,14 @@ from reconciler.plan.steps import (
     CloseCrypt,
     LimitDeviceIo,
     MapImage,
+    ReattachNbd,
     RefreshDevice,
     Unmap,
 )
 from reconciler.plan.types import Refused
 from reconciler.plan.volumeview import VolumeView
 from reconciler.spec import qos
+from reconciler.spec.mapopts import check_map_options
 from reconciler.spec.model import Phase, resolve_mapper
 
 
@@ -46,6 +48,29 @@ class MapRules(VolumeView):
         self.add(Unmap(v.name, v.image.pool, v.image.name, mp.kind, mp.device, mp.fuse_mount,
                        release_claim=False))
         self.forget_mapping()
+
+    def reattach(self) -> bool:
+        """An nbd device whose rbd-nbd died and that the kernel keeps (with
+        the cookie we recorded): a new rbd-nbd is attached to it, and that is
+        the whole plan. Its stalled I/O and unreadable device are that death's
+        doing; they are looked at again once it is served. True if planned."""
+        v, mp, claim = self.v, self.mapping, self.claim
+        if mp is None or mp.reattach is None or mp.device is None or v.state == "absent" \
+                or v.wanted_phase < Phase.MAPPED:
+            return False
+        # Provably still ours: our claim, readable (a fence of its client is
+        # seen before this, by check_not_fenced), and a blocklist that was
+        # read. Else the old rules decide (a dead mapping, never a writer).
+        if claim is None or claim.node != self.ctx.node_name or self.obs.blocklist is None \
+                or self.meta_unreadable() is not None:
+            return False
+        self.plan.notes.append(f"{mp.problem}: re-attached")
+        # Only what rbd-nbd may be given (a file that now names krbd had its
+        # options checked for krbd only).
+        options = tuple(o for o in v.map.options if not check_map_options("nbd", (o,)))
+        self.add(ReattachNbd(v.name, v.image.pool, v.image.name, mp.device, mp.reattach,
+                             options))
+        return True
 
     def forget_mapping(self) -> None:
         """Unmapped by a step planned above: what follows maps it afresh."""

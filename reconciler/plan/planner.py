@@ -71,6 +71,11 @@ class _VolumePlanner(ImageRules, MapRules, StageRules, PublishRules, TeardownRul
             # to act on. It takes Ceph to see one: a stall is seen without.
             if self.plan.unknown is None:
                 self.check_not_fenced()
+                if self.reattach():
+                    # Its I/O stalls, its device does not read: its rbd-nbd's
+                    # death is why. Served again, it is looked at anew.
+                    self.plan.stalled = None
+                    return self.plan
             if self.plan.stalled:
                 raise Refused(f"{self.plan.stalled}: nothing that touches it is done until it "
                               "completes")
@@ -202,6 +207,9 @@ def actual_state(vol: Volume, observed: Observed, ctx: Context,
     image_unknown = p.image_unknown()
     problem = (p.mapping.problem if p.mapping and p.mapping.problem else
                p.dev.problem if p.dev and p.dev.problem else None)
+    # An nbd device the kernel keeps for a re-attach still serves its mounts:
+    # its phase stands, and the problem says a new rbd-nbd is due.
+    reattaching = bool(p.mapping and p.mapping.reattach) and not image_unknown
     if problem is None and not unknown:
         if found is None:
             found = problems(vol, observed, ctx)
@@ -213,7 +221,8 @@ def actual_state(vol: Volume, observed: Observed, ctx: Context,
         # What to act on first: a fence, I/O that hangs; then what could not
         # be seen, never reported as a phase. A mapping that no longer
         # answers is not "PUBLISHED", whatever is mounted.
-        "phase": ("FENCED" if fence else "STALLED" if stall else "UNKNOWN" if unknown
+        "phase": ("FENCED" if fence else p.observed_phase().name if reattaching
+                  else "STALLED" if stall else "UNKNOWN" if unknown
                   else "DEGRADED" if problem else p.observed_phase().name),
         "unknown": unknown,
         "problem": problem,

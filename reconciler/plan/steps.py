@@ -133,6 +133,23 @@ class MapImage(Step):
 
 
 @dataclass(frozen=True)
+class ReattachNbd(Step):
+    """A new rbd-nbd for an nbd device whose rbd-nbd died: the kernel kept the
+    device (netlink, re-attach timeout), so its mounts and I/O carry on."""
+
+    pool: str
+    image: str
+    device: str
+    cookie: str  # the device's, recorded when we mapped it
+    options: tuple[str, ...]
+    action: ClassVar[str] = "reattach"
+
+    target = property(lambda self: f"{self.pool}/{self.image} {self.device}")
+    before = property(lambda self: "rbd-nbd gone (device kept by the kernel)")
+    after = property(lambda self: "served by a new rbd-nbd")
+
+
+@dataclass(frozen=True)
 class RefreshDevice(Step):
     """Make a mapped device see the image's new size (losetup -c for fuse)."""
 

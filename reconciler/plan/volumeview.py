@@ -192,9 +192,12 @@ class VolumeView:
             return None
         fence = fence_of(self.claim, self.ctx.node_name, self.obs.blocklist, self.staged_mount()
                          or self.obs.mounts_by_point.get(self.staging_path))
-        if fence is not None and fence.reason == BLOCKLISTED and self.mapping.problem:
+        if fence is not None and fence.reason == BLOCKLISTED and self.mapping.problem \
+                and self.mapping.reattach is None:
             # Our own claim, and the blocklisted client is the one whose helper
-            # is gone: nothing writes through it any more. The dead mapping is
+            # is gone: nothing writes through it any more. (Not a device kept
+            # for a re-attach: a new rbd-nbd would write through it again, so
+            # a fence of its client stands.) The dead mapping is
             # what to act on (a remap fences that client itself, and records
             # the new one), as for any dead helper.
             return None

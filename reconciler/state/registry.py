@@ -129,6 +129,12 @@ class NbdMappings(Registry):
                 self.forget(dev)
         return out
 
+    def cookies(self) -> dict[str, str]:
+        """device -> the cookie rbd-nbd gave it (records of this boot that have one)."""
+        return {dev: str(rec["cookie"]) for dev, rec in self.all().items()
+                if isinstance(rec, dict) and isinstance(rec.get("cookie"), str)
+                and not self._earlier_boot(rec.get("boot"))}
+
     def _earlier_boot(self, recorded: object) -> bool:
         if recorded is None and self.boot is not None:
             try:

@@ -27,6 +27,10 @@ from reconciler.spec.config import CephConfig
 DATA = Path(__file__).resolve().parents[2] / "data"
 CEPH = CephConfig(conf="/etc/ceph/ceph.conf", user="admin", keyring="/k")
 CEPH_ARGS = ["--conf=/etc/ceph/ceph.conf", "--id=admin", "--keyring=/k"]
+# rbd-nbd through netlink, kept 300 s for a re-attach, no request timeout.
+# librbd inside it writes through (a dead rbd-nbd takes no acknowledged write along).
+NBD_DEFAULTS = ("--options=try-netlink,reattach-timeout=300,io-timeout=0,"
+                "rbd_cache_policy=writethrough")
 RECORDED_FUSE_ROOT = "/tmp/rec.PL1R/node/state dir/fuse"
 
 
@@ -115,7 +119,7 @@ def test_nbd_map_command_line() -> None:
     m, runner = kernel("nbd", ok(data("nbd_map_ok.stdout")))
     assert m.map("rbd", "pgdata", ()) == "/dev/nbd0"
     assert runner.history == [["rbd", "device", "map", "-t", "nbd", "--pool=rbd",
-                               "--image=pgdata", *CEPH_ARGS, "--options=io-timeout=0"]]
+                               "--image=pgdata", *CEPH_ARGS, "--show-cookie", NBD_DEFAULTS]]
 
 
 @pytest.mark.parametrize("given", ["io-timeout=60", "timeout=60"])
@@ -123,9 +127,10 @@ def test_nbd_io_timeout_is_none_unless_the_spec_sets_one(given: str) -> None:
     """rbd-nbd's kernel timeout: none, on purpose (a partition longer than it
     fails the requests and loses the device); a spec's own value stands alone."""
     m, _ = kernel("nbd")
-    assert m.map_command("rbd", "pgdata", ())[-1] == "--options=io-timeout=0"
-    assert m.map_command("rbd", "pgdata", ("exclusive", given))[-1] == \
-        f"--options=exclusive,{given}"
+    assert m.map_command("rbd", "pgdata", ())[-1] == NBD_DEFAULTS
+    assert m.map_command("rbd", "pgdata", ("exclusive", given))[-1] == (
+        f"--options=exclusive,{given},try-netlink,reattach-timeout=300,"
+        "rbd_cache_policy=writethrough")
     krbd, _ = kernel("krbd")
     assert "io-timeout" not in " ".join(krbd.map_command("rbd", "pgdata", ()))
 
@@ -134,8 +139,9 @@ def test_nbd_map_with_options() -> None:
     m, runner = kernel("nbd", ok("/dev/nbd2\n"))
     assert m.map("rbd", "pgdata", ("try-netlink", "timeout=120")) == "/dev/nbd2"
     assert runner.history == [["rbd", "device", "map", "-t", "nbd", "--pool=rbd",
-                               "--image=pgdata", *CEPH_ARGS,
-                               "--options=try-netlink,timeout=120"]]
+                               "--image=pgdata", *CEPH_ARGS, "--show-cookie",
+                               "--options=try-netlink,timeout=120,reattach-timeout=300,"
+                               "rbd_cache_policy=writethrough"]]
 
 
 def test_map_command_without_keyring_leaves_it_to_ceph_conf() -> None:
@@ -627,3 +633,71 @@ def test_nbd_mapping_whose_rbd_nbd_died_is_listed_dead(tmp_path: Path) -> None:
     assert "/dev/nbd0" not in records.images()
     m.unmap(Mapping("nbd", "rbd", "web", "/dev/nbd5"))  # no connection: nothing to run
     assert len(runner.history) == 2 and "/dev/nbd5" not in records.images()
+
+
+COOKIE = "db9ff88e-e64e-4c27-b5b7-265e68debddb"
+
+
+def test_nbd_map_records_the_cookie_rbd_prints(tmp_path: Path) -> None:
+    """`--show-cookie` (measured in the VM): "/dev/nbd0 COOKIE"."""
+    from reconciler.state.registry import NbdMappings
+
+    records = NbdMappings(tmp_path)
+    m = KernelMapper("nbd", CEPH, RecordingRunner(replies=[ok(f"/dev/nbd3 {COOKIE}\n")]),
+                     udev=lambda: True, records=records)
+    assert m.map("rbd", "web", ()) == "/dev/nbd3"
+    assert records.images() == {"/dev/nbd3": ("rbd", "web")}
+    assert records.cookies() == {"/dev/nbd3": COOKIE}
+
+
+def kept(root: Path, index: int, cookie: str) -> None:
+    """An nbd device the kernel keeps after its rbd-nbd died: the pid file
+    (the dead pid) and the backend (cookie) stay."""
+    (root / "block" / f"nbd{index}" / "pid").write_text("176\n")
+    (root / "block" / f"nbd{index}" / "backend").write_text(cookie + "\n")
+
+
+def test_a_kept_nbd_device_with_our_cookie_is_reattachable(tmp_path: Path) -> None:
+    from reconciler.state.registry import NbdMappings
+
+    sysroot = nbd_sysfs(tmp_path / "sys", ())
+    kept(sysroot, 5, COOKIE)
+    kept(sysroot, 6, "someone-elses")
+    records = NbdMappings(tmp_path)
+    records.record("/dev/nbd5", {"pool": "rbd", "image": "web", "cookie": COOKIE})
+    records.record("/dev/nbd6", {"pool": "rbd", "image": "db", "cookie": COOKIE})
+    records.record("/dev/nbd7", {"pool": "rbd", "image": "old"})  # no cookie: mapped before
+    m = KernelMapper("nbd", CEPH, RecordingRunner(replies=[ok("[]")]), udev=lambda: True,
+                     records=records, sys_root=sysroot)
+    by_device = {mp.device: mp for mp in m.list()}
+    assert by_device["/dev/nbd5"].reattach == COOKIE
+    assert "re-attach" in (by_device["/dev/nbd5"].problem or "")
+    # Another cookie: mapped again since, by someone else; no cookie recorded: dead.
+    for dev in ("/dev/nbd6", "/dev/nbd7"):
+        assert by_device[dev].reattach is None
+        assert by_device[dev].problem == f"rbd-nbd serving {dev} is gone"
+
+
+def test_attach_runs_rbd_device_attach_only_on_our_cookie(tmp_path: Path) -> None:
+    sysroot = nbd_sysfs(tmp_path / "sys", ())
+    kept(sysroot, 5, COOKIE)
+    runner = RecordingRunner(replies=[ok("/dev/nbd5\n")])
+    m = KernelMapper("nbd", CEPH, runner, udev=lambda: True, sys_root=sysroot)
+    m.attach("rbd", "web", "/dev/nbd5", COOKIE, ("exclusive",))
+    assert runner.history == [["rbd", "device", "attach", "-t", "nbd", "--device=/dev/nbd5",
+                               f"--cookie={COOKIE}", "--pool=rbd", "--image=web", *CEPH_ARGS,
+                               "--options=exclusive,try-netlink,reattach-timeout=300,"
+                               "io-timeout=0,rbd_cache_policy=writethrough"]]
+    with pytest.raises(CommandError, match="no longer the device we mapped"):
+        m.attach("rbd", "web", "/dev/nbd5", "another-cookie", ())
+    with pytest.raises(CommandError, match="cookie none"):
+        m.attach("rbd", "web", "/dev/nbd9", COOKIE, ())
+    assert len(runner.history) == 1
+
+
+def test_detach_stops_rbd_nbd_and_keeps_the_device() -> None:
+    runner = RecordingRunner(replies=[ok()])
+    KernelMapper("nbd", CEPH, runner, udev=lambda: True).detach("/dev/nbd5")
+    assert runner.history == [["rbd", "device", "detach", "-t", "nbd", "/dev/nbd5", *CEPH_ARGS]]
+    with pytest.raises(ValueError):
+        KernelMapper("nbd", CEPH, runner, udev=lambda: True).detach("--evil")

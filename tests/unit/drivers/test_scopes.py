@@ -141,9 +141,10 @@ def test_wrap() -> None:
 # --- the mappers, wrapper on and off -------------------------------------------------
 
 
-def nbd_map_argv(options: str = "--options=io-timeout=0") -> list[str]:
+def nbd_map_argv(options: str = ("--options=try-netlink,reattach-timeout=300,io-timeout=0,"
+                                 "rbd_cache_policy=writethrough")) -> list[str]:
     return ["rbd", "device", "map", "-t", "nbd", "--pool=rbd", "--image=pgdata", *CEPH_ARGS,
-            options]
+            "--show-cookie", options]
 
 
 def test_nbd_map_in_a_scope(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,7 +15,7 @@ import pytest
 from reconciler.facts import meta
 from reconciler.facts.claim import Claim
 from reconciler.facts.observed import Device, ImageState, Mapping, Mount, Observed
-from reconciler.plan.planner import Context, VolumePlan, plan
+from reconciler.plan.planner import Context, VolumePlan, actual_state, plan
 from reconciler.plan.staging import GROW_SLACK
 from reconciler.plan.steps import (
     ClaimImage,
@@ -26,6 +26,7 @@ from reconciler.plan.steps import (
     MapImage,
     MountStaging,
     Publish,
+    ReattachNbd,
     RefreshDevice,
     ReleaseClaim,
     Remount,
@@ -106,6 +107,7 @@ class World:
     devices: dict[str, Device] = field(default_factory=dict)
     mounts: list[Mount] = field(default_factory=list)
     path_rdev: dict[str, tuple[int, int]] = field(default_factory=dict)
+    blocklist: dict[str, str] | None = None  # None: not asked for, or no answer
     _ids: itertools.count = field(default_factory=lambda: itertools.count(100))
 
     def image(self, name: str, size: int, *, pool: str = "rbd",
@@ -146,7 +148,7 @@ class World:
             images=images, pools_listed=frozenset(self.pools),
             pool_errors=dict(self.pool_errors), mappings=tuple(self.mappings),
             devices=dict(self.devices), mounts=tuple(self.mounts),
-            path_rdev=dict(self.path_rdev),
+            path_rdev=dict(self.path_rdev), blocklist=self.blocklist,
         )
 
 
@@ -1027,3 +1029,70 @@ def test_release_thaws_a_freeze_left_by_a_dead_run_first() -> None:
     [p] = plan([vol], obs, CTX, release=["pgdata"])
     assert actions(p) == ["thaw", "unpublish", "unpublish", "unstage", "unmap"]
     assert p.steps[0] == Thaw("pgdata", "/srv/pgdata")
+
+
+# --- rbd-nbd re-attached (issue 41) -------------------------------------------------
+
+
+def nbd_kept(vol: Volume, *, cookie: str | None = "c00k1e") -> World:
+    """A published nbd volume whose rbd-nbd died; the kernel keeps /dev/nbd0
+    (with our recorded cookie: re-attachable) or not (no cookie: dead)."""
+    w = converged(vol, kind="nbd", device="/dev/nbd0")
+    w.mappings = [replace(w.mappings[0], reattach=cookie,
+                          problem="rbd-nbd serving /dev/nbd0 is gone")]
+    w.blocklist = {}  # asked for (something of ours is mapped), nothing fenced
+    return w
+
+
+def test_a_kept_nbd_device_is_reattached_under_its_mounts() -> None:
+    vol = volume(mapper="nbd")
+    p = plan_one(vol, nbd_kept(vol))
+    assert p.refusal is None
+    assert p.steps == [ReattachNbd("pgdata", "rbd", "pgdata", "/dev/nbd0", "c00k1e", ())]
+    row = actual_state(vol, nbd_kept(vol).observed(), CTX)
+    # Its mounts still work: the phase stands, the problem says why a step is due.
+    assert row["phase"] == "PUBLISHED" and "gone" in str(row["problem"])
+
+
+def test_a_dead_nbd_device_under_mounts_is_still_refused() -> None:
+    vol = volume(mapper="nbd")
+    refused(plan_one(vol, nbd_kept(vol, cookie=None)), "is dead")
+    row = actual_state(vol, nbd_kept(vol, cookie=None).observed(), CTX)
+    assert row["phase"] == "DEGRADED"
+
+
+def test_a_kept_nbd_device_of_an_absent_volume_is_unmapped_not_reattached() -> None:
+    vol = volume(mapper="nbd", state="absent")
+    assert "reattach" not in actions(plan_one(vol, nbd_kept(vol)))
+
+
+def test_a_kept_nbd_device_whose_io_stalls_is_reattached_first() -> None:
+    """Its rbd-nbd's death is why its I/O stalls: re-attaching is the fix,
+    never a reason to wait (the daemon holds stalled volumes)."""
+    from reconciler.facts.observed import IoStall
+
+    vol = volume(mapper="nbd")
+    obs = replace(nbd_kept(vol).observed(),
+                  stalled={"/dev/nbd0": IoStall("/dev/nbd0", 1, 40.0, 1.8e9, 1.8e9 - 1)})
+    p = plan_one(vol, obs)
+    assert actions(p) == ["reattach"] and p.stalled is None and p.refusal is None
+    assert actual_state(vol, obs, CTX)["phase"] == "PUBLISHED"
+
+
+def test_a_kept_nbd_device_claimed_by_another_node_is_not_reattached() -> None:
+    vol = volume(mapper="nbd")
+    w = nbd_kept(vol)
+    obs = w.observed()
+    img = obs.images[("rbd", "pgdata")]
+    obs = replace(obs, images={("rbd", "pgdata"): replace(
+        img, meta={**img.meta, meta.HOLDER: Claim("node-b").encode()})})
+    p = plan_one(vol, obs)
+    assert "reattach" not in actions(p) and p.refusal
+
+
+def test_a_kept_nbd_device_is_not_reattached_while_the_blocklist_is_unknown() -> None:
+    """Whether its client is fenced cannot be told: no new writer."""
+    vol = volume(mapper="nbd")
+    w = nbd_kept(vol)
+    w.blocklist = None
+    assert "reattach" not in actions(plan_one(vol, w))
