@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from reconciler.drivers import procfs, scopes
+from reconciler.drivers import nbdnetlink, procfs, scopes
 from reconciler.drivers.fs import block_device_size
 from reconciler.drivers.mappers import ceph_args
 from reconciler.drivers.run import CommandError, Runner
@@ -242,8 +242,20 @@ class KernelMapper:
 
     def refresh(self, device: str, size: int, wait: float = RESIZE_WAIT_S) -> None:
         """krbd and rbd-nbd follow an image resize by themselves (a header
-        watch): wait, bounded, until the device shows at least ``size``."""
+        watch): wait, bounded, until the device shows at least ``size``, the
+        image's size. An nbd device attached with a cookie is resized here:
+        rbd-nbd 16.2's own request leaves the cookie out and the kernel
+        refuses it (drivers/nbdnetlink.py)."""
         deadline = time.monotonic() + wait
+        if self.kind == "nbd" and block_device_size(device) < size:
+            cookie = nbd_cookie(device, self.sys_root)
+            if cookie is not None:
+                try:
+                    nbdnetlink.resize(device, size, cookie)
+                except (OSError, ValueError) as exc:
+                    raise CommandError(["nbd", "reconfigure", device], 1,
+                                       f"the kernel refused to grow {device} to {size} "
+                                       f"bytes: {exc}") from None
         while (now := block_device_size(device)) < size:
             if time.monotonic() > deadline:
                 raise CommandError(["refresh", device], 1,
