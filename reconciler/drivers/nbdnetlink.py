@@ -19,8 +19,11 @@ Imported by drivers/kernelmapper.py only.
 from __future__ import annotations
 
 import os
-import socket
 import struct
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported when a resize is sent: `apply` starts without it
+    import socket
 
 NETLINK_GENERIC = 16
 GENL_ID_CTRL = 0x10
@@ -111,6 +114,8 @@ def resize(device: str, size: int, cookie: str) -> None:
 
 
 def _socket() -> socket.socket:
+    import socket
+
     sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_GENERIC)
     sock.settimeout(REPLY_TIMEOUT_S)
     sock.bind((0, 0))
