@@ -204,10 +204,11 @@ class Filesystems:
         return parse_blkid_export(res.stdout, res.returncode)
 
     def fs_size(self, device: str, fs_type: str, mount_point: str | None = None) -> int | None:
-        """Bytes the filesystem spans, from its superblock; for a mounted xfs
-        pass its mount point (the live geometry). None: not that filesystem."""
+        """Bytes the filesystem spans, from its superblock; for a mounted
+        filesystem pass its mount point (xfs: the live geometry; both: a
+        superblock in the page cache is read here). None: not that filesystem."""
         try:
-            sb = read_superblock(device, fs_type, self.runner)
+            sb = read_superblock(device, fs_type, self.runner, mounted=mount_point is not None)
             if sb is None:
                 return None
             return fs_size_from(sb, mount_point)
