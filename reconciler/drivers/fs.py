@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import mmap
 import os
 import stat
-import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,74 +64,96 @@ PROBE_BYTES = 64 * 1024  # where ext4/xfs/partition-table signatures live
 # with strace): ~45 small reads within its first 4 MiB and its last 1.5 MiB.
 BLKID_HEAD = (4 << 20) + 4096
 BLKID_TAIL = 2 << 20
+# A probe's read of a device that answers takes milliseconds; one that has
+# not answered in this long waits on Ceph (observe reports it unknown).
+PROBE_TIMEOUT_S = 30.0
 
 
-def read_head(device: str, length: int = PROBE_BYTES) -> bytes:
+def read_head(runner: Runner, device: str, length: int = PROBE_BYTES) -> bytes:
     """The first ``length`` bytes of ``device``, read with O_DIRECT (the page
     cache may still hold blocks of a device that no longer answers);
-    DeviceUnreadable when that read fails."""
+    DeviceUnreadable when that read fails or does not end in time.
+
+    Read by a child (dd), never by this process: a read of a device whose
+    Ceph does not answer sleeps in the kernel (D state, ``submit_bio_wait``)
+    and cannot be interrupted. In a thread of ours it would keep the daemon
+    from exiting until Ceph answers (measured in the VM: SIGTERM during a
+    200 s cut left the daemon running 45 s on); a child is killed, or
+    abandoned, at its deadline (drivers/run.py)."""
     try:
-        fd = os.open(device, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-    except OSError as exc:
-        raise DeviceUnreadable(_unreadable(device, exc.strerror or str(exc))) from None
-    try:
-        buf = mmap.mmap(-1, length)  # page-aligned, as O_DIRECT wants
-        try:
-            n = os.preadv(fd, [buf], 0)
-            data = buf[:n]
-        finally:
-            buf.close()
-    except OSError as exc:
-        why = f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror}"
-        raise DeviceUnreadable(_unreadable(device, why)) from None
-    finally:
-        os.close(fd)
-    if n <= 0:
+        out = runner.run(["dd", f"if={device}", "iflag=direct", f"bs={length}", "count=1",
+                          "status=none"], timeout=min(runner.timeout, PROBE_TIMEOUT_S),
+                         max_stdout=length)
+    except CommandError as exc:
+        raise DeviceUnreadable(_unreadable(device, exc.stderr.strip() or str(exc))) from None
+    if not out.raw:
         raise DeviceUnreadable(_unreadable(device, "short read"))
-    return data
+    return out.raw
 
 
-@contextlib.contextmanager
-def readahead(device: str) -> Iterator[None]:
-    """While blkid runs: the kernel asked to read the regions blkid reads
-    into the page cache in a few large requests, before blkid asks for them
-    one small read at a time (~45: on krbd and rbd-nbd each a round trip to
-    the OSDs, for rbd-nbd through its helper; ~0.5-1 s of blkid in the VM of
-    the kernel tests). blkid then reads the same bytes from memory. Only a
-    hint: nothing waits for it, a failure is silent (blkid's own read says
-    it). The device stays open meanwhile: its page cache is dropped at its
-    last close. That close waits for reads still in flight: when blkid
-    failed (a device that may not answer), it is made off this thread."""
-    try:
-        fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        yield
-        return
-    try:
-        with contextlib.suppress(OSError):
-            size = os.lseek(fd, 0, os.SEEK_END)
-            os.posix_fadvise(fd, 0, min(size, BLKID_HEAD), os.POSIX_FADV_WILLNEED)
-            if size > BLKID_HEAD:
-                tail = max(BLKID_HEAD, size - BLKID_TAIL)
-                os.posix_fadvise(fd, tail, size - tail, os.POSIX_FADV_WILLNEED)
-        yield
-    except BaseException:
-        threading.Thread(target=os.close, args=(fd,), name=f"close:{device}",
-                         daemon=True).start()
-        raise
-    os.close(fd)
+def readahead_then(device: str, size: int, argv: list[str]) -> list[str]:
+    """``argv`` (blkid) run after the kernel was asked for the regions blkid
+    reads, in a few large requests, while the device is held open (its page
+    cache is dropped at its last close). blkid asks for those bytes one small
+    read at a time (~45: on krbd and rbd-nbd each a round trip to the OSDs,
+    for rbd-nbd through its helper; ~0.5-1 s of blkid in the VM of the kernel
+    tests) and now finds them in memory. Only a hint: a read that fails is
+    silent (blkid's own read says it). All of it in the child (a shell that
+    holds the device open on descriptor 3 and becomes blkid), so no read of
+    the device ever waits in this process."""
+    head = min(size, BLKID_HEAD) if size > 0 else BLKID_HEAD
+    tail = max(BLKID_HEAD, size - BLKID_TAIL)
+    # The device is the command's last operand (after blkid's "--"), and
+    # only there: `for dev do :; done` leaves the last one in $dev.
+    script = ('for dev do :; done; exec 3<"$dev" || exit 126; '
+              'dd if="$dev" of=/dev/null bs=1M iflag=count_bytes count="$1" status=none '
+              '2>/dev/null; '
+              'if [ "$3" -gt 0 ]; then dd if="$dev" of=/dev/null bs=1M '
+              'iflag=skip_bytes,count_bytes skip="$2" count="$3" status=none 2>/dev/null; fi; '
+              'shift 3; exec "$@"')
+    if argv[-1] != device:
+        raise ValueError(f"{argv}: the device must be the last operand")
+    return ["sh", "-c", script, "sh", str(head), str(tail), str(max(0, size - tail)), *argv]
 
 
 def _unreadable(device: str, why: str) -> str:
     return f"{device} cannot be read ({why}); its content is unknown"
 
 
-def read_superblock(device: str, fs_type: str) -> Superblock | None:
-    """ext4/xfs superblock through the page cache: for a mounted ext4 that is
-    the live one (ext4 keeps its superblock in the device's cache), as
-    dumpe2fs reads it. A few KiB instead of a fork."""
-    with open(device, "rb", buffering=0) as f:
-        return parse_superblock(f.read(EXT4_SB_OFFSET + 1024), fs_type)
+def read_superblock(device: str, fs_type: str, runner: Runner, mounted: bool = False
+                    ) -> Superblock | None:
+    """ext4/xfs superblock through the page cache (as dumpe2fs reads it), by
+    a child (see read_head). ``mounted``: the caller saw the device mounted;
+    then it is first read here, if the page cache has it (a mounted ext4
+    pins its superblock's buffer there; an xfs's stays once read):
+    ``RWF_NOWAIT`` answers EAGAIN instead of asking the device. Only then:
+    the last close of a block device drops its page cache and waits for
+    reads still in flight (a child killed on a stalled device leaves some),
+    and a mount keeps ours from being the last. OSError when the read fails."""
+    length = EXT4_SB_OFFSET + 1024
+    if mounted:
+        with contextlib.suppress(OSError):
+            data = _cached(device, length)
+            if len(data) == length:
+                return parse_superblock(data, fs_type)
+    try:
+        out = runner.run(["dd", f"if={device}", f"bs={length}", "count=1", "status=none"],
+                         timeout=min(runner.timeout, PROBE_TIMEOUT_S), max_stdout=length)
+    except CommandError as exc:
+        raise OSError(errno.EIO, _unreadable(device, exc.stderr.strip() or str(exc))) from None
+    return parse_superblock(out.raw, fs_type)
+
+
+def _cached(device: str, length: int) -> bytes:
+    """The first ``length`` bytes of ``device`` if all are in its page cache;
+    OSError (EAGAIN) if not: nothing here waits on the device."""
+    fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        buf = bytearray(length)
+        n = os.preadv(fd, [buf], 0, os.RWF_NOWAIT)
+        return bytes(buf[:n])
+    finally:
+        os.close(fd)
 
 
 def fs_size_from(sb: Superblock, mount_point: str | None) -> int:
@@ -167,20 +186,29 @@ class Filesystems:
         """What signature the device carries. blkid exits 2 both for a blank
         device and for one it could not read (a dead rbd-fuse helper): a read
         that fails first makes the probe fail, never "blank"."""
-        read_head(device)
+        read_head(self.runner, device)
         return self.probe_read(device)
 
     def probe_read(self, device: str) -> Probe:
         """blkid on a device whose start the caller has just read back."""
-        with readahead(device):
-            res = self.runner.run(["blkid", "-p", "-o", "export", "--", device], ok_codes=(0, 2))
+        try:
+            size = block_device_size(device)
+        except (OSError, ValueError):
+            size = 0
+        argv = ["blkid", "-p", "-o", "export", "--", device]
+        try:
+            res = self.runner.run(readahead_then(device, size, argv), ok_codes=(0, 2),
+                                  timeout=min(self.runner.timeout, PROBE_TIMEOUT_S))
+        except CommandError as exc:  # said as blkid's: the shell around it is ours
+            raise CommandError(argv, exc.returncode, exc.stderr) from None
         return parse_blkid_export(res.stdout, res.returncode)
 
     def fs_size(self, device: str, fs_type: str, mount_point: str | None = None) -> int | None:
-        """Bytes the filesystem spans, from its superblock; for a mounted xfs
-        pass its mount point (the live geometry). None: not that filesystem."""
+        """Bytes the filesystem spans, from its superblock; for a mounted
+        filesystem pass its mount point (xfs: the live geometry; both: a
+        superblock in the page cache is read here). None: not that filesystem."""
         try:
-            sb = read_superblock(device, fs_type)
+            sb = read_superblock(device, fs_type, self.runner, mounted=mount_point is not None)
             if sb is None:
                 return None
             return fs_size_from(sb, mount_point)

@@ -18,6 +18,7 @@ import ctypes
 import os
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 from reconciler.drivers import procfs
@@ -92,3 +93,34 @@ def reap_later(proc: subprocess.Popen[bytes], wait: float = 0.0) -> bool:
     except subprocess.TimeoutExpired:
         threading.Thread(target=proc.wait, daemon=True, name=f"reap:{proc.pid}").start()
         return False
+
+
+GROUP_POLL_S = 1.0
+
+
+def reap_group_later(proc: subprocess.Popen[bytes]) -> None:
+    """``reap_later`` for a killed command's whole process group: a shell
+    killed at once leaves its child stuck in the kernel (a read of a device
+    that does not answer), which comes back to us (a subreaper) only when
+    it dies. A daemon thread waits for the leader, then reaps what is left
+    of the group as it dies, and ends when none of it is left."""
+    def reap() -> None:
+        proc.wait()
+        while True:
+            reap_group(proc.pid)
+            if not _group_members(proc.pid):
+                return
+            time.sleep(GROUP_POLL_S)
+
+    threading.Thread(target=reap, daemon=True, name=f"reap-group:{proc.pid}").start()
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Processes of group ``pgid`` (a zombie that is not ours counts: its
+    parent reaps it)."""
+    out = []
+    for stat_path in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(procfs.stat_fields(stat_path)[1][2]) == pgid:
+                out.append(int(stat_path.parent.name))
+    return out

@@ -58,7 +58,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from reconciler.drivers.reaper import reap_group, reap_later
+from reconciler.drivers.reaper import reap_group, reap_group_later
 from reconciler.spec.units import KiB, MiB
 
 log = logging.getLogger(__name__)
@@ -402,8 +402,9 @@ def _kill(proc: subprocess.Popen[bytes], pump: _Pump) -> str:
         log.warning("%s (pid %d): still not gone %g s after SIGKILL; output abandoned",
                     proc.args, proc.pid, KILL_WAIT_S)
         # Stuck in the kernel (D state), it may never exit: reaped from a
-        # thread whenever it does, so no caller waits on it.
-        reap_later(proc)
+        # thread whenever it does (its whole group: a shell's stuck child
+        # comes back to us), so no caller waits on it.
+        reap_group_later(proc)
         return f"; output abandoned{_tail(pump.err.text())}"
     reap_group(proc.pid)  # its orphans came back to us if we are a subreaper
     return _tail(pump.err.text())

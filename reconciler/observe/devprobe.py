@@ -6,11 +6,13 @@ For observing only: apply re-probes (blkid) right before any mkfs.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from reconciler.drivers.fs import Filesystems, fs_size_from, read_head, read_superblock
 from reconciler.facts import luks
@@ -27,33 +29,67 @@ class Probed:
 
 
 # (major, minor, size, digest of the first 64 KiB): mkfs, wipefs or a
-# partition table rewrite the start of the device, a remap or resize changes
-# the rest. A signature written only at the end is caught by the age limit
-# (and by apply's own blkid before mkfs).
+# partition table rewrite write the start of the device, a remap or resize
+# changes the rest. A signature written only at the end is caught by the
+# age limit (and by apply's own blkid before any mkfs).
 CacheKey = tuple[int, int, int, bytes]
 
 
+def written(major: int, minor: int) -> tuple[str, ...]:
+    """The device's write and discard counters (sysfs ``stat``: writes
+    completed, merged, sectors; discards completed, merged, sectors)."""
+    fields = Path(f"/sys/dev/block/{major}:{minor}/stat").read_text().split()
+    return (*fields[4:7], *fields[11:14])
+
+
+@dataclass
+class _Entry:
+    key: CacheKey
+    probed: Probed
+    at: float
+    written: tuple[str, ...] | None  # the counters when its start was read
+
+
 class ProbeCache:
-    """Probes of unmounted devices, per path, for the daemon's Node."""
+    """Probes of unmounted devices, per path, for the daemon's Node. A
+    device nothing was written to since (the kernel's counters) is not read
+    again at all: a read could wait on Ceph, and costs a child
+    (drivers/fs.read_head). One written to is read again (its start), and
+    probed again only if that start changed."""
 
     MAX_AGE = 300.0
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: dict[str, tuple[CacheKey, Probed, float]] = {}
+        self._entries: dict[str, _Entry] = {}
         self.hits = 0
 
-    def get(self, path: str, key: CacheKey) -> Probed | None:
+    def unwritten(self, path: str, device: tuple[int, int, int],
+                  counters: tuple[str, ...] | None) -> Probed | None:
+        """The probe of ``path`` if it is the same device, of the same size,
+        and its counters say nothing was written to it since."""
         with self._lock:
             entry = self._entries.get(path)
-            if entry is None or entry[0] != key or time.monotonic() - entry[2] > self.MAX_AGE:
+            if entry is None or counters is None or entry.written != counters \
+                    or entry.key[:3] != device or time.monotonic() - entry.at > self.MAX_AGE:
                 return None
             self.hits += 1
-            return entry[1]
+            return entry.probed
 
-    def put(self, path: str, key: CacheKey, probed: Probed) -> None:
+    def get(self, path: str, key: CacheKey, counters: tuple[str, ...] | None = None
+            ) -> Probed | None:
         with self._lock:
-            self._entries[path] = (key, probed, time.monotonic())
+            entry = self._entries.get(path)
+            if entry is None or entry.key != key or time.monotonic() - entry.at > self.MAX_AGE:
+                return None
+            entry.written = counters
+            self.hits += 1
+            return entry.probed
+
+    def put(self, path: str, key: CacheKey, probed: Probed,
+            counters: tuple[str, ...] | None = None) -> None:
+        with self._lock:
+            self._entries[path] = _Entry(key, probed, time.monotonic(), counters)
 
     def retain(self, paths: Iterable[str]) -> None:
         """Forget devices no longer seen (unmapped: the number may be reused)."""
@@ -63,12 +99,14 @@ class ProbeCache:
                 del self._entries[path]
 
 
-def probe_mounted(path: str, fs_type: str, mount_point: str) -> Probed | None:
+def probe_mounted(fs: Filesystems, path: str, fs_type: str, mount_point: str) -> Probed | None:
     """A device mountinfo shows mounted as ``fs_type`` at its staging path: the
     mount proves the signature (a dead helper is the mapper's check). Only
-    the superblock is read, for the size. None: it does not say ``fs_type``
-    (an ext3 mounted by the ext4 driver): probe it in full."""
-    sb = read_superblock(path, fs_type)
+    the superblock is read, for the size: from memory when cached (always
+    for a mounted ext4), else by a child (drivers/fs.read_superblock).
+    None: it does not say ``fs_type`` (an ext3 mounted by the ext4 driver):
+    probe it in full."""
+    sb = read_superblock(path, fs_type, fs.runner, mounted=True)
     if sb is None or sb.fs_type != fs_type:
         return None
     return Probed(fs_type, sb.uuid, fs_type, fs_size_from(sb, mount_point))
@@ -76,13 +114,20 @@ def probe_mounted(path: str, fs_type: str, mount_point: str) -> Probed | None:
 
 def probe_full(fs: Filesystems, cache: ProbeCache | None, path: str, major: int, minor: int,
                size: int, mount_point: str | None) -> Probed:
-    """Read the start with O_DIRECT (unreadable is unknown, never blank), then
-    blkid unless the same device with the same start was probed before."""
-    head = read_head(path)
-    key: CacheKey = (major, minor, size, hashlib.blake2b(head, digest_size=16).digest())
+    """Unless the same device was probed before and nothing was written to it
+    since: read its start with O_DIRECT (unreadable is unknown, never
+    blank), then blkid; both in children (drivers/fs.read_head)."""
     # Mounted elsewhere, a live xfs size comes from statvfs: not cached.
     cacheable = cache is not None and mount_point is None
-    if cacheable and (hit := cache.get(path, key)) is not None:  # type: ignore[union-attr]
+    counters = None
+    if cacheable:
+        with contextlib.suppress(OSError, ValueError):
+            counters = written(major, minor)  # before the read: a write meanwhile shows next time
+        if (hit := cache.unwritten(path, (major, minor, size), counters)) is not None:  # type: ignore[union-attr]
+            return hit
+    head = read_head(fs.runner, path)
+    key: CacheKey = (major, minor, size, hashlib.blake2b(head, digest_size=16).digest())
+    if cacheable and (hit := cache.get(path, key, counters)) is not None:  # type: ignore[union-attr]
         return hit
     probe = fs.probe_read(path)
     fs_size = None
@@ -92,5 +137,5 @@ def probe_full(fs: Filesystems, cache: ProbeCache | None, path: str, major: int,
     luks_offset = luks.data_offset(head) if probe.fs_type == "crypto_LUKS" else None
     out = Probed(probe.fs_type, probe.uuid, probe.signature, fs_size, luks_offset)
     if cacheable:
-        cache.put(path, key, out)  # type: ignore[union-attr]
+        cache.put(path, key, out, counters)  # type: ignore[union-attr]
     return out

@@ -105,7 +105,7 @@ def _probe(node: Node, path: str, major: int, minor: int, size: int,
     filesystem; else the full probe (cached across passes while unchanged)."""
     here = mounts.get((major, minor), [])
     if (expected is not None and (expected[0], expected[1], "/") in here
-            and (fast := probe_mounted(path, expected[1], expected[0])) is not None):
+            and (fast := probe_mounted(node.fs, path, expected[1], expected[0])) is not None):
         return fast
     return probe_full(node.fs, node.probes, path, major, minor, size,
                       here[0][0] if here else None)
