@@ -52,8 +52,12 @@ class MapRules(VolumeView):
                                f"dead: {mp.problem}")
         mounted = self.mounted_paths()
         if mounted:
-            users = self.obs.mount_users.get(mp.device) if mp.kind == "fuse" and mp.device \
-                else None
+            # Block mode is not repaired: a device node opened through its
+            # bind is not told from any other file by /proc (the link names
+            # the bind), so who uses it is not known.
+            block = v.stage is not None and v.stage.mode == "block"
+            users = self.obs.mount_users.get(mp.device) \
+                if mp.kind == "fuse" and mp.device and not block else None
             why = (f"the mapping of {v.image.spec} is dead ({mp.problem}); "
                    f"{', '.join(mounted)} cannot do I/O")
             if users is None:

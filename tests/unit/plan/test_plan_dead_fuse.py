@@ -94,3 +94,9 @@ def test_unmapped_only_volume_unchanged() -> None:
     vol = volume(stage=False)
     p = plan_one(vol, dead(converged(vol), None))
     assert actions(p) == ["unmap", "map"], actions(p)
+
+
+def test_block_mode_is_not_repaired() -> None:
+    """Who opened the device node through its bind is not known: refused as before."""
+    vol = volume(mode="block")
+    refused(plan_one(vol, dead(converged(vol), ())), "is dead")
