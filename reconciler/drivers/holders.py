@@ -8,8 +8,10 @@ gives for each descriptor, mapped files by the device number in
 /proc/PID/maps, working and root directories by their path. A process in
 another mount namespace is matched against that namespace's own mounts of
 the devices (its /proc/PID/mountinfo: mount ids and points differ there).
-A live process whose entries cannot be read counts as a user ("unreadable"):
-when unsure, nothing is unmounted (safety rule 7).
+A live process whose entries cannot be read is reported as "unreadable"
+(``User.unreadable``): what it uses is unknown, and its caller decides (the
+dead-fuse repair asks the kernel, else takes it as a user; ``recover``
+leaves it out, as it always did, its umounts not being lazy).
 
 Imported by engine/operator.py (``recover``) and observe/node.py (a dead
 rbd-fuse's volume: repaired only when nobody uses it).
@@ -160,7 +162,7 @@ def users(mount_points: Iterable[str], mount_ids: Iterable[int], devices: Iterab
     """Processes (not this one) using the mounts (by mount point and id) or
     the block devices (by rdev; a filesystem on one of them maps files with
     that device number). One whose /proc entries cannot be read (and that
-    has not exited) is a user too: what it does is unknown."""
+    has not exited) is reported too, as ``unreadable``: what it does is unknown."""
     points, ids, devs = list(mount_points), set(mount_ids), set(devices)
     spaces = _Namespaces(proc, points, ids, devs)
     out = []

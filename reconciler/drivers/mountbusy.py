@@ -27,15 +27,25 @@ def busy(path: str) -> bool | None:
     """True: the top mount at ``path`` is in use (or a mount sits inside
     it); False: nothing holds it; None: the kernel did not say (no
     privilege, not a mount point, anything else)."""
+    # A lookup first clears a mark left by anyone before (else this call
+    # would be the second one, and unmount it); one after clears ours.
+    try:
+        _touch(path)
+    except OSError:
+        return None
     rc = _libc.umount2(os.fsencode(path), MNT_EXPIRE)
     err = ctypes.get_errno() if rc != 0 else 0
-    # Clear the expiry mark this call may have set: a lookup and its release.
     with contextlib.suppress(OSError):
-        os.close(os.open(path, os.O_PATH | os.O_CLOEXEC))
-    if rc == 0:  # it was marked already (by someone else's probe): unmounted, so unused
+        _touch(path)
+    if rc == 0:  # marked again in between by someone else's probe: unmounted, so unused
         return False
     if err == errno.EBUSY:
         return True
     if err == errno.EAGAIN:
         return False
     return None
+
+
+def _touch(path: str) -> None:
+    """A lookup of the mount and its release (``mntput`` clears an expiry mark)."""
+    os.close(os.open(path, os.O_PATH | os.O_CLOEXEC))

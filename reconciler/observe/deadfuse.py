@@ -6,8 +6,9 @@ mount, the publish binds, the dead FUSE mount), its working or root
 directory there, a file of it mapped, its loop or LUKS2 device open; a
 process whose /proc cannot be read; a mount stacked inside one of them.
 
-Nothing here touches the dead filesystem: /proc and mountinfo only (a stat
-of a FUSE path could wait on a helper). ``dead_fuse_users`` is pure over
+Nothing here does I/O to the dead filesystem (a stat of a FUSE path could
+wait on a helper): /proc, mountinfo, and, for processes /proc does not
+show, the kernel's count of each mount (drivers/mountbusy.py). ``dead_fuse_users`` is pure over
 its inputs (the mount table, device numbers, a /proc root), so a fake
 /proc tests it. Imported by observe/node.py only.
 """
