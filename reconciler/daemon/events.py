@@ -12,7 +12,9 @@ event. Every source here is a file descriptor polled by one thread:
 - block devices: the kernel's uevents (a NETLINK_KOBJECT_UEVENT socket), for
   a device of ours removed or changed (krbd and rbd-nbd announce a resize
   this way);
-- helpers: a pidfd per rbd-fuse helper, readable once the helper exits;
+- helpers: a pidfd per rbd-fuse helper, readable once the helper exits (a
+  dead rbd-fuse is seen at once); and one per process that uses a dead
+  helper's volume (its repair waits for them);
 - the kernel log (``/dev/kmsg``): a warning or error naming a device of ours
   (an I/O error, ``EXT4-fs error``, a filesystem going read-only, which no
   mount event announces). It wakes the volume at once and once more a moment

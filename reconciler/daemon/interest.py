@@ -1,4 +1,5 @@
-"""Which mounts, devices, helpers and images belong to which volume: what the
+"""Which mounts, devices, helpers (and the processes that keep a dead
+helper's volume from its repair) and images belong to which volume: what the
 event sources (daemon/events.py) map an event back to a volume with.
 
 Built per volume from the pass that last observed it, so a pass that looked
@@ -55,6 +56,10 @@ def volume_interest(v: Volume, observed: Observed,
             img = observed.images.get(key)
             if img is not None:
                 images.add((m.pool, m.image, img.size))
+            # A dead one left as it is while in use: its users' exits are
+            # what lets it be brought back (a file closed is seen at the resync).
+            users = observed.mount_users.get(m.device) if m.device else None
+            pids |= {u.pid for u in users or () if u.pid is not None}
     # Wherever the device is mounted now, a path the spec no longer names included.
     paths |= {m.mount_point for m in observed.mounts if (m.major, m.minor) in rdevs}
     return VolumeInterest(frozenset(paths), frozenset(devices), frozenset(pids),

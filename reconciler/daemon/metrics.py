@@ -47,7 +47,7 @@ STATUS_PHASES = ("Pending", "Absent", "Created", "Mapped", "Staged", "Published"
                  "Deleting", "Released", "Failed", "Frozen", "Unknown", "Stalled", "Fenced")
 # What is wrong with a volume that no step may put right (a plan's problems):
 # one series per volume and condition, 1 while it holds.
-VOLUME_CONDITIONS = ("Shadowed", "FilesystemReadOnly")
+VOLUME_CONDITIONS = ("Shadowed", "FilesystemReadOnly", "HelperGone")
 LIFECYCLE = {"ABSENT": "Absent", "CREATED": "Created", "MAPPED": "Mapped", "STAGED": "Staged",
              "PUBLISHED": "Published"}
 
@@ -148,7 +148,8 @@ class _VolumeStates(Collector):
             yield g
         cond = GaugeMetricFamily(f"{NS}_volume_condition", "1 while the condition holds for the "
                                  "volume (Shadowed: a publish with someone else's mount on "
-                                 "top; FilesystemReadOnly: its filesystem refuses writes).",
+                                 "top; FilesystemReadOnly: its filesystem refuses writes; "
+                                 "HelperGone: its rbd-fuse died and the volume is in use).",
                                  labels=["volume", "condition"])
         for vol, active in sorted(conditions.items()):
             for c in VOLUME_CONDITIONS:

@@ -43,8 +43,11 @@ def users_of(vp: VolumePlan, observed: Observed) -> list[User | str]:
     for dev in raw:
         with contextlib.suppress(OSError, ValueError):
             helpers.add(int(Path(f"/sys/block/{Path(dev).name}/pid").read_text()))
+    # A process whose /proc cannot be read is not counted here (as before
+    # the dead-fuse repair made holders report it): recover's own umounts
+    # are not lazy, so the kernel refuses a mount still in use.
     found: list[User | str] = [u for u in users(points, {m.mount_id for m in mounts}, rdevs)
-                               if u.pid not in helpers]
+                               if u.pid not in helpers and not u.unreadable]
     for dev in raw:
         holders = Path(f"/sys/class/block/{Path(dev).name}/holders")
         for h in sorted(p.name for p in holders.glob("*")):

@@ -77,6 +77,18 @@ class Mapping:
 
 
 @dataclass(frozen=True)
+class MountUser:
+    """Something that uses a dead mapping's filesystem: a process (its pid,
+    which the daemon watches for its exit) or a mount stacked in it (None)."""
+
+    pid: int | None
+    what: str  # "pid 42 (sleep): open file", "a mount at /srv/a/x (tmpfs ...) inside /srv/a"
+
+    def __str__(self) -> str:
+        return self.what
+
+
+@dataclass(frozen=True)
 class Device:
     path: str
     major: int
@@ -235,6 +247,12 @@ class Observed:
     # Ceph's blocklist (client address -> until), when it was asked for (an
     # image of ours is mapped here); None: not asked, or no answer.
     blocklist: dict[str, str] | None = None
+    # A dead fuse-loop mapping's device -> who uses its mounts (its staging
+    # mount, its publish binds, the dead FUSE mount) or its devices: "pid N
+    # (comm): open file", a process whose /proc could not be read, a mount
+    # stacked inside one of them. Empty: nobody, so it may be unmounted and
+    # mapped again. Missing: not looked at (then it is never unmounted).
+    mount_users: dict[str, tuple[MountUser, ...]] = field(default_factory=dict)
 
     @cached_property
     def top_mounts(self) -> dict[str, Mount]:

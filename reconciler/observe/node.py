@@ -23,10 +23,11 @@ from reconciler.drivers.mappers import available_mappers
 from reconciler.drivers.run import CommandError, Halt, Runner
 from reconciler.drivers.safepath import first_symlink
 from reconciler.facts.luks import CRYPT_UUID_PREFIX
-from reconciler.facts.observed import CryptDevice, Device, Mapping, Mount, Observed
+from reconciler.facts.observed import CryptDevice, Device, Mapping, Mount, MountUser, Observed
 from reconciler.facts.parsers import parse_mountinfo
 from reconciler.facts.stall import stall_reason
 from reconciler.observe.ceph import CephView, Session, observe_images
+from reconciler.observe.deadfuse import dead_fuse_mappings, dead_fuse_users, loop_number
 from reconciler.observe.devprobe import ProbeCache, Probed, probe_full, probe_mounted
 from reconciler.observe.iowatch import IoWatch
 from reconciler.spec.config import Config
@@ -254,6 +255,7 @@ def observe(node: Node, volumes: Iterable[Volume], all_watchers: bool = False,
                     if stat.S_ISBLK(st.st_mode):
                         path_rdev[p] = (os.major(st.st_rdev), os.minor(st.st_rdev))
     io_limits, io_errors = _io_limits(node, volumes, ours)
+    mount_users = _dead_fuse_users(node, mappings, wanted, mounts, crypts)
     intents = Intents(node.config.state_dir).images()
     freezes = _left_frozen(node.config.state_dir)
     imgs = ceph_pass.result() if ceph_pass is not None else CephView()
@@ -263,7 +265,25 @@ def observe(node: Node, volumes: Iterable[Volume], all_watchers: bool = False,
                     path_rdev=path_rdev, symlinks=symlinks, intents=intents,
                     freezes=freezes, crypts=crypts, io_limits=io_limits, io_errors=io_errors,
                     groups=imgs.groups, group_errors=imgs.group_errors, stalled=stalled,
-                    blocklist=imgs.blocklist)
+                    blocklist=imgs.blocklist, mount_users=mount_users)
+
+
+def _dead_fuse_users(node: Node, mappings: list[Mapping], wanted: set[tuple[str, str]],
+                     mounts: tuple[Mount, ...], crypts: dict[str, CryptDevice]
+                     ) -> dict[str, tuple[MountUser, ...]]:
+    """Who uses each dead fuse-loop mapping of a wanted image (its device ->
+    users); one whose loop device cannot be read is left out (unknown)."""
+    out: dict[str, tuple[MountUser, ...]] = {}
+    for m in dead_fuse_mappings(mappings, wanted):
+        assert m.device is not None
+        rdev = loop_number(m.device)
+        if rdev is None:
+            continue
+        rdevs = [rdev] + [(c.major, c.minor) for c in crypts.values() if c.raw == m.device]
+        # The dead mapping's own helpers (a zombie not yet reaped) are no users.
+        helpers = [pid for mnt, pid in node.fuse.helper_pids().items() if mnt == m.fuse_mount]
+        out[m.device] = dead_fuse_users(m, mounts, rdevs, ignore_pids=helpers)
+    return out
 
 
 def _left_frozen(state_dir: Path) -> frozenset[str]:

@@ -9,7 +9,10 @@ by the teardown's rules too. Imported by plan/planner.py only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from reconciler.facts.luks import crypt_name
+from reconciler.facts.observed import Mount
 from reconciler.plan.steps import (
     ClaimImage,
     CloseCrypt,
@@ -18,6 +21,8 @@ from reconciler.plan.steps import (
     ReattachNbd,
     RefreshDevice,
     Unmap,
+    Unpublish,
+    Unstage,
 )
 from reconciler.plan.types import Refused
 from reconciler.plan.volumeview import VolumeView
@@ -25,29 +30,81 @@ from reconciler.spec import qos
 from reconciler.spec.mapopts import check_map_options
 from reconciler.spec.model import Phase, resolve_mapper
 
+HELPER_GONE = "HelperGone"  # the problem's key (the status's reason)
+MAX_USERS_NAMED = 5
+
 
 class MapRules(VolumeView):
-    def dead_mapping(self) -> None:
-        """A mapping that no longer answers (its rbd-fuse helper died). With
-        nothing mounted from it, map it again; with mounts, report and refuse:
-        never reformat, never pull a filesystem from under its users."""
+    check_ours_on_top: Callable[[Mount], None]  # plan/teardown.py (mixed in too)
+
+    def dead_mapping(self) -> bool:
+        """A mapping that no longer answers (its rbd-fuse helper died; a FUSE
+        connection dies with its process: nothing re-attaches to it). With
+        nothing mounted from it, map it again. With mounts nobody uses (a
+        fuse-loop volume, its users observed), take them down with it and
+        bring all back in this plan: unpublish, unstage, unmap, then the
+        forward rules map, stage and publish afresh. With users (or none
+        known): report it, never pull a filesystem from under them (safety
+        rule 7). True: the plan is complete as it is (nothing else to do)."""
         assert self.mapping is not None
         v, mp = self.v, self.mapping
         self.plan.notes.append(f"mapping of {v.image.spec} ({mp.device or 'no device'}) is "
                                f"dead: {mp.problem}")
         mounted = self.mounted_paths()
         if mounted:
-            raise Refused(
-                f"the mapping of {v.image.spec} is dead ({mp.problem}); {', '.join(mounted)} "
-                "cannot do I/O. Nothing is formatted or unmounted behind the applications' "
-                "backs: stop what uses them, then `rbd-reconciler release` this volume's file "
-                "and apply again")
-        if v.state == "absent" or v.wanted_phase < Phase.MAPPED:
-            return  # the teardown unmaps it
+            # Block mode is not repaired: a device node opened through its
+            # bind is not told from any other file by /proc (the link names
+            # the bind), so who uses it is not known.
+            block = v.stage is not None and v.stage.mode == "block"
+            users = self.obs.mount_users.get(mp.device) \
+                if mp.kind == "fuse" and mp.device and not block else None
+            why = (f"the mapping of {v.image.spec} is dead ({mp.problem}); "
+                   f"{', '.join(mounted)} cannot do I/O")
+            if users is None:
+                raise Refused(
+                    f"the mapping of {v.image.spec} is dead ({mp.problem}); "
+                    f"{', '.join(mounted)} cannot do I/O. Nothing is formatted or unmounted "
+                    "behind the applications' backs: stop what uses them, then "
+                    "`rbd-reconciler release` this volume's file and apply again")
+            if users:
+                named = "; ".join(u.what for u in users[:MAX_USERS_NAMED]) + (
+                    f"; and {len(users) - MAX_USERS_NAMED} more"
+                    if len(users) > MAX_USERS_NAMED else "")
+                if v.state == "absent" or v.wanted_phase < Phase.MAPPED:
+                    raise Refused(f"the mapping of {v.image.spec} is dead ({mp.problem}); "
+                                  f"{', '.join(mounted)} cannot do I/O, and it is in use "
+                                  f"({named}): it is not unmounted while anything uses it")
+                self.plan.problems[HELPER_GONE] = (
+                    f"{why}, and it is in use: {named}. A filesystem in use is never "
+                    "unmounted (safety rule 7): once nothing uses it, it is unmounted, "
+                    "mapped again and mounted again by itself")
+                return True
+            if v.state == "absent" or v.wanted_phase < Phase.MAPPED:
+                return False  # nobody uses it: the teardown takes it down
+            self.plan.notes.append(f"nothing uses {', '.join(mounted)}: unmounted, mapped "
+                                   "again and mounted again")
+            self.unmount_dead()
+        elif v.state == "absent" or v.wanted_phase < Phase.MAPPED:
+            return False  # the teardown unmaps it
         self.close_crypt()
         self.add(Unmap(v.name, v.image.pool, v.image.name, mp.kind, mp.device, mp.fuse_mount,
                        release_claim=False))
         self.forget_mapping()
+        return False
+
+    def unmount_dead(self) -> None:
+        """Unpublish and unstage a dead mapping's mounts (only ours, only on
+        top); the forward rules mount them again at the same paths."""
+        v = self.v
+        for m in sorted(self.published_targets(), key=lambda m: m.mount_point, reverse=True):
+            self.check_ours_on_top(m)
+            self.add(Unpublish(v.name, m.mount_point, self.rdev))
+            self.remounting.add(m.mount_point)
+        if v.stage is not None and self.is_staged():
+            if v.stage.mode != "block":
+                self.check_ours_on_top(self.obs.mounts_by_point[v.stage.path])
+            self.add(Unstage(v.name, v.stage.path, self.rdev))
+            self.remounting.add(v.stage.path)
 
     def reattach(self) -> bool:
         """An nbd device whose rbd-nbd died and that the kernel keeps (with

@@ -23,7 +23,7 @@ from reconciler.facts.observed import Observed
 from reconciler.facts.stall import stall_doc, stall_reason
 from reconciler.plan.groups import GroupRules, group_row
 from reconciler.plan.image import ImageRules
-from reconciler.plan.mapping import MapRules
+from reconciler.plan.mapping import HELPER_GONE, MapRules
 from reconciler.plan.publishing import PublishRules
 from reconciler.plan.snapshots import SnapshotRules
 from reconciler.plan.staging import StageRules
@@ -86,8 +86,8 @@ class _VolumePlanner(ImageRules, MapRules, StageRules, PublishRules, TeardownRul
                 raise Refused(self.plan.unknown)
             self.check_symlinks()
             self.thaw_left_frozen()
-            if self.mapping is not None and self.mapping.problem:
-                self.dead_mapping()
+            if self.mapping is not None and self.mapping.problem and self.dead_mapping():
+                return self.plan  # in use: reported, left as it is
             if self.v.state == "absent":
                 self.teardown(Phase.ABSENT)
             else:
@@ -214,6 +214,11 @@ def actual_state(vol: Volume, observed: Observed, ctx: Context,
         if found is None:
             found = problems(vol, observed, ctx)
         problem = "; ".join(found.values()) or None
+    elif p.mapping is not None and p.mapping.problem and not unknown:
+        # A dead mapping left as it is because it is in use: who uses it.
+        if found is None:
+            found = problems(vol, observed, ctx)
+        problem = found.get(HELPER_GONE, problem)
     stall = p.stall()
     fence = p.fence()
     return {

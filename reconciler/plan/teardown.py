@@ -28,10 +28,10 @@ class TeardownRules(VolumeView):
         # Unpublish binds that are not wanted (all of them below PUBLISHED).
         for m in sorted(self.published_targets(), key=lambda m: m.mount_point, reverse=True):
             if m.mount_point not in keep_targets:
-                self._check_ours_on_top(m)
+                self.check_ours_on_top(m)
                 self.add(Unpublish(v.name, m.mount_point, self.rdev))
         if wanted < Phase.STAGED and v.stage is not None and self.is_staged():
-            self._check_ours_on_top(self.obs.mounts_by_point[v.stage.path])
+            self.check_ours_on_top(self.obs.mounts_by_point[v.stage.path])
             self.add(Unstage(v.name, v.stage.path, self.rdev))
         elif wanted < Phase.STAGED and v.stage is None:
             # The stage section was dropped: its mount sits at the default path.
@@ -53,7 +53,7 @@ class TeardownRules(VolumeView):
         if wanted < Phase.CREATED and self.img is not None:
             self.plan_delete()
 
-    def _check_ours_on_top(self, ours: Mount) -> None:
+    def check_ours_on_top(self, ours: Mount) -> None:
         """Safety rule 8: only the top mount at a path is unmounted, and only ours."""
         top = self.obs.visible_mount(ours.mount_point) or \
             self.obs.top_mounts.get(ours.mount_point)

@@ -59,6 +59,9 @@ class VolumeView:
         self.mapping: Mapping | None = maps[0] if maps else None
         self.extra_mappings = maps[1:]
         self.staging_path = vol.stage.path if vol.stage else f"{ctx.staging_root}/{vol.name}"
+        # Paths whose mount of ours this plan unmounts before it mounts them
+        # again (a dead mapping's repair): free for the forward rules.
+        self.remounting: set[str] = set()
         # The mapped device; and an open LUKS2 device over it, if any.
         self.raw: Device | None = (
             obs.devices.get(self.mapping.device) if self.mapping and self.mapping.device
@@ -228,6 +231,8 @@ class VolumeView:
         return out
 
     def check_path_free(self, path: str, what: str) -> None:
+        if path in self.remounting:
+            return
         other = self.obs.mounts_by_point.get(path)
         if other is not None:
             raise Refused(f"{what} path {path} already has a mount of something else "

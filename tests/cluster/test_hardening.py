@@ -11,6 +11,7 @@ import os
 import signal
 import struct
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -55,23 +56,34 @@ def fs_volume(node: NodeUnderTest, name: str, targets: list[tuple[Path, bool]],
 # --- 1 and 3: a dead helper is unknown, reported, never formatted -------------------
 
 
-def test_dead_helper_is_reported_and_refused_while_mounted(node: NodeUnderTest) -> None:
+def test_dead_helper_is_reported_and_left_alone_while_in_use(node: NodeUnderTest) -> None:
     name = node.name("dead")
     app = node.srv / "app"
     fs_volume(node, name, [(app, False)])
     assert node.apply()["rc"] == 0
     (app / "data").write_bytes(os.urandom(65536))
     os.sync()
-    kill_helper(node, name)
+    # A user of the filesystem (another process: the CLI runs in this one,
+    # and never counts itself): a dead mapping nobody uses is repaired.
+    user = subprocess.Popen([sys.executable, "-c", f"f = open({str(app / 'data')!r})\n"
+                             "print('ready', flush=True)\nimport time; time.sleep(600)"],
+                            text=True, stdout=subprocess.PIPE)
+    try:
+        assert user.stdout is not None and user.stdout.readline() == "ready\n"
+        kill_helper(node, name)
 
-    rc, doc = node.cli_json("status")
-    row = {v["name"]: v for v in doc["volumes"]}[name]
-    assert rc == 1 and row["phase"] == "DEGRADED" and "helper is gone" in row["problem"]
-    rc, plan = node.plan()
-    vol = plan["volumes"][0]
-    assert rc == 1 and "dead" in vol["refusal"] and not vol["steps"]
-    rc, out = node.cli("explain", name)
-    assert "PROBLEM" in out and "helper is gone" in out
+        rc, doc = node.cli_json("status")
+        row = {v["name"]: v for v in doc["volumes"]}[name]
+        assert rc == 1 and row["phase"] == "DEGRADED" and "helper is gone" in row["problem"]
+        assert f"pid {user.pid} (python" in row["problem"]
+        rc, plan = node.plan()
+        vol = plan["volumes"][0]
+        assert not vol["steps"] and f"pid {user.pid}" in vol["problems"]["HelperGone"], vol
+        rc, out = node.cli("explain", name)
+        assert "PROBLEM" in out and "helper is gone" in out
+    finally:
+        user.kill()
+        user.wait()
 
     # The operator's way out: release (nothing is formatted), then apply again.
     # ext4 cannot write back what the dead device lost: the file written
