@@ -20,6 +20,7 @@ import errno
 import os
 
 MNT_EXPIRE = 4
+UMOUNT_NOFOLLOW = 8  # a symlink at the path is never followed (safety rule 8)
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -33,7 +34,7 @@ def busy(path: str) -> bool | None:
         _touch(path)
     except OSError:
         return None
-    rc = _libc.umount2(os.fsencode(path), MNT_EXPIRE)
+    rc = _libc.umount2(os.fsencode(path), MNT_EXPIRE | UMOUNT_NOFOLLOW)
     err = ctypes.get_errno() if rc != 0 else 0
     with contextlib.suppress(OSError):
         _touch(path)
@@ -48,4 +49,4 @@ def busy(path: str) -> bool | None:
 
 def _touch(path: str) -> None:
     """A lookup of the mount and its release (``mntput`` clears an expiry mark)."""
-    os.close(os.open(path, os.O_PATH | os.O_CLOEXEC))
+    os.close(os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC))

@@ -66,3 +66,12 @@ def test_a_mount_inside_makes_it_busy(point: Path) -> None:
 
 def test_not_a_mount_point_is_no_answer(tmp_path: Path) -> None:
     assert busy(str(tmp_path)) is None  # EINVAL: not the root of a mount
+
+
+def test_a_symlink_to_a_mount_is_no_answer_and_not_followed(point: Path, tmp_path: Path) -> None:
+    link = tmp_path / "link"
+    link.symlink_to(point)
+    for _ in range(3):
+        assert busy(str(link)) is None
+    assert mounted_at(point)
+    assert busy(str(point)) is False and mounted_at(point)
