@@ -112,6 +112,8 @@ def reap_group_later(proc: subprocess.Popen[bytes]) -> None:
                 return
             time.sleep(GROUP_POLL_S)
 
+    if proc.poll() is not None and not _group_members(proc.pid):
+        return  # all of it is gone: no thread
     threading.Thread(target=reap, daemon=True, name=f"reap-group:{proc.pid}").start()
 
 

@@ -406,7 +406,10 @@ def _kill(proc: subprocess.Popen[bytes], pump: _Pump) -> str:
         # comes back to us), so no caller waits on it.
         reap_group_later(proc)
         return f"; output abandoned{_tail(pump.err.text())}"
-    reap_group(proc.pid)  # its orphans came back to us if we are a subreaper
+    # Its orphans came back to us if we are a subreaper; one still stuck in
+    # the kernel (a shell's child reading a device) is reaped when it dies.
+    reap_group(proc.pid)
+    reap_group_later(proc)
     return _tail(pump.err.text())
 
 

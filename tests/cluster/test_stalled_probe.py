@@ -107,4 +107,7 @@ def test_the_children_end_once_the_device_answers(node: NodeUnderTest,
                 continue
         return [c for c in found if c.startswith("dd")]
 
-    wait_for(lambda: not ours(), "the abandoned dd to exit and be reaped", 60)
+    try:
+        wait_for(lambda: not ours(), "the abandoned dd to exit and be reaped", 60)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: left {ours()}") from None
