@@ -287,7 +287,10 @@ def _dead_fuse_users(node: Node, mappings: list[Mapping], wanted: set[tuple[str,
         rdevs = [rdev] + [(c.major, c.minor) for c in crypts.values() if c.raw == m.device]
         # The dead mapping's own helpers (a zombie not yet reaped) are no users.
         helpers = [pid for mnt, pid in node.fuse.helper_pids().items() if mnt == m.fuse_mount]
-        out[m.device] = dead_fuse_users(m, mounts, rdevs, ignore_pids=helpers)
+        try:
+            out[m.device] = dead_fuse_users(m, mounts, rdevs, ignore_pids=helpers)
+        except OSError as exc:  # left out: its users unknown, it is not repaired
+            log.warning("who uses %s could not be read: %s", m.device, exc)
     return out
 
 

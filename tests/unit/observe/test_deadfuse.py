@@ -181,3 +181,12 @@ def test_an_ignored_pid_reused_by_a_user_is_a_user(proc: FakeProc) -> None:
     [user] = dead_fuse_users(MAPPING, MOUNTS, [LOOP], proc.root, ignore_pids=[17],
                              busy=never_asked)
     assert user.pid == 17
+
+
+def test_a_process_table_that_cannot_be_listed_is_not_nobody(tmp_path: Path) -> None:
+    """Review: /proc that cannot be listed (EMFILE, ENOMEM, a missing
+    mount) is unknown, never "nobody uses it" (safety rule 7): the repair
+    would unmount the volume on that answer."""
+    with pytest.raises(OSError):
+        got = dead_fuse_users(MAPPING, MOUNTS, [LOOP], tmp_path / "no-proc", busy=never_asked)
+        pytest.fail(f"answered {got!r}")
