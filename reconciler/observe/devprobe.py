@@ -35,10 +35,15 @@ class Probed:
 CacheKey = tuple[int, int, int, bytes]
 
 
-def written(major: int, minor: int) -> tuple[str, ...]:
+def written(major: int, minor: int, sys_root: Path = Path("/sys")) -> tuple[str, ...]:
     """The device's write and discard counters (sysfs ``stat``: writes
-    completed, merged, sectors; discards completed, merged, sectors)."""
-    fields = Path(f"/sys/dev/block/{major}:{minor}/stat").read_text().split()
+    completed, merged, sectors; discards completed, merged, sectors).
+    OSError when the kernel does not keep them (``queue/iostats`` 0: they
+    never move, whatever is written)."""
+    block = sys_root / "dev" / "block" / f"{major}:{minor}"
+    if (block / "queue" / "iostats").read_text().strip() != "1":
+        raise OSError(f"{major}:{minor}: I/O accounting is off")
+    fields = (block / "stat").read_text().split()
     return (*fields[4:7], *fields[11:14])
 
 

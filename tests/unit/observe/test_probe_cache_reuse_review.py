@@ -54,3 +54,17 @@ def test_a_device_mapped_for_another_image_is_read_again(
     assert probe_full(fs, cache, "/dev/rbd0", 252, 0, 1 << 30, None,  # type: ignore[arg-type]
                       owner="krbd:rbd/data") == second
     assert len(reads) == 2
+
+
+def test_counters_the_kernel_does_not_keep_are_no_counters(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """queue/iostats 0 (a udev rule or an admin turns I/O accounting off for
+    virtual disks): the counters never move, whatever is written, so they
+    say nothing; the device is read again."""
+    dev = tmp_path / "dev" / "block" / "252:0"
+    (dev / "queue").mkdir(parents=True)
+    (dev / "stat").write_text(" ".join(["0"] * 17) + "\n")
+    (dev / "queue" / "iostats").write_text("1\n")
+    assert devprobe.written(252, 0, tmp_path) == ZEROS
+    (dev / "queue" / "iostats").write_text("0\n")
+    with pytest.raises(OSError):
+        devprobe.written(252, 0, tmp_path)
