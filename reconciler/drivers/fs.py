@@ -104,8 +104,10 @@ def readahead_then(device: str, size: int, argv: list[str]) -> list[str]:
     head = min(size, BLKID_HEAD) if size > 0 else BLKID_HEAD
     tail = max(BLKID_HEAD, size - BLKID_TAIL)
     # The device is the command's last operand (after blkid's "--"), and
-    # only there: `for dev do :; done` leaves the last one in $dev.
-    script = ('for dev do :; done; exec 3<"$dev" || exit 126; '
+    # only there: `for dev do :; done` leaves the last one in $dev. `command
+    # exec`: a failed redirection of the special built-in `exec` would end
+    # dash at once with 2, which is blkid's "blank".
+    script = ('for dev do :; done; command exec 3<"$dev" || exit 126; '
               'dd if="$dev" of=/dev/null bs=1M iflag=count_bytes count="$1" status=none '
               '2>/dev/null; '
               'if [ "$3" -gt 0 ]; then dd if="$dev" of=/dev/null bs=1M '

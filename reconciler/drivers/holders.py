@@ -117,13 +117,6 @@ def _dir_user(pid_dir: Path, points: list[str]) -> str | None:
     return None
 
 
-def _listdir(path: Path) -> list[str]:
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
-
-
 class _Namespaces:
     """The mounts of the devices as each mount namespace sees them: ours are
     given; another's are read once from a process of it."""
@@ -166,7 +159,9 @@ def users(mount_points: Iterable[str], mount_ids: Iterable[int], devices: Iterab
     points, ids, devs = list(mount_points), set(mount_ids), set(devices)
     spaces = _Namespaces(proc, points, ids, devs)
     out = []
-    for name in _listdir(proc):
+    # A process table that cannot be listed is unknown, never "nobody":
+    # OSError (safety rule 7).
+    for name in os.listdir(proc):
         if not name.isdigit() or int(name) == os.getpid():
             continue
         pid_dir = proc / name

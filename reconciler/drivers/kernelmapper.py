@@ -248,8 +248,12 @@ class KernelMapper:
         refuses it (drivers/nbdnetlink.py)."""
         deadline = time.monotonic() + wait
         if self.kind == "nbd" and block_device_size(device) < size:
-            cookie = nbd_cookie(device, self.sys_root)
-            if cookie is not None:
+            # Only with the cookie we recorded when we mapped it: the kernel
+            # compares it with the device's own, so a device mapped again
+            # since (by anyone, for another image) is never grown to our
+            # image's size. The device's current cookie would match any device.
+            cookie = self.records.cookies().get(device) if self.records is not None else None
+            if cookie is not None and nbd_cookie(device, self.sys_root) == cookie:
                 try:
                     nbdnetlink.resize(device, size, cookie)
                 except (OSError, ValueError) as exc:

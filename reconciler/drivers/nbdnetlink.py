@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # imported when a resize is sent: `apply` starts without it
@@ -83,8 +84,17 @@ def _request(sock: socket.socket, family: int, command: int, body: bytes,
     sock.send(struct.pack("=IHHII", 16 + len(payload), family, NLM_F_REQUEST | NLM_F_ACK,
                           seq, 0) + payload)
     answer: dict[int, bytes] = {}
+    # One deadline for the whole answer: messages that are not it (another
+    # sequence number) do not extend it.
+    deadline = time.monotonic() + REPLY_TIMEOUT_S
     while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no answer from the kernel in {REPLY_TIMEOUT_S:g} s")
+        sock.settimeout(left)
         data = sock.recv(65536)
+        if not data:
+            raise OSError("the netlink socket gave no data")
         while len(data) >= 16:
             length, kind, _flags, got_seq, _pid = struct.unpack_from("=IHHII", data)
             if length < 16 or length > len(data):
@@ -93,6 +103,8 @@ def _request(sock: socket.socket, family: int, command: int, body: bytes,
             if got_seq != seq:
                 continue
             if kind == NLMSG_ERROR:
+                if len(part) < 4:
+                    raise OSError(f"a netlink error message of {len(part)} bytes")
                 (error,) = struct.unpack_from("=i", part)
                 if error:
                     raise OSError(-error, os.strerror(-error))

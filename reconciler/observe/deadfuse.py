@@ -19,7 +19,7 @@ import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from reconciler.drivers import mountbusy
+from reconciler.drivers import mountbusy, procfs
 from reconciler.drivers.holders import users
 from reconciler.facts.observed import Mapping, Mount, MountUser
 
@@ -50,7 +50,9 @@ def dead_fuse_users(mapping: Mapping, mounts: Iterable[Mount],
               and m.mount_point != mapping.fuse_mount]
     # The FUSE mount's own device: a file of the image mapped from it.
     numbers = {os.makedev(*d) for d in devs} | {os.makedev(m.major, m.minor) for m in ours}
-    skip = set(ignore_pids)
+    # Only while the pid is still an rbd-fuse (a zombie keeps its name): a
+    # recorded helper pid may have been reaped and reused by a user.
+    skip = {pid for pid in ignore_pids if _comm(proc / str(pid)) == "rbd-fuse"}
     procs = [u for u in users(points, ids, numbers, proc) if u.pid not in skip]
     found += [MountUser(u.pid, str(u)) for u in procs if not u.unreadable]
     unsure = [u for u in procs if u.unreadable]
@@ -63,6 +65,13 @@ def dead_fuse_users(mapping: Mapping, mounts: Iterable[Mount],
         return ()
     why = ("and the kernel counts a user" if any(said) else "and the kernel did not say")
     return tuple(MountUser(u.pid, f"{u} ({why})") for u in unsure)
+
+
+def _comm(pid_dir: Path) -> str | None:
+    try:
+        return procfs.read_text(pid_dir / "comm").strip()
+    except OSError:
+        return None
 
 
 def dead_fuse_mappings(mappings: Iterable[Mapping], wanted: set[tuple[str, str]]

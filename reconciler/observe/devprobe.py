@@ -35,10 +35,15 @@ class Probed:
 CacheKey = tuple[int, int, int, bytes]
 
 
-def written(major: int, minor: int) -> tuple[str, ...]:
+def written(major: int, minor: int, sys_root: Path = Path("/sys")) -> tuple[str, ...]:
     """The device's write and discard counters (sysfs ``stat``: writes
-    completed, merged, sectors; discards completed, merged, sectors)."""
-    fields = Path(f"/sys/dev/block/{major}:{minor}/stat").read_text().split()
+    completed, merged, sectors; discards completed, merged, sectors).
+    OSError when the kernel does not keep them (``queue/iostats`` 0: they
+    never move, whatever is written)."""
+    block = sys_root / "dev" / "block" / f"{major}:{minor}"
+    if (block / "queue" / "iostats").read_text().strip() != "1":
+        raise OSError(f"{major}:{minor}: I/O accounting is off")
+    fields = (block / "stat").read_text().split()
     return (*fields[4:7], *fields[11:14])
 
 
@@ -48,6 +53,10 @@ class _Entry:
     probed: Probed
     at: float
     written: tuple[str, ...] | None  # the counters when its start was read
+    # What the device was mapped for (kind, pool, image) when probed: a
+    # device number is reused by the next map (krbd's lowest free id; nbd
+    # and loop devices persist, counters and all), maybe in one daemon pass.
+    owner: str | None = None
 
 
 class ProbeCache:
@@ -65,31 +74,34 @@ class ProbeCache:
         self.hits = 0
 
     def unwritten(self, path: str, device: tuple[int, int, int],
-                  counters: tuple[str, ...] | None) -> Probed | None:
+                  counters: tuple[str, ...] | None, owner: str | None = None
+                  ) -> Probed | None:
         """The probe of ``path`` if it is the same device, of the same size,
-        and its counters say nothing was written to it since."""
+        mapped for the same image, and its counters say nothing was written
+        to it since."""
         with self._lock:
             entry = self._entries.get(path)
             if entry is None or counters is None or entry.written != counters \
+                    or entry.owner != owner \
                     or entry.key[:3] != device or time.monotonic() - entry.at > self.MAX_AGE:
                 return None
             self.hits += 1
             return entry.probed
 
-    def get(self, path: str, key: CacheKey, counters: tuple[str, ...] | None = None
-            ) -> Probed | None:
+    def get(self, path: str, key: CacheKey, counters: tuple[str, ...] | None = None,
+            owner: str | None = None) -> Probed | None:
         with self._lock:
             entry = self._entries.get(path)
             if entry is None or entry.key != key or time.monotonic() - entry.at > self.MAX_AGE:
                 return None
-            entry.written = counters
+            entry.written, entry.owner = counters, owner
             self.hits += 1
             return entry.probed
 
     def put(self, path: str, key: CacheKey, probed: Probed,
-            counters: tuple[str, ...] | None = None) -> None:
+            counters: tuple[str, ...] | None = None, owner: str | None = None) -> None:
         with self._lock:
-            self._entries[path] = _Entry(key, probed, time.monotonic(), counters)
+            self._entries[path] = _Entry(key, probed, time.monotonic(), counters, owner)
 
     def retain(self, paths: Iterable[str]) -> None:
         """Forget devices no longer seen (unmapped: the number may be reused)."""
@@ -113,21 +125,23 @@ def probe_mounted(fs: Filesystems, path: str, fs_type: str, mount_point: str) ->
 
 
 def probe_full(fs: Filesystems, cache: ProbeCache | None, path: str, major: int, minor: int,
-               size: int, mount_point: str | None) -> Probed:
-    """Unless the same device was probed before and nothing was written to it
-    since: read its start with O_DIRECT (unreadable is unknown, never
-    blank), then blkid; both in children (drivers/fs.read_head)."""
+               size: int, mount_point: str | None, owner: str | None = None) -> Probed:
+    """Unless the same device was probed before, mapped for the same image
+    (``owner``), and nothing was written to it since: read its start with
+    O_DIRECT (unreadable is unknown, never blank), then blkid; both in
+    children (drivers/fs.read_head). Without an owner it is always read."""
     # Mounted elsewhere, a live xfs size comes from statvfs: not cached.
     cacheable = cache is not None and mount_point is None
     counters = None
     if cacheable:
         with contextlib.suppress(OSError, ValueError):
             counters = written(major, minor)  # before the read: a write meanwhile shows next time
-        if (hit := cache.unwritten(path, (major, minor, size), counters)) is not None:  # type: ignore[union-attr]
+        if owner is not None and (hit := cache.unwritten(  # type: ignore[union-attr]
+                path, (major, minor, size), counters, owner)) is not None:
             return hit
     head = read_head(fs.runner, path)
     key: CacheKey = (major, minor, size, hashlib.blake2b(head, digest_size=16).digest())
-    if cacheable and (hit := cache.get(path, key, counters)) is not None:  # type: ignore[union-attr]
+    if cacheable and (hit := cache.get(path, key, counters, owner)) is not None:  # type: ignore[union-attr]
         return hit
     probe = fs.probe_read(path)
     fs_size = None
@@ -137,5 +151,5 @@ def probe_full(fs: Filesystems, cache: ProbeCache | None, path: str, major: int,
     luks_offset = luks.data_offset(head) if probe.fs_type == "crypto_LUKS" else None
     out = Probed(probe.fs_type, probe.uuid, probe.signature, fs_size, luks_offset)
     if cacheable:
-        cache.put(path, key, out, counters)  # type: ignore[union-attr]
+        cache.put(path, key, out, counters, owner)  # type: ignore[union-attr]
     return out

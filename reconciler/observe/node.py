@@ -101,7 +101,7 @@ _PROBES = Bounded(max_running=4, name="probe")
 
 def _probe(node: Node, path: str, major: int, minor: int, size: int,
            mounts: dict[tuple[int, int], list[tuple[str, str, str]]],
-           expected: tuple[str, str] | None) -> Probed:
+           expected: tuple[str, str] | None, owner: str | None = None) -> Probed:
     """No fork when the device is mounted at its staging path as the wanted
     filesystem; else the full probe (cached across passes while unchanged)."""
     here = mounts.get((major, minor), [])
@@ -109,13 +109,14 @@ def _probe(node: Node, path: str, major: int, minor: int, size: int,
             and (fast := probe_mounted(node.fs, path, expected[1], expected[0])) is not None):
         return fast
     return probe_full(node.fs, node.probes, path, major, minor, size,
-                      here[0][0] if here else None)
+                      here[0][0] if here else None, owner)
 
 
 def _devices(node: Node, paths: Iterable[str],
              mounts: dict[tuple[int, int], list[tuple[str, str, str]]],
              expected: dict[str, tuple[str, str]], timeout: float,
-             stalled: dict[str, str] | None = None) -> dict[str, Device]:
+             stalled: dict[str, str] | None = None,
+             owners: dict[str, str] | None = None) -> dict[str, Device]:
     """Probe each device in its own bounded call. One that fails is a device
     with a problem, one that does not answer is *unknown*: neither is blank.
     ``stalled``: devices whose I/O does not complete (path -> why): never
@@ -148,7 +149,8 @@ def _devices(node: Node, paths: Iterable[str],
         try:
             tasks.append(_PROBES.submit((path, major, minor),
                                         functools.partial(_probe, node, path, major, minor,
-                                                          size, mounts, expected.get(path))))
+                                                          size, mounts, expected.get(path),
+                                                          (owners or {}).get(path))))
         except StillStuck as exc:
             out[path] = _unknown(path, major, minor, size, "probe timed out", str(exc))
     for task in tasks:
@@ -234,8 +236,11 @@ def observe(node: Node, volumes: Iterable[Volume], all_watchers: bool = False,
     # A stalled device is never probed, nor is what is open over it.
     why = {d: stall_reason(s) for d, s in stalled.items()}
     why |= {c.path: why[r] for r, c in crypts.items() if r in why}
+    # What each device is mapped for: a cached probe is of that mapping only.
+    owners = {m.device: f"{m.kind}:{m.pool}/{m.image}" for m in ours if m.device}
+    owners |= {c.path: f"crypt over {owners[r]}" for r, c in crypts.items() if r in owners}
     devices = _devices(node, raw + [c.path for c in crypts.values()], mounted,
-                       _expected_mounts(volumes, ours, crypts), timeout, why)
+                       _expected_mounts(volumes, ours, crypts), timeout, why, owners)
     node.probes.retain(devices)
 
     path_rdev = _device_node_binds(mounts, devices.values())
@@ -282,7 +287,10 @@ def _dead_fuse_users(node: Node, mappings: list[Mapping], wanted: set[tuple[str,
         rdevs = [rdev] + [(c.major, c.minor) for c in crypts.values() if c.raw == m.device]
         # The dead mapping's own helpers (a zombie not yet reaped) are no users.
         helpers = [pid for mnt, pid in node.fuse.helper_pids().items() if mnt == m.fuse_mount]
-        out[m.device] = dead_fuse_users(m, mounts, rdevs, ignore_pids=helpers)
+        try:
+            out[m.device] = dead_fuse_users(m, mounts, rdevs, ignore_pids=helpers)
+        except OSError as exc:  # left out: its users unknown, it is not repaired
+            log.warning("who uses %s could not be read: %s", m.device, exc)
     return out
 
 

@@ -169,3 +169,24 @@ def test_only_dead_fuse_mappings_of_wanted_images() -> None:
     other = Mapping("fuse", "rbd", "theirs", "/dev/loop5", FUSE, problem="gone")
     wanted = {("rbd", n) for n in ("vol", "ok", "half", "k")}
     assert dead_fuse_mappings([MAPPING, alive, half, krbd, other], wanted) == [MAPPING]
+
+
+def test_an_ignored_pid_reused_by_a_user_is_a_user(proc: FakeProc) -> None:
+    """Review: the helper pids to ignore come partly from our own record of
+    the rbd-fuse we started (fusemapper.fuse_pids), which keeps the pid of a
+    helper that died and was reaped (reap_zombies) until the repair unmaps
+    it; while its volume is in use that may be days. A process that reuses
+    that pid and uses the volume is a user, not the helper."""
+    proc.process(17, "postgres", fds={4: (f"{STG}/f", 41)})
+    [user] = dead_fuse_users(MAPPING, MOUNTS, [LOOP], proc.root, ignore_pids=[17],
+                             busy=never_asked)
+    assert user.pid == 17
+
+
+def test_a_process_table_that_cannot_be_listed_is_not_nobody(tmp_path: Path) -> None:
+    """Review: /proc that cannot be listed (EMFILE, ENOMEM, a missing
+    mount) is unknown, never "nobody uses it" (safety rule 7): the repair
+    would unmount the volume on that answer."""
+    with pytest.raises(OSError):
+        got = dead_fuse_users(MAPPING, MOUNTS, [LOOP], tmp_path / "no-proc", busy=never_asked)
+        pytest.fail(f"answered {got!r}")
