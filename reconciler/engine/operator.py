@@ -46,8 +46,11 @@ def users_of(vp: VolumePlan, observed: Observed) -> list[User | str]:
     # A process whose /proc cannot be read is not counted here (as before
     # the dead-fuse repair made holders report it): recover's own umounts
     # are not lazy, so the kernel refuses a mount still in use.
-    found: list[User | str] = [u for u in users(points, {m.mount_id for m in mounts}, rdevs)
-                               if u.pid not in helpers and not u.unreadable]
+    try:
+        found: list[User | str] = [u for u in users(points, {m.mount_id for m in mounts}, rdevs)
+                                   if u.pid not in helpers and not u.unreadable]
+    except OSError as exc:  # the process table unreadable: who uses it is unknown
+        found = [f"the process table could not be read ({exc}): its users are unknown"]
     for dev in raw:
         holders = Path(f"/sys/class/block/{Path(dev).name}/holders")
         for h in sorted(p.name for p in holders.glob("*")):
