@@ -7,6 +7,11 @@ and otherwise only marks it expired (EAGAIN): a second such call would
 unmount it. The mark is cleared at once by a lookup of the path (any
 ``mntput`` clears it), so one call here never unmounts anything.
 
+Two such questions at once could interleave (A looks up, B looks up, A
+marks, B finds the mark and unmounts): ours (the daemon's, a CLI's) are
+asked one at a time, under a lock file (LOCK_PATH); one not had within
+LOCK_WAIT_S is no answer.
+
 It answers for the processes /proc does not show us (a daemon without
 CAP_SYS_PTRACE cannot read the descriptors of a process with more
 capabilities than its own). Imported by observe/deadfuse.py only.
@@ -17,27 +22,36 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import os
+import time
+from collections.abc import Iterator
 
 MNT_EXPIRE = 4
 UMOUNT_NOFOLLOW = 8  # a symlink at the path is never followed (safety rule 8)
 _libc = ctypes.CDLL(None, use_errno=True)
+LOCK_PATH = "/run/rbd-reconciler-mountbusy.lock"  # root's /run: no other user's directory
+LOCK_WAIT_S = 5.0
+_LOCK_POLL_S = 0.02
 
 
 def busy(path: str) -> bool | None:
     """True: the top mount at ``path`` is in use (or a mount sits inside
     it); False: nothing holds it; None: the kernel did not say (no
     privilege, not a mount point, anything else)."""
-    # A lookup first clears a mark left by anyone before (else this call
-    # would be the second one, and unmount it); one after clears ours.
-    try:
-        _touch(path)
-    except OSError:
-        return None
-    rc = _libc.umount2(os.fsencode(path), MNT_EXPIRE | UMOUNT_NOFOLLOW)
-    err = ctypes.get_errno() if rc != 0 else 0
-    with contextlib.suppress(OSError):
-        _touch(path)
+    with _one_at_a_time() as held:
+        if not held:
+            return None
+        # A lookup first clears a mark left by anyone before (else this call
+        # would be the second one, and unmount it); one after clears ours.
+        try:
+            _touch(path)
+        except OSError:
+            return None
+        rc = _libc.umount2(os.fsencode(path), MNT_EXPIRE | UMOUNT_NOFOLLOW)
+        err = ctypes.get_errno() if rc != 0 else 0
+        with contextlib.suppress(OSError):
+            _touch(path)
     if rc == 0:  # marked again in between by someone else's probe: unmounted, so unused
         return False
     if err == errno.EBUSY:
@@ -50,3 +64,27 @@ def busy(path: str) -> bool | None:
 def _touch(path: str) -> None:
     """A lookup of the mount and its release (``mntput`` clears an expiry mark)."""
     os.close(os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC))
+
+
+@contextlib.contextmanager
+def _one_at_a_time() -> Iterator[bool]:
+    """The lock that keeps our questions apart; False if not had in time."""
+    try:
+        fd = os.open(LOCK_PATH, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        yield False
+        return
+    try:
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    yield False
+                    return
+                time.sleep(_LOCK_POLL_S)
+        yield True
+    finally:
+        os.close(fd)  # the lock goes with it

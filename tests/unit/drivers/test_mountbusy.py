@@ -75,3 +75,23 @@ def test_a_symlink_to_a_mount_is_no_answer_and_not_followed(point: Path, tmp_pat
         assert busy(str(link)) is None
     assert mounted_at(point)
     assert busy(str(point)) is False and mounted_at(point)
+
+
+def test_one_question_at_a_time(point: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two questions at once could make the second one the unmounting call:
+    while another holds the lock, there is no answer (unsure: a user), and
+    the mount stays."""
+    import fcntl
+    import os
+
+    from reconciler.drivers import mountbusy
+
+    monkeypatch.setattr(mountbusy, "LOCK_WAIT_S", 0.2)
+    fd = os.open(mountbusy.LOCK_PATH, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        assert busy(str(point)) is None
+    finally:
+        os.close(fd)
+    assert mounted_at(point)
+    assert busy(str(point)) is False and mounted_at(point)
