@@ -24,6 +24,7 @@ import fcntl
 import logging
 import os
 import secrets
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ from typing import Any
 
 from reconciler.drivers import procfs, safepath
 from reconciler.drivers.bounded import Bounded, NoAnswer
+from reconciler.drivers.reaper import reap_later
 from reconciler.state import boot
 from reconciler.state.files import open_lock
 from reconciler.state.registry import FREEZES, Registry
@@ -47,6 +49,10 @@ DEFAULT_TIMEOUT_S = 5.0
 # A thaw of a filesystem whose storage is gone (OSD down) waits in the kernel:
 # never hold up the caller (the daemon's start-up) longer than this.
 THAW_WAIT_S = 10.0
+# One freeze or thaw child's deadline (the freeze's own, at most: a freeze
+# whose write-back outlasts the hold would be thawed at once anyway).
+IOCTL_TIMEOUT_S = 10.0
+KILL_WAIT_S = 1.0  # after SIGKILL: gone, or stuck in the kernel
 _LOCK_POLL_S = 0.02
 
 # Tokens of the freezes this process holds right now: its other records are
@@ -94,6 +100,22 @@ class NotMounted(Exception):
     """The recorded filesystem is mounted nowhere: it cannot be thawed now."""
 
 
+class TimedOut(OSError):
+    """A freeze or thaw did not end in time; its child was killed and is gone
+    (whether the ioctl got through before the kill is not known)."""
+
+
+class StillRunning(TimedOut):
+    """A freeze or thaw did not end in time and its child did not go when
+    killed (stuck in the kernel): it may still complete."""
+
+    def __init__(self, pid: int, start: int | None, timeout: float) -> None:
+        super().__init__(errno.ETIMEDOUT, f"did not end within {timeout:g} s (the "
+                         f"filesystem's storage does not answer); pid {pid} is stuck in "
+                         "the kernel")
+        self.pid, self.start = pid, start
+
+
 @dataclass(frozen=True)
 class Record:
     key: str
@@ -102,6 +124,9 @@ class Record:
     pid: int | None
     start: int | None  # the owner's start time (/proc/PID/stat field 22)
     earlier_boot: bool = False  # made before the last reboot: nothing is frozen
+    # A freeze's child (pid, start) stuck in the kernel: it may still freeze
+    # the filesystem, so nothing thaws (and forgets) this record before it is gone.
+    child: tuple[int, int | None] | None = None
 
     @classmethod
     def parse(cls, key: str, value: Any, boot_now: str | None = None) -> Record:
@@ -109,16 +134,23 @@ class Record:
         dev = v.get("dev")
         ok_dev = isinstance(dev, list) and len(dev) == 2 and all(isinstance(x, int) for x in dev)
         pid, start = v.get("pid"), v.get("start")
+        child = v.get("child")
+        ok_child = (isinstance(child, list) and len(child) == 2 and isinstance(child[0], int)
+                    and (child[1] is None or isinstance(child[1], int)))
         return cls(key, str(v.get("path", key)), (dev[0], dev[1]) if ok_dev else None,
                    pid if isinstance(pid, int) else None,
                    start if isinstance(start, int) else None,
-                   boot.of_another_boot(v.get("boot"), boot_now))
+                   boot.of_another_boot(v.get("boot"), boot_now),
+                   (child[0], child[1]) if ok_child else None)
 
     @property
     def owner(self) -> str:
         return f"pid {self.pid}" if self.pid is not None else "an unknown process"
 
     def owner_alive(self) -> bool:
+        if self.child is not None and _start_time(self.child[0]) is not None \
+                and self.child[1] in (None, _start_time(self.child[0])):
+            return True  # its freeze may still land: thawing now could come first
         if self.pid is None:
             return False
         if self.pid == os.getpid():
@@ -139,7 +171,8 @@ def _start_time(pid: int) -> int | None:
         return None
 
 
-def _ioctl(path: str, request: int, rdev: tuple[int, int] | None = None) -> None:
+def _ioctl(path: str, request: int, rdev: tuple[int, int] | None = None,
+           timeout: float = IOCTL_TIMEOUT_S) -> None:
     # The mount point is opened without following symlinks (safety rule 8);
     # the ioctl needs a real descriptor, not an O_PATH one.
     fd = safepath.open_nofollow(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -149,9 +182,48 @@ def _ioctl(path: str, request: int, rdev: tuple[int, int] | None = None) -> None
             # root filesystem, say) could hang the node.
             raise WrongFilesystem(f"{path} is no longer a mount of device "
                                   f"{rdev[0]}:{rdev[1]}")
-        fcntl.ioctl(fd, request, 0)
+        _in_child(fd, request, timeout)
     finally:
         os.close(fd)
+
+
+def _in_child(fd: int, request: int, timeout: float) -> None:
+    """FIFREEZE or FITHAW of the filesystem open on ``fd``, made by a child
+    (util-linux's fsfreeze on ``/proc/self/fd/N``: the directory we opened
+    and checked, not a path looked up again). A freeze writes back every
+    dirty page first and a thaw may write the superblock: on storage that
+    does not answer either sleeps in the kernel (D state, uninterruptible),
+    and in a thread of ours it would keep the daemon from exiting (issue 41,
+    item 6). The child is killed at ``timeout``; one that does not go (stuck
+    in the kernel) is left to the reaper and raised as StillRunning: it may
+    still freeze the filesystem when the storage answers."""
+    argv = ["fsfreeze", "--freeze" if request == FIFREEZE else "--unfreeze", "--",
+            f"/proc/self/fd/{fd}"]
+    # C locale: its error is our errno's strerror (it says nothing else).
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, pass_fds=(fd,), start_new_session=True,
+                            env={"PATH": os.environ.get("PATH", os.defpath), "LC_ALL": "C"})
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        start = _start_time(proc.pid)
+        proc.kill()
+        try:
+            proc.wait(timeout=KILL_WAIT_S)
+        except subprocess.TimeoutExpired:
+            if proc.stderr is not None:
+                proc.stderr.close()
+            reap_later(proc)
+            raise StillRunning(proc.pid, start, timeout) from None
+        raise TimedOut(errno.ETIMEDOUT, f"{argv[1][2:]} did not end within {timeout:g} s "
+                       "(the filesystem's storage does not answer); killed") from None
+    if proc.returncode == 0:
+        return
+    text = err.decode("utf-8", "replace").strip()
+    for code in (errno.EBUSY, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM, errno.EACCES):
+        if text.endswith(os.strerror(code)):
+            raise OSError(code, os.strerror(code))
+    raise OSError(errno.EIO, text or f"fsfreeze exited {proc.returncode}")
 
 
 def _dev_of(path: str) -> tuple[int, int]:
@@ -305,16 +377,41 @@ class Hold:
         with _live_guard:
             _live.add(self.token)
         pid = os.getpid()
-        self.records.record(self.token, {"path": self.path, "dev": list(self.rdev), "pid": pid,
-                                         "start": _start_time(pid), "boot": boot.boot_id()})
+        record = {"path": self.path, "dev": list(self.rdev), "pid": pid,
+                  "start": _start_time(pid), "boot": boot.boot_id()}
+        self.records.record(self.token, record)
         try:
-            _ioctl(self.path, FIFREEZE, self.rdev)
+            _ioctl(self.path, FIFREEZE, self.rdev, self.timeout)
+        except StillRunning as exc:
+            # Its freeze may still land once the storage answers: the record
+            # stays, naming the child, and the first pass after the child is
+            # gone thaws it (thaw_left, thaw_recorded).
+            self._forget_live()
+            self.records.record(self.token, {**record, "child": [exc.pid, exc.start]})
+            raise
+        except TimedOut:
+            self._forget_live()
+            self._thaw_after_timeout()
+            raise
         except BaseException:
             self.records.forget(self.token)
             self._forget_live()
             raise
         threading.Thread(target=self._watchdog, daemon=True,
                          name=f"freeze-watchdog:{self.path}").start()
+
+    def _thaw_after_timeout(self) -> None:
+        """The freeze's child was killed in time: whether its ioctl got
+        through is not known, so thaw (EINVAL: it did not). One that cannot
+        be thawed now keeps its record, with no live owner: the next pass
+        thaws it."""
+        try:
+            _thaw_device(self.path, self.rdev)
+        except (OSError, NotMounted) as exc:
+            log.warning("%s: a freeze that timed out may hold: %s; the next pass thaws it",
+                        self.path, exc)
+            return
+        self.records.forget(self.token)
 
     def _watchdog(self) -> None:
         if self._done.wait(self.timeout):
