@@ -14,7 +14,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from reconciler.drivers import procfs
+from reconciler.drivers import pagecache, procfs
 from reconciler.drivers.run import CommandError, Runner
 from reconciler.drivers.safepath import (
     O_PATH,
@@ -127,16 +127,17 @@ def read_superblock(device: str, fs_type: str, runner: Runner, mounted: bool = F
     """ext4/xfs superblock through the page cache (as dumpe2fs reads it), by
     a child (see read_head). ``mounted``: the caller saw the device mounted;
     then it is first read here, if the page cache has it (a mounted ext4
-    pins its superblock's buffer there; an xfs's stays once read):
-    ``RWF_NOWAIT`` answers EAGAIN instead of asking the device. Only then:
+    pins its superblock's buffer there; an xfs's stays once read), asked
+    first with mincore (drivers/pagecache.py: a miss never starts I/O from
+    this process). Only then:
     the last close of a block device drops its page cache and waits for
     reads still in flight (a child killed on a stalled device leaves some),
     and a mount keeps ours from being the last. OSError when the read fails."""
     length = EXT4_SB_OFFSET + 1024
     if mounted:
         with contextlib.suppress(OSError):
-            data = _cached(device, length)
-            if len(data) == length:
+            data = pagecache.read_if_resident(device, length)
+            if data is not None:
                 return parse_superblock(data, fs_type)
     try:
         out = runner.run(["dd", f"if={device}", f"bs={length}", "count=1", "status=none"],
@@ -144,18 +145,6 @@ def read_superblock(device: str, fs_type: str, runner: Runner, mounted: bool = F
     except CommandError as exc:
         raise OSError(errno.EIO, _unreadable(device, exc.stderr.strip() or str(exc))) from None
     return parse_superblock(out.raw, fs_type)
-
-
-def _cached(device: str, length: int) -> bytes:
-    """The first ``length`` bytes of ``device`` if all are in its page cache;
-    OSError (EAGAIN) if not: nothing here waits on the device."""
-    fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    try:
-        buf = bytearray(length)
-        n = os.preadv(fd, [buf], 0, os.RWF_NOWAIT)
-        return bytes(buf[:n])
-    finally:
-        os.close(fd)
 
 
 def fs_size_from(sb: Superblock, mount_point: str | None) -> int:
