@@ -19,9 +19,11 @@ before is on the image.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -364,3 +366,88 @@ def test_shutdown_while_cut_off_ends_by_its_deadline_and_keeps_what_was_synced(
         print("DAEMON LOG (tail)\n" + "\n".join(
             daemon.log.read_text().splitlines()[-40:]), flush=True)
         daemon.stop()
+
+
+STOP_S = 30.0  # timeouts.stopSeconds (the default): SIGTERM to exit, whatever is stuck
+RUNS = 5
+
+
+def test_sigterm_while_cut_off_with_writers_ends_by_its_bound_every_time(
+        node: NodeUnderTest) -> None:
+    """Issue 41, item 6: a daemon whose volumes' Ceph does not answer, with
+    writes in flight on krbd, rbd-nbd and LUKS2 over krbd, stops on SIGTERM
+    within `stopSeconds`, five runs in a row: no read, flush or freeze of a
+    volume's device waits in its own process. Each run starts a daemon,
+    cuts the node off, waits until it reports every volume Stalled, touches
+    every desired file (a pass runs its probes), sends SIGTERM and times the
+    exit; then heals, and the writers go on by themselves. The mounts stay
+    (a stop never unmounts) and every acknowledged write reads back."""
+    vols = {"tk": ("krbd", False, None), "tn": ("nbd", False, None),
+            "tl": ("krbd", True, None)}
+    configure(node, vols)
+    bases = list(vols)
+    report: dict[str, list[float]] = {"exitSeconds": [], "stalledAfter": []}
+    writers: dict[str, Writer] = {}
+    published: dict[str, tuple[int, str]] | None = None
+    try:
+        for run in range(RUNS):
+            daemon = Daemon(node.config, node.root / f"daemon-{run}.log", WATCHDOG_S)
+            try:
+                wait_for(lambda d=daemon: all_in(d, node, bases, "Published"),
+                         f"run {run}: every volume to be Published", 600, step=1)
+                if published is None:
+                    published = mounts_under(node.srv)
+                    writers = {b: Writer(node.srv / b / "data.bin").start() for b in bases}
+                assert mounts_under(node.srv) == published, f"run {run}: a mount changed"
+                at_start = {b: w.count for b, w in writers.items()}
+                wait_for(lambda ws=writers, n=at_start: all(w.count > n[b] for b, w in ws.items()),
+                         f"run {run}: every writer to complete a write", 120)
+                with cut_off() as cut:
+                    wait_for(lambda d=daemon: all_in(d, node, bases, "Stalled"),
+                             f"run {run}: every volume to be Stalled", 120)
+                    report["stalledAfter"].append(round(time.monotonic() - cut, 1))
+                    for f in node.desired.glob("*.yaml"):
+                        os.utime(f)
+                    began = time.monotonic()
+                    daemon.proc.send_signal(signal.SIGTERM)
+                    try:
+                        rc = daemon.proc.wait(timeout=STOP_S + 60)
+                    except subprocess.TimeoutExpired:
+                        raise AssertionError(
+                            f"run {run}: the daemon still runs {STOP_S + 60:g} s after "
+                            f"SIGTERM; its threads: {threads_of(daemon.proc.pid)}") from None
+                    took = time.monotonic() - began
+                    report["exitSeconds"].append(round(took, 1))
+                    assert rc == 0, f"run {run}: exit {rc}"
+                    # Its bound, plus what a Python exit takes under emulation.
+                    assert took <= STOP_S + 10, f"run {run}: exited after {took:.1f} s"
+                    assert mounts_under(node.srv) == published, f"run {run}: a mount changed"
+                healed = time.monotonic()
+                at_heal = {b: w.count for b, w in writers.items()}
+                for b, w in writers.items():
+                    wait_for(lambda w=w, n=at_heal[b]: w.count > n + 2 or w.error,
+                             f"run {run}: {b}'s writes to complete again", 300)
+                    assert w.error is None, f"{b}: {w.error}"
+                report.setdefault("resumedAfter", []).append(round(time.monotonic() - healed, 1))
+            finally:
+                daemon.stop()
+        for b, w in writers.items():
+            w.stop()
+            assert w.error is None, f"{b}: {w.error}"
+            assert w.verify() > 0
+    finally:
+        for w in writers.values():
+            with contextlib.suppress(AssertionError):
+                w.stop()
+        print(f"\nSIGTERM UNDER A CUT {json.dumps(report)}", flush=True)
+
+
+def threads_of(pid: int) -> list[str]:
+    """Each thread of ``pid``: its name, state and kernel wait channel."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError, IndexError):
+            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            out.append(f"{(task / 'comm').read_text().strip()}:{state}:"
+                       f"{(task / 'wchan').read_text().strip()}")
+    return out

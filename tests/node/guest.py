@@ -35,6 +35,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from loadwriters import Load
+
 T = TypeVar("T")
 RUN = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/mnt/run")
 REPO = Path(__file__).resolve().parents[2]
@@ -56,6 +58,10 @@ VOLUMES: dict[str, tuple[str, str, str, bool]] = {
     "box-fuse": ("fuse", "ext4", "64Mi", False),
 }
 CRASH_VOLUME = "box-crash"
+# Written by an application (tests/node/loadwriters.py) while the daemon is
+# restarted, upgraded and killed: krbd, rbd-nbd and LUKS2 over krbd.
+LOADED = ["box-krbd", "box-nbd", "box-luks"]
+LOAD: Load | None = None
 ALL_VOLUMES = {**VOLUMES, CRASH_VOLUME: ("krbd", "ext4", "64Mi", False)}
 
 
@@ -648,6 +654,63 @@ def qos_unit() -> str:
             f"4 MiB O_DIRECT in {took:.1f} s limited, {fast:.1f} s lifted")
 
 
+def under_load(event: str, t0: float) -> str:
+    """After ``event`` (begun at ``t0``): no writer saw an I/O error, each
+    completes records again, and the longest pause is recorded."""
+    assert LOAD is not None, "no writers"
+    assert not LOAD.errors(), f"I/O errors across the {event}: {LOAD.errors()}"
+    t1 = time.monotonic()
+    wait_for(f"every writer to complete records after the {event}",
+             lambda: LOAD.progressed_since(t1) or LOAD.errors(), 120)
+    assert not LOAD.errors(), f"I/O errors after the {event}: {LOAD.errors()}"
+    gaps = LOAD.gaps(t0, time.monotonic())
+    metric(f"{event}_longest_write_gap_s", gaps)
+    return f"writers: no I/O error, longest pause {max(gaps.values()):.2f} s"
+
+
+def start_load() -> str:
+    global LOAD
+    LOAD = Load(LOADED)
+    t0 = time.monotonic()
+    wait_for("every writer's first records", lambda: LOAD.progressed_since(t0, 3)
+             or LOAD.errors(), 120)
+    assert not LOAD.errors(), LOAD.errors()
+    return f"1 MiB O_DIRECT+fsync records on {', '.join(LOADED)}"
+
+
+def restart() -> str:
+    """`systemctl restart` under writers: a new daemon, the same mounts (by
+    id), mappings, dm devices and helpers, no step, no I/O error."""
+    before = snapshot()
+    d0 = daemon()
+    mark = cursor()
+    t0 = time.monotonic()
+    sh("systemctl", "restart", "rbd-reconciler", timeout=300)
+    d1 = wait_for("the daemon to run again under a new pid",
+                  lambda: (d := daemon())["ActiveState"] == "active"
+                  and d["MainPID"] not in ("0", d0["MainPID"]) and d, 120)
+    wait_for("the new daemon's first pass over every volume, nothing to converge",
+             lambda: first_pass(d1["MainPID"], len(VOLUMES)), 180, every=1)
+    after = snapshot()
+    assert after == before, f"moved across the restart:\nbefore {before}\nafter  {after}"
+    changed = [e.get("MESSAGE") for e in journal(f"--after-cursor={mark}")
+               if e.get("RESULT") in ("changed", "failed")]
+    assert not changed, f"steps ran across the restart: {changed[:5]}"
+    metric("restart_s", round(time.monotonic() - t0, 1))
+    return (f"daemon pid {d0['MainPID']} -> {d1['MainPID']}, {len(before['mounts'])} mounts "
+            f"unchanged (ids); {under_load('restart', t0)}")
+
+
+def load_verified() -> str:
+    assert LOAD is not None, "no writers"
+    p99 = LOAD.p99()
+    checked = LOAD.finish()
+    assert not LOAD.errors(), LOAD.errors()
+    metric("writer_p99_gap_s", p99)
+    return (f"every acknowledged record reads back ({checked}); the writers' p99 pause "
+            f"over the whole run {p99}")
+
+
 def upgrade() -> str:
     newer = PARAMS.get("newer_deb")
     assert newer, "no newer package (--newer-deb)"
@@ -682,9 +745,10 @@ def upgrade() -> str:
     assert not changed, f"steps ran across the upgrade: {changed[:5]}"
     assert published(VOLUMES), not_published(VOLUMES)
     metric("upgrade_restart_s", round(restart_s, 1))
+    load = f"; {under_load('upgrade', t0)}" if LOAD is not None else ""
     return (f"{old} -> {new}: daemon pid {d0['MainPID']} -> {d1['MainPID']}, "
             f"{len(before['mounts'])} mounts, {len(before['krbd'])} krbd, "
-            f"{len(before['nbd'])} nbd, {len(before['dm'])} dm unchanged; no step ran")
+            f"{len(before['nbd'])} nbd, {len(before['dm'])} dm unchanged; no step ran{load}")
 
 
 def crash() -> str:
@@ -729,6 +793,7 @@ def crash() -> str:
         f"killed before the publish, yet the restarted daemon did no step (killed one: {old})"
     metric("crash_restart_s", round(restarted, 1))
     metric("crash_to_converged_s", round(converged, 1))
+    load = f"; {under_load('crash', t0)}" if LOAD is not None else ""
     return (f"killed every process of the unit (main pid {d0['MainPID']}) "
             f"{'before' if midway else 'after'} the publish "
             f"(its steps: {', '.join(old) or 'none logged'}); restarted as {d1['MainPID']} in "
@@ -736,7 +801,7 @@ def crash() -> str:
             f"{len(names)} Published {converged:.1f} s after the kill, the other volumes' mounts, "
             f"mappings and helpers untouched (rbd-nbd {', '.join(after['nbd'].values())}, "
             f"rbd-fuse {', '.join(after['fuse'].values())}, still in their scopes: "
-            f"{scopes.count('.scope (')})")
+            f"{scopes.count('.scope (')}){load}")
 
 
 def data_and_reboot() -> None:
@@ -773,8 +838,13 @@ def boot1() -> str:
     check("systemctl reload", reload)
     app = check("application unit", application)
     check("qos.unit through systemd", qos_unit)
+    loaded = check("writers on krbd, rbd-nbd and LUKS2", start_load)
+    if loaded:
+        check("restart under writers", restart)
     check("upgrade keeps volumes", upgrade)
     check("crash: restarted, converges", crash)
+    if loaded:
+        check("writers: no I/O error, every record reads back", load_verified)
     if app and check("data written", lambda: data_and_reboot() or "") \
             and published(ALL_VOLUMES):
         return "reboot"
