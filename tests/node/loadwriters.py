@@ -25,7 +25,7 @@ class RecordWriter(threading.Thread):
         self.acked: dict[int, bytes] = {}  # slot -> sha256 of what it holds
         self.done: list[float] = []  # monotonic time of each completed record
         self.error: str | None = None
-        self._stop = threading.Event()
+        self._quit = threading.Event()
 
     def begin(self) -> RecordWriter:
         with open(self.path, "wb") as f:
@@ -39,7 +39,7 @@ class RecordWriter(threading.Thread):
         fd = os.open(self.path, os.O_WRONLY | os.O_DIRECT)
         try:
             i = 0
-            while not self._stop.is_set():
+            while not self._quit.is_set():
                 data = hashlib.sha256(f"{self.path}:{i}".encode()).digest() * (RECORD // 32)
                 buf.seek(0)
                 buf.write(data)
@@ -49,7 +49,7 @@ class RecordWriter(threading.Thread):
                 self.acked[i % RECORDS] = hashlib.sha256(data).digest()
                 self.done.append(time.monotonic())
                 i += 1
-                self._stop.wait(self.pause)
+                self._quit.wait(self.pause)
         except OSError as exc:
             self.error = f"{exc} after {len(self.done)} records"
         finally:
@@ -57,7 +57,7 @@ class RecordWriter(threading.Thread):
             buf.close()
 
     def halt(self, timeout: float = 120) -> None:
-        self._stop.set()
+        self._quit.set()
         self.join(timeout)
         if self.is_alive():
             raise AssertionError(f"{self.path}: the writer is stuck")
