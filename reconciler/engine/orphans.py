@@ -121,11 +121,13 @@ def release_orphans(config: Config, step_timeout: float) -> Swept:
     return out
 
 
-def _users(o: Orphan, seen: Leftovers) -> tuple[str, ...]:
+def _users(o: Orphan, seen: Leftovers, now: bool = False) -> tuple[str, ...]:
+    """``now``: right before its removal (a FUSE mount's loop device is gone
+    by then, so the kernel's count of it means something)."""
     if o.pid is not None:
         return ()  # a helper with no mount left serves nobody
     if o.kind in ("mount", "rbd-fuse"):
-        return leftovers.mount_users(o.what, seen)
+        return leftovers.mount_users(o.what, seen, ask_kernel=o.kind == "mount" or now)
     return leftovers.device_users(o.what, seen)
 
 
@@ -134,7 +136,7 @@ def _remove(node: Node, o: Orphan, seen: Leftovers) -> str | None:
     it is gone, else why it stays."""
     try:
         now = leftovers.look(node)
-        if (busy := _users(o, now)):
+        if (busy := _users(o, now, now=True)):
             return f"in use by {', '.join(busy)}"
         if o.kind == "mount":
             return _unmount(node, o, seen)

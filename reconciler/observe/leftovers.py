@@ -17,6 +17,7 @@ from pathlib import Path
 
 from reconciler.drivers import procfs
 from reconciler.drivers.holders import users
+from reconciler.drivers.mountbusy import busy
 from reconciler.drivers.run import CommandError
 from reconciler.facts.leftovers import CryptDev, Helper, Leftovers, LoopDev, Rdev
 from reconciler.facts.luks import CRYPT_UUID_PREFIX
@@ -124,13 +125,28 @@ def helpers(sys_root: Path = Path("/sys"), proc: Path = Path("/proc")) -> tuple[
     return tuple(sorted(out, key=lambda h: h.pid))
 
 
-def mount_users(point: str, seen: Leftovers, proc: Path = Path("/proc")) -> tuple[str, ...]:
+def mount_users(point: str, seen: Leftovers, proc: Path = Path("/proc"),
+                ask_kernel: bool = True) -> tuple[str, ...]:
     """The processes in the mount(s) at ``point``: open files, working or
-    root directories. The rbd-fuse serving a FUSE mount is no user of it.
-    OSError: the process table could not be read (unknown, never nobody)."""
+    root directories; the rbd-fuse serving a FUSE mount is no user of it.
+    A process whose /proc cannot be read is a user unless the kernel's count
+    of the mount says nothing holds it (as for a dead rbd-fuse's volume,
+    observe/deadfuse.py); ``ask_kernel`` False: not asked yet (a FUSE mount
+    whose loop device still holds it), so no user for now: the sweep asks
+    right before it unmounts. OSError: the process table could not be read
+    (unknown, never nobody)."""
     ids = [m.mount_id for m in seen.mounts if m.mount_point == point]
     helpers = {h.pid for h in seen.helpers if h.serves == point}
-    return tuple(str(u) for u in users([point], ids, (), proc) if u.pid not in helpers)
+    found = [u for u in users([point], ids, (), proc) if u.pid not in helpers]
+    sure = tuple(str(u) for u in found if not u.unreadable)
+    unsure = [u for u in found if u.unreadable]
+    if sure or not unsure or not ask_kernel:
+        return sure
+    said = busy(point)
+    if said is False:
+        return ()
+    why = "and the kernel counts a user" if said else "and the kernel did not say"
+    return tuple(f"{u} ({why})" for u in unsure)
 
 
 def device_users(device: str, seen: Leftovers, sys_root: Path = Path("/sys"),
@@ -144,5 +160,8 @@ def device_users(device: str, seen: Leftovers, sys_root: Path = Path("/sys"),
     held = tuple(f"held by {h}" for h in os.listdir(
         sys_root / "dev" / "block" / f"{rdev[0]}:{rdev[1]}" / "holders"))
     helpers = {h.pid for h in seen.helpers if h.serves == device}
+    # A process whose /proc cannot be read is left out here, as recover
+    # leaves it out: a device's users are its mounts (each a leftover of its
+    # own, gone first, or it stays) and its openers, which /proc shows us.
     return held + tuple(str(u) for u in users((), (), [os.makedev(*rdev)], proc)
-                        if u.pid not in helpers)
+                        if u.pid not in helpers and not u.unreadable)
