@@ -20,6 +20,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from reconciler.drivers.fs import ForeignMount
 from reconciler.drivers.run import CommandError, Runner
@@ -32,6 +33,7 @@ from reconciler.plan.orphans import Accounted, Orphan, Roots, find_orphans, swee
 from reconciler.plan.release import volumes_of_ours
 from reconciler.spec.config import Config
 from reconciler.spec.desired import load_desired
+from reconciler.spec.loader import LoadResult
 from reconciler.state.files import read_json
 from reconciler.state.lock import locked
 
@@ -67,15 +69,18 @@ def roots(config: Config) -> Roots:
     return Roots(str(config.state_dir), str(config.state_dir / "fuse"), config.allowed_roots)
 
 
-def find(config: Config, node: Node | None = None) -> Found:
-    """Every leftover on this node, as it is now."""
+def find(config: Config, node: Node | None = None, loaded: LoadResult | None = None,
+         records: dict[str, Any] | None = None) -> Found:
+    """Every leftover on this node, as it is now. ``loaded`` and ``records``:
+    the daemon's own (a pass's load, its managed.json); else read here."""
     node = node or Node.from_config(config)
-    loaded = load_desired(config)
+    loaded = loaded if loaded is not None else load_desired(config)
     unknown = []
     if loaded.refused or loaded.failed_files:
         unknown.append("a desired file does not load: what it declares is unknown "
                        f"({len(loaded.diagnostics)} error(s); see validate)")
-    records = read_json(config.state_dir / "managed.json", {}) or {}
+    if records is None:
+        records = read_json(config.state_dir / "managed.json", {}) or {}
     volumes, unreadable = volumes_of_ours(loaded.volumes, records, [])
     unknown += unreadable
     seen = leftovers.look(node)
