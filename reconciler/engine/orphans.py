@@ -2,7 +2,9 @@
 
 A look (observe/leftovers.py) at the node, and at what accounts for things
 (the desired files, the daemon's records: plan/release.py's
-``volumes_of_ours``), handed to plan/orphans.py for the verdicts. The sweep
+``volumes_of_ours``), and, for a krbd mapping in no record, its image's
+claim (Ceph, within observeTimeoutSeconds; unread: not known to be ours),
+handed to plan/orphans.py for the verdicts. The sweep
 then takes the state lock, looks again, asks who uses each leftover of
 ours, and removes those ``plan.orphans.sweep`` allows, in its order (mounts,
 dm-crypt, loop devices, then mappings and helpers), each re-checked right
@@ -10,12 +12,15 @@ before (its users again; a mount only while the top mount there is still
 that device's) and through the drivers that made them. Nothing is deleted
 in Ceph.
 
-Imported by the CLI's ``status`` and ``release --orphans`` (cli/orphans.py).
+Imported by the CLI's ``status`` and ``release --orphans`` (cli/orphans.py),
+and by the daemon (its ``status`` answer, the passes' count for
+rbd_reconciler_unaccounted).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import time
@@ -25,17 +30,22 @@ from typing import Any
 from reconciler.drivers.fs import ForeignMount
 from reconciler.drivers.run import CommandError, Runner
 from reconciler.drivers.safepath import UnsafePath, first_symlink
+from reconciler.facts import meta
+from reconciler.facts.claim import parse as parse_claim
 from reconciler.facts.leftovers import Leftovers
 from reconciler.facts.observed import Mapping
 from reconciler.observe import leftovers
+from reconciler.observe.ceph import observe_images
 from reconciler.observe.node import Node
-from reconciler.plan.orphans import Accounted, Orphan, Roots, find_orphans, sweep
+from reconciler.plan.orphans import Accounted, Image, Orphan, Roots, find_orphans, sweep
 from reconciler.plan.release import volumes_of_ours
 from reconciler.spec.config import Config
 from reconciler.spec.desired import load_desired
 from reconciler.spec.loader import LoadResult
 from reconciler.state.files import read_json
 from reconciler.state.lock import locked
+
+log = logging.getLogger("reconciler.orphans")
 
 HELPER_EXIT_S = 10.0  # an rbd-fuse with no mount left ends this soon after SIGTERM
 
@@ -83,12 +93,35 @@ def find(config: Config, node: Node | None = None, loaded: LoadResult | None = N
         records = read_json(config.state_dir / "managed.json", {}) or {}
     volumes, unreadable = volumes_of_ours(loaded.volumes, records, [])
     unknown += unreadable
-    seen = leftovers.look(node)
+    try:
+        seen = leftovers.look(node)
+    except OSError as exc:  # unknown, never "nothing there" (safety rule 7)
+        return Found([], Leftovers((), {}, (), (), (), (), {}), [*unknown, f"the node: {exc}"])
     unknown += seen.errors
-    # A krbd mapping in no record would be ours by its image claim: that needs
-    # Ceph, which this look does without; such a mapping is not known to be ours.
-    return Found(find_orphans(seen, Accounted.of(volumes), roots(config), config.node_name),
-                 seen, unknown)
+    accounted = Accounted.of(volumes)
+    krbd = {(m.pool, m.image) for m in seen.mappings if m.kind == "krbd"} - accounted.images
+    return Found(find_orphans(seen, accounted, roots(config), config.node_name,
+                              _claims(config, node, krbd) if krbd else {}), seen, unknown)
+
+
+def _claims(config: Config, node: Node, images: set[Image]) -> dict[Image, str | None]:
+    """Which node each image's claim names (plan/release.py's proof that a
+    krbd mapping in no record is ours), within the observe timeout. An
+    image whose claim is not read is not in the answer: its mapping is not
+    known to be ours, and the sweep of everything else goes on."""
+    try:
+        view = observe_images(config.ceph, images, config.observe_timeout_seconds, set(),
+                              node.ceph_session)
+    except Exception as exc:  # Ceph's bindings raise their own kinds
+        log.warning("image claims not read (%s): krbd mappings in no record are not "
+                    "known to be ours", exc)
+        return {}
+    out: dict[Image, str | None] = {}
+    for key, img in view.images.items():
+        if meta.HOLDER not in img.unreadable:
+            held = parse_claim(img.meta.get(meta.HOLDER))
+            out[key] = held.node if held else None
+    return out
 
 
 def release_orphans(config: Config, step_timeout: float) -> Swept:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from reconciler.facts.leftovers import Leftovers
 from reconciler.facts.luks import NAME_PREFIX
-from reconciler.facts.observed import Mapping
+from reconciler.facts.observed import Mapping, Mount
 from reconciler.spec.model import Volume
 
 Image = tuple[str, str]
@@ -83,10 +83,13 @@ class Roots:
     allowed: tuple[str, ...]
 
     def under_state(self, path: str) -> bool:
-        return _under(path, self.state_dir)
+        # Strictly under: the state dir may be a filesystem of its own, and
+        # that mount is the node's, never a leftover.
+        return _under(path, self.state_dir) and path != self.state_dir.rstrip("/")
 
     def under_allowed(self, path: str) -> str | None:
-        return next((r for r in self.allowed if _under(path, r)), None)
+        return next((r for r in self.allowed
+                     if _under(path, r) and path != (r.rstrip("/") or "/")), None)
 
     def fuse_image(self, path: str) -> Image | None:
         """The image of our FUSE mount point (or of a file in it): FUSE_ROOT/POOL@IMAGE."""
@@ -229,7 +232,7 @@ class _Finder:
                 continue
             root = self.roots.under_allowed(m.mount_point)
             state = self.roots.under_state(m.mount_point)
-            dev = self.ours_rdevs.get(rdev)
+            dev = self.ours_rdevs.get(rdev) or self._node_bind(m)
             if dev is not None and (state or root):
                 why = f"a mount of {dev}, one of our leftovers ({self.ours_devs.get(dev, dev)})"
             elif dev is not None:
@@ -251,12 +254,23 @@ class _Finder:
             self.add(Orphan("mount", m.mount_point, True, why, mount_id=m.mount_id,
                             above=above))
 
+    def _node_bind(self, m: Mount) -> str | None:
+        """A block-mode publish: a bind of one of our leftover device nodes
+        (devtmpfs, its root "/loop3"), which holds the device's node, not
+        its number."""
+        if m.fs_type != "devtmpfs":
+            return None
+        return next((d for d in self.ours_devs if d.startswith("/dev/")
+                     and m.root == "/" + d.rsplit("/", 1)[1]), None)
+
     def stacked(self) -> list[Orphan]:
         """Each device with what sits on it (its mounts, a dm-crypt over it):
         those must go first."""
         by_rdev: dict[tuple[int, int], list[str]] = {}
         for m in self.seen.mounts:
             by_rdev.setdefault((m.major, m.minor), []).append(m.mount_point)
+            if (dev := self._node_bind(m)) is not None and (r := self.seen.rdevs.get(dev)):
+                by_rdev.setdefault(r, []).append(m.mount_point)
         over: dict[str, list[str]] = {}
         for c in self.seen.crypts:
             over.setdefault(c.raw, []).append(c.path)

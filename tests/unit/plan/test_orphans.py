@@ -206,3 +206,18 @@ def test_stacked_mounts_go_top_first() -> None:
     assert found[1].above == ("/var/lib/r/staging/a/b",)
     done = sweep(found, {"/var/lib/r/staging/a": ()})  # the top one not looked at
     assert done.remove == [] and "/var/lib/r/staging/a/b on it stays" in done.left[1]
+
+
+def test_the_state_dir_and_an_allowed_root_as_mounts_of_their_own_are_never_leftovers() -> None:
+    own = (mount("/var/lib/r", (8, 1), source="/dev/sda1"), mount("/srv", (8, 2)))
+    assert find_orphans(seen(mounts=own), Accounted.of([]), ROOTS, NODE) == []
+
+
+def test_a_block_mode_bind_of_our_loop_device_node_sits_on_it() -> None:
+    node_bind = Mount(next(_ids), 1, 0, 5, "/loop3", "/srv/blk", frozenset({"rw"}), "devtmpfs",
+                      "udev", frozenset({"rw"}))
+    found = find_orphans(replace(OURS, mounts=(FUSE_MOUNT, node_bind)), Accounted.of([]),
+                         ROOTS, NODE)
+    by = {o.what: o for o in found}
+    assert by["/srv/blk"].ours and "/dev/loop3" in by["/srv/blk"].why
+    assert by["/dev/loop3"].above == ("/srv/blk",)
