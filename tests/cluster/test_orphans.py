@@ -16,12 +16,14 @@ import contextlib
 import os
 import signal
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from conftest import NodeUnderTest
-from test_daemon import spec, wait_for
+from test_daemon import Daemon, spec, wait_for
+from test_daemon import start as start  # the fixture
+from test_metrics import free_port, metrics_config, scrape, value, wait_metric
 
 from reconciler.drivers.mappers import ceph_args
 from reconciler.facts.parsers import parse_mountinfo
@@ -196,3 +198,28 @@ def test_release_orphans_refuses_while_a_file_does_not_load(
     (node.desired / "broken.yaml").unlink()
     rc, swept = node.cli("release", "--orphans", "extra-path")
     assert rc == 1
+
+
+def test_the_daemon_counts_them_answers_status_and_keeps_the_sweep_off(
+        node: NodeUnderTest, foreign: Foreign, start: Callable[..., Daemon]) -> None:
+    """With the daemon running: rbd_reconciler_unaccounted counts ours and the
+    others, its status answer lists them, and the sweep refuses (the daemon
+    holds the node's lock); stopped, the sweep runs."""
+    ours = foreign.tmpfs(node.state / "scratch")
+    theirs = foreign.tmpfs(node.srv / "theirs")
+    port = free_port()
+    metrics_config(node, port)
+    d = start()
+    wait_metric(lambda: scrape(port), "the leftovers counted", lambda s: value(
+        s, "rbd_reconciler_unaccounted", kind="mount", ours="true") == 1 and value(
+        s, "rbd_reconciler_unaccounted", kind="mount", ours="false") == 1)
+    rc, doc = node.cli_json("status")
+    assert doc["answeredBy"] != "this command", doc["answeredBy"]
+    assert {(o["what"], o["ours"]) for o in doc["unaccounted"]["orphans"]} == {
+        (str(ours), True), (str(theirs), False)}
+    rc, _ = node.cli("release", "--orphans")
+    assert rc == 1 and _mounted(ours)
+    d.stop()
+    rc, swept = node.cli_json("release", "--orphans")
+    assert rc == 0 and [o["what"] for o in swept["removed"]] == [str(ours)]
+    assert not _mounted(ours) and _mounted(theirs)
