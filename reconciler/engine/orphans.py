@@ -159,13 +159,14 @@ def release_orphans(config: Config, step_timeout: float) -> Swept:
     return out
 
 
-def _users(o: Orphan, seen: Leftovers, now: bool = False) -> tuple[str, ...]:
-    """``now``: right before its removal (a FUSE mount's loop device is gone
-    by then, so the kernel's count of it means something)."""
+def _users(o: Orphan, seen: Leftovers) -> tuple[str, ...]:
     if o.pid is not None:
         return ()  # a helper with no mount left serves nobody
     if o.kind in ("mount", "rbd-fuse"):
-        return leftovers.mount_users(o.what, seen, ask_kernel=o.kind == "mount" or now)
+        # The kernel's count is never asked of a FUSE mount (its lookup could
+        # wait on a helper that does not answer); its umount is never lazy,
+        # so a user /proc does not show makes the kernel refuse it instead.
+        return leftovers.mount_users(o.what, seen, ask_kernel=o.kind == "mount")
     return leftovers.device_users(o.what, seen)
 
 
@@ -174,7 +175,7 @@ def _remove(node: Node, o: Orphan, seen: Leftovers) -> str | None:
     it is gone, else why it stays."""
     try:
         now = leftovers.look(node)
-        if (busy := _users(o, now, now=True)):
+        if (busy := _users(o, now)):
             return f"in use by {', '.join(busy)}"
         if o.kind == "mount":
             return _unmount(node, o, seen)
@@ -206,7 +207,11 @@ def _unmount(node: Node, o: Orphan, seen: Leftovers) -> str | None:
     mount = next((m for m in seen.mounts if m.mount_id == o.mount_id), None)
     if mount is None:
         return "no longer mounted as seen"
-    node.fs.unmount(o.what, (mount.major, mount.minor))
+    rdev = (mount.major, mount.minor)
+    if mount.fs_type == "devtmpfs":  # a bind of a device node: the node has its number
+        rdev = next((r for d, r in seen.rdevs.items() if "/" + os.path.basename(d) ==
+                     mount.root), rdev)
+    node.fs.unmount(o.what, rdev)
     return None
 
 

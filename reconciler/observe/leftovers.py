@@ -131,10 +131,10 @@ def mount_users(point: str, seen: Leftovers, proc: Path = Path("/proc"),
     root directories; the rbd-fuse serving a FUSE mount is no user of it.
     A process whose /proc cannot be read is a user unless the kernel's count
     of the mount says nothing holds it (as for a dead rbd-fuse's volume,
-    observe/deadfuse.py); ``ask_kernel`` False: not asked yet (a FUSE mount
-    whose loop device still holds it), so no user for now: the sweep asks
-    right before it unmounts. OSError: the process table could not be read
-    (unknown, never nobody)."""
+    observe/deadfuse.py); ``ask_kernel`` False: not asked (a FUSE mount,
+    whose lookup could wait on its helper), no user for now: its umount is
+    never lazy, so the kernel refuses it while anything holds it. OSError:
+    the process table could not be read (unknown, never nobody)."""
     ids = [m.mount_id for m in seen.mounts if m.mount_point == point]
     helpers = {h.pid for h in seen.helpers if h.serves == point}
     found = [u for u in users([point], ids, (), proc) if u.pid not in helpers]

@@ -223,3 +223,29 @@ def test_the_daemon_counts_them_answers_status_and_keeps_the_sweep_off(
     rc, swept = node.cli_json("release", "--orphans")
     assert rc == 0 and [o["what"] for o in swept["removed"]] == [str(ours)]
     assert not _mounted(ours) and _mounted(theirs)
+
+
+def test_a_block_mode_leftover_goes_bind_first_then_its_loop_device(
+        node: NodeUnderTest) -> None:
+    """A block-mode volume exposes its loop device node by bind mounts (a
+    devtmpfs mount whose root is the node's name): those sit on the loop
+    device, so they go first, each unmounted only while it is still a bind
+    of that device's node."""
+    gone = node.name("blk")
+    path = node.write(gone, f"  image: {{pool: {node.cluster.pool}, size: 16Mi}}\n"
+                            "  map: {mapper: fuse}\n  stage: {mode: block}\n"
+                            f"  publish:\n    - path: {node.srv / 'blk.dev'}\n")
+    assert node.apply()["rc"] == 0
+    fuse_mount = str(node.state / "fuse" / f"{node.cluster.pool}@{gone}")
+    loop = next(dev for dev, back in _loops().items() if back == f"{fuse_mount}/{gone}")
+    path.unlink()
+    rc, doc = node.cli_json("status")
+    found = _by_what(doc)
+    binds = sorted(w for w, o in found.items() if o["kind"] == "mount")
+    assert str(node.srv / "blk.dev") in binds
+    assert all(found[w]["ours"] and loop in found[w]["why"] for w in binds)
+    rc, swept = node.cli_json("release", "--orphans")
+    assert rc == 0, swept
+    assert [o["what"] for o in swept["removed"]][-2:] == [loop, fuse_mount]
+    assert sorted(o["what"] for o in swept["removed"][:-2]) == binds
+    assert not any(_mounted(Path(p)) for p in [*binds, fuse_mount])
