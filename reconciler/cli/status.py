@@ -41,7 +41,7 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
     if not args.paths:  # the node's leftovers: a status of the whole node only
         from reconciler.engine.orphans import find
 
-        doc["unaccounted"] = find(config, node).as_dict()
+        doc["unaccounted"] = find(config, node, p.loaded).as_dict()
     if args.output == "json":
         show.as_json(doc)
     else:

@@ -224,7 +224,7 @@ class Commands:
         doc = status_of(config, context(config, self.d.node), p.loaded, p.observed,
                         _only(p.plans, sel, targets), sel.errors)
         if not targets:  # the node's leftovers: a status of the whole node only
-            doc["unaccounted"] = orphans.find(config, self.d.node).as_dict()
+            doc["unaccounted"] = orphans.find(config, self.d.node, loaded).as_dict()
         reply.finish(status_exit(doc), result={"kind": "status", "doc": self._by(doc, looked)})
 
     def _plan(self, targets: list[dict[str, str]], reply: Reply) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Mapping as MappingOf
 from dataclasses import dataclass, field
 
 from reconciler.facts.leftovers import Leftovers
-from reconciler.facts.luks import NAME_PREFIX
+from reconciler.facts.luks import NAME_PREFIX, crypt_name
 from reconciler.facts.observed import Mapping, Mount
 from reconciler.spec.model import Volume
 
@@ -65,8 +65,6 @@ class Accounted:
 
     @classmethod
     def of(cls, volumes: Iterable[Volume]) -> Accounted:
-        from reconciler.facts.luks import crypt_name
-
         vols = list(volumes)
         paths = {t.path for v in vols for t in v.publish}
         paths |= {v.stage.path for v in vols if v.stage is not None}

@@ -7,7 +7,7 @@ allowed root, a tmpfs there, and an rbd-fuse of our pool serving a mount
 outside stateDir are not. ``status`` lists each with its verdict;
 ``release --orphans`` removes only ours, never one in use, and says why it
 left what it left. The krbd, nbd and dm-crypt kinds need kernel modules this
-host lacks: tests/unit/plan/test_orphans.py has their verdicts as data, and
+host lacks: tests/unit/plan/test_orphan_verdicts.py has their verdicts as data, and
 their kernel run belongs in the VM (scripts/kernel-tests.sh)."""
 
 from __future__ import annotations
