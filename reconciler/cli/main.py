@@ -175,7 +175,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                                        "(never through the daemon): every volume of ours on "
                                        "this node (files, the daemon's records, and mappings ours "
                                        "by identity), after a sync; for shutdown and reboot. Exit "
-                                       "1 if anything is still mounted or mapped afterwards.")
+                                       "1 if anything is still mounted or mapped afterwards. "
+                                       "With --orphans (never through the daemon): what status "
+                                       "lists as unaccounted for and provably ours; exit 1 if "
+                                       "something of ours is left.")
         _add_targets_and_output(p)
         p.add_argument("--all", action="store_true",
                        help="release everything of ours on this node (what "
