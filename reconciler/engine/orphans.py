@@ -44,6 +44,7 @@ from reconciler.spec.desired import load_desired
 from reconciler.spec.loader import LoadResult
 from reconciler.state.files import read_json
 from reconciler.state.lock import locked
+from reconciler.state.registry import freezes_recorded
 
 log = logging.getLogger("reconciler.orphans")
 
@@ -141,6 +142,10 @@ def release_orphans(config: Config, step_timeout: float) -> Swept:
                 # One not looked at is left (plan/orphans.py says why).
                 with contextlib.suppress(OSError):
                     users[o.what] = _users(o, found.seen)
+        for point in _frozen(config):
+            if point in users:  # unmounted frozen, it would stay frozen in the kernel
+                users[point] = ("frozen by a snapshot (release --all, or the daemon, "
+                                "thaws what a dead run left)",)
         planned = sweep(found.orphans, users)
         out.left += planned.left
         failed = set(planned.kept)
@@ -157,6 +162,16 @@ def release_orphans(config: Config, step_timeout: float) -> Swept:
                 out.left.append(f"{o}; left: {why}")
                 failed.add(o.what)
     return out
+
+
+def _frozen(config: Config) -> set[str]:
+    """Mount points frozen for a snapshot this boot (drivers/freeze.py's
+    records), whoever holds the freeze."""
+    if not freezes_recorded(config.state_dir):
+        return set()
+    from reconciler.drivers.freeze import recorded  # loaded only when a freeze was recorded
+
+    return {r.path for r in recorded(config.state_dir) if not r.earlier_boot}
 
 
 def _users(o: Orphan, seen: Leftovers) -> tuple[str, ...]:

@@ -13,6 +13,7 @@ their kernel run belongs in the VM (scripts/kernel-tests.sh)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -250,3 +251,17 @@ def test_a_block_mode_leftover_goes_bind_first_then_its_loop_device(
     assert [o["what"] for o in swept["removed"]][-2:] == [loop, fuse_mount]
     assert sorted(o["what"] for o in swept["removed"][:-2]) == binds
     assert not any(_mounted(Path(p)) for p in [*binds, fuse_mount])
+
+
+def test_a_mount_frozen_for_a_snapshot_is_never_swept(node: NodeUnderTest,
+                                                     foreign: Foreign) -> None:
+    """Unmounted while frozen, a filesystem would live on frozen in the
+    kernel, holding its device: a freeze recorded this boot keeps it."""
+    held = foreign.tmpfs(node.state / "scratch")
+    (node.state / "freezes.json").write_text(json.dumps({str(held): {"path": str(held)}}))
+    rc, swept = node.cli_json("release", "--orphans")
+    assert rc == 1 and swept["removed"] == []
+    [left] = swept["left"]
+    assert str(held) in left and "frozen by a snapshot" in left
+    assert _mounted(held)
+    (node.state / "freezes.json").unlink()
