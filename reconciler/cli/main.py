@@ -175,14 +175,21 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                                        "(never through the daemon): every volume of ours on "
                                        "this node (files, the daemon's records, and mappings ours "
                                        "by identity), after a sync; for shutdown and reboot. Exit "
-                                       "1 if anything is still mounted or mapped afterwards.")
+                                       "1 if anything is still mounted or mapped afterwards. "
+                                       "With --orphans (never through the daemon): what status "
+                                       "lists as unaccounted for and provably ours; exit 1 if "
+                                       "something of ours is left.")
         _add_targets_and_output(p)
         p.add_argument("--all", action="store_true",
                        help="release everything of ours on this node (what "
                             "rbd-reconciler-shutdown.service runs at shutdown)")
+        p.add_argument("--orphans", action="store_true",
+                       help="remove what status lists as unaccounted for and provably ours "
+                            "(mounts, dm-crypt, loop devices, then mappings and helpers), "
+                            "never one in use; print what is left and why")
         p.add_argument("--step-timeout", type=_positive_seconds, default=30.0, metavar="SECONDS",
-                       help="with --all: deadline of the sync and of each unmount/unmap "
-                            "command (default: 30)")
+                       help="with --all or --orphans: deadline of the sync and of each "
+                            "unmount/unmap command (default: 30)")
         p.add_argument("--deadline", type=_positive_seconds, default=240.0, metavar="SECONDS",
                        help="with --all: the whole release ends by then and prints what it "
                             "could not release; commands still running are killed (default: "

@@ -233,6 +233,10 @@ def _apply_here(args: argparse.Namespace, config: Config, release: bool
 
 
 def cmd_release(args: argparse.Namespace, config: Config) -> int:
+    if getattr(args, "orphans", False):
+        from reconciler.cli.orphans import cmd_release_orphans
+
+        return cmd_release_orphans(args, config)
     if not args.all:
         return cmd_apply(args, config)
     from reconciler.cli.release import cmd_release_all

@@ -195,6 +195,19 @@ def status(doc: dict[str, Any]) -> None:
     for r in rows:
         if r["problem"]:
             print(f"{r['name']}: {r['phase']}: {r['problem']}", file=sys.stderr)
+    unaccounted(doc.get("unaccounted"))
+
+
+def unaccounted(found: dict[str, Any] | None) -> None:
+    """What no volume accounts for (engine/orphans.py): each with its verdict."""
+    if not found or not (found["orphans"] or found["unknown"]):
+        return
+    print("unaccounted for (release --orphans removes those ours that nothing uses):")
+    for o in found["orphans"]:
+        verdict = "ours" if o["ours"] else "not ours"
+        print(f"  {verdict:<9} {o['kind']:<9} {o['what']}: {o['why']}")
+    for line in found["unknown"]:
+        print(f"  unknown: {line}")
 
 
 # -- explain --------------------------------------------------------------------------

@@ -38,6 +38,10 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
     p, sel = done
     doc = answered(status_of(config, context(config, node), p.loaded, p.observed, p.plans,
                              sel.errors), "this command", at)
+    if not args.paths:  # the node's leftovers: a status of the whole node only
+        from reconciler.engine.orphans import find
+
+        doc["unaccounted"] = find(config, node, p.loaded).as_dict()
     if args.output == "json":
         show.as_json(doc)
     else:

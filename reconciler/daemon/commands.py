@@ -33,7 +33,7 @@ from reconciler.daemon.control import Reply
 from reconciler.daemon.liveview import LiveView, Looked
 from reconciler.daemon.rollout import Rollouts
 from reconciler.drivers.freeze import left_frozen
-from reconciler.engine import context, look
+from reconciler.engine import context, look, orphans
 from reconciler.engine.fleet import FleetUnavailable, NotInFleet
 from reconciler.observe.ceph import observe_images
 from reconciler.observe.node import Node
@@ -223,6 +223,8 @@ class Commands:
         p, config = looked.result, self.d.config
         doc = status_of(config, context(config, self.d.node), p.loaded, p.observed,
                         _only(p.plans, sel, targets), sel.errors)
+        if not targets:  # the node's leftovers: a status of the whole node only
+            doc["unaccounted"] = orphans.find(config, self.d.node, loaded).as_dict()
         reply.finish(status_exit(doc), result={"kind": "status", "doc": self._by(doc, looked)})
 
     def _plan(self, targets: list[dict[str, str]], reply: Reply) -> None:

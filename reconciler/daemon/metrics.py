@@ -261,6 +261,11 @@ class Metrics:
                                      "The configured source.intervalSeconds.", registry=r)
         # A fleet's rollout (source.fleet): one series, the state now; from
         # start-up (an alert reads it), NotInFleet until the node is in one.
+        self.unaccounted = Gauge(f"{NS}_unaccounted", "Things on the node that look like "
+                                 "ours and that no volume file or record accounts for, by kind "
+                                 "and whether they are provably ours (release --orphans "
+                                 "removes those); kind=\"unknown\": what could not be listed.",
+                                 ["kind", "ours"], registry=r)
         self.rollout = Gauge(f"{NS}_rollout_state", "Always 1; state: NotInFleet, Applied, "
                              "Waiting, OutsideWindow, Halted or Held; revision: the revision "
                              "held back (empty: none).",
@@ -288,6 +293,14 @@ class Metrics:
         self.failures.labels(FAILURE_CRASH)
         for reason in SOURCE_FAILURE_REASONS:  # RbdSourceRefused selects on these
             self.source_refusals.labels(reason)
+        self.unaccounted.labels("any", "true")  # RbdLeftoversOfOurs sums these
+
+    def set_unaccounted(self, counts: dict[tuple[str, bool], int]) -> None:
+        """The leftovers of the last look (engine/orphans.py), replacing the last."""
+        self.unaccounted.clear()
+        self.unaccounted.labels("any", "true")
+        for (kind, ours), n in counts.items():
+            self.unaccounted.labels(kind, "true" if ours else "false").set(n)
 
     def csi_served(self, methods: Iterable[str]) -> None:
         """The CSI methods the adapter implements, at 0, once it serves

@@ -32,7 +32,7 @@ from reconciler.daemon.outcomes import Down
 from reconciler.daemon.progress import Progress, Statuses
 from reconciler.daemon.watchers import Watchers
 from reconciler.drivers.reaper import reap_zombies
-from reconciler.engine import context, look
+from reconciler.engine import context, look, orphans
 from reconciler.facts.observed import Observed
 from reconciler.observe.node import Node
 from reconciler.plan.planner import VolumePlan, actual_state
@@ -51,6 +51,9 @@ from reconciler.state.status import VolumeStatus
 from reconciler.state.statusfiles import StatusFiles
 
 log = logging.getLogger("rbd-reconciler")
+# rbd_reconciler_unaccounted is counted again this often (a walk of /proc and
+# sysfs; a leftover is a slow thing: its alert waits 30 minutes).
+LEFTOVERS_EVERY_S = 60.0
 
 
 
@@ -124,6 +127,7 @@ class Passes:
         self.refusing = ""  # why the pass under way refused to look, for the asks
         self.pass_knew = PassKnew()  # what the pass under way knew, for the asks
         self.not_reconciling: str | None = None  # why the last pass refused; None: it looked
+        self.leftovers_next = 0.0  # when rbd_reconciler_unaccounted is counted again
 
     def read_holds(self) -> None:
         """At start: what `release` held down before."""
@@ -310,6 +314,7 @@ class Passes:
         self.metrics.frozen_files.set(len(failed_files))
         self.metrics.unknown.set(len(still) + len(unknown))
         self._state_condition()
+        self._count_leftovers(loaded)
         sdnotify.notify(f"STATUS={len(current)} volume(s), {busy} converging, "
                         f"{len(unknown)} unknown, {len(frozen)} frozen, "
                         f"{len(held)} removal(s) held")
@@ -321,6 +326,29 @@ class Passes:
                  len(frozen),
                  len(release), len(held), t_obs * 1e3, (time.monotonic() - t0) * 1e3)
         return True
+
+    def _count_leftovers(self, loaded: LoadResult) -> None:
+        """rbd_reconciler_unaccounted, from a look at most every
+        LEFTOVERS_EVERY_S (a /proc walk: not on every event's pass). A thing
+        being made by a chain under way is its volume's, accounted for."""
+        now = time.monotonic()
+        if now < self.leftovers_next:
+            return
+        self.leftovers_next = now + LEFTOVERS_EVERY_S
+        with self.lock:  # the chains change the records meanwhile
+            records = dict(self.records)
+        try:
+            found = orphans.find(self.config(), self.node(), loaded, records)
+        except Exception as exc:  # a count is never worth a failed pass
+            log.warning("leftovers not looked at: %s", exc)
+            self.metrics.set_unaccounted({("unknown", False): 1})
+            return
+        counts: dict[tuple[str, bool], int] = {}
+        for o in found.orphans:
+            counts[(o.kind, o.ours)] = counts.get((o.kind, o.ours), 0) + 1
+        if found.unknown:
+            counts[("unknown", False)] = len(found.unknown)
+        self.metrics.set_unaccounted(counts)
 
     def _state_condition(self) -> None:
         """Logged once when it starts (one line: the directory and the cause),

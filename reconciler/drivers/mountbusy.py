@@ -14,7 +14,8 @@ LOCK_WAIT_S is no answer.
 
 It answers for the processes /proc does not show us (a daemon without
 CAP_SYS_PTRACE cannot read the descriptors of a process with more
-capabilities than its own). Imported by observe/deadfuse.py only.
+capabilities than its own). Imported by observe/deadfuse.py and
+observe/leftovers.py only.
 """
 
 from __future__ import annotations
