@@ -295,10 +295,13 @@ def daemon() -> dict[str, str]:
 
 def first_pass(pid: str, volumes: int) -> str | None:
     """The daemon's `pass N: ...` line where it observed every volume and had
-    nothing to converge, from the process ``pid``."""
+    nothing to converge and nothing unknown (a Ceph slow to answer, under
+    emulation, makes a pass's volumes unknown: not yet seen), from the
+    process ``pid``."""
     for e in journal("-u", "rbd-reconciler", f"_PID={pid}"):
         msg = str(e.get("MESSAGE", ""))
-        m = re.match(r"pass \d+: \d+ volume\(s\), (\d+) observed, 0 converging", msg)
+        m = re.match(r"pass \d+: \d+ volume\(s\), (\d+) observed, 0 converging, 0 unknown",
+                     msg)
         if m and int(m.group(1)) >= volumes:
             return msg
     return None
