@@ -15,13 +15,13 @@ import contextlib
 import fcntl
 import os
 import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from reconciler.drivers import procfs
-from reconciler.drivers.run import CommandError, Runner
 from reconciler.facts.observed import NbdHelper
 from reconciler.facts.parsers import parse_rbd_nbd_version
 
@@ -83,9 +83,21 @@ def is_rbd_nbd(pid: int, proc_root: Path = Path("/proc")) -> bool:
 
 
 VERSION_TIMEOUT_S = 10.0  # `rbd-nbd --version` talks to nothing: a local file's answer
+VERSION_ARGV0 = "rbd-nbd-version-query"
 
 
-def current(runner: Runner | None = None) -> tuple[Ident, str] | None:
+def _version_of(path: str) -> str:
+    """``rbd-nbd --version``, its argv[0] not "rbd-nbd": ``rbd device list -t
+    nbd`` (rbd-nbd's list-mapped) takes any process whose comm and argv[0]
+    are rbd-nbd for a mapping after a re-attach, parses its arguments, and a
+    ``--version`` among them printed the version as the list (measured in
+    the VM: the list was "ceph version 16.2.15 ...", not JSON)."""
+    return subprocess.run([VERSION_ARGV0, "--version"], executable=path, capture_output=True,
+                          text=True, timeout=VERSION_TIMEOUT_S, check=True,
+                          stdin=subprocess.DEVNULL).stdout
+
+
+def current() -> tuple[Ident, str] | None:
     """The binary rbd would start now, and its version; None when there is
     none or it does not say (a map goes ahead: the version is then unknown)."""
     path = binary_path()
@@ -100,9 +112,8 @@ def current(runner: Runner | None = None) -> tuple[Ident, str] | None:
         known = _versions.get(key)
     if known is None:
         try:
-            runner = runner or Runner(timeout=VERSION_TIMEOUT_S)
-            known = parse_rbd_nbd_version(runner.run([path, "--version"]).stdout)
-        except (CommandError, ValueError, OSError):
+            known = parse_rbd_nbd_version(_version_of(path))
+        except (subprocess.SubprocessError, ValueError, OSError):
             return None
         with _versions_guard:
             _versions[key] = known
@@ -111,8 +122,7 @@ def current(runner: Runner | None = None) -> tuple[Ident, str] | None:
 
 def started() -> dict[str, object]:
     """What a map or an attach records beside the cookie: the file the new
-    rbd-nbd runs (asked just before it starts) and its version. A runner of
-    its own: no Ceph, and the mapper's (a test's) sees only Ceph's commands."""
+    rbd-nbd runs (asked just before it starts) and its version."""
     now = current()
     return {} if now is None else {"exe": list(now[0]), "version": now[1]}
 

@@ -67,6 +67,22 @@ def test_the_binary_is_the_one_beside_rbd_not_the_one_on_path(
     assert nbdhelper.binary_path() == str(onpath / "rbd-nbd")  # no rbd: PATH's
 
 
+def test_the_version_is_asked_once_per_file(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    count = tmp_path / "count"
+    script = bindir / "rbd-nbd"
+    script.write_text(f"#!/bin/sh\necho x >> {count}\n"
+                      "echo 'ceph version 16.2.15 (618f4408) pacific (stable)'\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", str(bindir))
+    st = script.stat()
+    assert nbdhelper.started() == {"exe": [st.st_dev, st.st_ino], "version": "16.2.15"}
+    assert nbdhelper.started()["version"] == "16.2.15"
+    assert count.read_text().count("x") == 1
+
+
 def test_is_rbd_nbd_reads_comm(tmp_path: Path) -> None:
     proc = proc_of(tmp_path / "proc", 7, tmp_path, comm="rbd-nbd")
     proc_of(proc, 8, tmp_path, comm="bash")
