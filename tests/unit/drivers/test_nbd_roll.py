@@ -172,10 +172,17 @@ def test_a_roll_whose_attaches_all_fail_raises_and_leaves_the_device_kept(
     """Its error is the step's; the device stays kept by the kernel with our
     cookie, which the next observation lists as re-attachable."""
     fail = Fail(1, "rbd-nbd: failed")
-    m, runner = roller(tmp_path, monkeypatch, ok(), fail, fail, fail)
+    m, runner = roller(tmp_path, monkeypatch, ok(), fail, fail, fail, ok("[]"))
+    records = NbdMappings(tmp_path)
+    records.record("/dev/nbd5", {"pool": "rbd", "image": "web", "cookie": COOKIE})
+    m.records = records
     with pytest.raises(Exception, match="failed"):
         m.roll("rbd", "web", "/dev/nbd5", COOKIE, 4242, ())
     assert [a[2] for a in runner.history] == ["detach", "attach", "attach", "attach"]
+    # The next observation: no rbd-nbd serves it, the kernel keeps it with
+    # our cookie: re-attachable (plan: reattach), as after a kill.
+    [mp] = m.list()
+    assert mp.device == "/dev/nbd5" and mp.reattach == COOKIE and mp.helper is None
 
 
 def test_a_roll_is_never_of_a_device_that_is_not_ours(tmp_path: Path,
