@@ -1,7 +1,7 @@
 """The chain's map step and the claim around it: one writer per image, the
 claim taken in the OSD before the map and checked again after it; this
 node's former clients of a mapping that is gone fenced; the claim released
-after an unmap.
+after an unmap; an rbd-nbd re-attached, or rolled onto a new binary.
 
 Mixed into the chain by apply/runner.py; imported by it only.
 """
@@ -16,10 +16,10 @@ import rbd
 from reconciler.apply import claims
 from reconciler.apply.chainstate import ChainState
 from reconciler.apply.outcomes import StepRefused
-from reconciler.drivers import ceph
+from reconciler.drivers import ceph, nbdhelper
 from reconciler.facts.claim import Claim
 from reconciler.facts.observed import Mapping
-from reconciler.plan.steps import MapImage, ReattachNbd
+from reconciler.plan.steps import MapImage, ReattachNbd, RollNbd
 
 log = logging.getLogger("reconciler.apply")  # the name log lines have always carried
 
@@ -116,7 +116,42 @@ class MapSteps(ChainState):
                             "lock passes when Ceph times its watch out", step.volume, addr, exc)
         return "changed", f"re-attached {step.device}"
 
-    def detach_again(self, step: ReattachNbd) -> None:
+    def roll(self, step: RollNbd) -> tuple[str, str]:
+        """An rbd-nbd of a binary replaced on disk replaced by one of the new
+        binary (detach, attach): one at a time on the node (a lock file: the
+        daemon's chains run in parallel), under our claim. The old one exits
+        at the detach and closes the image (its watch and lock go with it);
+        the claim then names the new client. An attach that fails leaves the
+        device kept by the kernel, which the next pass re-attaches."""
+        cluster, me = self.need_cluster(), self.node.config.node_name
+        held, _ = self.take_claim(cluster, step.pool, step.image)
+        with nbdhelper.roll_lock() as had:
+            if not had:
+                return "ok", "not rolled: another rbd-nbd roll still runs; a later pass rolls it"
+            if not self.node.nbd.roll(step.pool, step.image, step.device, step.cookie,
+                                      step.pid, step.options):
+                return "ok", (f"{step.device}: not rolled, its rbd-nbd runs the binary on "
+                              "disk by now (or its binary could not be compared)")
+        log.warning("%s: rbd-nbd %d serving %s ran a binary replaced on disk (%s); rolled "
+                    "onto the new one", step.volume, step.pid, step.device,
+                    step.version or "version unknown")
+        with cluster.open_ioctx(step.pool) as ioctx:
+            new = tuple(a for a in claims.watchers(ioctx, step.image) if a not in held.clients)
+        if len(new) > 1:  # ours is one; someone else opened it meanwhile
+            self.detach_again(step)
+            raise StepRefused(f"image {step.pool}/{step.image} is open by {len(new)} clients "
+                              f"({', '.join(new)}) right after rolling its rbd-nbd: another "
+                              "client opened it at the same time; detached again, the kernel "
+                              "keeps the device")
+        try:
+            claims.record_clients(cluster, step.pool, step.image, me, new or held.clients)
+        except claims.ClaimedElsewhere as exc:
+            self.detach_again(step)
+            raise StepRefused(f"{step.pool}/{step.image} is claimed by node {exc.holder.node} "
+                              "(taken while rolling here); detached again") from None
+        return "changed", f"rolled {step.device} onto the rbd-nbd on disk"
+
+    def detach_again(self, step: ReattachNbd | RollNbd) -> None:
         """The new rbd-nbd must not serve (another writer): stopped, the
         device kept as it was; a failure to stop it is said, never hidden."""
         try:

@@ -67,6 +67,7 @@ from reconciler.plan.steps import (
     Remount,
     ResizeCrypt,
     ResizeImage,
+    RollNbd,
     SetImageMeta,
     SetQos,
     Step,
@@ -88,7 +89,8 @@ log = logging.getLogger("reconciler.apply")  # the name log lines have always ca
 
 CEPH_STEPS = (CreateImage, ResizeImage, SetImageMeta, SetQos, DeleteImage, FormatDevice,
               GrowFilesystem, MountStaging, CreateSnapshot, CloneImage, FlattenImage,
-              DeleteSnapshot, MapImage, ClaimImage, ReleaseClaim, GroupStep, ReattachNbd)
+              DeleteSnapshot, MapImage, ClaimImage, ReleaseClaim, GroupStep, ReattachNbd,
+              RollNbd)
 # Failures here leave a stage half done: undo what this run acquired.
 STAGE_CHAIN = (MapImage, RefreshDevice, FormatCrypt, OpenCrypt, ResizeCrypt, FormatDevice,
                MountStaging)
@@ -206,6 +208,8 @@ class _VolumeRun(ImageSteps, MapSteps, DeviceSteps):
                 return self.map(step)
             case ReattachNbd():
                 return self.reattach(step)
+            case RollNbd():
+                return self.roll(step)
             case ClaimImage():
                 cluster = self.need_cluster()
                 self.take_claim(cluster, step.pool, step.image)

@@ -182,6 +182,8 @@ def status(doc: dict[str, Any]) -> None:
             mounts.append("QoS " + " ".join(f"{k}={v}" for k, v in r["qos"].items()))
         print(f"{r['name']:<16} {r['phase']:<10} {r['wanted']:<10} {size:>7}  "
               f"{r['device'] or '-':<11} {', '.join(mounts) or '-'}")
+        if r.get("helper"):
+            print(f"{'':<16} {_helper(r['helper'])}")
         if r.get("fenceReason"):
             print(f"{'':<16} fenced: {r['fenceReason']}")
         if r.get("stallReason"):
@@ -289,6 +291,8 @@ def _actual(actual: dict[str, Any], holders: list[str], claim: dict | None) -> N
         for key, why in unreadable.items():
             print(f"  image-meta: {key} is {why}")
     print(f"  mapping:  {actual['mapper'] or '-'} {actual['device'] or ''}")
+    if actual.get("helper"):
+        print(f"  helper:   {_helper(actual['helper'])}")
     if enc := actual.get("encryption"):
         print(f"  encryption: {enc['type']}, key {enc['key'] or '(none in the spec)'}; "
               f"container {enc['container'] or 'not mapped'}; "
@@ -303,6 +307,12 @@ def _actual(actual: dict[str, Any], holders: list[str], claim: dict | None) -> N
     print(f"  staging:  {actual['staging'] or '-'}")
     for path, mode in actual["published"]:
         print(f"  published {path} ({mode})")
+
+
+def _helper(h: dict) -> str:
+    """The rbd-nbd serving a device: its pid, the version of its binary, and
+    whether a package upgrade replaced that binary on disk since."""
+    return (f"rbd-nbd pid {h['pid']}, version {h['version'] or 'unknown'}, {h['state']}")
 
 
 def _claim(claim: dict | None) -> None:

@@ -224,6 +224,9 @@ class Metrics:
         self.reattachments = Counter(f"{NS}_nbd_reattachments", "rbd-nbd helpers started "
                                      "again for a device the kernel kept after its rbd-nbd "
                                      "died, by volume.", ["volume"], registry=r)
+        self.rolls = Counter(f"{NS}_nbd_rolls", "rbd-nbd helpers replaced by one of the "
+                             "binary on disk after a package upgrade replaced theirs, by "
+                             "volume.", ["volume"], registry=r)
         self.in_backoff = Gauge(f"{NS}_volumes_in_backoff", "Volumes waiting out a backoff.",
                                 registry=r)
         self.frozen_files = Gauge(f"{NS}_frozen_files", "Desired files that fail to load (their "
@@ -361,6 +364,8 @@ class Metrics:
             self.step_seconds.labels(step_kind(s.step.action)).observe(s.seconds)
             if s.step.action == "reattach" and s.status == "changed":
                 self.reattachments.labels(s.step.volume).inc()
+            if s.step.action == "roll" and s.status == "changed":
+                self.rolls.labels(s.step.volume).inc()
         for why in ([vp.refusal] if vp.refusal else []) + list(vp.withheld):
             self.refusals.labels(refusal_reason(why)).inc()
         if out.refused:  # a safety check at execution time

@@ -13,15 +13,20 @@ import contextlib
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from reconciler.drivers import nbdnetlink, procfs, scopes
+from reconciler.drivers import nbdhelper, nbdnetlink, procfs, scopes
 from reconciler.drivers.fs import block_device_size
 from reconciler.drivers.mappers import ceph_args
 from reconciler.drivers.run import CommandError, Runner
 from reconciler.facts.observed import Mapping
-from reconciler.facts.parsers import RbdDevice, explain_map_failure, parse_rbd_device_list
+from reconciler.facts.parsers import (
+    MapError,
+    RbdDevice,
+    explain_map_failure,
+    parse_rbd_device_list,
+)
 from reconciler.spec.config import CephConfig
 from reconciler.state.registry import NbdMappings
 
@@ -59,6 +64,7 @@ NBD_IO_TIMEOUT = "io-timeout=0"
 NBD_REATTACH_S = 300
 NBD_NETLINK = ("try-netlink", f"reattach-timeout={NBD_REATTACH_S}")
 RESIZE_WAIT_S = 30.0  # krbd / rbd-nbd: a resize reaches the device this soon
+ROLL_ATTEMPTS = 3  # attaches tried after a roll's detach before the re-attach path takes over
 
 
 def udev_running() -> bool:
@@ -154,6 +160,8 @@ class KernelMapper:
     # scope of its own, out of the daemon unit's cgroup (drivers/scopes.py).
     scopes: bool = False
     sys_root: Path = Path("/sys")  # where the kernel's devices are listed
+    # nbd: the binary a new rbd-nbd runs and its version, recorded with it.
+    binary: Callable[[], dict[str, object]] = nbdhelper.started
 
     def _type(self) -> list[str]:
         return ["-t", "nbd"] if self.kind == "nbd" else []
@@ -195,13 +203,53 @@ class KernelMapper:
             raise CommandError(["attach", device], 1,
                                f"{device} is no longer the device we mapped (cookie "
                                f"{now or 'none'}, recorded {cookie}); not re-attached")
+        binary = self.binary()
         try:
             self.runner.run(self.attach_command(pool, image, device, cookie, options))
         except CommandError as exc:
             raise explain_map_failure(self.kind, exc.returncode, exc.stderr) from None
         _requeue_timer(device, options, self.sys_root)
+        if self.records is not None:
+            self.records.amend(device, binary)
+
+    def roll(self, pool: str, image: str, device: str, cookie: str, pid: int,
+             options: tuple[str, ...]) -> bool:
+        """The rbd-nbd serving ``device`` replaced by one of the binary now on
+        disk: detached (it exits; the kernel keeps the device, netlink), then
+        attached with our cookie, as a re-attach. Only our device (cookie),
+        still served by the helper ``pid`` the plan saw; False: nothing done
+        (it runs the binary on disk now, or its binary cannot be compared).
+        An attach that fails is tried again, ROLL_ATTEMPTS in all; failing
+        still, the device is left kept by the kernel, which the next pass
+        re-attaches (our record and cookie stand): never left unserved
+        longer than that."""
+        now = nbd_cookie(device, self.sys_root)
+        if now != cookie:
+            raise CommandError(["roll", device], 1,
+                               f"{device} is no longer the device we mapped (cookie "
+                               f"{now or 'none'}, recorded {cookie}); not rolled")
+        if not nbdhelper.is_rbd_nbd(pid):
+            raise CommandError(["roll", device], 1,
+                               f"rbd-nbd {pid} no longer serves {device}; not rolled")
+        # Looked at again right before: another roll (a chain that held the
+        # lock before this one) may have made it current already.
+        exe, binary = nbdhelper.exe_ident(pid), nbdhelper.binary_ident()
+        if exe is None or binary is None or exe == binary:
+            return False
+        self.detach(device)
+        # The kernel takes a new connection only in place of a dead one: one
+        # it has not yet seen die (the old rbd-nbd exits at the detach) is
+        # refused, and so is the attach; tried again, a few times.
+        for _ in range(ROLL_ATTEMPTS - 1):
+            with contextlib.suppress(CommandError, MapError):
+                self.attach(pool, image, device, cookie, options)
+                return True
+        self.attach(pool, image, device, cookie, options)  # the last: its error is the step's
+        return True
 
     def map(self, pool: str, image: str, options: tuple[str, ...]) -> str:
+        # The binary the new rbd-nbd runs, asked just before it starts.
+        binary = self.binary() if self.kind == "nbd" and self.records is not None else {}
         try:
             out = self.runner.run(self.map_command(pool, image, options)).stdout
         except CommandError as exc:
@@ -215,7 +263,7 @@ class KernelMapper:
             _requeue_timer(device, options, self.sys_root)
         if self.kind == "nbd" and self.records is not None:
             cookie = last[1] if len(last) > 1 else None
-            self.records.record(device, {"pool": pool, "image": image,
+            self.records.record(device, {"pool": pool, "image": image, **binary,
                                          **({"cookie": cookie} if cookie else {})})
         return device
 
@@ -288,13 +336,20 @@ class KernelMapper:
         if self.kind != "nbd" or self.records is None:
             return live
         here = {m.device: m for m in live}
+        pids = {d.device: d.pid for d in listed}
         dead = []
         cookies = self.records.cookies()
+        binary = nbdhelper.binary_ident() if live else None
         for device, (pool, image) in sorted(self.records.images().items()):
             now = here.get(device)
             if now is not None:
                 if (now.pool, now.image) != (pool, image):
                     self.records.forget(device)  # mapped again since, for another image
+                elif (pid := pids.get(device)) is not None and now.device is not None:
+                    # Ours and served: by which rbd-nbd, of which binary.
+                    here[device] = replace(now, helper=nbdhelper.helper(
+                        pid, self.records.record_of(device), cookies.get(device),
+                        binary=binary))
                 continue
             # Ours, and no rbd-nbd serves it. Kept by the kernel with the
             # cookie we recorded (this boot's record): re-attachable, nothing
@@ -309,7 +364,7 @@ class KernelMapper:
                 continue
             dead.append(Mapping("nbd", pool, image, device,
                                 problem=f"rbd-nbd serving {device} is gone"))
-        return live + dead
+        return [here.get(m.device, m) if m.device else m for m in live] + dead
 
 
 def _requeue_timer(device: str, options: tuple[str, ...], sys_root: Path) -> None:

@@ -136,7 +136,8 @@ def context(config: Config, node: Node) -> Context:
     return Context(node_name=config.node_name, staging_root=str(config.staging_root),
                    mappers_available=node.mappers_available,
                    clone_max_depth=config.clone.max_depth, clone_flatten=config.clone.flatten,
-                   flatten_on_delete=config.clone.flatten_on_delete)
+                   flatten_on_delete=config.clone.flatten_on_delete,
+                   nbd_roll=config.nbd_roll_upgrades)
 
 
 def seen(volumes: Iterable[Volume], node: Node, all_watchers: bool = False,

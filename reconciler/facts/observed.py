@@ -62,6 +62,18 @@ class GroupState:
 
 
 @dataclass(frozen=True)
+class NbdHelper:
+    """The rbd-nbd serving a live nbd mapping of ours (one we recorded)."""
+
+    pid: int
+    version: str | None  # ``rbd-nbd --version`` of the binary it runs; None: not known
+    # Its binary was replaced on disk since it started (a package upgrade):
+    # /proc/PID/exe is no longer the file rbd would run. None: not known.
+    stale: bool | None
+    cookie: str | None  # the device's, recorded when we mapped it (a roll attaches with it)
+
+
+@dataclass(frozen=True)
 class Mapping:
     """An image exposed as a local block device."""
 
@@ -74,6 +86,7 @@ class Mapping:
     # nbd: its rbd-nbd is gone but the kernel keeps the device, whose cookie
     # (recorded when we mapped it, this boot) this is: re-attachable.
     reattach: str | None = None
+    helper: NbdHelper | None = None  # nbd, alive and recorded as ours: who serves it
 
 
 @dataclass(frozen=True)

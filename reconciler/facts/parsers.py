@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from reconciler.facts.observed import Mount
 
@@ -113,6 +113,19 @@ class RbdDevice:
     image: str
     snap: str | None
     device: str
+    # rbd-nbd's listing: the pid of the rbd-nbd serving the device (the
+    # kernel's own pid file keeps the first one's across a re-attach). krbd's
+    # "id" is its device id, not a process: left out of comparisons.
+    pid: int | None = field(default=None, compare=False)
+
+
+def parse_rbd_nbd_version(text: str) -> str:
+    """``rbd-nbd --version``: "ceph version 16.2.11 (3cf4…) pacific (stable)"
+    -> "16.2.11". ValueError when it says no version."""
+    words = text.split()
+    if len(words) < 3 or words[:2] != ["ceph", "version"]:
+        raise ValueError(f"not rbd-nbd's version: {text.strip()[:80]!r}")
+    return words[2]
 
 
 def parse_rbd_device_list(text: str) -> tuple[RbdDevice, ...]:
@@ -131,9 +144,11 @@ def parse_rbd_device_list(text: str) -> tuple[RbdDevice, ...]:
         if pool is None or image is None or device is None:
             continue  # not a mapping as rbd writes one: none of ours
         snap = d.get("snap")
+        pid = d.get("id")
         out.append(RbdDevice(pool=pool, namespace=_str(d, "namespace") or "", image=image,
                              snap=None if snap in (None, "", "-") else str(snap),
-                             device=device))
+                             device=device,
+                             pid=pid if isinstance(pid, int) and pid > 0 else None))
     return tuple(out)
 
 

@@ -1,7 +1,8 @@
 """The planner's rules for the mapping (pure; no I/O): map (one writer per
 image: never where another node's claim or client is), remap a dead or
 changed mapping when nothing is mounted from it, refresh a grown device,
-close our LUKS2 device over it, and io.max for the mapped device.
+close our LUKS2 device over it, io.max for the mapped device, and an
+rbd-nbd of a binary replaced on disk rolled onto the new one.
 
 Mixed into the volume planner by plan/planner.py; ``close_crypt`` is used
 by the teardown's rules too. Imported by plan/planner.py only.
@@ -20,6 +21,7 @@ from reconciler.plan.steps import (
     MapImage,
     ReattachNbd,
     RefreshDevice,
+    RollNbd,
     Unmap,
     Unpublish,
     Unstage,
@@ -30,6 +32,7 @@ from reconciler.spec import qos
 from reconciler.spec.mapopts import check_map_options
 from reconciler.spec.model import Phase, resolve_mapper
 
+STALE_HELPER = "stale: binary replaced on disk"  # what status says of such a helper
 HELPER_GONE = "HelperGone"  # the problem's key (the status's reason)
 MAX_USERS_NAMED = 5
 
@@ -128,6 +131,41 @@ class MapRules(VolumeView):
         self.add(ReattachNbd(v.name, v.image.pool, v.image.name, mp.device, mp.reattach,
                              options))
         return True
+
+    def roll(self) -> None:
+        """An rbd-nbd that runs a binary replaced on disk since it started (a
+        package upgrade): replaced by one of the new binary (RollNbd), only
+        when it is the whole plan: the volume otherwise converged, its device
+        served and answering (a stall was refused before this), nothing
+        wrong with it. Never without the device's recorded cookie (without
+        netlink a detach would end the device), nor without our claim.
+        At most one volume's roll in a plan (``one_roll``)."""
+        v, mp = self.v, self.mapping
+        h = mp.helper if mp is not None else None
+        if mp is None or mp.device is None or h is None or not h.stale \
+                or v.state == "absent" or v.wanted_phase < Phase.MAPPED:
+            return
+        why = f"rbd-nbd {h.pid} serving {mp.device} runs a binary replaced on disk"
+        if not self.ctx.nbd_roll:
+            self.plan.notes.append(f"{why}: not rolled (nbdRollUpgrades: false)")
+            return
+        if self.plan.steps or self.plan.withheld or self.plan.problems \
+                or (self.dev is not None and (self.dev.problem or self.dev.unknown)):
+            self.plan.notes.append(f"{why}: rolled once the volume is converged and healthy")
+            return
+        if h.cookie is None:
+            self.plan.notes.append(f"{why}: not rolled (no cookie recorded: not attached "
+                                   "through netlink, the device would end with it)")
+            return
+        claim = self.claim
+        if claim is None or claim.node != self.ctx.node_name or self.obs.blocklist is None \
+                or self.meta_unreadable() is not None:
+            self.plan.notes.append(f"{why}: not rolled while this node's claim is not seen")
+            return
+        self.plan.notes.append(f"{why}: rolled (detach, attach)")
+        options = tuple(o for o in v.map.options if not check_map_options("nbd", (o,)))
+        self.add(RollNbd(v.name, v.image.pool, v.image.name, mp.device, h.cookie, h.pid,
+                         h.version, options))
 
     def forget_mapping(self) -> None:
         """Unmapped by a step planned above: what follows maps it afresh."""

@@ -19,15 +19,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from reconciler.facts import meta
-from reconciler.facts.observed import Observed
+from reconciler.facts.observed import NbdHelper, Observed
 from reconciler.facts.stall import stall_doc, stall_reason
 from reconciler.plan.groups import GroupRules, group_row
 from reconciler.plan.image import ImageRules
-from reconciler.plan.mapping import HELPER_GONE, MapRules
+from reconciler.plan.mapping import HELPER_GONE, STALE_HELPER, MapRules
 from reconciler.plan.publishing import PublishRules
 from reconciler.plan.snapshots import SnapshotRules
 from reconciler.plan.staging import StageRules
-from reconciler.plan.steps import CreateImage, ResizeImage, SetImageMeta
+from reconciler.plan.steps import CreateImage, ResizeImage, RollNbd, SetImageMeta
 from reconciler.plan.teardown import TeardownRules
 from reconciler.plan.types import Context, Refused, VolumePlan, Waiting
 from reconciler.spec import qos
@@ -93,6 +93,7 @@ class _VolumePlanner(ImageRules, MapRules, StageRules, PublishRules, TeardownRul
             else:
                 self.teardown(self.v.wanted_phase)
                 self.forward()
+                self.roll()
         except Refused as exc:
             self.plan.refusal = str(exc)
             self.plan.steps = []
@@ -182,7 +183,25 @@ def plan(desired: Iterable[Volume], observed: Observed, ctx: Context,
     plans = {v.name: _VolumePlanner(v, observed, ctx).run(v.name in release) for v in desired}
     for name in frozen:
         plans[name] = frozen_plan(name)
-    return [plans[n] for n in sorted(plans)]
+    return one_roll([plans[n] for n in sorted(plans)])
+
+
+def one_roll(plans: list[VolumePlan]) -> list[VolumePlan]:
+    """At most one rbd-nbd rolled per plan (the first by name): each roll
+    pauses its device's I/O, and two at once would pause two volumes (the
+    apply's lock keeps concurrent plans apart too). The others wait for a
+    later pass."""
+    rolling = None
+    for p in plans:
+        roll = next((s for s in p.steps if isinstance(s, RollNbd)), None)
+        if roll is None:
+            continue
+        if rolling is None:
+            rolling = p.name
+            continue
+        p.steps = [s for s in p.steps if s is not roll]
+        p.notes.append(f"{roll.device}: its rbd-nbd is rolled after {rolling}'s (one at a time)")
+    return plans
 
 
 FROZEN = "its file failed to load; left exactly as it is (see validate)"
@@ -191,6 +210,13 @@ FROZEN = "its file failed to load; left exactly as it is (see validate)"
 def frozen_plan(name: str) -> VolumePlan:
     """A volume whose file fails to load: nothing may be done to it."""
     return VolumePlan(name, refusal=FROZEN)
+
+
+def _helper_doc(h: NbdHelper) -> dict[str, object]:
+    """The rbd-nbd serving the volume's device: status shows it."""
+    return {"pid": h.pid, "version": h.version, "stale": h.stale,
+            "state": (STALE_HELPER if h.stale else "current" if h.stale is False
+                      else "unknown (its binary could not be compared)")}
 
 
 def actual_state(vol: Volume, observed: Observed, ctx: Context,
@@ -240,6 +266,7 @@ def actual_state(vol: Volume, observed: Observed, ctx: Context,
         "size": p.img.size if p.img else None,
         "mapper": p.mapping.kind if p.mapping else None,
         "device": p.mapping.device if p.mapping else None,
+        "helper": _helper_doc(p.mapping.helper) if p.mapping and p.mapping.helper else None,
         "filesystem": p.dev.fs_type if p.dev else None,
         "encryption": _encryption_state(vol, p),
         # The limits in force: librbd's keys on the image, whoever set them.

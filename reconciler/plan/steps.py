@@ -150,6 +150,27 @@ class ReattachNbd(Step):
 
 
 @dataclass(frozen=True)
+class RollNbd(Step):
+    """The rbd-nbd serving a healthy nbd device replaced by one of the binary
+    now on disk (a package upgrade replaced it): detach, then attach with
+    the device's cookie; the kernel keeps the device in between."""
+
+    pool: str
+    image: str
+    device: str
+    cookie: str  # the device's, recorded when we mapped it
+    pid: int  # the rbd-nbd the plan saw serving it (the step re-checks it)
+    version: str | None  # what it runs, as recorded; None: not known
+    options: tuple[str, ...]
+    action: ClassVar[str] = "roll"
+
+    target = property(lambda self: f"{self.pool}/{self.image} {self.device}")
+    before = property(lambda self: f"rbd-nbd {self.pid} ({self.version or 'version unknown'}; "
+                                    "its binary replaced on disk)")
+    after = property(lambda self: "served by an rbd-nbd of the binary on disk")
+
+
+@dataclass(frozen=True)
 class RefreshDevice(Step):
     """Make a mapped device see the image's new size (losetup -c for fuse)."""
 

@@ -17,6 +17,9 @@ class Context:
     clone_max_depth: int = 8  # a clone deeper than this is flattened (flatten: depth)
     clone_flatten: str = "depth"  # never | always | depth
     flatten_on_delete: bool = False  # deleting a snapshot flattens its clones first
+    # An rbd-nbd whose binary was replaced on disk is replaced by one of the
+    # new binary (nbdRollUpgrades in the node config).
+    nbd_roll: bool = True
 
 
 @dataclass

@@ -148,6 +148,9 @@ class Config:
     # rbd-nbd and rbd-fuse in systemd scopes of their own: auto | never
     # (drivers/scopes.py).
     helper_scopes: str = "auto"
+    # An rbd-nbd whose binary a package upgrade replaced is replaced by one
+    # of the new binary, one device at a time (docs/daemon.md).
+    nbd_roll_upgrades: bool = True
 
     @property
     def source_dir(self) -> Path:
@@ -239,6 +242,7 @@ def _build(data: dict, source: Path | None) -> Config:
         git=git,
         control_socket=Path(data.get("controlSocket", str(DEFAULT_CONTROL_SOCKET))),
         helper_scopes=data.get("helperScopes", "auto"),
+        nbd_roll_upgrades=bool(data.get("nbdRollUpgrades", True)),
     )
 
 

@@ -113,6 +113,22 @@ class NbdMappings(Registry):
     def record(self, key: str, value: Any) -> None:
         super().record(key, {**value, "boot": self.boot} if isinstance(value, dict) else value)
 
+    def amend(self, key: str, fields: dict[str, Any]) -> None:
+        """Fields added to an existing record (a new rbd-nbd attached to the
+        same device: its binary and version); nothing when there is none."""
+        with self._lock:
+            data = self.all()
+            if isinstance(data.get(key), dict):
+                data[key] = {**data[key], **fields}
+                write_json(self.path, data)
+
+    def record_of(self, key: str) -> dict[str, Any]:
+        """This boot's record of a device; {} when there is none."""
+        rec = self.get(key)
+        if not isinstance(rec, dict) or self._earlier_boot(rec.get("boot")):
+            return {}
+        return rec
+
     def images(self) -> dict[str, tuple[str, str]]:
         """device -> (pool, image) of this boot's records; the others dropped."""
         out, stale = {}, []
