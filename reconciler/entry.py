@@ -1,6 +1,10 @@
 """The console script. ``--version`` is answered before the CLI (argparse,
 json, pathlib: ~12 ms) is imported; a command the running daemon does, in
-its plain form, goes to it first (cli/fast.py); everything else to ``cli.main``."""
+its plain form, goes to it first (cli/fast.py); everything else to ``cli.main``.
+
+The console script's entry point (pyproject.toml); imports only what the
+command needs.
+"""
 
 from __future__ import annotations
 

@@ -5,6 +5,9 @@ command line from its own look when no daemon runs, by the daemon from a
 look it makes for the question (daemon/liveview.py) when one does. The command line prints the
 same document either way (``-o json`` as it is, or in words: cli/show.py),
 so what it says cannot depend on who looked.
+
+Imported by cli/fleet.py, cli/reconcile.py, cli/status.py; daemon/asks.py,
+daemon/commands.py.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ that first compares it (``omap_cmp``): the OSD applies the compare and the
 set as one transaction, so of two nodes claiming at once exactly one wins.
 The claim outlives the process that took it (a CLI ``apply`` exits, the
 rbd-fuse helper keeps the image mapped) and goes away with the image.
+
+Imported by apply/mapsteps.py, apply/runner.py, apply/takeover.py; engine/.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ librbd hangs), recorded before it is made (a killed run's freezes are thawed
 by the next one), and all thawed on the way out, error or not. A group
 snapshot that completed only after a watchdog's thaw is not of one frozen
 moment: it is removed, so the next pass takes it again.
+
+Imported by apply/runner.py.
 """
 
 from __future__ import annotations

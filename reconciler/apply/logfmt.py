@@ -4,6 +4,8 @@ Code that logs a step passes its facts as ``extra`` record attributes (see
 FIELDS); the journal handler sends them as fields of their own (VOLUME=,
 STEP=, RESULT=...) so ``journalctl VOLUME=pgdata`` finds them, while the
 formatters render the message, which says the same in words.
+
+Imported by apply/runner.py; cli/run.py; daemon/metrics.py.
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@ and the keyslot chosen for it before that keyslot is added, until the old
 one is gone: a rerun must name the same file, and a slot added with other
 contents of it (the file was rewritten in between) is found and replaced,
 never left behind.
+
+Imported by daemon/commands.py; engine/operator.py.
 """
 
 from __future__ import annotations

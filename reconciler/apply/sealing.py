@@ -11,6 +11,8 @@ sealed again for the image itself (the same passphrase):
   when no node key here opens the record (it would lock the clone out);
 - in a group-snapshot copy, before the copy gets its name (a copy has no
   parent link at all: the source it was made from is accepted only there).
+
+Imported by apply/devicesteps.py.
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ would leave such a client writing beside this node's. So:
 A client of this node mapping in the instant between 3 and 4 would be
 fenced as well: its mapping then fails and this node maps it again, fencing
 its own former client (never the other way round).
+
+Imported by daemon/commands.py; engine/operator.py.
 """
 
 from __future__ import annotations

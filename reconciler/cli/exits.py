@@ -1,6 +1,9 @@
 """The command line's exit codes (README: Command line), in a module of
 their own: the way to the daemon (cli/ask.py, cli/fast.py) needs them
-without the parser."""
+without the parser.
+
+Imported by __main__.py; cli/ (6 modules); entry.py.
+"""
 
 EXIT_OK = 0
 EXIT_FAILED = 1

@@ -11,6 +11,8 @@ every answer but the daemon's own (no daemon, a stale socket, a daemon of
 another stateDir) returns None: the command then takes the long way, which
 parses and checks everything as it always has. A scan that got stateDir
 wrong is caught by the daemon, which serves only its own stateDir.
+
+Imported by __main__.py; entry.py.
 """
 
 from __future__ import annotations

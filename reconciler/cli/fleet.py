@@ -9,7 +9,10 @@ says so: no report is stale to one read, and no node healthy for any time.
 Exit 0 when read, 1 when the node is in no fleet or Ceph does not answer
 (never an empty fleet).
 
-Either way cli/show.py ``fleet`` words the document."""
+Either way cli/show.py ``fleet`` words the document.
+
+Imported by cli/main.py, by name, when its command runs (_Command).
+"""
 
 from __future__ import annotations
 

@@ -2,6 +2,8 @@
 
 Each command imports what it needs when it runs: ``--version`` and
 ``validate`` never load Ceph's bindings, the planner or the drivers.
+
+Imported by __main__.py; cli/ (6 modules); entry.py.
 """
 
 from __future__ import annotations

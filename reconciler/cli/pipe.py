@@ -1,4 +1,7 @@
-"""Exit quietly when the reader of our output has gone (``| head``)."""
+"""Exit quietly when the reader of our output has gone (``| head``).
+
+Imported by __main__.py; cli/fast.py, cli/main.py; entry.py.
+"""
 
 from __future__ import annotations
 

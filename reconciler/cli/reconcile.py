@@ -1,7 +1,10 @@
 """``validate``, ``plan``, ``apply`` and ``release``: one pass over the desired files.
 
 With the daemon running, ``plan``, ``apply`` and ``release`` are answered by
-it (cli/ask.py); else (and ``release --all``, always) they run here."""
+it (cli/ask.py); else (and ``release --all``, always) they run here.
+
+Imported by cli/ (4 modules).
+"""
 
 from __future__ import annotations
 

@@ -9,6 +9,8 @@ LUKS2 container, unmaps the device (krbd: ``-o force``); then either leaves
 the image to its new holder (``--leave``; a claim this node still holds is
 released), or claims it back (``--reclaim``: ``takeover``, for a node that
 is to keep the volume; the next apply maps it here afresh).
+
+Imported by cli/main.py, by name, when its command runs (_Command).
 """
 
 from __future__ import annotations

@@ -2,7 +2,10 @@
 
 With the daemon running, it runs inside the daemon (cli/ask.py), under its
 lock on the volume: no pass opens or seals its key again meanwhile. Else
-here, under the node's lock."""
+here, under the node's lock.
+
+Imported by cli/main.py, by name, when its command runs (_Command).
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """``run`` (the daemon, with the CSI server when asked) and ``allow-removal``
 (through the daemon's control socket when it runs; else a file it reads at
-its next pass)."""
+its next pass).
+
+Imported by cli/main.py, by name, when its command runs (_Command).
+"""
 
 from __future__ import annotations
 

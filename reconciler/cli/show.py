@@ -4,7 +4,10 @@ status: plan/fleetstatus.py), whoever made it (this process's own pass, or
 the running daemon's live view), so both print the same.
 
 Imports nothing of the engine: a command answered by the daemon loads no
-more than the parser, the config and this."""
+more than the parser, the config and this.
+
+Imported by cli/ (5 modules).
+"""
 
 from __future__ import annotations
 

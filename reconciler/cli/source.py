@@ -1,5 +1,8 @@
 """``rbd-reconciler source``: the GitOps source's status, a sync now, a
-verification, a rollback (docs/gitops-source.md)."""
+verification, a rollback (docs/gitops-source.md).
+
+Imported by cli/main.py, by name, when its command runs (_Command).
+"""
 
 from __future__ import annotations
 

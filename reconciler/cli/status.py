@@ -2,7 +2,10 @@
 
 With the daemon running, answered by it (cli/ask.py): a look it makes for
 the question, through its Ceph connection; none from here. Else this process
-looks for itself, as it always has."""
+looks for itself, as it always has.
+
+Imported by cli/main.py, by name, when its command runs (_Command).
+"""
 
 from __future__ import annotations
 

@@ -2,7 +2,10 @@
 
 With the daemon running, it runs inside the daemon (cli/ask.py), under its
 lock on the volume: no chain of it runs meanwhile, and the daemon maps it
-here right after."""
+here right after.
+
+Imported by cli/recover.py.
+"""
 
 from __future__ import annotations
 

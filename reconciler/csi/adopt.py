@@ -9,7 +9,10 @@ trusted no further than that: an image is taken only when its
 volume this name means), and each label read back from
 ``rbd-reconciler.csi-labels`` must be a value CreateVolume could have
 written, else it is left out (the safe default: a node that stages the
-volume by id refuses a LUKS2 signature it was not told of)."""
+volume by id refuses a LUKS2 signature it was not told of).
+
+Imported by csi/controller.py.
+"""
 
 from __future__ import annotations
 

@@ -11,6 +11,8 @@ call must still be within its deadline on this process's monotonic clock
 connected; otherwise it does nothing more and says so. A change already
 started (a claim written in time) goes on past the deadline by design: its
 own record entry keeps every other replica off the name until it is done.
+
+Imported by csi/converge.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""CSI volume capabilities: what we support and what each one asks of a stage."""
+"""CSI volume capabilities: what we support and what each one asks of a stage.
+
+Imported by csi/adopt.py, csi/controller.py, csi/node.py.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
 """The few things the adapter asks Ceph itself: is it there (Probe), how much
 room is left (GetCapacity), does an image exist and how big is it (ids a node
 did not create), and the CSI request name recorded in image-meta. Storage work
-(create, map, mount, delete) is always the engine's."""
+(create, map, mount, delete) is always the engine's.
+
+Imported by csi/ (8 modules).
+"""
 
 from __future__ import annotations
 

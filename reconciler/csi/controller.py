@@ -1,5 +1,8 @@
 """CSI Controller: CreateVolume / DeleteVolume / expand become edits of a
-volume file's image section; the engine creates, grows and deletes."""
+volume file's image section; the engine creates, grows and deletes.
+
+Imported by csi/server.py.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """Every failure leaves a CSI call as a gRPC status with a code and a message
-a person can act on; a Python traceback never reaches the client."""
+a person can act on; a Python traceback never reaches the client.
+
+Imported by csi/ (16 modules).
+"""
 
 from __future__ import annotations
 

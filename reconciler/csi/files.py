@@ -3,6 +3,8 @@
 Written atomically (temp file, fsync, rename, fsync of the directory), so a
 crash leaves the old file or the new one; a restarted daemon carries on from
 whichever it finds.
+
+Imported by csi/ (8 modules).
 """
 
 from __future__ import annotations

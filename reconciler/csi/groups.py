@@ -6,6 +6,8 @@ volume, their mounted filesystems on this node frozen around it.
 Ids describe themselves (``ids.group_id``, ``ids.member_id``), so a member
 snapshot id is enough to restore from (CreateVolume: a full copy, as Pacific
 cannot clone a group snapshot) or to look up (GetSnapshot).
+
+Imported by csi/server.py, csi/snapshots.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""CSI Identity: who we are, what we offer, whether we are ready."""
+"""CSI Identity: who we are, what we offer, whether we are ready.
+
+Imported by csi/server.py.
+"""
 
 from __future__ import annotations
 

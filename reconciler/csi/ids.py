@@ -4,6 +4,8 @@ A CSI request name is up to 128 characters of any case, so it can be neither
 a volume's metadata.name (a DNS label) nor, safely, an RBD image name: both
 are derived from it with a stable hash. The volume id names the pool and the
 image, so a node that never saw the CreateVolume can stage it from the id.
+
+Imported by csi/ (6 modules).
 """
 
 from __future__ import annotations

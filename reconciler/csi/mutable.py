@@ -2,7 +2,10 @@
 
 Each key sets one field of the volume file's ``spec.qos``; "0" lifts that
 limit. Keys a request does not name are left as they are (the spec: modify
-only what is specified)."""
+only what is specified).
+
+Imported by csi/adopt.py, csi/controller.py.
+"""
 
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ the volume's file; the engine maps, formats, mounts and binds.
 Kubelet's paths: a mount volume stages on the directory kubelet made and
 publishes on a directory we create; a block volume stages on a directory
 (the device node goes on a file inside it) and publishes on a file we create.
+
+Imported by csi/server.py.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ krbd's I/O never passes through librbd's QoS: the node limits it with
 io.max on the cgroup of whoever uses the device, here the pod. Kubelet names
 the pod in the target path; its cgroup is ``...pod<uid>`` (cgroupfs driver)
 or ``...pod<uid with _ for ->.slice`` (systemd driver) under kubepods.
+
+Imported by csi/node.py.
 """
 
 from __future__ import annotations

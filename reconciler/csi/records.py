@@ -36,6 +36,8 @@ cut off can never create, grow or delete anything after the record moved on.
 
 Only the controller's part of a document is recorded (the image, QoS,
 labels): stage and publish are one node's business.
+
+Imported by csi/ (5 modules).
 """
 
 from __future__ import annotations

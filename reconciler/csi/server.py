@@ -1,4 +1,7 @@
-"""The gRPC server on a unix socket, inside the daemon's process."""
+"""The gRPC server on a unix socket, inside the daemon's process.
+
+Imported by cli/run.py.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """CSI snapshots: CreateSnapshot / DeleteSnapshot / ListSnapshots become
 ``kind: Snapshot`` files in csi.dir, and a CreateVolume content source
-becomes an ``image.source``. The engine takes, clones and deletes."""
+becomes an ``image.source``. The engine takes, clones and deletes.
+
+Imported by csi/controller.py.
+"""
 
 from __future__ import annotations
 

@@ -7,6 +7,8 @@ was removed by hand adopted) or with the files alone.
 groups.py, snapshots.py, server.py); its bases are csi/recorded.py (the
 records against the files, the gate) and csi/converge.py (write, validate,
 converge one file).
+
+Imported by csi/ (5 modules).
 """
 
 from __future__ import annotations

@@ -25,6 +25,8 @@ resolved, and its end is seen by it, or it is not, and a pass looks.
 The pass thread calls ``started``, ``resolve``, ``looked`` and
 ``pass_ended``; a chain's thread (or a job's end) calls ``finished``; the
 control socket's thread reads the events.
+
+Imported by daemon/ (4 modules).
 """
 
 from __future__ import annotations

@@ -22,6 +22,8 @@ the claim checks count as another client (B's own map would refuse itself,
 A's re-map and any delete would see it), and A would have to notify, which
 nodes of an older version do not. Only waiting volumes are read; with none,
 the thread sleeps until one comes (an idle node reads nothing).
+
+Imported by daemon/passes.py, daemon/watchers.py.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ answered from the daemon's passes and its live view, under its own locks.
 - ``fleet-status`` reads the fleet's reports on this connection's thread,
   into the sightings the daemon's gate keeps (daemon/rollout.py): healthy
   times and a report's age on this node's clock since its first read.
+
+Imported by daemon/service.py.
 """
 
 from __future__ import annotations

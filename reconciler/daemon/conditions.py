@@ -2,6 +2,8 @@
 
 A refused mass removal or a broken file stays true for hours; logging it at
 every resync buries everything else in the journal.
+
+Imported by daemon/passes.py, daemon/service.py.
 """
 
 from __future__ import annotations

@@ -10,7 +10,10 @@ and meanwhile a line every KEEPALIVE_S (a keepalive thread), so the client
 can bound its wait for every line (a stopped daemon sends nothing) and a
 client gone is noticed by the failed send. A client that goes away
 (Ctrl-C) costs nothing but its thread, for a few seconds: what it asked for
-goes on in the daemon."""
+goes on in the daemon.
+
+Imported by daemon/commands.py, daemon/service.py.
+"""
 
 from __future__ import annotations
 

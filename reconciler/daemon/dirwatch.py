@@ -20,6 +20,8 @@ and Debian 12's 2.2.1 alike skip every event whose watch descriptor is -1 in
 ``Inotify.read_events``, which is how the kernel reports ``IN_Q_OVERFLOW``),
 and it runs a thread per directory. This is one inotify descriptor and one
 thread, through libc.
+
+Imported by daemon/watchers.py.
 """
 
 from __future__ import annotations

@@ -31,6 +31,8 @@ rbd-fuse, and a librbd or rados watch would be a *watcher* of the image, which
 the one-writer claim and other nodes count as a user. So the mapped images'
 headers are read (no open, no watch) every ``events.imagePollSeconds``, in a
 thread of their own: a stalled Ceph holds up that poll, never the events.
+
+Imported by daemon/interest.py, daemon/watchers.py.
 """
 
 from __future__ import annotations

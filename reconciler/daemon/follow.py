@@ -3,7 +3,10 @@
 and wakes a pass over every volume when a revision is applied.
 
 A CLI's ``source sync`` takes the same lock and switches the same link; the
-daemon's file watch sees that switch like its own."""
+daemon's file watch sees that switch like its own.
+
+Imported by daemon/watchers.py.
+"""
 
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ event sources (daemon/events.py) map an event back to a volume with.
 
 Built per volume from the pass that last observed it, so a pass that looked
 at three volumes updates three entries and leaves the others as they were.
+
+Imported by daemon/passes.py, daemon/watchers.py.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ health checks costs one or two looks, not one each.
 Written by the pass thread (``loaded``) and read by the control socket's
 threads; looks are made in those threads, never in the pass thread (a
 command never holds up a pass, nor a pass a command beyond one look).
+
+Imported by daemon/commands.py, daemon/passes.py, daemon/service.py.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ refusal reasons, CSI methods and codes): never paths, messages or secrets,
 which would leak through a scrape and explode cardinality. Per-volume state
 is exported as "the current phase = 1" (one series per volume, not one per
 volume and phase), computed at scrape time from what the daemon last set.
+
+Imported by daemon/ (7 modules).
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ start a chain for each volume with steps (daemon/chains.py), and answer the
 command line's asks; the holds of `release`; and the preflight, why the
 desired directories may not be trusted (at start and every pass). Built by
 daemon/service.py, its only importer.
+
+Imported by daemon/service.py.
 """
 
 from __future__ import annotations

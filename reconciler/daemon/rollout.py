@@ -23,6 +23,8 @@ daemon/commands.py) reads every report too, into the same sightings.
 
 Built by daemon/service.py, which feeds it the statuses written
 (daemon/progress.py) and the end of each pass.
+
+Imported by daemon/ (4 modules).
 """
 
 from __future__ import annotations

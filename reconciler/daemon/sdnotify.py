@@ -1,6 +1,8 @@
 """The sd_notify protocol: datagrams to $NOTIFY_SOCKET (see sd_notify(3)).
 
 Small enough to speak ourselves: one sendto per message, no dependency.
+
+Imported by daemon/passes.py, daemon/readiness.py, daemon/service.py.
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ Calls run on a few reused worker threads (at most ``max_running`` that are
 not written off), not one thread per call: an observe pass submits a call
 per image, and starting hundreds of threads a pass is most of its cost. A
 worker whose call is written off is replaced; it exits when its call returns.
+
+Imported by apply/runner.py; drivers/freeze.py; observe/ceph.py,
+observe/node.py.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ one of a rotation through a pipe it reads as ``/proc/self/fd/N``. None is
 ever on a command line, in a log line or in an error message (cryptsetup
 never echoes a key back). Device-mapper works without udev too: with
 ``DM_DISABLE_UDEV=1`` libdevmapper makes ``/dev/mapper/NAME`` itself.
+
+Imported by apply/rotate.py; observe/node.py.
 """
 
 from __future__ import annotations

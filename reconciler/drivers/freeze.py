@@ -14,6 +14,10 @@ While held, a freeze is bounded: a watchdog thaws at the deadline even when
 the snapshot call hangs (a monitor that does not answer). And one freeze per
 device at a time: a second FIFREEZE fails with EBUSY, so chains (threads of
 one apply, or the daemon and a CLI) take a per-device lock first.
+
+Imported by apply/groups.py, apply/imagesteps.py, apply/runner.py;
+daemon/commands.py, daemon/service.py; engine/frozen.py, engine/orphans.py,
+engine/release.py; observe/node.py.
 """
 
 from __future__ import annotations

@@ -3,6 +3,10 @@
 Every operand (device, path) follows "--": no value can be read as an option.
 mount, umount, blkid, mkfs.ext4, mkfs.xfs, e2fsck, resize2fs and xfs_growfs
 all accept it there (measured on Debian 12's util-linux, e2fsprogs, xfsprogs).
+
+Imported by apply/devicesteps.py, apply/runner.py; drivers/fusemapper.py,
+drivers/kernelmapper.py; engine/orphans.py; observe/devprobe.py,
+observe/node.py.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ mounted there if it is not, and unmounted again after), kill its helper (a
 process found by its command line, signalled through a pidfd: a recycled pid
 is never hit), then unmount it, lazily if it is still busy (a loop device
 still holds its file). I/O in flight to it fails: it could not reach Ceph.
+
+Imported by drivers/fusemapper.py; engine/unwedge.py.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ creating node, written *before* the group is created, and the node that took
 the group snapshot, written before it is taken. A crash between the record
 and the librbd call leaves a record of something that may not exist, never
 something ours without a record.
+
+Imported by apply/groups.py; csi/cephinfo.py; observe/ceph.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """io.max for a mapped device: on a cgroup v2 directory directly, or on a
-systemd unit through systemd (which owns its units' cgroups)."""
+systemd unit through systemd (which owns its units' cgroups).
+
+Imported by apply/runner.py; observe/node.py.
+"""
 
 from __future__ import annotations
 

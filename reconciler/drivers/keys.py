@@ -27,6 +27,9 @@ Key files are read from one descriptor that was checked (root's, no access
 for group or others, a regular file) and opened below the key root's own
 descriptor (no ``..``, no symlink). Key bytes go to cryptsetup on its stdin,
 never on a command line, and are never logged or written to status.
+
+Imported by apply/devicesteps.py, apply/rotate.py, apply/sealing.py;
+drivers/ceph.py.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ writes no core at all, through a pipe either, and other users' ptrace and
 /proc/PID/mem are closed) and set RLIMIT_CORE to 0, which the commands they
 run (cryptsetup, which reads the keys on stdin) inherit. The units set
 ``LimitCORE=0`` too.
+
+Imported by cli/main.py.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ of the iteration for one that is not (anyone with write access to the pool
 can write such a key). The C iterator has already moved past it by then, so
 the next call goes on with the following key: those keys are counted and
 skipped (none of ours is ever one: we write text), the others read.
+
+Imported by apply/claims.py; csi/records.py; drivers/ceph.py,
+drivers/rbdbase.py, drivers/rbdheader.py.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ device whose storage does not answer, that submission can sleep in the
 kernel (a full request queue) in a thread of the daemon. ``mincore`` on a
 shared mapping of the device reads the cache's own record, never the
 device, so the daemon reads in-process only what is already there.
+
+Imported by drivers/fs.py.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ that very inode; then it is renamed into place, relative to the parent's
 descriptor (replacing a stale socket atomically). The parent must be root's
 and not writable by others, up to /: whoever could write there could put
 their own socket in its place and read every request.
+
+Imported by csi/server.py; daemon/control.py.
 """
 
 from __future__ import annotations

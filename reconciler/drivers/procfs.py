@@ -7,6 +7,9 @@ mount of the node, for a mount point). Decoded with ``surrogateescape`` (as
 ``os.fsdecode`` does), each keeps its bytes: it is never equal to a path of
 ours, which is text, and still names the same file when handed back to the
 kernel.
+
+Imported by apply/devicesteps.py; csi/node.py; drivers/ (6 modules);
+observe/deadfuse.py, observe/leftovers.py, observe/node.py.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ anything unexpected (no id, a missing key, too many keys) is ``Fallback``:
 the caller opens the image with librbd as before. An image-meta value that
 is not UTF-8 is not unexpected: it is reported in ``unreadable``, for that
 key alone (librbd's binding would fail the whole image on it).
+
+Imported by observe/ceph.py.
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@ itself a child subreaper so such orphans come back to it, and reap them.
 A child we killed that is stuck in the kernel (D state) cannot be reaped
 until the kernel lets go, maybe never: it is reaped from a thread instead
 (``reap_later``), never waited for on the caller's.
+
+Imported by daemon/passes.py, daemon/service.py; drivers/freeze.py,
+drivers/fusemapper.py, drivers/run.py; engine/release.py;
+testing/devcluster.py.
 """
 
 from __future__ import annotations

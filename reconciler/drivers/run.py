@@ -40,6 +40,10 @@ gigabytes within one deadline):
 
 Long-lived helpers (rbd-fuse) are started elsewhere, in their own session,
 and never through a Runner: nothing here kills them.
+
+Imported by apply/rotate.py, apply/runner.py; daemon/ (4 modules); drivers/
+(6 modules); engine/ (4 modules); observe/leftovers.py, observe/node.py;
+source/ (6 modules).
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ every path we mount on, bind from, create or remove is opened component by
 component with symlinks refused (``openat2`` with RESOLVE_NO_SYMLINKS), and
 the command then acts on ``/proc/self/fd/N`` of that descriptor (passed to the
 child, with ``--no-canonicalize``): what was checked is what is used.
+
+Imported by apply/devicesteps.py; drivers/freeze.py, drivers/fs.py,
+drivers/keys.py; engine/orphans.py; observe/node.py.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ or restart of the daemon's unit reaches. An operator lists them with
 
 Without systemd as the service manager (the kernel tests' VM, a container)
 the helpers are started exactly as before.
+
+Imported by drivers/fusemapper.py, drivers/kernelmapper.py; observe/node.py.
 """
 
 from __future__ import annotations

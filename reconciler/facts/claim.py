@@ -5,6 +5,9 @@ changed by a compare-and-set on the image's header object
 (``drivers/claims.py``), so two nodes that map at the same moment cannot
 both win. Held from just before the map until the unmap; it names the
 mapping clients so that a takeover can fence exactly them.
+
+Imported by apply/ (4 modules); daemon/claimpoll.py; drivers/rbdbase.py;
+engine/orphans.py; plan/fence.py, plan/release.py, plan/volumeview.py.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ which the in-flight count leaves out (measured on 6.1 with rbd-nbd, whose
 librbd acknowledges writes from its cache: an fdatasync hung for the whole
 partition while the count said 0). blk-mq's debugfs lists every request the
 driver holds (``/sys/kernel/debug/block/NAME/hctx*/busy``), flushes too.
+
+Imported by observe/iowatch.py.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ filesystem read-only``), which no mount event announces.
 
 Pure: parsing only. A message is a reason to look at a volume again, never
 a fact the planner acts on.
+
+Imported by daemon/events.py.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ Everything a sweep for leftovers looks at (the mappings, loop and dm-crypt
 devices, the rbd-fuse and rbd-nbd processes, the mounts, our nbd records
 and who uses each thing), gathered by ``observe/leftovers.py`` or built by
 hand in tests. Plain frozen data: nothing here reads the node.
+
+Imported by engine/orphans.py; observe/leftovers.py; plan/orphans.py.
 """
 
 from __future__ import annotations

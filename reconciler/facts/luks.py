@@ -4,6 +4,9 @@ data offset read from the binary header (pure: the caller reads the bytes).
 The header (cryptsetup's LUKS2 on-disk format): "LUKS\\xba\\xbe", version 2
 (big-endian u16 at 6), the header size (u64 at 8), then from 4096 the JSON
 area, NUL-terminated, whose ``segments`` give the data offset in bytes.
+
+Imported by observe/devprobe.py, observe/leftovers.py, observe/node.py;
+plan/mapping.py, plan/orphans.py, plan/staging.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""Image-meta keys this reconciler records on the images it manages."""
+"""Image-meta keys this reconciler records on the images it manages.
+
+Imported by apply/ (6 modules); cli/show.py; csi/adopt.py, csi/cephinfo.py;
+daemon/claimpoll.py; drivers/ceph.py, drivers/rbdbase.py,
+drivers/rbdheader.py; engine/orphans.py; plan/ (6 modules).
+"""
 
 PREFIX = "rbd-reconciler."
 OWNER = PREFIX + "owner"  # node that created the image; only it may delete it

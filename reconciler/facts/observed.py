@@ -2,6 +2,11 @@
 
 Plain frozen data. Built by ``observe`` from one pass over Ceph and the node,
 or in memory by tests and benchmarks. Indexes make every planner lookup O(1).
+
+Imported by apply/ (4 modules); csi/node.py; daemon/interest.py,
+daemon/passes.py; drivers/ (10 modules); engine/ (4 modules);
+facts/leftovers.py, facts/parsers.py, facts/stall.py; observe/ (5 modules);
+plan/ (10 modules); views.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """Pure parsers: command output and /proc text in, plain data out.
 
 Each is tested on recorded output (tests/data/). No I/O here.
+
+Imported by apply/devicesteps.py; csi/node.py; daemon/events.py; drivers/ (8
+modules); observe/devprobe.py, observe/leftovers.py, observe/node.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """How a stalled device is worded, the same in status, explain, plan and the
-daemon's status file. Pure; no I/O."""
+daemon's status file. Pure; no I/O.
+
+Imported by observe/node.py; plan/planner.py.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Kernel uevents as they arrive on a NETLINK_KOBJECT_UEVENT socket."""
+"""Kernel uevents as they arrive on a NETLINK_KOBJECT_UEVENT socket.
+
+Imported by daemon/events.py.
+"""
 
 from __future__ import annotations
 

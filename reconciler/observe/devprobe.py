@@ -2,6 +2,8 @@
 content, and a probe kept across daemon passes while the device is unchanged.
 
 For observing only: apply re-probes (blkid) right before any mkfs.
+
+Imported by observe/node.py.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ a while is I/O that does not complete (a flush, which that count leaves
 out, from blk-mq's debugfs: facts/iostat.py). The daemon samples every mapped
 device of its volumes every ``events.ioPollSeconds`` and keeps the history;
 a CLI samples twice, ``WINDOW_S`` apart, where something is in flight.
+
+Imported by daemon/events.py; observe/node.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""Gather the actual state in one pass: Ceph images, mappings, devices, mounts."""
+"""Gather the actual state in one pass: Ceph images, mappings, devices, mounts.
+
+Imported by apply/chainstate.py, apply/devicesteps.py, apply/runner.py;
+daemon/ (5 modules); engine/, engine/orphans.py, engine/release.py;
+observe/leftovers.py.
+"""
 
 from __future__ import annotations
 

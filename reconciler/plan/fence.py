@@ -5,6 +5,8 @@ blocklists this node's clients first), or Ceph blocklisted the client doing
 this node's I/O (whoever did it). Either way this node must not write to it
 again: what it has mapped and mounted is left as it is, never remapped or
 remounted behind the applications, until an operator runs ``recover``.
+
+Imported by plan/volumeview.py.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ group snapshot member is created as a copy of it.
 A group snapshot records a moment of several images at once: taken once,
 never re-taken, and the group's membership is not changed after it (a change
 is refused and reported). Only what this node made is removed.
+
+Imported by plan/planner.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """The step kinds of group snapshots (``kind: SnapshotGroup``) and of a
-restore from one; run by ``apply/groups.py``."""
+restore from one; run by ``apply/groups.py``.
+
+Imported by apply/groups.py, apply/runner.py; plan/groups.py.
+"""
 
 from __future__ import annotations
 

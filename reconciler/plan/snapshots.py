@@ -3,6 +3,8 @@
 Mixed into the volume planner: a ``kind: Snapshot`` document plans here
 instead of the lifecycle; a Volume with ``image.source`` is created as a
 clone; a delete of an image or snapshot respects what depends on it.
+
+Imported by plan/planner.py.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ read-only reported, never remounted read-write.
 
 Mixed into the volume planner by plan/planner.py; ``GROW_SLACK`` is also
 read by apply/runner.py (the same slack at apply time).
+
+Imported by apply/devicesteps.py; plan/planner.py.
 """
 
 from __future__ import annotations

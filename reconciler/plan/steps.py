@@ -2,6 +2,9 @@
 
 The planner emits them; ``apply`` executes them through drivers. A step
 holds only data; nothing here knows how a command is spelled.
+
+Imported by apply/ (6 modules); csi/recorded.py; daemon/metrics.py; engine/,
+engine/operator.py; plan/ (11 modules).
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """What the planner takes and gives, shared by its modules: the node's
-context, one volume's plan, and the two ways a rule abandons a plan."""
+context, one volume's plan, and the two ways a rule abandons a plan.
+
+Imported by apply/outcomes.py; daemon/commands.py; engine/,
+engine/operator.py, engine/release.py; plan/ (9 modules); views.py.
+"""
 
 from __future__ import annotations
 

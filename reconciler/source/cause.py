@@ -12,6 +12,8 @@ repeated; what to do instead is said.
 What is read is bounded: the Runner keeps the head and the tail of a
 flood (drivers/run.py), and of that only the last ``LOOKED_AT`` lines are
 looked at, and each line shown is clipped (``clip_line``).
+
+Imported by source/fetching.py.
 """
 
 from __future__ import annotations

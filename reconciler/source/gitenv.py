@@ -8,6 +8,8 @@ files: ssh reads the deploy key and the pinned host keys itself; an https
 token is handed to git by an askpass program that reads the token file, so
 it is never on a command line, in the environment or in a log; a private CA
 (``caFile``) replaces the system's CAs for https.
+
+Imported by engine/fleet.py; source/ (5 modules).
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@
 The symlink is the truth of what is applied: a kill anywhere leaves it
 pointing at the old revision or at the new, complete one (the export is
 renamed in before the link is switched, with one rename(2) of a new link).
+
+Imported by cli/source.py; daemon/follow.py, daemon/rollout.py;
+engine/fleet.py; source/fetching.py, source/report.py.
 """
 
 from __future__ import annotations

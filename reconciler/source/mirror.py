@@ -27,6 +27,8 @@ mirror: git writes the new pack under a temporary name, renames it into
 place, and only then deletes the packs it replaces (at worst both are
 there, until the next compaction); ``prune`` deletes loose objects no ref
 reaches, one at a time.
+
+Imported by source/fetching.py, source/sync.py.
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ Kinds:
   outcome of a sync, never counted.
 
 Used by report.py (conditions) and sync.py (who alerts); imports nothing.
+
+Imported by daemon/metrics.py; source/report.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,10 @@
 """What ``status``, ``source status`` and the metrics say about the source:
-read from the switch (the truth of what is applied) and the state file."""
+read from the switch (the truth of what is applied) and the state file.
+
+Imported by cli/reconcile.py, cli/source.py; daemon/follow.py,
+daemon/passes.py, daemon/rollout.py; source/sync.py, source/trust.py;
+views.py.
+"""
 
 from __future__ import annotations
 

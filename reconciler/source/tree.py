@@ -10,6 +10,8 @@ the tree's own ``.gitattributes`` (``export-subst`` rewrites files,
 
 Files are created with O_EXCL|O_NOFOLLOW relative to their directory's
 descriptor, mode 0644 set at creation, and synced with their directories.
+
+Imported by source/fleetfile.py, source/sync.py.
 """
 
 from __future__ import annotations

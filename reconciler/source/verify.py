@@ -29,6 +29,8 @@ the revocation file.
 Exit codes git uses for a verdict (0, 1; 128 for an object it cannot parse)
 give a ``Refused``; anything else (a deadline, a missing program) is a
 ``CommandError`` from the runner: a failure to check, not a verdict.
+
+Imported by source/sync.py, source/trust.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,11 @@
-"""Node configuration: where desired files live, how to reach Ceph, what is allowed."""
+"""Node configuration: where desired files live, how to reach Ceph, what is allowed.
+
+Imported by apply/rotate.py, apply/takeover.py; cli/ (12 modules);
+csi/cephinfo.py, csi/converge.py, csi/node.py; daemon/ (8 modules); drivers/
+(5 modules); engine/ (6 modules); observe/ceph.py, observe/node.py;
+source/fetching.py, source/report.py, source/sync.py; spec/ (4 modules);
+views.py.
+"""
 
 from __future__ import annotations
 

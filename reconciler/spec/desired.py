@@ -4,6 +4,9 @@ CSI adapter's own directory.
 The operator's files win: a CSI volume that claims a name, an image or a path
 an operator file already claims is not loaded, and the diagnostic names the
 CSI file (the CSI call that wrote it answers with that error).
+
+Imported by csi/converge.py; daemon/passes.py; engine/orphans.py,
+engine/release.py; source/sync.py.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ does not know, a comparison where JSON and Python equality differ) is
 "not sure", and the caller asks jsonschema, which words the errors. So the
 messages stay jsonschema's, and the fast answer can only ever be a "valid"
 jsonschema agrees with (tests/test_fastschema.py compares the two).
+
+Imported by spec/schemas.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,10 @@
 The spec modules log only on an internal error; `validate` (a cold command
 run by editors and CI hooks) then never imports ``logging`` (~5 ms). The
 CLI defers its ``basicConfig`` here (``defer_setup``), so a line logged
-through one of these is formatted exactly as it would have been."""
+through one of these is formatted exactly as it would have been.
+
+Imported by cli/main.py; spec/config.py, spec/loader.py.
+"""
 
 from __future__ import annotations
 

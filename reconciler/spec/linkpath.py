@@ -9,6 +9,8 @@ directory that holds that link, not in the one the path leads to. The
 daemon watches each such directory (daemon/dirwatch.py), and the trust
 check covers each (spec/security.py): whoever may write beside a link may
 swap it.
+
+Imported by daemon/dirwatch.py; spec/security.py.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ or a secret (``fsid``, ``ip``, ``secret``, ``key``, ``name``), run a program
 publish's ``readOnly`` says that, and a read-only map cannot be formatted)
 or set up encryption behind the spec's back (``encryption-*``:
 ``spec.encryption`` does that) are refused, like anything not listed.
+
+Imported by plan/mapping.py; spec/builder.py.
 """
 
 from __future__ import annotations

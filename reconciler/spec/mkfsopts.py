@@ -6,6 +6,8 @@ an option that names another device or file (``-l logdev=/dev/sda`` for xfs,
 word that mkfs reads as the device formats or reads something else. Only
 options that shape the filesystem on our own device pass, each flag in its
 own word and its value in the next: ``["-L", "data", "-O", "^has_journal"]``.
+
+Imported by spec/builder.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""Typed desired volumes: what the loader produces and the planner consumes."""
+"""Typed desired volumes: what the loader produces and the planner consumes.
+
+Imported by apply/ (4 modules); cli/recover.py; csi/ (4 modules); daemon/ (8
+modules); engine/, engine/release.py; observe/node.py; plan/ (9 modules);
+spec/ (6 modules); views.py.
+"""
 
 from __future__ import annotations
 

@@ -7,6 +7,8 @@ mountPrivileges allows: mountopts.py). A remount sets a mount's flags anew,
 clearing those it does not name, so what a remount says is everything the
 mount should have. mountinfo hides default values and names some options its
 own way: "missing" means shown not in force, never merely not shown.
+
+Imported by plan/publishing.py, plan/staging.py, plan/volumeview.py.
 """
 
 from __future__ import annotations

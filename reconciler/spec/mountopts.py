@@ -17,6 +17,8 @@ The tables also say how mountinfo shows an option in force (the kernel hides
 defaults, and shows some options under another name) and whether a remount
 changes it: mountflags.py reads them, so the planner repairs drift without
 remounting forever.
+
+Imported by csi/node.py; spec/builder.py, spec/mountflags.py.
 """
 
 from __future__ import annotations

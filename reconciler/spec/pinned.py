@@ -8,6 +8,8 @@ no revision has (issue 36, item 1). The loader (spec/loader.py) pins each
 directory it is given with ``Pins`` and reads every file relative to the
 pin; ``Pins.torn`` says whether that read may mix two states. Used by the
 loader only (spec/loader.py and spec/reading.py).
+
+Imported by spec/loader.py, spec/reading.py.
 """
 
 from __future__ import annotations

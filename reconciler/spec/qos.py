@@ -1,5 +1,9 @@
 """QoS limits of a volume: what the spec says, and what that means for a
-volume of a given size (pure: the planner, status and the CSI adapter ask)."""
+volume of a given size (pure: the planner, status and the CSI adapter ask).
+
+Imported by apply/runner.py; csi/adopt.py, csi/mutable.py; plan/ (5
+modules); spec/builder.py, spec/model.py.
+"""
 
 from __future__ import annotations
 

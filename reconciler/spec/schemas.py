@@ -1,4 +1,7 @@
-"""The JSON Schemas in ``schemas/`` and errors phrased for people."""
+"""The JSON Schemas in ``schemas/`` and errors phrased for people.
+
+Imported by spec/config.py, spec/fleet.py, spec/loader.py.
+"""
 
 from __future__ import annotations
 

@@ -5,6 +5,10 @@ as root, so the directory and every file in it must be root's and not
 writable by group or others; a symlinked file must stay inside the directory.
 The daemon's preflight and the loader (every CLI command) apply these same
 rules; the loader also re-checks each file on the descriptor it reads.
+
+Imported by csi/adopt.py, csi/controller.py; daemon/passes.py;
+drivers/keys.py, drivers/privsock.py; spec/builder.py, spec/loader.py,
+spec/reading.py.
 """
 
 from __future__ import annotations

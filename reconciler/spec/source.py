@@ -1,6 +1,9 @@
 """The node config's ``source:``: a git repository the daemon follows
 (docs/gitops-source.md). Pure: what the config says, checked; the fetching,
-verifying and switching live in reconciler/source/."""
+verifying and switching live in reconciler/source/.
+
+Imported by engine/fleet.py; source/ (5 modules); spec/config.py.
+"""
 
 from __future__ import annotations
 

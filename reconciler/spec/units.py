@@ -1,4 +1,8 @@
-"""Byte sizes as people write them in specs."""
+"""Byte sizes as people write them in specs.
+
+Imported by cli/show.py; csi/controller.py, csi/mutable.py; drivers/run.py;
+plan/ (5 modules); source/fetching.py; spec/builder.py, spec/references.py.
+"""
 
 from __future__ import annotations
 

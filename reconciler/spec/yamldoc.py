@@ -3,6 +3,8 @@
 PyYAML's composer keeps a source mark on every node; we construct plain data
 from the nodes ourselves so that each JSON path maps to the line and column
 it was written at. That is what lets every error name ``file:line:column``.
+
+Imported by spec/ (8 modules).
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 The command writes ``stateDir/allow-removal.json`` (atomically); the daemon
 reads it at its next pass and deletes it, used or not: an allowance is for
 the removals pending now, never for a checkout that goes wrong tomorrow.
+
+Imported by cli/run.py; daemon/asks.py, daemon/commands.py,
+daemon/passes.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """This boot, for the records that last only as long as it (a mapping, a
 freeze): each carries the boot's id, and a record of another boot describes
-nothing that is still there (a reboot unmapped and thawed everything)."""
+nothing that is still there (a reboot unmapped and thawed everything).
+
+Imported by drivers/freeze.py; state/registry.py.
+"""
 
 from __future__ import annotations
 

@@ -14,6 +14,10 @@ it at any moment, and the worst that does is change what our file holds
 (which that owner could do anyway). Nothing we do there follows a link or
 changes the mode or owner of anything but the inode we just created. Root's
 own records (mode 0600) are refused in a directory anyone else may change.
+
+Imported by cli/run.py; csi/files.py; daemon/ (5 modules);
+drivers/freeze.py, drivers/privsock.py; engine/orphans.py,
+engine/release.py; source/ (4 modules); state/ (6 modules); views.py.
 """
 
 from __future__ import annotations

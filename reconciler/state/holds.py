@@ -7,6 +7,8 @@ next pass. Kept in ``stateDir/held.json`` so that a restart of the daemon
 (an upgrade) keeps them down too; a local ``apply`` (no daemon) lifts the
 holds of what it applies, so the daemon, when it starts, does not take
 those down again.
+
+Imported by daemon/passes.py; engine/.
 """
 
 from __future__ import annotations

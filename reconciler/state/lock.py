@@ -1,7 +1,10 @@
 """One actor per stateDir: the daemon, or one command-line apply, never both.
 
 Apart from the engine, so that a cold command takes the lock (and begins
-its Ceph connect) before it imports the planner and the drivers."""
+its Ceph connect) before it imports the planner and the drivers.
+
+Imported by engine/, engine/orphans.py, engine/release.py.
+"""
 
 from __future__ import annotations
 

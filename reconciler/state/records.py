@@ -4,6 +4,8 @@ Written whenever a volume is added, changed or dropped. A line is encoded
 again only when its record object was replaced: with 1,000 volumes, encoding
 all of them (with an indent, in the pure-Python encoder) took ~20 ms of each
 pass that added one. One line each keeps the file readable and diffable.
+
+Imported by state/statusfiles.py.
 """
 
 from __future__ import annotations

@@ -9,6 +9,11 @@
   the image as ours and records the owner.
 
 Atomic writes (statefiles); guarded for the daemon's worker threads.
+
+Imported by apply/groups.py, apply/imagesteps.py, apply/runner.py;
+daemon/commands.py; drivers/freeze.py, drivers/fs.py,
+drivers/kernelmapper.py; engine/frozen.py, engine/orphans.py;
+observe/leftovers.py, observe/node.py.
 """
 
 from __future__ import annotations

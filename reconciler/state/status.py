@@ -19,6 +19,8 @@ The keys, once (camelCase in the file; a field left unset is not written):
   then one per problem no step can put right (``Shadowed``, ``FilesystemReadOnly``).
 
 The daemon adds ``name`` and ``updated`` when it writes the file.
+
+Imported by daemon/ (4 modules).
 """
 
 from __future__ import annotations
