@@ -19,9 +19,7 @@ Kinds:
 - ``command``: an answer to ``source rollback``/``source verify``; never the
   outcome of a sync, never counted.
 
-Used by report.py (conditions) and sync.py (who alerts); imports nothing.
-
-Imported by daemon/metrics.py; source/report.py.
+Imported by daemon/metrics.py and source/report.py; imports nothing.
 """
 
 from __future__ import annotations
