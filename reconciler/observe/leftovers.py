@@ -132,6 +132,11 @@ def helpers(sys_root: Path = Path("/sys"), proc: Path = Path("/proc")) -> tuple[
     out = []
     for pid_dir in proc.glob("[0-9]*"):
         try:
+            # comm first (no read of the process's memory): a cmdline read
+            # takes its mm lock, which a process stuck in a page fault on a
+            # stalled device can hold up for as long; only a helper's is read.
+            if procfs.read_text(pid_dir / "comm").rstrip("\n") not in HELPERS:
+                continue
             args = (pid_dir / "cmdline").read_bytes().split(b"\0")
             kind = os.path.basename(os.fsdecode(args[0]))
             if kind not in HELPERS or procfs.stat_fields(pid_dir / "stat")[1][0] in "ZX":

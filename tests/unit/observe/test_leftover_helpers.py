@@ -1,0 +1,49 @@
+"""observe/leftovers.py's list of rbd-fuse and rbd-nbd processes, on a fake
+/proc (review): it must never read what another process's memory backs."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+from reconciler.observe.leftovers import helpers
+
+
+def _proc(root: Path, pid: int, comm: str, cmdline: bytes | None) -> Path:
+    d = root / str(pid)
+    d.mkdir(parents=True)
+    (d / "comm").write_text(comm + "\n")
+    (d / "stat").write_text(f"{pid} ({comm}) S 1 {pid} {pid} 0 -1\n")
+    if cmdline is None:
+        os.mkfifo(d / "cmdline")  # a read that never answers
+    else:
+        (d / "cmdline").write_bytes(cmdline)
+    return d
+
+
+def test_only_a_helpers_cmdline_is_read(tmp_path: Path) -> None:
+    # /proc/PID/cmdline is read from the process's memory under its mm lock:
+    # a process stuck in a page fault on a stalled device (with a writer of
+    # its mm queued) makes that read wait for as long. ``status`` lists
+    # leftovers: it reads the command line of our helpers only (their comm
+    # says which), never every process's.
+    proc, sys_root = tmp_path / "proc", tmp_path / "sys"
+    (sys_root / "block").mkdir(parents=True)
+    stuck = _proc(proc, 10, "postgres", None)
+    _proc(proc, 11, "rbd-fuse", b"rbd-fuse\0-c\0/etc/ceph/x\0/var/lib/r/fuse/rbd@z\0")
+    _proc(proc, 12, "bash", b"bash\0")
+    out: list[object] = []
+    t = threading.Thread(target=lambda: out.append(helpers(sys_root, proc)), daemon=True)
+    t.start()
+    t.join(5)
+    try:
+        assert not t.is_alive(), "helpers() waited on another process's command line"
+        [found] = out
+        assert [(h.pid, h.kind, h.serves) for h in found] == [  # type: ignore[attr-defined]
+            (11, "rbd-fuse", "/var/lib/r/fuse/rbd@z")]
+    finally:
+        if t.is_alive():  # let the stuck open go
+            fd = os.open(stuck / "cmdline", os.O_WRONLY | os.O_NONBLOCK)
+            os.close(fd)
+            t.join(5)
