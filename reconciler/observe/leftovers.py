@@ -160,9 +160,16 @@ def mount_users(point: str, seen: Leftovers, proc: Path = Path("/proc"),
     whose lookup could wait on its helper), no user for now: its umount is
     never lazy, so the kernel refuses it while anything holds it. OSError:
     the process table could not be read (unknown, never nobody)."""
-    ids = [m.mount_id for m in seen.mounts if m.mount_point == point]
+    here = [m for m in seen.mounts if m.mount_point == point]
+    # Its device numbers too: a process in another mount namespace (a copy
+    # of the mount propagated there) is matched against that namespace's
+    # own mounts of them, and a file of it mapped is seen in /proc/PID/maps.
+    # Not devtmpfs's (a block-mode bind of a device node): every /dev is one,
+    # and the node's device has its own orphan, whose users are asked.
+    devs = {os.makedev(m.major, m.minor) for m in here if m.fs_type != "devtmpfs"}
     helpers = {h.pid for h in seen.helpers if h.serves == point}
-    found = [u for u in users([point], ids, (), proc) if u.pid not in helpers]
+    found = [u for u in users([point], [m.mount_id for m in here], devs, proc)
+             if u.pid not in helpers]
     sure = tuple(str(u) for u in found if not u.unreadable)
     unsure = [u for u in found if u.unreadable]
     if sure or not unsure or not ask_kernel:

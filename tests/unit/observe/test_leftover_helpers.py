@@ -47,3 +47,37 @@ def test_only_a_helpers_cmdline_is_read(tmp_path: Path) -> None:
             fd = os.open(stuck / "cmdline", os.O_WRONLY | os.O_NONBLOCK)
             os.close(fd)
             t.join(5)
+
+
+def test_a_process_in_another_mount_namespace_uses_our_leftover_mount(tmp_path: Path) -> None:
+    # Our rbd-fuse mount propagated into a container's mount namespace, where
+    # a process holds a file of it open: there its mount id and point differ,
+    # so it is matched by the mount's device (that namespace's mounts of it).
+    # Missed, release --orphans unmounted it; on a stalled helper the umount
+    # ran into its deadline and the connection was aborted under that user.
+    from reconciler.facts.leftovers import Leftovers
+    from reconciler.facts.observed import Mount
+    from reconciler.observe.leftovers import mount_users
+
+    proc = tmp_path / "proc"
+    (proc / "self" / "ns").mkdir(parents=True)
+    os.symlink("mnt:[4026531841]", proc / "self" / "ns" / "mnt")
+    d = _proc(proc, 20, "app", b"app\0")
+    (d / "ns").mkdir()
+    os.symlink("mnt:[4026532999]", d / "ns" / "mnt")
+    (d / "mountinfo").write_text(
+        "900 800 0:60 / /host/var/lib/r/fuse/rbd@z rw,nosuid,nodev - fuse.rbd-fuse "
+        "rbd-fuse rw\n")
+    (d / "fd").mkdir()
+    (d / "fdinfo").mkdir()
+    os.symlink("/host/var/lib/r/fuse/rbd@z/z", d / "fd" / "3")
+    (d / "fdinfo" / "3").write_text("pos:\t0\nflags:\t02\nmnt_id:\t900\n")
+    (d / "maps").write_text("")
+    for link in ("cwd", "root"):
+        os.symlink("/", d / link)
+    point = "/var/lib/r/fuse/rbd@z"
+    ours = Mount(60, 1, 0, 60, "/", point, frozenset({"rw"}), "fuse.rbd-fuse", "rbd-fuse",
+                 frozenset({"rw"}))
+    seen = Leftovers((), {}, (), (), (), (ours,), {})
+    found = mount_users(point, seen, proc, ask_kernel=False)
+    assert found and "pid 20 (app): open file" in found[0]
