@@ -174,10 +174,18 @@ class _Finder:
     def loops(self) -> None:
         for lo in self.seen.loops:
             img = self.roots.fuse_image(lo.back_file)
-            if img is not None and lo.back_file.endswith(f"/{img[1]}"):
-                if img in self.acc.images:
-                    self.accounted_rdevs.add(lo.rdev)
-                    continue
+            if img is not None and img in self.acc.images \
+                    and lo.back_file.endswith(f"/{img[1]}"):
+                self.accounted_rdevs.add(lo.rdev)
+            elif img is not None and lo.back_file.endswith(f"/{img[1]}") \
+                    and not self._fuse_mounted(img):
+                # sysfs names the file as its own mount namespace sees it: a
+                # path that reads like ours with no rbd-fuse mount of ours
+                # there is someone else's file (a container's tree).
+                self.add(Orphan("loop", lo.path, False, f"loop device over {lo.back_file}, "
+                                "which reads like our FUSE file but no rbd-fuse mount of "
+                                "ours is there; left alone"))
+            elif img is not None and lo.back_file.endswith(f"/{img[1]}"):
                 self.add(Orphan("loop", lo.path, True, f"loop device over our FUSE file "
                                 f"{lo.back_file} ({_image(img)}, in no volume file or record)",
                                 img), lo.path)
@@ -185,6 +193,11 @@ class _Finder:
             elif self.roots.under_state(lo.back_file) or self.roots.under_allowed(lo.back_file):
                 self.add(Orphan("loop", lo.path, False, f"loop device over {lo.back_file}, "
                                 "which is not one of our FUSE files; left alone"))
+
+    def _fuse_mounted(self, img: Image) -> bool:
+        point = f"{self.roots.fuse_root.rstrip('/')}/{img[0]}@{img[1]}"
+        return any(m.mount_point == point and m.fs_type == "fuse.rbd-fuse"
+                   for m in self.seen.mounts)
 
     def crypts(self) -> None:
         for c in self.seen.crypts:

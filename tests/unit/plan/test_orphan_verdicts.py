@@ -270,3 +270,19 @@ def test_an_rbd_fuse_is_never_stopped_while_a_fuse_connection_is_mounted_out_of_
     found = find_orphans(seen(helpers=(helper,), mounts=(other,), fuse_conns=frozenset({61})),
                          Accounted.of([]), ROOTS, NODE)
     assert [o.what for o in sweep(found, {x.what: () for x in found}).remove] == ["pid 9"]
+
+
+# -- review: a loop device whose backing path only reads like our FUSE file -------
+def test_a_loop_over_our_fuse_path_with_no_rbd_fuse_mount_there_is_not_ours() -> None:
+    # sysfs gives the backing file's path as its own mount namespace sees it:
+    # a container whose tree has a plain file at our FUSE path (or a file
+    # made there after our mount went) reads the same. Ours only while an
+    # rbd-fuse mount of ours is at that image's directory.
+    mimic = seen(loops=(LoopDev("/dev/loop5", (7, 5), f"{FUSE}/rbd@x/x"),),
+                 rdevs={"/dev/loop5": (7, 5)})
+    [o] = find_orphans(mimic, Accounted.of([]), ROOTS, NODE)
+    assert (o.kind, o.ours) == ("loop", False)
+    real = replace(mimic, mounts=(mount(f"{FUSE}/rbd@x", (0, 70), fs="fuse.rbd-fuse",
+                                        source="rbd-fuse"),))
+    [o] = [o for o in find_orphans(real, Accounted.of([]), ROOTS, NODE) if o.kind == "loop"]
+    assert o.ours
