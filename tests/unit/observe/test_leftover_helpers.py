@@ -81,3 +81,25 @@ def test_a_process_in_another_mount_namespace_uses_our_leftover_mount(tmp_path: 
     seen = Leftovers((), {}, (), (), (), (ours,), {})
     found = mount_users(point, seen, proc, ask_kernel=False)
     assert found and "pid 20 (app): open file" in found[0]
+
+
+def test_the_fuse_mapper_scan_reads_only_an_rbd_fuse_cmdline(tmp_path: Path) -> None:
+    # The same hazard in drivers/fusemapper.py's table scan (every listing of
+    # fuse mappings, status and the leftovers' look among them).
+    from reconciler.drivers.fusemapper import helpers_serving
+
+    proc = tmp_path / "proc"
+    stuck = _proc(proc, 10, "postgres", None)
+    _proc(proc, 11, "rbd-fuse", b"/usr/bin/rbd-fuse\0/var/lib/r/fuse/rbd@z\0-f\0")
+    out: list[object] = []
+    t = threading.Thread(target=lambda: out.append(
+        helpers_serving("/var/lib/r/fuse/rbd@z", proc)), daemon=True)
+    t.start()
+    t.join(5)
+    try:
+        assert not t.is_alive(), "the scan waited on another process's command line"
+        assert out == [[11]]
+    finally:
+        if t.is_alive():
+            os.close(os.open(stuck / "cmdline", os.O_WRONLY | os.O_NONBLOCK))
+            t.join(5)
