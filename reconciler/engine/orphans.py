@@ -142,10 +142,15 @@ def release_orphans(config: Config, step_timeout: float) -> Swept:
                 # One not looked at is left (plan/orphans.py says why).
                 with contextlib.suppress(OSError):
                     users[o.what] = _users(o, found.seen)
-        for point in _frozen(config):
-            if point in users:  # unmounted frozen, it would stay frozen in the kernel
-                users[point] = ("frozen by a snapshot (release --all, or the daemon, "
-                                "thaws what a dead run left)",)
+        points, devs = _frozen(config)
+        ids = {m.mount_id: (m.major, m.minor) for m in found.seen.mounts}
+        for o in found.orphans:
+            # Unmounted frozen, it would stay frozen in the kernel: at the
+            # recorded point, or at any other mount of that filesystem.
+            if o.kind == "mount" and o.what in users and (
+                    o.what in points or ids.get(o.mount_id or -1) in devs):
+                users[o.what] = ("frozen by a snapshot (release --all, or the daemon, "
+                                 "thaws what a dead run left)",)
         planned = sweep(found.orphans, users)
         out.left += planned.left
         failed = set(planned.kept)
@@ -164,14 +169,15 @@ def release_orphans(config: Config, step_timeout: float) -> Swept:
     return out
 
 
-def _frozen(config: Config) -> set[str]:
-    """Mount points frozen for a snapshot this boot (drivers/freeze.py's
-    records), whoever holds the freeze."""
+def _frozen(config: Config) -> tuple[set[str], set[tuple[int, int]]]:
+    """Mount points and devices frozen for a snapshot this boot
+    (drivers/freeze.py's records), whoever holds the freeze."""
     if not freezes_recorded(config.state_dir):
-        return set()
+        return set(), set()
     from reconciler.drivers.freeze import recorded  # loaded only when a freeze was recorded
 
-    return {r.path for r in recorded(config.state_dir) if not r.earlier_boot}
+    recs = [r for r in recorded(config.state_dir) if not r.earlier_boot]
+    return {r.path for r in recs}, {r.dev for r in recs if r.dev is not None}
 
 
 def _users(o: Orphan, seen: Leftovers) -> tuple[str, ...]:

@@ -267,6 +267,28 @@ def test_a_mount_frozen_for_a_snapshot_is_never_swept(node: NodeUnderTest,
     (node.state / "freezes.json").unlink()
 
 
+def test_a_frozen_filesystem_is_never_swept_at_any_of_its_mounts(node: NodeUnderTest,
+                                                                foreign: Foreign) -> None:
+    """Review: a freeze is recorded at one mount point (the staging path),
+    but the filesystem is the superblock, mounted wherever: its other mount
+    (a publish bind), left as the last, would be unmounted frozen too. The
+    record's device keeps every mount of it."""
+    held = foreign.tmpfs(node.state / "scratch")
+    bind = node.state / "bind"
+    bind.mkdir()
+    subprocess.run(["mount", "--bind", str(held), str(bind)], check=True, timeout=30)
+    foreign.mounts.append(bind)
+    st = os.stat(held)
+    (node.state / "freezes.json").write_text(json.dumps({"k": {
+        "path": str(node.state / "staging" / "was-here"),
+        "dev": [os.major(st.st_dev), os.minor(st.st_dev)]}}))
+    rc, swept = node.cli_json("release", "--orphans")
+    assert rc == 1 and swept["removed"] == [], swept
+    assert all("frozen by a snapshot" in line for line in swept["left"]), swept
+    assert _mounted(held) and _mounted(bind)
+    (node.state / "freezes.json").unlink()
+
+
 def _helper_of(fuse_mount: str) -> int:
     for d in Path("/proc").glob("[0-9]*"):
         with contextlib.suppress(OSError):
