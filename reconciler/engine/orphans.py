@@ -196,6 +196,8 @@ def _remove(node: Node, o: Orphan, seen: Leftovers) -> str | None:
     it is gone, else why it stays."""
     try:
         now = leftovers.look(node)
+        if (changed := _changed(o, seen, now)) is not None:
+            return changed
         if (busy := _users(o, now)):
             return f"in use by {', '.join(busy)}"
         if o.kind == "mount":
@@ -217,6 +219,37 @@ def _remove(node: Node, o: Orphan, seen: Leftovers) -> str | None:
             return "nothing to remove it with"
     except (CommandError, OSError, UnsafePath, ForeignMount) as exc:
         return str(exc)
+    return None
+
+
+def _changed(o: Orphan, seen: Leftovers, now: Leftovers) -> str | None:
+    """Why ``o`` is no longer the thing judged ours (a loop device or nbd
+    device detached and attached again meanwhile, by anyone), else None.
+    Mounts and helpers are checked where they are removed (mount id, pid)."""
+    if o.kind == "loop":
+        was = {(lo.path, lo.rdev, lo.back_file) for lo in seen.loops if lo.path == o.what}
+        if not was or not was <= {(lo.path, lo.rdev, lo.back_file) for lo in now.loops}:
+            return "no longer the loop device seen (detached or attached again since)"
+    elif o.kind == "dm-crypt":
+        was = {(c.name, c.rdev, c.raw) for c in seen.crypts if c.name == o.name}
+        if not was or not was <= {(c.name, c.rdev, c.raw) for c in now.crypts}:
+            return "no longer the dm-crypt device seen"
+    elif o.mapping is not None:
+        m = o.mapping
+
+        def key(n: Mapping) -> tuple[object, ...]:
+            # An rbd-fuse mapping by its mount (its loop device went first).
+            return ((n.kind, n.pool, n.image, n.fuse_mount) if n.kind == "fuse"
+                    else (n.kind, n.pool, n.image, n.device))
+
+        if key(m) not in {key(n) for n in now.mappings}:
+            return "no longer the mapping seen (unmapped or mapped again since)"
+        if m.kind != "fuse" and m.device and now.rdevs.get(m.device) != seen.rdevs.get(
+                m.device):
+            return "no longer the device seen (its number changed)"
+        if m.kind == "nbd" and now.nbd_backends.get(m.device or "") != \
+                seen.nbd_backends.get(m.device or ""):
+            return "no longer the nbd device seen (its cookie changed: mapped again since)"
     return None
 
 
