@@ -251,8 +251,10 @@ class _Finder:
         if self.seen.fuse_conns is None:
             out.append("a FUSE connection (the live ones could not be listed: fusectl)")
         else:
-            seen = {m.minor for m in self.seen.mounts
-                    if m.major == 0 and m.fs_type.split(".")[0] in ("fuse", "fuseblk")}
+            # fusectl names a connection by the kernel's dev_t of its
+            # superblock (major << 20 | minor): a fuseblk's is its device's.
+            seen = {(m.major << 20) | m.minor for m in self.seen.mounts
+                    if m.fs_type.split(".")[0] in ("fuse", "fuseblk")}
             out += [f"FUSE connection {n} (mounted where we do not see it)"
                     for n in sorted(self.seen.fuse_conns - seen)]
         return tuple(out)

@@ -267,7 +267,9 @@ def test_an_rbd_fuse_is_never_stopped_while_a_fuse_connection_is_mounted_out_of_
         [o] = [o for o in found if o.kind == "rbd-fuse"]
         assert o.ours and o.above, conns
         assert sweep(found, {x.what: () for x in found}).remove == []
-    found = find_orphans(seen(helpers=(helper,), mounts=(other,), fuse_conns=frozenset({61})),
+    blk = mount("/mnt/ntfs", (8, 17), fs="fuseblk", source="/dev/sdb1")
+    found = find_orphans(seen(helpers=(helper,), mounts=(other, blk),
+                              fuse_conns=frozenset({61, (8 << 20) | 17})),
                          Accounted.of([]), ROOTS, NODE)
     assert [o.what for o in sweep(found, {x.what: () for x in found}).remove] == ["pid 9"]
 
