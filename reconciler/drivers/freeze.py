@@ -31,7 +31,7 @@ import secrets
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,7 +176,8 @@ def _start_time(pid: int) -> int | None:
 
 
 def _ioctl(path: str, request: int, rdev: tuple[int, int] | None = None,
-           timeout: float = IOCTL_TIMEOUT_S) -> None:
+           timeout: float = IOCTL_TIMEOUT_S,
+           on_child: Callable[[int, int | None], None] | None = None) -> None:
     # The mount point is opened without following symlinks (safety rule 8);
     # the ioctl needs a real descriptor, not an O_PATH one.
     fd = safepath.open_nofollow(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -186,12 +187,13 @@ def _ioctl(path: str, request: int, rdev: tuple[int, int] | None = None,
             # root filesystem, say) could hang the node.
             raise WrongFilesystem(f"{path} is no longer a mount of device "
                                   f"{rdev[0]}:{rdev[1]}")
-        _in_child(fd, request, timeout)
+        _in_child(fd, request, timeout, on_child)
     finally:
         os.close(fd)
 
 
-def _in_child(fd: int, request: int, timeout: float) -> None:
+def _in_child(fd: int, request: int, timeout: float,
+              on_child: Callable[[int, int | None], None] | None = None) -> None:
     """FIFREEZE or FITHAW of the filesystem open on ``fd``, made by a child
     (util-linux's fsfreeze on ``/proc/self/fd/N``: the directory we opened
     and checked, not a path looked up again). A freeze writes back every
@@ -200,13 +202,27 @@ def _in_child(fd: int, request: int, timeout: float) -> None:
     and in a thread of ours it would keep the daemon from exiting (issue 41,
     item 6). The child is killed at ``timeout``; one that does not go (stuck
     in the kernel) is left to the reaper and raised as StillRunning: it may
-    still freeze the filesystem when the storage answers."""
+    still freeze the filesystem when the storage answers. ``on_child``:
+    told the child's pid and start time as soon as it runs (a freeze's
+    record names it from then on: its owner may die while it is stuck)."""
     argv = ["fsfreeze", "--freeze" if request == FIFREEZE else "--unfreeze", "--",
             f"/proc/self/fd/{fd}"]
     # C locale: its error is our errno's strerror (it says nothing else).
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, pass_fds=(fd,), start_new_session=True,
                             env={"PATH": os.environ.get("PATH", os.defpath), "LC_ALL": "C"})
+    try:
+        if on_child is not None:
+            on_child(proc.pid, _start_time(proc.pid))
+    except BaseException:
+        # Not recorded: it must not go on. Killed at once, it never got far.
+        proc.kill()
+        try:
+            proc.wait(timeout=KILL_WAIT_S)
+        except subprocess.TimeoutExpired:
+            reap_later(proc)
+            raise StillRunning(proc.pid, _start_time(proc.pid), 0) from None
+        raise
     try:
         _, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -384,8 +400,16 @@ class Hold:
         record = {"path": self.path, "dev": list(self.rdev), "pid": pid,
                   "start": _start_time(pid), "boot": boot.boot_id()}
         self.records.record(self.token, record)
+
+        def child_runs(pid: int, start: int | None) -> None:
+            # Named before it can freeze anything: if this process dies while
+            # the child is stuck in the kernel, the record is not a dead
+            # owner's (thawed as "not frozen", forgotten) while its freeze
+            # may still land.
+            self.records.record(self.token, {**record, "child": [pid, start]})
+
         try:
-            _ioctl(self.path, FIFREEZE, self.rdev, self.timeout)
+            _ioctl(self.path, FIFREEZE, self.rdev, self.timeout, child_runs)
         except StillRunning as exc:
             # Its freeze may still land once the storage answers: the record
             # stays, naming the child, and the first pass after the child is

@@ -234,6 +234,12 @@ def helpers_serving(mount_point: str, proc: Path = Path("/proc")) -> list[int]:
 def _helper_args(pid_dir: Path) -> set[str]:
     """The path arguments of a live (not zombie) rbd-fuse process, else empty."""
     try:
+        # comm first: a cmdline read takes the process's mm lock, which one
+        # stuck in a page fault on a stalled device can hold up for as long.
+        # (A comm that cannot be read says nothing: the command line decides.)
+        with contextlib.suppress(OSError):
+            if procfs.read_text(pid_dir / "comm").rstrip("\n") != "rbd-fuse":
+                return set()
         args = (pid_dir / "cmdline").read_bytes().split(b"\0")
         if not args or not args[0].endswith(b"rbd-fuse"):
             return set()

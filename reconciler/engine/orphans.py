@@ -142,10 +142,15 @@ def release_orphans(config: Config, step_timeout: float) -> Swept:
                 # One not looked at is left (plan/orphans.py says why).
                 with contextlib.suppress(OSError):
                     users[o.what] = _users(o, found.seen)
-        for point in _frozen(config):
-            if point in users:  # unmounted frozen, it would stay frozen in the kernel
-                users[point] = ("frozen by a snapshot (release --all, or the daemon, "
-                                "thaws what a dead run left)",)
+        points, devs = _frozen(config)
+        ids = {m.mount_id: (m.major, m.minor) for m in found.seen.mounts}
+        for o in found.orphans:
+            # Unmounted frozen, it would stay frozen in the kernel: at the
+            # recorded point, or at any other mount of that filesystem.
+            if o.kind == "mount" and o.what in users and (
+                    o.what in points or ids.get(o.mount_id or -1) in devs):
+                users[o.what] = ("frozen by a snapshot (release --all, or the daemon, "
+                                 "thaws what a dead run left)",)
         planned = sweep(found.orphans, users)
         out.left += planned.left
         failed = set(planned.kept)
@@ -164,14 +169,15 @@ def release_orphans(config: Config, step_timeout: float) -> Swept:
     return out
 
 
-def _frozen(config: Config) -> set[str]:
-    """Mount points frozen for a snapshot this boot (drivers/freeze.py's
-    records), whoever holds the freeze."""
+def _frozen(config: Config) -> tuple[set[str], set[tuple[int, int]]]:
+    """Mount points and devices frozen for a snapshot this boot
+    (drivers/freeze.py's records), whoever holds the freeze."""
     if not freezes_recorded(config.state_dir):
-        return set()
+        return set(), set()
     from reconciler.drivers.freeze import recorded  # loaded only when a freeze was recorded
 
-    return {r.path for r in recorded(config.state_dir) if not r.earlier_boot}
+    recs = [r for r in recorded(config.state_dir) if not r.earlier_boot]
+    return {r.path for r in recs}, {r.dev for r in recs if r.dev is not None}
 
 
 def _users(o: Orphan, seen: Leftovers) -> tuple[str, ...]:
@@ -190,6 +196,8 @@ def _remove(node: Node, o: Orphan, seen: Leftovers) -> str | None:
     it is gone, else why it stays."""
     try:
         now = leftovers.look(node)
+        if (changed := _changed(o, seen, now)) is not None:
+            return changed
         if (busy := _users(o, now)):
             return f"in use by {', '.join(busy)}"
         if o.kind == "mount":
@@ -211,6 +219,37 @@ def _remove(node: Node, o: Orphan, seen: Leftovers) -> str | None:
             return "nothing to remove it with"
     except (CommandError, OSError, UnsafePath, ForeignMount) as exc:
         return str(exc)
+    return None
+
+
+def _changed(o: Orphan, seen: Leftovers, now: Leftovers) -> str | None:
+    """Why ``o`` is no longer the thing judged ours (a loop device or nbd
+    device detached and attached again meanwhile, by anyone), else None.
+    Mounts and helpers are checked where they are removed (mount id, pid)."""
+    if o.kind == "loop":
+        was = {(lo.path, lo.rdev, lo.back_file) for lo in seen.loops if lo.path == o.what}
+        if not was or not was <= {(lo.path, lo.rdev, lo.back_file) for lo in now.loops}:
+            return "no longer the loop device seen (detached or attached again since)"
+    elif o.kind == "dm-crypt":
+        was = {(c.name, c.rdev, c.raw) for c in seen.crypts if c.name == o.name}
+        if not was or not was <= {(c.name, c.rdev, c.raw) for c in now.crypts}:
+            return "no longer the dm-crypt device seen"
+    elif o.mapping is not None:
+        m = o.mapping
+
+        def key(n: Mapping) -> tuple[object, ...]:
+            # An rbd-fuse mapping by its mount (its loop device went first).
+            return ((n.kind, n.pool, n.image, n.fuse_mount) if n.kind == "fuse"
+                    else (n.kind, n.pool, n.image, n.device))
+
+        if key(m) not in {key(n) for n in now.mappings}:
+            return "no longer the mapping seen (unmapped or mapped again since)"
+        if m.kind != "fuse" and m.device and now.rdevs.get(m.device) != seen.rdevs.get(
+                m.device):
+            return "no longer the device seen (its number changed)"
+        if m.kind == "nbd" and now.nbd_backends.get(m.device or "") != \
+                seen.nbd_backends.get(m.device or ""):
+            return "no longer the nbd device seen (its cookie changed: mapped again since)"
     return None
 
 

@@ -58,3 +58,12 @@ class Leftovers:
     rdevs: dict[str, Rdev]  # device path -> its number (mapped devices)
     users: dict[str, tuple[str, ...]] = field(default_factory=dict)
     errors: tuple[str, ...] = ()  # what could not be listed: unknown, reported
+    # The cookie we recorded for each nbd device we mapped (this boot's
+    # records), and each nbd device's cookie now (sysfs ``backend``): a device
+    # mapped again since our record (by anyone) has another one.
+    nbd_cookies: dict[str, str] = field(default_factory=dict)
+    nbd_backends: dict[str, str] = field(default_factory=dict)
+    # The FUSE connections alive (/sys/fs/fuse/connections: every FUSE
+    # superblock, in any mount namespace, detached or not); None: not listed
+    # (fusectl not mounted). One no mount we see is may be an rbd-fuse's.
+    fuse_conns: frozenset[int] | None = None

@@ -17,11 +17,12 @@ from pathlib import Path
 
 from reconciler.drivers import procfs
 from reconciler.drivers.holders import users
+from reconciler.drivers.kernelmapper import nbd_cookie
 from reconciler.drivers.mountbusy import busy
 from reconciler.drivers.run import CommandError
 from reconciler.facts.leftovers import CryptDev, Helper, Leftovers, LoopDev, Rdev
 from reconciler.facts.luks import CRYPT_UUID_PREFIX
-from reconciler.facts.observed import Mapping
+from reconciler.facts.observed import Mapping, Mount
 from reconciler.facts.parsers import parse_mountinfo
 from reconciler.observe.node import Node
 from reconciler.state.registry import NbdMappings
@@ -45,10 +46,13 @@ def look(node: Node, sys_root: Path = Path("/sys"), proc: Path = Path("/proc")) 
             except (CommandError, OSError) as exc:
                 errors.append(f"{kind} mappings not listed: {exc}")
     try:
-        records = NbdMappings(node.config.state_dir).images()
+        nbd = NbdMappings(node.config.state_dir)
+        records, cookies = nbd.images(), nbd.cookies()
     except OSError as exc:
-        records = {}
+        records, cookies = {}, {}
         errors.append(f"nbd records not read: {exc}")
+    backends = {m.device: c for m in mappings if m.kind == "nbd" and m.device
+                and (c := nbd_cookie(m.device, sys_root)) is not None}
     loops, crypts = loop_devices(sys_root), crypt_devices(sys_root)
     rdevs = {lo.path: lo.rdev for lo in loops} | {c.path: c.rdev for c in crypts}
     for m in mappings:
@@ -59,7 +63,23 @@ def look(node: Node, sys_root: Path = Path("/sys"), proc: Path = Path("/proc")) 
             rdevs[c.raw] = rdev
     return Leftovers(mappings=tuple(mappings), nbd_records=records, loops=loops,
                      crypts=crypts, helpers=helpers(sys_root, proc),
-                     mounts=parse_mountinfo(mountinfo), rdevs=rdevs, errors=tuple(errors))
+                     mounts=(mounts := parse_mountinfo(mountinfo)), rdevs=rdevs,
+                     errors=tuple(errors), nbd_cookies=cookies, nbd_backends=backends,
+                     fuse_conns=fuse_connections(mounts, sys_root))
+
+
+def fuse_connections(mounts: tuple[Mount, ...], sys_root: Path = Path("/sys")
+                     ) -> frozenset[int] | None:
+    """Every live FUSE connection (fusectl's directory: one per FUSE
+    superblock, in any mount namespace, detached ones too); None when
+    fusectl is not mounted there (an empty directory says nothing)."""
+    where = str(sys_root / "fs" / "fuse" / "connections")
+    if not any(m.fs_type == "fusectl" and m.mount_point == where for m in mounts):
+        return None
+    try:
+        return frozenset(int(n) for n in os.listdir(where) if n.isdigit())
+    except OSError:
+        return None
 
 
 def _sysfs_rdev(device: str, sys_root: Path) -> Rdev | None:
@@ -112,6 +132,11 @@ def helpers(sys_root: Path = Path("/sys"), proc: Path = Path("/proc")) -> tuple[
     out = []
     for pid_dir in proc.glob("[0-9]*"):
         try:
+            # comm first (no read of the process's memory): a cmdline read
+            # takes its mm lock, which a process stuck in a page fault on a
+            # stalled device can hold up for as long; only a helper's is read.
+            if procfs.read_text(pid_dir / "comm").rstrip("\n") not in HELPERS:
+                continue
             args = (pid_dir / "cmdline").read_bytes().split(b"\0")
             kind = os.path.basename(os.fsdecode(args[0]))
             if kind not in HELPERS or procfs.stat_fields(pid_dir / "stat")[1][0] in "ZX":
@@ -135,9 +160,16 @@ def mount_users(point: str, seen: Leftovers, proc: Path = Path("/proc"),
     whose lookup could wait on its helper), no user for now: its umount is
     never lazy, so the kernel refuses it while anything holds it. OSError:
     the process table could not be read (unknown, never nobody)."""
-    ids = [m.mount_id for m in seen.mounts if m.mount_point == point]
+    here = [m for m in seen.mounts if m.mount_point == point]
+    # Its device numbers too: a process in another mount namespace (a copy
+    # of the mount propagated there) is matched against that namespace's
+    # own mounts of them, and a file of it mapped is seen in /proc/PID/maps.
+    # Not devtmpfs's (a block-mode bind of a device node): every /dev is one,
+    # and the node's device has its own orphan, whose users are asked.
+    devs = {os.makedev(m.major, m.minor) for m in here if m.fs_type != "devtmpfs"}
     helpers = {h.pid for h in seen.helpers if h.serves == point}
-    found = [u for u in users([point], ids, (), proc) if u.pid not in helpers]
+    found = [u for u in users([point], [m.mount_id for m in here], devs, proc)
+             if u.pid not in helpers]
     sure = tuple(str(u) for u in found if not u.unreadable)
     unsure = [u for u in found if u.unreadable]
     if sure or not unsure or not ask_kernel:

@@ -146,6 +146,12 @@ class _Finder:
     def _nbd(self, m: Mapping) -> Orphan:
         key = (m.pool, m.image)
         dev = m.device or "?"
+        recorded = self.seen.nbd_cookies.get(m.device or "")
+        if (m.device and self.seen.nbd_records.get(m.device) == key and recorded is not None
+                and self.seen.nbd_backends.get(m.device) != recorded):
+            return Orphan("nbd", dev, False, f"nbd mapping of {_image(key)}: mapped again "
+                          f"since our record (its cookie is not the one we recorded); "
+                          "left alone", key)
         if m.device and self.seen.nbd_records.get(m.device) == key:
             how = ("nbd records cookie matches" if m.reattach else "nbd.json names it")
             return Orphan("nbd", dev, True, f"nbd mapping of {_image(key)} recorded by us "
@@ -168,10 +174,18 @@ class _Finder:
     def loops(self) -> None:
         for lo in self.seen.loops:
             img = self.roots.fuse_image(lo.back_file)
-            if img is not None and lo.back_file.endswith(f"/{img[1]}"):
-                if img in self.acc.images:
-                    self.accounted_rdevs.add(lo.rdev)
-                    continue
+            if img is not None and img in self.acc.images \
+                    and lo.back_file.endswith(f"/{img[1]}"):
+                self.accounted_rdevs.add(lo.rdev)
+            elif img is not None and lo.back_file.endswith(f"/{img[1]}") \
+                    and not self._fuse_mounted(img):
+                # sysfs names the file as its own mount namespace sees it: a
+                # path that reads like ours with no rbd-fuse mount of ours
+                # there is someone else's file (a container's tree).
+                self.add(Orphan("loop", lo.path, False, f"loop device over {lo.back_file}, "
+                                "which reads like our FUSE file but no rbd-fuse mount of "
+                                "ours is there; left alone"))
+            elif img is not None and lo.back_file.endswith(f"/{img[1]}"):
                 self.add(Orphan("loop", lo.path, True, f"loop device over our FUSE file "
                                 f"{lo.back_file} ({_image(img)}, in no volume file or record)",
                                 img), lo.path)
@@ -179,6 +193,11 @@ class _Finder:
             elif self.roots.under_state(lo.back_file) or self.roots.under_allowed(lo.back_file):
                 self.add(Orphan("loop", lo.path, False, f"loop device over {lo.back_file}, "
                                 "which is not one of our FUSE files; left alone"))
+
+    def _fuse_mounted(self, img: Image) -> bool:
+        point = f"{self.roots.fuse_root.rstrip('/')}/{img[0]}@{img[1]}"
+        return any(m.mount_point == point and m.fs_type == "fuse.rbd-fuse"
+                   for m in self.seen.mounts)
 
     def crypts(self) -> None:
         for c in self.seen.crypts:
@@ -210,7 +229,7 @@ class _Finder:
                 if img is not None:
                     self.add(Orphan("rbd-fuse", what, True, f"rbd-fuse for our state dir's "
                                     f"{h.serves} ({_image(img)}), whose mount is gone",
-                                    img, pid=h.pid))
+                                    img, pid=h.pid, above=self._out_of_sight(img)))
                 else:
                     self.add(Orphan("rbd-fuse", what, False, f"rbd-fuse serving "
                                     f"{h.serves or 'no path'}, outside our state dir; "
@@ -219,6 +238,26 @@ class _Finder:
                 self.add(Orphan("rbd-nbd", what, False, "rbd-nbd serving "
                                 f"{h.serves or 'no device'}, which is not in our records; "
                                 "left alone"))
+
+    def _out_of_sight(self, img: Image) -> tuple[str, ...]:
+        """What an rbd-fuse whose mount we do not see may still serve: its
+        mount may only be out of our sight (lazily unmounted while a loop
+        device held its file, or in another mount namespace), and stopping
+        it then is I/O errors under whatever uses it. A loop device over a
+        file of its image's name, and a FUSE connection no mount we see is
+        (or connections not listed), keep it."""
+        out = [lo.path for lo in self.seen.loops
+               if lo.back_file.rsplit("/", 1)[-1] == img[1]]
+        if self.seen.fuse_conns is None:
+            out.append("a FUSE connection (the live ones could not be listed: fusectl)")
+        else:
+            # fusectl names a connection by the kernel's dev_t of its
+            # superblock (major << 20 | minor): a fuseblk's is its device's.
+            seen = {(m.major << 20) | m.minor for m in self.seen.mounts
+                    if m.fs_type.split(".")[0] in ("fuse", "fuseblk")}
+            out += [f"FUSE connection {n} (mounted where we do not see it)"
+                    for n in sorted(self.seen.fuse_conns - seen)]
+        return tuple(out)
 
     def mounts(self) -> None:
         fuse_points = {m.fuse_mount for m in self.seen.mappings if m.kind == "fuse"}

@@ -265,3 +265,74 @@ def test_a_mount_frozen_for_a_snapshot_is_never_swept(node: NodeUnderTest,
     assert str(held) in left and "frozen by a snapshot" in left
     assert _mounted(held)
     (node.state / "freezes.json").unlink()
+
+
+def test_a_frozen_filesystem_is_never_swept_at_any_of_its_mounts(node: NodeUnderTest,
+                                                                foreign: Foreign) -> None:
+    """Review: a freeze is recorded at one mount point (the staging path),
+    but the filesystem is the superblock, mounted wherever: its other mount
+    (a publish bind), left as the last, would be unmounted frozen too. The
+    record's device keeps every mount of it."""
+    held = foreign.tmpfs(node.state / "scratch")
+    bind = node.state / "bind"
+    bind.mkdir()
+    subprocess.run(["mount", "--bind", str(held), str(bind)], check=True, timeout=30)
+    foreign.mounts.append(bind)
+    st = os.stat(held)
+    (node.state / "freezes.json").write_text(json.dumps({"k": {
+        "path": str(node.state / "staging" / "was-here"),
+        "dev": [os.major(st.st_dev), os.minor(st.st_dev)]}}))
+    rc, swept = node.cli_json("release", "--orphans")
+    assert rc == 1 and swept["removed"] == [], swept
+    assert all("frozen by a snapshot" in line for line in swept["left"]), swept
+    assert _mounted(held) and _mounted(bind)
+    (node.state / "freezes.json").unlink()
+
+
+def _helper_of(fuse_mount: str) -> int:
+    for d in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            args = (d / "cmdline").read_bytes().split(b"\0")
+            if os.path.basename(args[0]) == b"rbd-fuse" and fuse_mount.encode() in args:
+                return int(d.name)
+    raise AssertionError(f"no rbd-fuse for {fuse_mount}")
+
+
+def test_a_stalled_rbd_fuse_never_hangs_status_and_the_sweep_leaves_its_mount(
+        node: NodeUnderTest) -> None:
+    """Review: the leftover's rbd-fuse stopped (SIGSTOP): ``status`` answers
+    at once, and ``release --orphans`` neither hangs nor forces the FUSE
+    connection off (it is left, with why)."""
+    import threading
+    import time
+
+    gone = node.name("stall")
+    path = node.write(gone, spec(node, target="app"))
+    assert node.apply()["rc"] == 0
+    fuse_mount = str(node.state / "fuse" / f"{node.cluster.pool}@{gone}")
+    pid = _helper_of(fuse_mount)
+    path.unlink()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        rc, doc = node.cli_json("status")
+        assert time.monotonic() - t0 < 10
+        assert fuse_mount in _by_what(doc)
+        out: list[object] = []
+        t = threading.Thread(target=lambda: out.append(node.cli_json(
+            "release", "--orphans", "--step-timeout", "5")), daemon=True)
+        t0 = time.monotonic()
+        t.start()
+        t.join(60)
+        assert not t.is_alive(), "release --orphans hung on a stalled rbd-fuse"
+        [(rc, swept)] = out
+        assert rc == 1
+        assert fuse_mount not in [o["what"] for o in swept["removed"]], swept
+        assert Path(f"/proc/{pid}").exists(), "its helper was killed"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    # It answers again: the umount killed at its deadline ends by itself, and
+    # the sweep takes the rest.
+    wait_for(lambda: node.cli_json("release", "--orphans")[0] == 0, "the rest swept")
+    assert not _mounted(Path(fuse_mount))

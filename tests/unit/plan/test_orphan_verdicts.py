@@ -221,3 +221,70 @@ def test_a_block_mode_bind_of_our_loop_device_node_sits_on_it() -> None:
     by = {o.what: o for o in found}
     assert by["/srv/blk"].ours and "/dev/loop3" in by["/srv/blk"].why
     assert by["/dev/loop3"].above == ("/srv/blk",)
+
+
+# -- review: an nbd device mapped again by someone else since our record ----------
+def test_an_nbd_mapping_whose_cookie_is_not_the_one_we_recorded_is_not_ours() -> None:
+    # Our record says /dev/nbd0 is rbd/n with cookie c1; the device was
+    # unmapped outside of us and someone mapped rbd/n again, got /dev/nbd0
+    # back, with a new cookie: it is theirs, never unmapped by the sweep.
+    again = seen(mappings=(Mapping("nbd", "rbd", "n", "/dev/nbd0"),),
+                 nbd_records={"/dev/nbd0": ("rbd", "n")},
+                 nbd_cookies={"/dev/nbd0": "c1"}, nbd_backends={"/dev/nbd0": "c2"})
+    [o] = find_orphans(again, Accounted.of([]), ROOTS, NODE)
+    assert (o.kind, o.ours) == ("nbd", False)
+    assert "mapped again" in o.why
+    same = replace(again, nbd_backends={"/dev/nbd0": "c1"})
+    [o] = find_orphans(same, Accounted.of([]), ROOTS, NODE)
+    assert o.ours
+
+
+# -- review: an rbd-fuse whose mount is only out of our sight still serves -------
+def test_an_rbd_fuse_serving_a_loop_over_its_detached_file_is_never_stopped() -> None:
+    # The FUSE mount was lazily unmounted (umount -l) while a loop device had
+    # its file open: the mount is gone from mountinfo, the loop's backing
+    # file reads "/z", the helper still serves the loop (and whatever is
+    # mounted from it). Killing it is I/O errors under that filesystem.
+    detached = seen(helpers=(Helper(9, "rbd-fuse", f"{FUSE}/rbd@z"),),
+                    loops=(LoopDev("/dev/loop4", (7, 4), "/z"),),
+                    mounts=(mount("/srv/app", (7, 4)),), rdevs={"/dev/loop4": (7, 4)})
+    found = find_orphans(detached, Accounted.of([]), ROOTS, NODE)
+    [helper] = [o for o in found if o.kind == "rbd-fuse"]
+    assert helper.ours and "/dev/loop4" in helper.above
+    done = sweep(found, {o.what: () for o in found})
+    assert helper not in done.remove
+
+
+def test_an_rbd_fuse_is_never_stopped_while_a_fuse_connection_is_mounted_out_of_sight() -> None:
+    # A FUSE connection alive (/sys/fs/fuse/connections) that no mount we
+    # see is: detached, or in another mount namespace; it may be this
+    # helper's. Not listable (no fusectl): not known either.
+    helper = Helper(9, "rbd-fuse", f"{FUSE}/rbd@z")
+    other = mount("/mnt/x", (0, 61), fs="fuse.sshfs", source="sshfs")
+    for conns in (frozenset({61, 62}), None):
+        found = find_orphans(seen(helpers=(helper,), mounts=(other,), fuse_conns=conns),
+                             Accounted.of([]), ROOTS, NODE)
+        [o] = [o for o in found if o.kind == "rbd-fuse"]
+        assert o.ours and o.above, conns
+        assert sweep(found, {x.what: () for x in found}).remove == []
+    blk = mount("/mnt/ntfs", (8, 17), fs="fuseblk", source="/dev/sdb1")
+    found = find_orphans(seen(helpers=(helper,), mounts=(other, blk),
+                              fuse_conns=frozenset({61, (8 << 20) | 17})),
+                         Accounted.of([]), ROOTS, NODE)
+    assert [o.what for o in sweep(found, {x.what: () for x in found}).remove] == ["pid 9"]
+
+
+# -- review: a loop device whose backing path only reads like our FUSE file -------
+def test_a_loop_over_our_fuse_path_with_no_rbd_fuse_mount_there_is_not_ours() -> None:
+    # sysfs gives the backing file's path as its own mount namespace sees it:
+    # a container whose tree has a plain file at our FUSE path (or a file
+    # made there after our mount went) reads the same. Ours only while an
+    # rbd-fuse mount of ours is at that image's directory.
+    mimic = seen(loops=(LoopDev("/dev/loop5", (7, 5), f"{FUSE}/rbd@x/x"),),
+                 rdevs={"/dev/loop5": (7, 5)})
+    [o] = find_orphans(mimic, Accounted.of([]), ROOTS, NODE)
+    assert (o.kind, o.ours) == ("loop", False)
+    real = replace(mimic, mounts=(mount(f"{FUSE}/rbd@x", (0, 70), fs="fuse.rbd-fuse",
+                                        source="rbd-fuse"),))
+    [o] = [o for o in find_orphans(real, Accounted.of([]), ROOTS, NODE) if o.kind == "loop"]
+    assert o.ours
