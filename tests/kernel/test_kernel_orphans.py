@@ -157,6 +157,7 @@ def test_leftovers_of_every_kernel_kind_and_only_ours_released(node: NodeUnderTe
         plain = n.root / "plain.img"
         with open(plain, "wb") as f:
             f.truncate(32 << 20)
+        _run("modprobe", "loop")  # the VM loads rbd, nbd and dm-crypt only
         loop = _run("losetup", "--find", "--show", "--", str(plain))
         hand_key = n.root / "hand.key"
         hand_key.write_bytes(os.urandom(64))
