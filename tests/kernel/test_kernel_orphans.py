@@ -40,6 +40,12 @@ from reconciler.spec.config import load_config
 pytestmark = [pytest.mark.kernel, pytest.mark.ceph]
 
 
+def _env() -> dict[str, str]:
+    """Without udevd (this VM), libdevmapper makes /dev/mapper/NAME itself
+    (as drivers/crypt.py has it) instead of waiting for udev."""
+    return {**os.environ, **({} if udev_running() else {"DM_DISABLE_UDEV": "1"})}
+
+
 def _run(*args: str) -> str:
     """Its stdout: through a file, not a pipe (rbd-nbd, daemonized by
     `rbd device map -t nbd`, could hold a pipe open)."""
@@ -47,7 +53,7 @@ def _run(*args: str) -> str:
 
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         r = subprocess.run(list(args), stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                           timeout=120, check=False)
+                           timeout=120, check=False, env=_env())
         out.seek(0)
         err.seek(0)
         assert r.returncode == 0, f"{args}: {r.returncode} {err.read().decode()}"
@@ -256,7 +262,8 @@ def test_leftovers_of_every_kernel_kind_and_only_ours_released(node: NodeUnderTe
                 subprocess.run(["umount", "-l", point], check=False, timeout=60)
         for name in (f"rbdr-{lk}", crypt_theirs):
             if Path(f"/dev/mapper/{name}").exists():
-                subprocess.run(["cryptsetup", "close", name], check=False, timeout=60)
+                subprocess.run(["cryptsetup", "close", name], check=False, timeout=60,
+                               env=_env())
         if loop is not None and _loop_backing(loop) == str(n.root / "plain.img"):
             subprocess.run(["losetup", f"--detach={loop}"], check=False, timeout=60)
         for d in mapped_devices():
