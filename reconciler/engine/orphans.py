@@ -188,7 +188,9 @@ def _users(o: Orphan, seen: Leftovers) -> tuple[str, ...]:
         # wait on a helper that does not answer); its umount is never lazy,
         # so a user /proc does not show makes the kernel refuse it instead.
         return leftovers.mount_users(o.what, seen, ask_kernel=o.kind == "mount")
-    return leftovers.device_users(o.what, seen)
+    # A dm-crypt leftover over it is no user: it goes first (or, kept, keeps
+    # this one through ``above``, plan/orphans.py).
+    return leftovers.device_users(o.what, seen, above=o.above)
 
 
 def _remove(node: Node, o: Orphan, seen: Leftovers) -> str | None:

@@ -182,15 +182,19 @@ def mount_users(point: str, seen: Leftovers, proc: Path = Path("/proc"),
 
 
 def device_users(device: str, seen: Leftovers, sys_root: Path = Path("/sys"),
-                 proc: Path = Path("/proc")) -> tuple[str, ...]:
+                 proc: Path = Path("/proc"), above: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The kernel's holders of ``device`` (a dm device over it) and the
     processes that hold it open or map a file of it; its own rbd-nbd is no
-    user. OSError: not known (no device number, a table not read)."""
+    user. A holder in ``above`` (a leftover stacked on it, by device path:
+    the sweep removes it first, or keeps ``device`` because it stays) is no
+    user either. OSError: not known (no device number, a table not read)."""
     rdev = seen.rdevs.get(device)
     if rdev is None:
         raise OSError(f"{device}: no device number seen")
+    stacked = {seen.rdevs[a] for a in above if a in seen.rdevs}
     held = tuple(f"held by {h}" for h in os.listdir(
-        sys_root / "dev" / "block" / f"{rdev[0]}:{rdev[1]}" / "holders"))
+        sys_root / "dev" / "block" / f"{rdev[0]}:{rdev[1]}" / "holders")
+        if not stacked or _sysfs_rdev(h, sys_root) not in stacked)
     helpers = {h.pid for h in seen.helpers if h.serves == device}
     # A process whose /proc cannot be read is left out here, as recover
     # leaves it out: a device's users are its mounts (each a leftover of its

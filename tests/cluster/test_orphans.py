@@ -8,7 +8,7 @@ outside stateDir are not. ``status`` lists each with its verdict;
 ``release --orphans`` removes only ours, never one in use, and says why it
 left what it left. The krbd, nbd and dm-crypt kinds need kernel modules this
 host lacks: tests/unit/plan/test_orphan_verdicts.py has their verdicts as data, and
-their kernel run belongs in the VM (scripts/kernel-tests.sh)."""
+tests/kernel/test_kernel_orphans.py their run in the VM (scripts/kernel-tests.sh)."""
 
 from __future__ import annotations
 
