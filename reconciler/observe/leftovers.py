@@ -167,7 +167,10 @@ def mount_users(point: str, seen: Leftovers, proc: Path = Path("/proc"),
     # Not devtmpfs's (a block-mode bind of a device node): every /dev is one,
     # and the node's device has its own orphan, whose users are asked.
     devs = {os.makedev(m.major, m.minor) for m in here if m.fs_type != "devtmpfs"}
-    helpers = {h.pid for h in seen.helpers if h.serves == point}
+    # Not its helpers: the rbd-fuse serving it, and the rbd-nbd serving its
+    # device (which holds that device open: not a user of the filesystem).
+    helpers = {h.pid for h in seen.helpers
+               if h.serves == point or (h.kind == "rbd-nbd" and _rdev(h.serves) in devs)}
     found = [u for u in users([point], [m.mount_id for m in here], devs, proc)
              if u.pid not in helpers]
     sure = tuple(str(u) for u in found if not u.unreadable)
@@ -201,3 +204,13 @@ def device_users(device: str, seen: Leftovers, sys_root: Path = Path("/sys"),
     # own, gone first, or it stays) and its openers, which /proc shows us.
     return held + tuple(str(u) for u in users((), (), [os.makedev(*rdev)], proc)
                         if u.pid not in helpers and not u.unreadable)
+
+
+def _rdev(device: str | None) -> int | None:
+    """The device number of a device node (a stat of /dev: never the device)."""
+    if not device:
+        return None
+    try:
+        return os.stat(device).st_rdev
+    except OSError:
+        return None
