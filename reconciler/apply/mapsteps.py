@@ -82,24 +82,11 @@ class MapSteps(ChainState):
         then names the new client, for a takeover to fence, and no longer the
         dead one, which is blocklisted last (below): a claim still naming it
         would read as our node fenced."""
-        cluster, me = self.need_cluster(), self.node.config.node_name
+        cluster = self.need_cluster()
         held, _ = self.take_claim(cluster, step.pool, step.image)
         self.node.nbd.attach(step.pool, step.image, step.device, step.cookie, step.options)
         log.warning("%s: rbd-nbd serving %s was gone; re-attached", step.volume, step.device)
-        with cluster.open_ioctx(step.pool) as ioctx:
-            new = tuple(a for a in claims.watchers(ioctx, step.image) if a not in held.clients)
-        if len(new) > 1:  # ours is one; someone else opened it meanwhile
-            self.detach_again(step)
-            raise StepRefused(f"image {step.pool}/{step.image} is open by {len(new)} clients "
-                              f"({', '.join(new)}) right after re-attaching it: another "
-                              "client opened it at the same time; detached again, the kernel "
-                              "keeps the device")
-        try:
-            claims.record_clients(cluster, step.pool, step.image, me, new or held.clients)
-        except claims.ClaimedElsewhere as exc:
-            self.detach_again(step)
-            raise StepRefused(f"{step.pool}/{step.image} is claimed by node {exc.holder.node} "
-                              "(taken while re-attaching here); detached again") from None
+        new = self.claim_new_client(step, cluster, held, "re-attaching it", "re-attaching")
         # The dead one still holds the image's exclusive lock, and its watch
         # lives on until Ceph times it out (30 s): the new one's writes wait
         # for it (measured: a 30 s pause). The attach succeeding proves its
@@ -123,7 +110,7 @@ class MapSteps(ChainState):
         at the detach and closes the image (its watch and lock go with it);
         the claim then names the new client. An attach that fails leaves the
         device kept by the kernel, which the next pass re-attaches."""
-        cluster, me = self.need_cluster(), self.node.config.node_name
+        cluster = self.need_cluster()
         held, _ = self.take_claim(cluster, step.pool, step.image)
         with nbdhelper.roll_lock() as had:
             if not had:
@@ -135,21 +122,30 @@ class MapSteps(ChainState):
         log.warning("%s: rbd-nbd %d serving %s ran a binary replaced on disk (%s); rolled "
                     "onto the new one", step.volume, step.pid, step.device,
                     step.version or "version unknown")
+        self.claim_new_client(step, cluster, held, "rolling its rbd-nbd", "rolling")
+        return "changed", f"rolled {step.device} onto the rbd-nbd on disk"
+
+    def claim_new_client(self, step: ReattachNbd | RollNbd, cluster: rados.Rados, held: Claim,
+                         after: str, during: str) -> tuple[str, ...]:
+        """The new rbd-nbd's client, recorded in our claim: refused (and the
+        new one detached again) when another client opened the image at the
+        same time, or another node took the claim meanwhile."""
         with cluster.open_ioctx(step.pool) as ioctx:
             new = tuple(a for a in claims.watchers(ioctx, step.image) if a not in held.clients)
         if len(new) > 1:  # ours is one; someone else opened it meanwhile
             self.detach_again(step)
             raise StepRefused(f"image {step.pool}/{step.image} is open by {len(new)} clients "
-                              f"({', '.join(new)}) right after rolling its rbd-nbd: another "
+                              f"({', '.join(new)}) right after {after}: another "
                               "client opened it at the same time; detached again, the kernel "
                               "keeps the device")
         try:
-            claims.record_clients(cluster, step.pool, step.image, me, new or held.clients)
+            claims.record_clients(cluster, step.pool, step.image, self.node.config.node_name,
+                                  new or held.clients)
         except claims.ClaimedElsewhere as exc:
             self.detach_again(step)
             raise StepRefused(f"{step.pool}/{step.image} is claimed by node {exc.holder.node} "
-                              "(taken while rolling here); detached again") from None
-        return "changed", f"rolled {step.device} onto the rbd-nbd on disk"
+                              f"(taken while {during} here); detached again") from None
+        return new
 
     def detach_again(self, step: ReattachNbd | RollNbd) -> None:
         """The new rbd-nbd must not serve (another writer): stopped, the

@@ -23,17 +23,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import fcntl
 import os
-import time
-from collections.abc import Iterator
+
+from reconciler.state.lock import flock_within
 
 MNT_EXPIRE = 4
 UMOUNT_NOFOLLOW = 8  # a symlink at the path is never followed (safety rule 8)
 _libc = ctypes.CDLL(None, use_errno=True)
 LOCK_PATH = "/run/rbd-reconciler-mountbusy.lock"  # root's /run: no other user's directory
 LOCK_WAIT_S = 5.0
-_LOCK_POLL_S = 0.02
 
 
 def busy(path: str) -> bool | None:
@@ -67,25 +65,6 @@ def _touch(path: str) -> None:
     os.close(os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC))
 
 
-@contextlib.contextmanager
-def _one_at_a_time() -> Iterator[bool]:
+def _one_at_a_time() -> contextlib.AbstractContextManager[bool]:
     """The lock that keeps our questions apart; False if not had in time."""
-    try:
-        fd = os.open(LOCK_PATH, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError:
-        yield False
-        return
-    try:
-        deadline = time.monotonic() + LOCK_WAIT_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    yield False
-                    return
-                time.sleep(_LOCK_POLL_S)
-        yield True
-    finally:
-        os.close(fd)  # the lock goes with it
+    return flock_within(LOCK_PATH, LOCK_WAIT_S)

@@ -12,18 +12,16 @@ what it observes of a live helper) and apply/mapsteps.py (``roll_lock``).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
 import subprocess
 import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from reconciler.drivers import procfs
 from reconciler.facts.observed import NbdHelper
 from reconciler.facts.parsers import parse_rbd_nbd_version
+from reconciler.state.lock import flock_within
 
 BINARY = "rbd-nbd"
 # One roll at a time on the node: the daemon's chains run in parallel, and a
@@ -142,28 +140,9 @@ def helper(pid: int, record: dict[str, object], cookie: str | None,
                      stale=stale, cookie=cookie)
 
 
-@contextlib.contextmanager
-def roll_lock(path: Path | None = None, wait: float | None = None) -> Iterator[bool]:
+def roll_lock(path: Path | None = None, wait: float | None = None
+              ) -> contextlib.AbstractContextManager[bool]:
     """Held while one rbd-nbd is rolled; False if not had within ``wait``
     (another roll still runs: this one is left to a later pass)."""
-    path = path or ROLL_LOCK
-    wait = ROLL_LOCK_WAIT_S if wait is None else wait
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError:
-        yield False
-        return
-    try:
-        deadline = time.monotonic() + wait
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    yield False
-                    return
-                time.sleep(_LOCK_POLL_S)
-        yield True
-    finally:
-        os.close(fd)  # the lock goes with it
+    return flock_within(path or ROLL_LOCK, ROLL_LOCK_WAIT_S if wait is None else wait,
+                        _LOCK_POLL_S)

@@ -3,7 +3,8 @@
 Apart from the engine, so that a cold command takes the lock (and begins
 its Ceph connect) before it imports the planner and the drivers.
 
-Imported by engine/, engine/orphans.py, engine/release.py.
+Imported by engine/, engine/orphans.py, engine/release.py; ``flock_within``
+by drivers/mountbusy.py and drivers/nbdhelper.py.
 """
 
 from __future__ import annotations
@@ -54,3 +55,30 @@ def locked_within(state_dir: Path, timeout: float) -> Iterator[None]:
             if time.monotonic() >= deadline:
                 raise
             time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def flock_within(path: Path | str, wait: float, poll: float = 0.02) -> Iterator[bool]:
+    """A node-wide lock file (created 0600, never through a symlink), held
+    for the body: True once had, False if not had within ``wait`` s or the
+    file cannot be opened (the caller decides what "not now" means). The
+    lock goes with the descriptor."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        yield False
+        return
+    try:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    yield False
+                    return
+                time.sleep(poll)
+        yield True
+    finally:
+        os.close(fd)
