@@ -507,6 +507,14 @@ def test_an_upgraded_rbd_nbd_is_rolled_by_the_daemon_under_a_writer(
               f"between completed 1 MiB records per roll {pauses} s (records every 0.2 s; "
               f"the writer's p100 outside the rolls "
               f"{max(writer.gaps[:3] or [0]):.2f} s at the start)")
+    except BaseException:
+        # What the daemon and the kernel said, for the one who reads a red CI.
+        print(f"\nrolls so far {took}; DAEMON LOG (tail)\n" + "\n".join(
+            (node.root / "daemon.log").read_text().splitlines()[-60:]), flush=True)
+        print("DMESG (tail)\n" + "\n".join(subprocess.run(
+            ["dmesg"], capture_output=True, text=True, timeout=30).stdout.splitlines()[-40:]),
+            flush=True)
+        raise
     finally:
         if writer is not None:
             writer.stop()
