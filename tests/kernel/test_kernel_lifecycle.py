@@ -513,8 +513,12 @@ def test_an_upgraded_rbd_nbd_is_rolled_by_the_daemon_under_a_writer(
         # What the daemon and the kernel said, for the one who reads a red CI.
         print(f"\nrolls so far {took}; DAEMON LOG (tail)\n" + "\n".join(
             (node.root / "daemon.log").read_text().splitlines()[-60:]), flush=True)
+        # Every blocked task's stack (sysrq w) into the kernel's log first:
+        # where a stalled writer waits is the question this failure asks.
+        with contextlib.suppress(OSError):
+            Path("/proc/sysrq-trigger").write_text("w\n")
         print("DMESG (tail)\n" + "\n".join(subprocess.run(
-            ["dmesg"], capture_output=True, text=True, timeout=30).stdout.splitlines()[-40:]),
+            ["dmesg"], capture_output=True, text=True, timeout=30).stdout.splitlines()[-150:]),
             flush=True)
         raise
     finally:
