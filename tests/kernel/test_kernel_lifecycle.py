@@ -457,7 +457,7 @@ def test_an_upgraded_rbd_nbd_is_rolled_by_the_daemon_under_a_writer(
 
     node.config.write_text(node.config.read_text() + "resyncSeconds: 2\nnbdRollUpgrades: true\n")
     name = node.name("nbd-roll")
-    node.write(name, spec(node, "320Mi", "nbd", "ext4"))
+    node.write(name, spec(node, "1Gi", "nbd", "ext4"))  # 600 MiB of records must fit
     daemon = Daemon(node.config, node.root / "daemon.log", 120)
     writer = None
     pauses: list[float] = []
@@ -490,8 +490,10 @@ def test_an_upgraded_rbd_nbd_is_rolled_by_the_daemon_under_a_writer(
             wait_for(rolled, 120, "an rbd-nbd of the new binary on the device")
             took.append(round(time.monotonic() - began, 1))
             n = writer.count()
-            wait_for(lambda n=n: writer.count() >= min(n + 3, writer.records), 90,
+            wait_for(lambda n=n: writer.count() >= min(n + 3, writer.records)
+                     or bool(writer.errors), 90,
                      "records after the roll")
+            assert writer.errors == [], writer.errors[:3]
             pauses.append(round(max(writer.gaps[n0:]), 2))
             st = status_of(node, name)
             assert st["phase"] == "PUBLISHED" and st["helper"]["state"] == "current", st
