@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reconciler.cli import show
-from reconciler.cli.main import EXIT_FAILED, EXIT_OK
+from reconciler.cli.main import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 TYPE_CHECKING = False  # typing itself costs ~5 ms at start-up
 if TYPE_CHECKING:
@@ -236,6 +236,11 @@ def _apply_here(args: argparse.Namespace, config: Config, release: bool
 
 
 def cmd_release(args: argparse.Namespace, config: Config) -> int:
+    if getattr(args, "dry_run", False) and not args.all:
+        print("rbd-reconciler: release --dry-run goes with --all (what release --all would "
+              "take down); for volumes by name, `plan` says what would be done",
+              file=sys.stderr)
+        return EXIT_USAGE
     if getattr(args, "orphans", False):
         from reconciler.cli.orphans import cmd_release_orphans
 

@@ -13,9 +13,9 @@ import json
 import os
 import sys
 
-from reconciler.cli.exits import EXIT_FAILED, EXIT_OK
+from reconciler.cli.exits import EXIT_CHANGES, EXIT_FAILED, EXIT_OK
 from reconciler.engine import Busy
-from reconciler.engine.release import Released, force_off_stuck, release_all
+from reconciler.engine.release import Released, force_off_stuck, held_now, release_all
 from reconciler.spec.config import Config
 
 
@@ -24,6 +24,8 @@ def cmd_release_all(args: argparse.Namespace, config: Config) -> int:
         print("rbd-reconciler: release --all takes no PATH (it releases every volume of ours)",
               file=sys.stderr)
         return EXIT_FAILED
+    if args.dry_run:
+        return _dry_run(args, config)
     # Back by the deadline whatever happens (engine/release.py): a report of
     # what was done when the work is stuck where nothing can be killed.
     try:
@@ -42,6 +44,22 @@ def cmd_release_all(args: argparse.Namespace, config: Config) -> int:
         sys.stderr.flush()
         os._exit(EXIT_FAILED)  # not sys.exit: it would wait for the stuck threads
     return rc
+
+
+def _dry_run(args: argparse.Namespace, config: Config) -> int:
+    """What ``release --all`` would take down now: exit 0 when nothing, 2
+    (as ``plan``) when something. The package's prerm asks before a removal
+    (debian/rbd-reconciler.prerm)."""
+    held = held_now(config, args.step_timeout)
+    if args.output == "json":
+        json.dump({"held": held}, sys.stdout, indent=2)
+        print()
+    else:
+        for line in held:
+            print(f"held: {line}")
+        print(f"release --all would take down {len(held)} thing(s)" if held
+              else "release --all has nothing to take down")
+    return EXIT_CHANGES if held else EXIT_OK
 
 
 def _report_release(args: argparse.Namespace, done: Released) -> int:

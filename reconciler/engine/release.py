@@ -203,6 +203,17 @@ def release_all(config: Config, step_timeout: float,
     return result[0]
 
 
+def held_now(config: Config, step_timeout: float) -> list[str]:
+    """``release --all --dry-run``: what a release would take down (or
+    refuses) now, one line each; nothing is done and no lock is taken (the
+    daemon may hold it: the package's prerm asks while it runs)."""
+    node = Node.from_config(config, Runner(timeout=step_timeout))
+    fuse = FuseMounts(config.ceph, config.state_dir / "fuse")
+    ours = Ours(node, context(config, node), load_desired(config).volumes,
+                read_json(config.state_dir / "managed.json", {}) or {}, step_timeout, fuse)
+    return _plan_release(ours, node).held()
+
+
 def force_off_stuck(done: Released) -> list[str]:
     """A thread stuck in the kernel on an rbd-fuse helper that does not
     answer would hold even the process's exit: end that connection. One

@@ -254,10 +254,21 @@ def test_shutdown_releases_everything_and_boot_restores_it(node: NodeUnderTest) 
     frozen_file.write_text(good.replace("size: 64Mi", "size: 64MB"))
     files = desired_files(node)
 
+    # What the package's prerm asks before a removal: every one of them,
+    # and nothing done.
+    before = held_by_us(node)
+    dry = run_shutdown(node, "--dry-run")
+    assert dry.returncode == 2, dry.stdout + dry.stderr
+    for n in (fs, blk, csi, kept, frozen):
+        assert f"held: {n}:" in dry.stdout or f"held: {pool}/{n}" in dry.stdout, dry.stdout
+    assert held_by_us(node) == before and desired_files(node) == files
+
     proc = run_shutdown(node)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "warning:" not in proc.stderr  # sync finished in time
     assert held_by_us(node) == NOTHING, proc.stdout + proc.stderr
+    dry = run_shutdown(node, "--dry-run")
+    assert (dry.returncode, dry.stdout.strip()) == (0, "release --all has nothing to take down")
     for n in (kept, frozen):  # no file or record names them: found by identity
         assert f"[{pool}/{n}]" in proc.stdout, proc.stdout
     assert desired_files(node) == files  # desired files untouched
@@ -299,6 +310,11 @@ def test_shutdown_waits_for_the_daemon_and_never_races_it(node: NodeUnderTest) -
         d.wait_phase(name, "Published")
         proc = run_shutdown(node, "--step-timeout", "1")
         assert proc.returncode == 1 and "in use by another" in proc.stderr, proc.stderr
+        assert str(node.srv / "app") in node.mounts()
+        # The dry run takes no lock: it answers while the daemon runs (the
+        # package's prerm asks then), and changes nothing.
+        dry = run_shutdown(node, "--dry-run")
+        assert dry.returncode == 2 and f"held: {name}:" in dry.stdout, dry.stdout + dry.stderr
         assert str(node.srv / "app") in node.mounts()
     finally:
         assert d.stop() == 0
