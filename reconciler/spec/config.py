@@ -157,7 +157,7 @@ class Config:
     helper_scopes: str = "auto"
     # An rbd-nbd whose binary a package upgrade replaced is replaced by one
     # of the new binary, one device at a time (docs/daemon.md).
-    nbd_roll_upgrades: bool = False  # opt-in: see docs/daemon.md, rolled
+    nbd_roll_upgrades: bool = True  # docs/daemon.md, rolled
 
     @property
     def source_dir(self) -> Path:
@@ -249,7 +249,7 @@ def _build(data: dict, source: Path | None) -> Config:
         git=git,
         control_socket=Path(data.get("controlSocket", str(DEFAULT_CONTROL_SOCKET))),
         helper_scopes=data.get("helperScopes", "auto"),
-        nbd_roll_upgrades=bool(data.get("nbdRollUpgrades", False)),
+        nbd_roll_upgrades=bool(data.get("nbdRollUpgrades", True)),
     )
 
 

@@ -440,8 +440,6 @@ def _exe_ino(pid: int) -> int:
         return -1
 
 
-@pytest.mark.xfail(strict=False, reason="known issue (docs/daemon.md, rolled: why opt-in): "
-                   "in two VM runs a writer's I/O stalled for good after a roll")
 def test_an_upgraded_rbd_nbd_is_rolled_by_the_daemon_under_a_writer(
         node: NodeUnderTest, rbd_nbd_binary: Path) -> None:
     """Issue 41 item 2: the rbd-nbd binary replaced on disk three times under
