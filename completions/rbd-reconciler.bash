@@ -31,7 +31,7 @@ _rbd_reconciler() {
         validate) opts="-h --help -o --output -c --config -v --verbose"; paths=1 ;;
         plan) opts="-h --help -o --output -c --config -v --verbose"; paths=1 ;;
         apply) opts="-h --help -o --output -c --config -v --verbose"; paths=1 ;;
-        release) opts="-h --help -o --output --all --orphans --step-timeout --deadline -c --config -v --verbose"; paths=1 ;;
+        release) opts="-h --help -o --output --all --orphans --dry-run --step-timeout --deadline -c --config -v --verbose"; paths=1 ;;
         run) opts="-h --help --allow-mass-removal --log-format --csi-endpoint -c --config -v --verbose"; paths=0 ;;
         allow-removal) opts="-h --help --all -c --config -v --verbose"; paths=0 ;;
         explain) opts="-h --help -o --output -c --config -v --verbose"; paths=0 ;;

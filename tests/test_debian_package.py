@@ -139,6 +139,9 @@ def test_contents(deb: Path) -> None:
                  "/usr/share/doc/rbd-reconciler/docs/reference/volume.md",
                  "/usr/share/doc/rbd-reconciler/copyright",
                  "/usr/share/doc/rbd-reconciler/examples/config/node.yaml",
+                 # Where the README's install step copies it from: minimal
+                 # images exclude /usr/share/doc (Debian Policy 12.3).
+                 "/usr/share/rbd-reconciler/examples/config/node.yaml",
                  f"/{SITE}/reconciler/_schemas/volume.schema.json",
                  f"/{SITE}/reconciler/csi/csi_pb2.py",
                  f"/{SITE}/rbd_reconciler-{VERSION}.dist-info/METADATA"):
@@ -191,6 +194,7 @@ def test_the_dependencies_are_debians(deb: Path) -> None:
         assert DEBIAN_PACKAGE_OF[module] in depends, (module, depends)
     assert {"ceph-common", "python3-rados", "python3-rbd"} <= depends
     assert {"rbd-nbd", "rbd-fuse"} <= recommends and "cryptsetup-bin" in suggests
+    assert "gpg" in suggests and "gnupg" not in suggests  # git verify-commit runs gpg only
     # The daemon reads inotify itself (daemon/dirwatch.py): no watchdog.
     assert "watchdog" not in third_party
     assert not any("watchdog" in n for n in depends | recommends | suggests)
@@ -202,7 +206,8 @@ def _maintscript(control: Path, name: str, fake: Path, calls: Path, *args: str,
     """Run a maintainer script with every command it may call faked (each
     logs its argv) and /run/systemd/system present, as on a systemd node."""
     script = control / name
-    text = script.read_text().replace("/run/systemd/system", str(fake / "run-systemd"))
+    text = script.read_text().replace("/run/systemd/system", str(fake / "run-systemd")) \
+        .replace("/usr/bin/rbd-reconciler", str(fake / "rbd-reconciler"))
     patched = fake / name
     patched.write_text(text)
     calls.write_text("")
@@ -216,11 +221,15 @@ def test_maintainer_scripts_enable_start_and_release_nothing_on_install_or_upgra
     fake.mkdir()
     (fake / "run-systemd").mkdir()
     for cmd in ("deb-systemd-invoke", "deb-systemd-helper", "systemctl", "systemd-tmpfiles",
-                "py3compile", "py3clean", "pypy3compile", "pypy3clean", "dpkg"):
-        # debian-installed: no state from an earlier install, nothing enabled.
+                "py3compile", "py3clean", "pypy3compile", "pypy3clean", "dpkg",
+                "rbd-reconciler"):
+        # debian-installed: no state from an earlier install, nothing enabled;
+        # no unit active (what the stop leaves: tests/test_package_prerm.py
+        # has the prerm's other cases); nothing of ours up.
         rc = 1 if cmd == "deb-systemd-helper" else 0
         (fake / cmd).write_text(f'#!/bin/sh\necho "{cmd} $*" >> {calls}\n'
-                                f'case "$1" in debian-installed|was-enabled) exit {rc};; esac\n')
+                                f'case "$1" in debian-installed|was-enabled) exit {rc};; '
+                                f'is-active) exit 3;; esac\n')
         (fake / cmd).chmod(0o755)
     env = {**DEBIAN_ENV, "PATH": f"{fake}:/usr/bin:/bin"}
     assert not (control / "preinst").exists()  # nothing stopped before an upgrade
@@ -240,8 +249,11 @@ def test_maintainer_scripts_enable_start_and_release_nothing_on_install_or_upgra
         "py3clean -p rbd-reconciler"]
     assert invoked(_maintscript(control, "postrm", fake, calls, "upgrade", "9.9.9",
                                 env=env)) == []
-    # Removal, as ceph-common does with rbdmap: the daemon, then the release.
-    assert invoked(_maintscript(control, "prerm", fake, calls, "remove", env=env)) == [
+    # Removal with nothing of ours up, as ceph-common does with rbdmap: the
+    # daemon, then the release.
+    removal = _maintscript(control, "prerm", fake, calls, "remove", env=env)
+    assert "rbd-reconciler release --all --dry-run" in removal, removal
+    assert invoked(removal) == [
         "deb-systemd-invoke stop rbd-reconciler.service rbd-reconciler-shutdown.service"]
 
 
