@@ -1151,7 +1151,7 @@ def boot_without_ceph() -> str:
     getty = "serial-getty@ttyS0.service"
     wait_for(f"{getty} started", lambda: unit(getty, "ActiveState")["ActiveState"] == "active",
              300, every=0.5)
-    entries = journal("-b", "0", "-o", "json", timeout=180)
+    entries = journal("-b", "0", timeout=180)
     start = min(timestamps(entries, "rbd-reconciler.service", STARTING))
     ready = min(timestamps(entries, "rbd-reconciler.service", STARTED))
     login = min(timestamps(entries, getty, STARTED))
