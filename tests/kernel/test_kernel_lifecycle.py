@@ -493,14 +493,26 @@ def test_an_upgraded_rbd_nbd_is_rolled_by_the_daemon_under_a_writer(
                      "records after the roll")
             assert writer.errors == [], writer.errors[:3]
             pauses.append(round(max(writer.gaps[n0:]), 2))
-            st = status_of(node, name)
-            assert st["phase"] == "PUBLISHED" and st["helper"]["state"] == "current", st
-            assert st["helper"]["pid"] != old
+            # A look may miss Ceph on a loaded host (UNKNOWN: not seen within
+            # observeTimeoutSeconds, which says nothing of the device): the
+            # next one that sees it must find it Published on the new helper.
+            seen: list[dict] = []
+
+            def published_on_new(seen: list[dict] = seen) -> bool:
+                seen.append(status_of(node, name))
+                return seen[-1]["phase"] == "PUBLISHED"
+
+            wait_for(published_on_new, 60, "a status that sees the volume")
+            st = seen[-1]
+            assert st["helper"]["state"] == "current" and st["helper"]["pid"] != old, st
+            assert {x["phase"] for x in seen} <= {"PUBLISHED", "UNKNOWN"}, seen
         writer.stop()
         assert writer.errors == [], writer.errors
         writer.verify()
         assert writer.count() < writer.records, "the writer ran out of slots"
-        assert phases <= {"Published"}, phases
+        # Never anything but Published when seen (Unknown: Ceph not seen in
+        # time on a loaded host, which a resync may hit).
+        assert phases <= {"Published", "Unknown"} and "Published" in phases, phases
         log = (node.root / "daemon.log").read_text()
         assert log.count("rolled onto the new one") == 3, log[-3000:]
         assert any(line.split()[0] == mount_id and line.split()[4] == str(node.srv / "app")
