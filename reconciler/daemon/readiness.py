@@ -23,8 +23,8 @@ one whose first chain is still running when a probe of its image finds its
 pool (or image) not answering within that timeout (Ceph gone while it
 converged) is no longer waited for. A volume converging on a cluster that
 answers still is. READY=1 then says, in the log and in STATUS=, which
-volumes were not waited for and why. Imported by daemon/loop.py and
-daemon/service.py (which gives it the probe).
+volumes were not waited for and why. Imported by daemon/loop.py
+(daemon/service.py gives it the probe: its Node's Ceph connection).
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ CHECK_S = 0.5
 PROBE_EVERY_S = 5.0
 
 # Given the names of the first chains still running: those whose pool or
-# image did not answer (name -> why); never raises (a failed probe: {}).
+# image did not answer (name -> why). One that raises is logged; the wait
+# goes on, and the next probe tries again.
 Probe = Callable[[list[str]], dict[str, str]]
 
 
