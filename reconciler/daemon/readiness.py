@@ -178,4 +178,4 @@ def not_waited_line(not_waited: dict[str, str]) -> str:
     for name, why in sorted(not_waited.items()):
         by_why.setdefault(why, []).append(name)
     return (f"{len(not_waited)} volume(s) not waited for: "
-            + "; ".join(f"{', '.join(names)}: {why}" for why, names in by_why.items()))
+            + "; ".join(f"{', '.join(names)} ({why})" for why, names in by_why.items()))

@@ -78,9 +78,9 @@ def test_unknown_volumes_are_not_waited_for_and_named(
     first.not_waiting({"b": why, "a": why, "c": "unknown: cannot read /dev/x: EIO"})
     first.begin({})
     assert said[-1] == "READY=1"
-    assert said[-2] == ("STATUS=ready; 3 volume(s) not waited for: a, b: " + why
-                        + "; c: unknown: cannot read /dev/x: EIO")
-    assert "not waited for: a, b: unknown: cannot see pool 'rbd'" in caplog.text
+    assert said[-2] == (f"STATUS=ready; 3 volume(s) not waited for: a, b ({why}); "
+                        "c (unknown: cannot read /dev/x: EIO)")
+    assert "not waited for: a, b (unknown: cannot see pool 'rbd'" in caplog.text
 
 
 def test_a_volume_seen_again_is_no_longer_named(said: list[str]) -> None:
@@ -119,7 +119,7 @@ def test_a_chain_whose_pool_stops_answering_is_not_waited_for(
     healthy.set_result(None)
     wait_until(lambda: "READY=1" in said)
     assert not stuck.done()  # its chain runs on; READY=1 did not wait for it
-    assert said[-2] == f"STATUS=ready; 1 volume(s) not waited for: stuck: {gone}"
+    assert said[-2] == f"STATUS=ready; 1 volume(s) not waited for: stuck ({gone})"
     assert "stuck not waited for: its chain runs on" in caplog.text
 
 
