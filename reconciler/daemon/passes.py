@@ -269,6 +269,7 @@ class Passes:
             self.statuses.write(name, VolumeStatus("Frozen", reason="RemovalHeld", message=why))
         busy = 0
         unknown: dict[str, str] = {}
+        unknown_why: dict[str, str] = {}  # name -> why, for READY=1
         # Looked at again by the next pass, whatever wakes it: what they wait
         # on (Ceph answering, a source snapshot) comes with no event of ours.
         again = {vp.name for vp in plans if vp.unknown or vp.waiting}
@@ -294,6 +295,7 @@ class Passes:
             if vp.unknown and down != "vanished":
                 # Unknown is not absent: report it, act on nothing, look again.
                 unknown[vol.name] = f"{vol.name}: unknown: {vp.unknown}"
+                unknown_why[vol.name] = f"unknown: {vp.unknown}"
                 self.statuses.write(vol.name, VolumeStatus(
                     "Unknown", reason="CannotObserve", message=vp.unknown,
                     observed_generation=vol.spec_hash))
@@ -305,6 +307,10 @@ class Passes:
                 continue
             busy += 1
             self.chains.submit(vol, vp, observed, down, n)
+        # READY=1 (daemon/readiness.py) does not wait for what is unknown:
+        # its pool or image did not answer (Ceph unreachable at boot).
+        self.loop.first_chains.not_waiting(unknown_why)
+        self.loop.first_chains.seen({vp.name for vp in plans} - set(unknown))
         # Volumes in backoff or in flight were not observed: they keep their state.
         still = {n: m for n, m in self.conditions.active("unknown").items()
                  if n in current and n not in by_name}

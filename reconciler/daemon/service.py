@@ -65,9 +65,11 @@ from reconciler.engine import (
     state_lock,
 )
 from reconciler.facts.clock import now_iso
+from reconciler.observe.ceph import observe_images
 from reconciler.observe.node import Node
 from reconciler.spec.config import Config, ConfigError, load_config
 from reconciler.spec.loader import LoadResult
+from reconciler.spec.model import volume_from_dict
 from reconciler.state.files import CannotWrite, read_json
 from reconciler.state.statusfiles import StatusFiles
 
@@ -142,6 +144,8 @@ class Daemon:
                              self.records, self.files, self.statuses, self.chains,
                              self.watchers, self.asks, self.view, self.conditions,
                              self.metrics, allow_mass_removal)
+        # READY=1 does not wait for a first chain whose pool stopped answering.
+        self.loop.first_chains.probe = self._probe_first_chains
 
     # -- hooks for the CSI adapter -------------------------------------------
     def wake_volume(self, name: str) -> None:
@@ -375,6 +379,31 @@ class Daemon:
     def _loop(self) -> None:
         self.loop.run(self._pass, self.chains.in_flight, lambda: self.config.resync_seconds,
                       self.stopping, self.reload_wanted, self._reload)
+
+    def _probe_first_chains(self, names: list[str]) -> dict[str, str]:
+        """For READY=1 (daemon/readiness.py, its own thread): of the volumes
+        whose first chain still runs, those whose pool or image does not
+        answer within observeTimeoutSeconds (name -> why). Their images
+        only, read from their header, each pool and image bounded."""
+        config, node = self.config, self.node
+        with self.lock:
+            vols = {n: volume_from_dict(self.records[n]["volume"])
+                    for n in names if n in self.records}
+        images = {n: (v.image.pool, v.image.name) for n, v in vols.items() if v.image.pool}
+        if not images:
+            return {}
+        timeout = config.observe_timeout_seconds
+        view = observe_images(config.ceph, set(images.values()), timeout, set(),
+                              node.ceph_session)
+        out = {}
+        for name, (pool, image) in images.items():
+            if pool in view.errors:
+                out[name] = (f"pool {pool!r} did not answer within {timeout:g} s "
+                             f"({view.errors[pool]})")
+            elif (pool, image) in view.image_errors:
+                out[name] = (f"image {pool}/{image} did not answer within {timeout:g} s "
+                             f"({view.image_errors[(pool, image)]})")
+        return out
 
     def _pass(self) -> None:
         self.busy_since = time.monotonic()

@@ -10,7 +10,7 @@ read in one bounded call per pool, each image's answer taken as it comes.
 What has not answered by the deadline is reported in ``errors`` (per pool)
 or ``image_errors`` (per image): unknown, never absent.
 
-Imported by apply/runner.py; daemon/ (4 modules); engine/,
+Imported by apply/runner.py; daemon/ (5 modules); engine/,
 engine/orphans.py; observe/node.py.
 """
 

@@ -3,6 +3,7 @@ or the limit passed; asked by the loop, never waited on."""
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future
 
@@ -62,4 +63,107 @@ def test_a_stop_ends_the_wait(said: list[str]) -> None:
     first = FirstChains()
     first.begin({"a": running()})
     first.stopping()
+    assert said[-1] == "READY=1"
+
+
+# --- issue: a boot with Ceph unreachable ----------------------------------------
+# What is known not to come up soon (its pool or image did not answer within
+# observeTimeoutSeconds) is not waited for, and READY=1 says so.
+
+
+def test_unknown_volumes_are_not_waited_for_and_named(
+        said: list[str], caplog: pytest.LogCaptureFixture) -> None:
+    first = FirstChains()
+    why = "unknown: cannot see pool 'rbd' (cannot reach Ceph: no answer within 5 s)"
+    first.not_waiting({"b": why, "a": why, "c": "unknown: cannot read /dev/x: EIO"})
+    first.begin({})
+    assert said[-1] == "READY=1"
+    assert said[-2] == (f"STATUS=ready; 3 volume(s) not waited for: a, b ({why}); "
+                        "c (unknown: cannot read /dev/x: EIO)")
+    assert "not waited for: a, b (unknown: cannot see pool 'rbd'" in caplog.text
+
+
+def test_a_volume_seen_again_is_no_longer_named(said: list[str]) -> None:
+    first = FirstChains()
+    first.not_waiting({"a": "unknown: no answer"})
+    first.seen({"a"})
+    first.begin({})
+    assert said == ["READY=1"]
+
+
+def probing(said: list[str], answers: dict[str, str], calls: list[list[str]]
+            ) -> FirstChains:
+    def probe(names: list[str]) -> dict[str, str]:
+        calls.append(names)
+        return {n: w for n, w in answers.items() if n in names}
+    return FirstChains(probe=probe, probe_every=0.02)
+
+
+def wait_until(cond: object, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_chain_whose_pool_stops_answering_is_not_waited_for(
+        said: list[str], caplog: pytest.LogCaptureFixture) -> None:
+    calls: list[list[str]] = []
+    gone = "pool 'dead' did not answer within 5 s (no answer within 5 s)"
+    first = probing(said, {"stuck": gone}, calls)
+    healthy, stuck = running(), running()
+    first.begin({"healthy": healthy, "stuck": stuck})
+    wait_until(lambda: calls)
+    # The healthy one is still waited for: its pool answers.
+    assert "READY=1" not in said
+    healthy.set_result(None)
+    wait_until(lambda: "READY=1" in said)
+    assert not stuck.done()  # its chain runs on; READY=1 did not wait for it
+    assert said[-2] == f"STATUS=ready; 1 volume(s) not waited for: stuck ({gone})"
+    assert "stuck not waited for: its chain runs on" in caplog.text
+
+
+def test_chains_on_a_cluster_that_answers_are_waited_for(said: list[str]) -> None:
+    calls: list[list[str]] = []
+    first = probing(said, {}, calls)
+    a = running()
+    first.begin({"a": a})
+    wait_until(lambda: len(calls) >= 3)
+    assert "READY=1" not in said and calls[0] == ["a"]
+    a.set_result(None)
+    first.check()
+    assert said[-1] == "READY=1"
+    n = len(calls)
+    time.sleep(0.1)  # the prober stopped with READY=1 (bounded: it would have probed 5 times)
+    assert len(calls) <= n + 1
+
+
+def test_a_hanging_probe_holds_nothing_up(said: list[str]) -> None:
+    release, entered = threading.Event(), threading.Event()
+
+    def probe(names: list[str]) -> dict[str, str]:
+        entered.set()
+        release.wait(10)
+        return {}
+
+    first = FirstChains(probe=probe, probe_every=0.01)
+    a = running()
+    first.begin({"a": a})
+    assert entered.wait(10)  # the probe is under way, hanging
+    a.set_result(None)  # the chain's end says READY=1, probe or not
+    assert said[-1] == "READY=1"
+    release.set()
+
+
+def test_a_failing_probe_is_logged_and_the_wait_goes_on(
+        said: list[str], caplog: pytest.LogCaptureFixture) -> None:
+    def probe(names: list[str]) -> dict[str, str]:
+        raise RuntimeError("boom")
+
+    first = FirstChains(probe=probe, probe_every=0.01)
+    a = running()
+    first.begin({"a": a})
+    wait_until(lambda: "probe of a failed: boom" in caplog.text)
+    assert "READY=1" not in said
+    a.set_result(None)
     assert said[-1] == "READY=1"
