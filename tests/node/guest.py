@@ -160,7 +160,8 @@ def wait_for(what: str, probe: Callable[[], T], seconds: float, every: float = 0
 def end_boot(action: str) -> None:
     """Hand the node to systemd: `reboot` or `poweroff`. The host times the
     shutdown from the marker to QEMU's exit."""
-    published = [n for n in ALL_VOLUMES if phase(n) == "Published"]
+    now = mounts()  # a status file outlives a removed package: mounted too
+    published = [n for n in ALL_VOLUMES if phase(n) == "Published" and f"/srv/{n}" in now]
     (RUN / f"shutdown-boot{BOOT}").write_text(json.dumps({"uptime": uptime(),
                                                           "published": published}))
     (RUN / f"end-boot{BOOT}").write_text(action + "\n")
@@ -1276,6 +1277,7 @@ def removal_releases() -> str:
 
 
 def boot3() -> str:
+    ALL_VOLUMES.update(EXTRA)  # boot 2 added them: nine desired files
     check("boot with Ceph unreachable", boot_without_ceph)
     check("directory modes kept", modes_kept)
     if check("Ceph back", ceph_back):
