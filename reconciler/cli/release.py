@@ -17,6 +17,7 @@ from reconciler.cli.exits import EXIT_CHANGES, EXIT_FAILED, EXIT_OK
 from reconciler.engine import Busy
 from reconciler.engine.release import Released, force_off_stuck, held_now, release_all
 from reconciler.spec.config import Config
+from reconciler.spec.diagnostics import escaped
 
 
 def cmd_release_all(args: argparse.Namespace, config: Config) -> int:
@@ -55,8 +56,10 @@ def _dry_run(args: argparse.Namespace, config: Config) -> int:
         json.dump({"held": held}, sys.stdout, indent=2)
         print()
     else:
+        # A line may carry hostile image-meta (a claim's node): escaped,
+        # on root's terminal (apt's, through the prerm), one line each.
         for line in held:
-            print(f"held: {line}")
+            print(f"held: {escaped(line)}")
         print(f"release --all would take down {len(held)} thing(s)" if held
               else "release --all has nothing to take down")
     return EXIT_CHANGES if held else EXIT_OK
