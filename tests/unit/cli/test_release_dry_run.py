@@ -16,8 +16,9 @@ from reconciler.cli import release
 
 
 def _run(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-         held: list[str], output: str = "text") -> tuple[int, str]:
-    monkeypatch.setattr(release, "held_now", lambda _config, _t: list(held))
+         held: list[str], output: str = "text", not_ours: tuple[str, ...] = ()
+         ) -> tuple[int, str]:
+    monkeypatch.setattr(release, "held_now", lambda _config, _t: (list(held), list(not_ours)))
     args = argparse.Namespace(paths=[], dry_run=True, output=output, step_timeout=30.0)
     rc = release.cmd_release_all(args, None)  # type: ignore[arg-type]
     return rc, capsys.readouterr().out
@@ -44,4 +45,14 @@ def test_hostile_claim_text_is_escaped(monkeypatch: pytest.MonkeyPatch,
     assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out
     assert len([x for x in out.splitlines() if x.startswith("held: ")]) == 1
     rc, out = _run(monkeypatch, capsys, [line], output="json")
-    assert rc == 2 and json.loads(out) == {"held": [line]}  # JSON: exact, escaped by JSON
+    assert rc == 2 and json.loads(out) == {"held": [line], "notOurs": []}  # JSON: exact, escaped by JSON
+
+
+def test_another_tools_mapping_is_said_and_does_not_count(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    other = "p/i: mapped here by krbd, claimed by nobody; not ours, left alone"
+    rc, out = _run(monkeypatch, capsys, [], not_ours=(other,))
+    assert rc == 0
+    assert f"not ours: {other}" in out and "nothing to take down" in out
+    rc, out = _run(monkeypatch, capsys, [], output="json", not_ours=(other,))
+    assert rc == 0 and json.loads(out) == {"held": [], "notOurs": [other]}
