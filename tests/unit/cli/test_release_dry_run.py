@@ -45,7 +45,8 @@ def test_hostile_claim_text_is_escaped(monkeypatch: pytest.MonkeyPatch,
     assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out
     assert len([x for x in out.splitlines() if x.startswith("held: ")]) == 1
     rc, out = _run(monkeypatch, capsys, [line], output="json")
-    assert rc == 2 and json.loads(out) == {"held": [line], "notOurs": []}  # JSON: exact, escaped by JSON
+    # JSON: exact (JSON escapes it)
+    assert rc == 2 and json.loads(out) == {"held": [line], "notOurs": []}
 
 
 def test_another_tools_mapping_is_said_and_does_not_count(
