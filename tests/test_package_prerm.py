@@ -227,6 +227,7 @@ def test_keep_whose_daemon_reload_fails_leaves_no_drop_in_and_refuses(node: Node
     assert "not removed" in p.stderr
     assert RELEASE in node.now_active()
     assert DAEMON in node.now_active()  # started again: the package stays
+    assert "run it yourself" in p.stderr  # the reload that undoes it failed too
 
 
 def test_keep_whose_release_unit_stop_is_forbidden_refuses(node: Node) -> None:
