@@ -209,7 +209,7 @@ def held_now(config: Config, step_timeout: float) -> tuple[list[str], list[str]]
     mappings provably another tool's (which it leaves alone); nothing is
     done and no lock is taken (the daemon may hold it: the package's prerm
     asks while it runs)."""
-    node = Node.from_config(config, Runner(timeout=step_timeout))
+    node = Node.from_config(config, Runner(timeout=step_timeout), read_only=True)
     fuse = FuseMounts(config.ceph, config.state_dir / "fuse")
     ours = Ours(node, context(config, node), load_desired(config).volumes,
                 read_json(config.state_dir / "managed.json", {}) or {}, step_timeout, fuse)

@@ -34,5 +34,7 @@ def test_the_dry_run_leaves_the_nbd_records_alone(tmp_path: Path,
     records.write_text(json.dumps({"/dev/nbd0": {"pool": "p", "image": "i",
                                                   "boot": "an-earlier-boot"}}))
     before = records.read_bytes(), os.stat(records).st_ino
+    tree = sorted(str(p) for p in tmp_path.rglob("*"))
     held_now(config, 5.0)
     assert (records.read_bytes(), os.stat(records).st_ino) == before
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == tree  # nothing made either
