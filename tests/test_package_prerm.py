@@ -39,7 +39,7 @@ for u in "$@"; do
               grep -vx "$u" "$T/$f" > "$T/$f.new" || true; mv "$T/$f.new" "$T/$f"
           done
           [ "$u" = rbd-reconciler-shutdown.service ] && [ -n "$was" ] || continue
-          if grep -qsx 'ExecStop=' "$T/run-systemd/$u.d/50-package-removed.conf"; then
+          if [ -z "$(cat "$T/loaded-execstop")" ]; then
               echo "stopped $u without ExecStop" >> "$T/calls"
           else
               cp "$T/after-release" "$T/held"
@@ -59,7 +59,18 @@ is-active)
     else state=inactive; rc=3; fi
     [ "$2" = --quiet ] || echo "$state"
     exit $rc ;;
-daemon-reload) [ -e "$T/reload-fails" ] && exit 1 ;;
+daemon-reload)
+    [ -e "$T/reload-fails" ] && exit 1
+    # The release unit's ExecStop as loaded: its drop-ins of every directory
+    # in the order of their names; 'ExecStop=' resets, a value sets it.
+    u=rbd-reconciler-shutdown.service
+    for d in "$T/etc-systemd/$u.d" "$T/run-systemd/$u.d"; do
+        for f in "$d"/*.conf; do [ -e "$f" ] && echo "$(basename "$f") $f"; done
+    done | sort | while read -r _ f; do sed -n 's/^ExecStop=//p' "$f"; done > "$T/lines"
+    eff="rbd-reconciler release --all"
+    while IFS= read -r v; do eff=$v; done < "$T/lines"
+    printf '%s\n' "$eff" > "$T/loaded-execstop" ;;
+show) cat "$T/loaded-execstop" ;;  # show -p ExecStop --value
 esac
 exit 0
 ''',
@@ -82,6 +93,7 @@ class Node:
             (self.bin / name).chmod(0o755)
         for f in ("calls", "held", "after-release", "activating"):
             (tmp / f).write_text("")
+        (tmp / "loaded-execstop").write_text("rbd-reconciler release --all\n")
         self.active(DAEMON, RELEASE)
         text = PRERM.read_text().replace("#DEBHELPER#", "") \
             .replace("/run/systemd/system", str(tmp / "run-systemd")) \
@@ -292,3 +304,27 @@ def test_release_when_the_release_unit_was_not_active_says_nothing_released_it(
     assert f"{RELEASE} was not active" in p.stderr
     assert "rbd-reconciler release --all" in p.stderr
     assert node.now_active() == [DAEMON]
+
+
+def test_keep_with_an_operators_drop_in_that_sets_execstop_again(node: Node) -> None:
+    # `systemctl edit rbd-reconciler-shutdown` (override.conf, say, for a
+    # longer --deadline) sorts after a drop-in named 50-...: its ExecStop
+    # came back, and keep's stop released everything under the applications.
+    d = node.tmp / "etc-systemd" / f"{RELEASE}.d"
+    d.mkdir(parents=True)
+    (d / "override.conf").write_text(
+        "[Service]\nExecStop=\nExecStop=/usr/bin/rbd-reconciler release --all --deadline 400\n")
+    node.held("pgdata: unpublish /srv/pg", after_release=())
+    p = node.run("remove", RBD_RECONCILER_REMOVE="keep")
+    assert p.returncode == 0, p.stderr
+    assert f"stopped {RELEASE} without ExecStop" in node.calls()
+    assert (node.tmp / "held").read_text() == "pgdata: unpublish /srv/pg\n"  # nothing released
+    # One that sorts after ours whatever its name: refused, nothing stopped by it.
+    (d / "zzzz-mine.conf").write_text("[Service]\nExecStop=/bin/true\n")
+    node.active(DAEMON, RELEASE)
+    (node.tmp / "calls").write_text("")
+    p = node.run("remove", RBD_RECONCILER_REMOVE="keep")
+    assert p.returncode == 1 and "ExecStop" in p.stderr
+    assert f"deb-systemd-invoke stop {RELEASE}" not in node.calls()
+    assert sorted(node.now_active()) == sorted([DAEMON, RELEASE])
+    assert not (node.tmp / "run-systemd" / f"{RELEASE}.d").exists()
