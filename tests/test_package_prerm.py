@@ -44,7 +44,7 @@ for u in "$@"; do
           else
               cp "$T/after-release" "$T/held"
           fi ;;
-    start) echo "$u" >> "$T/active" ;;
+    start) grep -qx "$u" "$T/active" || echo "$u" >> "$T/active" ;;
     esac
 done
 exit 0
