@@ -17,6 +17,7 @@ from reconciler.cli.exits import EXIT_CHANGES, EXIT_FAILED, EXIT_OK
 from reconciler.engine import Busy
 from reconciler.engine.release import Released, force_off_stuck, held_now, release_all
 from reconciler.spec.config import Config
+from reconciler.spec.diagnostics import escaped
 
 
 def cmd_release_all(args: argparse.Namespace, config: Config) -> int:
@@ -48,15 +49,20 @@ def cmd_release_all(args: argparse.Namespace, config: Config) -> int:
 
 def _dry_run(args: argparse.Namespace, config: Config) -> int:
     """What ``release --all`` would take down now: exit 0 when nothing, 2
-    (as ``plan``) when something. The package's prerm asks before a removal
+    (as ``plan``) when something; another tool's mappings are said, and
+    count for nothing. The package's prerm asks before a removal
     (debian/rbd-reconciler.prerm)."""
-    held = held_now(config, args.step_timeout)
+    held, not_ours = held_now(config, args.step_timeout)
     if args.output == "json":
-        json.dump({"held": held}, sys.stdout, indent=2)
+        json.dump({"held": held, "notOurs": not_ours}, sys.stdout, indent=2)
         print()
     else:
+        # A line may carry hostile image-meta (a claim's node): escaped,
+        # on root's terminal (apt's, through the prerm), one line each.
         for line in held:
-            print(f"held: {line}")
+            print(f"held: {escaped(line)}")
+        for line in not_ours:  # another tool's: left alone, counted for nothing
+            print(f"not ours: {escaped(line)}")
         print(f"release --all would take down {len(held)} thing(s)" if held
               else "release --all has nothing to take down")
     return EXIT_CHANGES if held else EXIT_OK

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from reconciler.daemon import sdnotify
+from reconciler.spec.diagnostics import escaped
 
 log = logging.getLogger("rbd-reconciler")
 
@@ -166,7 +167,9 @@ class FirstChains:
         if self._timer is not None:
             self._timer.cancel()
         if self.not_waited:
-            said = not_waited_line(self.not_waited)
+            # One line: sd_notify's assignments are newline-separated, and a
+            # reason (Ceph's error text) must not add its own.
+            said = escaped(not_waited_line(self.not_waited))
             log.warning("ready; %s", said)
             sdnotify.notify(f"STATUS=ready; {said}")
         sdnotify.notify("READY=1")

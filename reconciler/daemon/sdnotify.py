@@ -12,7 +12,10 @@ import socket
 
 
 def notify(message: str) -> bool:
-    """Send ``READY=1``, ``STATUS=...``, ``WATCHDOG=1`` ...; False without systemd."""
+    """Send ``READY=1``, ``STATUS=...``, ``WATCHDOG=1`` ...; False without systemd.
+    One assignment: the protocol separates them by newlines, so a text's own
+    (a reason quoted in STATUS=) is sent escaped, never as one of its own."""
+    message = message.replace("\r", "\\r").replace("\n", "\\n")
     addr = os.environ.get("NOTIFY_SOCKET")
     if not addr:
         return False

@@ -203,15 +203,18 @@ def release_all(config: Config, step_timeout: float,
     return result[0]
 
 
-def held_now(config: Config, step_timeout: float) -> list[str]:
+def held_now(config: Config, step_timeout: float) -> tuple[list[str], list[str]]:
     """``release --all --dry-run``: what a release would take down (or
-    refuses) now, one line each; nothing is done and no lock is taken (the
-    daemon may hold it: the package's prerm asks while it runs)."""
-    node = Node.from_config(config, Runner(timeout=step_timeout))
+    refuses, when it may be ours) now, one line each, and apart the kernel
+    mappings provably another tool's (which it leaves alone); nothing is
+    done and no lock is taken (the daemon may hold it: the package's prerm
+    asks while it runs)."""
+    node = Node.from_config(config, Runner(timeout=step_timeout), read_only=True)
     fuse = FuseMounts(config.ceph, config.state_dir / "fuse")
     ours = Ours(node, context(config, node), load_desired(config).volumes,
                 read_json(config.state_dir / "managed.json", {}) or {}, step_timeout, fuse)
-    return _plan_release(ours, node).held()
+    planned = _plan_release(ours, node)
+    return planned.held_of_ours(), planned.not_ours
 
 
 def force_off_stuck(done: Released) -> list[str]:

@@ -63,10 +63,13 @@ class Node:
 
     @classmethod
     def from_config(cls, config: Config, runner: Runner | None = None,
-                    halt: Halt | None = None, session: Session | None = None) -> Node:
+                    halt: Halt | None = None, session: Session | None = None,
+                    read_only: bool = False) -> Node:
         """``halt``: the daemon's, shared by the Nodes it builds (a reload
         makes a new one while chains of the old one still run). ``session``:
-        one whose connect a command began already (``Session.begin``)."""
+        one whose connect a command began already (``Session.begin``).
+        ``read_only``: its looks write no record (``release --all --dry-run``,
+        which takes no lock beside a running daemon)."""
         runner = runner or Runner(timeout=config.timeouts.command_seconds,
                                   long_timeout=config.timeouts.mkfs_seconds,
                                   halt=halt or Halt())
@@ -77,7 +80,7 @@ class Node:
                                          config.encryption.iterations,
                                          config.encryption.memory_kib))
         in_scopes = scopes.wanted(config.helper_scopes)
-        nbd_records = NbdMappings(config.state_dir)
+        nbd_records = NbdMappings(config.state_dir, writes=not read_only)
         return cls(
             config=config, runner=runner,
             fs=Filesystems(runner, CreatedPaths(config.state_dir / "created.json")),

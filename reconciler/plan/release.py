@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from collections.abc import Mapping as MappingOf
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -94,6 +94,20 @@ def volumes_of_ours(declared: Iterable[Volume], records: MappingOf[str, Any],
             out.append(identity_volume(m))
             images.add((m.pool, m.image))
     return out, warnings
+
+
+def provably_not_ours(v: Volume, observed: Observed, node_name: str) -> bool:
+    """A kernel mapping found by identity whose image's claim, read, names
+    another node or nobody: another tool's (rbdmap's, ceph-csi's, a hand's
+    `rbd map`), which the release leaves alone. One whose image-meta could
+    not be read is not: it may be ours."""
+    if v.source.file != BY_IDENTITY or v.map is None or v.map.mapper == "fuse":
+        return False
+    img = observed.images.get((v.image.pool, v.image.name))
+    if img is None or meta.HOLDER in img.unreadable:
+        return False
+    held = parse_claim(img.meta.get(meta.HOLDER))
+    return held is None or held.node != node_name
 
 
 def provably_ours(v: Volume, observed: Observed, node_name: str) -> str | None:
@@ -187,6 +201,8 @@ class ReleasePlan:
     observed: Observed  # the look they were planned from (the chains re-check it)
     refused: list[str]  # found by identity alone and not provably ours: why, one line each
     force_off: ForceOff
+    # Of ``refused``, those provably another tool's (``provably_not_ours``).
+    not_ours: list[str] = field(default_factory=list)
 
     def forced_off(self, outcomes: Iterable[ChainDone]) -> set[Image]:
         """The images whose FUSE connections may be forced off after ``outcomes``."""
@@ -201,19 +217,27 @@ class ReleasePlan:
         """What is still held, when this plan comes from a look after the release."""
         return [*self.refused, *still_held(self.plans)]
 
+    def held_of_ours(self) -> list[str]:
+        """``held`` less another tool's mappings: what a removal of the
+        package would leave with nothing to release it (the dry run's)."""
+        return [x for x in self.held() if x not in self.not_ours]
+
 
 def plan_release(candidates: Iterable[Volume], observed: Observed, ctx: Context,
                  step_timeout: float) -> ReleasePlan:
     """The release of ``candidates`` (``volumes_of_ours``) as ``observed``:
     each provably ours taken down to CREATED (unpublish, unstage, unmap), in
     the planner's order; each other one refused, with why."""
-    volumes, refused = [], []
+    volumes, refused, not_ours = [], [], []
     for v in candidates:
         why = provably_ours(v, observed, ctx.node_name)
         if why is None:
             volumes.append(v)
         else:
             refused.append(why)
+            if provably_not_ours(v, observed, ctx.node_name):
+                not_ours.append(why)
     plans = plan(volumes, observed, ctx, release=[v.name for v in volumes])
     return ReleasePlan(plans, {v.name: v for v in volumes}, observed, refused,
-                       ForceOff(step_timeout, frozenset(vp.name for vp in plans if vp.stalled)))
+                       ForceOff(step_timeout, frozenset(vp.name for vp in plans if vp.stalled)),
+                       not_ours)

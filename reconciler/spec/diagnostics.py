@@ -1,7 +1,7 @@
 """Load errors that point at a file, a line and a field.
 
-Imported by cli/show.py; csi/errors.py, csi/records.py; spec/ (14 modules);
-views.py.
+Imported by cli/release.py, cli/show.py; csi/errors.py, csi/records.py;
+daemon/readiness.py; spec/ (14 modules); views.py.
 """
 
 from __future__ import annotations

@@ -46,9 +46,12 @@ def _lock_for(path: Path) -> threading.Lock:
 
 
 class Registry:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, writes: bool = True) -> None:
         self.path = path
         self._lock = _lock_for(path)
+        # False: read only (a look that takes no lock beside a running
+        # daemon: its read-modify-write could write the daemon's away).
+        self.writes = writes
 
     def all(self) -> dict[str, Any]:
         data = read_json(self.path, {})
@@ -58,12 +61,16 @@ class Registry:
         return self.all().get(key)
 
     def record(self, key: str, value: Any) -> None:
+        if not self.writes:
+            return
         with self._lock:
             data = self.all()
             data[key] = value
             write_json(self.path, data)
 
     def forget(self, key: str) -> None:
+        if not self.writes:
+            return
         with self._lock:
             data = self.all()
             if data.pop(key, None) is not None:
@@ -111,8 +118,9 @@ class NbdMappings(Registry):
     last written before this boot began.
     """
 
-    def __init__(self, state_dir: Path, boot_id_path: Path = boot.BOOT_ID) -> None:
-        super().__init__(state_dir / "nbd.json")
+    def __init__(self, state_dir: Path, boot_id_path: Path = boot.BOOT_ID,
+                 writes: bool = True) -> None:
+        super().__init__(state_dir / "nbd.json", writes)
         self.boot = boot.boot_id(boot_id_path)
 
     def record(self, key: str, value: Any) -> None:
@@ -121,6 +129,8 @@ class NbdMappings(Registry):
     def amend(self, key: str, fields: dict[str, Any]) -> None:
         """Fields added to an existing record (a new rbd-nbd attached to the
         same device: its binary and version); nothing when there is none."""
+        if not self.writes:
+            return
         with self._lock:
             data = self.all()
             if isinstance(data.get(key), dict):

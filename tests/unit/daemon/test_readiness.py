@@ -167,3 +167,16 @@ def test_a_failing_probe_is_logged_and_the_wait_goes_on(
     assert "READY=1" not in said
     a.set_result(None)
     assert said[-1] == "READY=1"
+
+
+def test_a_reason_cannot_smuggle_assignments_into_sd_notify(said: list[str]) -> None:
+    """sd_notify is newline-separated assignments: a reason (Ceph's error
+    text, an unknown condition's message) holding a newline would add its
+    own (MAINPID=, WATCHDOG=trigger, STOPPING=1...) to STATUS=."""
+    first = FirstChains()
+    first.not_waiting({"x": "unknown: boom\nMAINPID=1\nWATCHDOG=trigger"})
+    first.begin({})
+    status = [s for s in said if s.startswith("STATUS=")]
+    assert len(status) == 1 and "\n" not in status[0] and "\x1b" not in status[0]
+    assert "MAINPID=1" in status[0]  # said, escaped, on the one line
+    assert said[-1] == "READY=1"

@@ -150,3 +150,24 @@ def test_one_release_plan_from_one_look() -> None:
     assert planned.forced_off([Chain("p/j", "aborted")]) == set()  # refused: never forced
     assert planned.held() == [planned.refused[0], "p/i: unmap p/i not done"]
     assert planned.left([]) == planned.held()
+
+
+def test_what_is_provably_not_ours_does_not_count_as_held_by_us() -> None:
+    """Another tool's kernel mapping (rbdmap's, ceph-csi's, a hand's `rbd
+    map`: claimed by nobody or by another node) is left alone by the release
+    at a shutdown as at a removal; the dry run the prerm asks must not count
+    it as ours (it refused the removal forever: RBD_RECONCILER_REMOVE=release
+    could not clear it). One whose image-meta could not be read may be ours:
+    it still counts."""
+    maps = {n: Mapping("krbd", "p", n, f"/dev/rbd{k}") for k, n in enumerate("abc")}
+    seen = Observed(images={("p", "a"): ImageState("p", "a", 1, frozenset(),
+                                                   {"rbd-reconciler.holder": "n2"}),
+                            ("p", "b"): ImageState("p", "b", 1, frozenset(), {})},
+                    pools_listed=frozenset({"p"}), pool_errors={},
+                    mappings=tuple(maps.values()), devices={}, mounts=(),
+                    image_errors={("p", "c"): "timed out"})
+    planned = plan_release([identity_volume(m) for m in maps.values()], seen,
+                           Context("me", "/s", frozenset({"krbd"})), 5.0)
+    assert len(planned.refused) == 3 and len(planned.held()) == 3  # the report: as before
+    assert [x.split(":")[0] for x in planned.not_ours] == ["p/a", "p/b"]
+    assert [x.split(":")[0] for x in planned.held_of_ours()] == ["p/c"]
