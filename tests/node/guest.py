@@ -1242,6 +1242,40 @@ def removal_refused() -> str:
             "refused under a policy-rc.d that forbids the stop; nothing moved")
 
 
+def removal_keeps() -> str:
+    """RBD_RECONCILER_REMOVE=keep: the files go, every volume stays up under
+    its application, the release unit is taken down without its release;
+    the package installed again (README) finds them all as they were."""
+    before = snapshot()
+    mark = cursor()
+    done = apt_remove("remove", env={"RBD_RECONCILER_REMOVE": "keep"})
+    said = done.stdout + done.stderr
+    log(said[-2000:])
+    assert done.returncode == 0, said[-2000:]
+    assert "NOTHING releases them at shutdown" in said, said[-2000:]
+    assert installed().startswith("rc"), installed()
+    assert snapshot() == before, f"keep moved something: {before} -> {snapshot()}"
+    assert unit("nodebox-app.service", "ActiveState")["ActiveState"] == "active"
+    rel = unit("rbd-reconciler-shutdown.service", "ActiveState")
+    assert rel["ActiveState"] == "inactive", rel
+    released = [e.get("MESSAGE") for e in journal(f"--after-cursor={mark}", timeout=180)
+                if e.get("_SYSTEMD_UNIT") == "rbd-reconciler-shutdown.service"
+                and e.get("_PID") != "1"]
+    assert not released, f"the release unit's stop ran its release: {released[:5]}"
+    left = list(Path("/run/systemd/system").glob("rbd-reconciler-shutdown.service.d/*"))
+    assert not left, f"drop-ins left behind: {left}"
+    # Back: installed again, the units as the README enables them.
+    sh("sh", "-c", "apt install -y ./rbd-reconciler_*.deb", cwd=str(RUN / "debs" / "new"),
+       timeout=300)
+    sh("systemctl", "enable", "--now", "rbd-reconciler", "rbd-reconciler-shutdown", timeout=300)
+    wait_for("every volume Published after the reinstall", lambda: published(ALL_VOLUMES), 300,
+             every=1)
+    assert snapshot() == before, f"the reinstall moved something: {before} -> {snapshot()}"
+    return ("kept: every mount (by id), mapping, dm device and helper as it was, the application "
+            "running, the release unit down without its release, no drop-in left; installed "
+            "again, nothing moved")
+
+
 def removal_releases() -> str:
     """RBD_RECONCILER_REMOVE=release: the application (PartOf= the release
     unit) stops first, then everything of ours is released, then the files
@@ -1282,6 +1316,7 @@ def boot3() -> str:
     check("directory modes kept", modes_kept)
     if check("Ceph back", ceph_back):
         check("removal refused with volumes up", removal_refused)
+        check("removal with keep, then installed again", removal_keeps)
         check("removal with release, then purge", removal_releases)
     return "poweroff"
 
