@@ -71,6 +71,20 @@ daemon-reload)
     while IFS= read -r v; do eff=$v; done < "$T/lines"
     printf '%s\n' "$eff" > "$T/loaded-execstop" ;;
 show) cat "$T/loaded-execstop" ;;  # show -p ExecStop --value
+stop)  # keep's stop of the release unit: no policy-rc.d on this way
+    [ -e "$T/stop-fails" ] && exit 1
+    case " $* " in
+    *" --job-mode=ignore-requirements "*) ;;
+    *) echo "a stop that carries to the units PartOf= $u" >> "$T/calls" ;;
+    esac
+    for f in active activating; do
+        grep -vx "$u" "$T/$f" > "$T/$f.new" || true; mv "$T/$f.new" "$T/$f"
+    done
+    if [ -z "$(cat "$T/loaded-execstop")" ]; then
+        echo "stopped $u without ExecStop" >> "$T/calls"
+    else
+        cp "$T/after-release" "$T/held"
+    fi ;;
 esac
 exit 0
 ''',
@@ -120,7 +134,7 @@ class Node:
         return (self.tmp / "calls").read_text().splitlines()
 
     def invoked(self) -> list[str]:
-        return [c for c in self.calls() if c.startswith("deb-systemd-invoke")]
+        return [c for c in self.calls() if c.startswith(("deb-systemd-invoke", "systemctl stop"))]
 
 
 @pytest.fixture
@@ -179,8 +193,9 @@ def test_keep_stops_the_daemon_and_the_release_unit_without_its_release(node: No
     assert "NOTHING releases them at shutdown" in p.stderr
     assert "pgdata: unpublish /srv/pg" in p.stderr  # what stays, said
     assert f"stopped {RELEASE} without ExecStop" in node.calls()
+    # Not carried to the applications PartOf= it (they keep running).
     assert node.invoked() == [f"deb-systemd-invoke stop {DAEMON}",
-                              f"deb-systemd-invoke stop {RELEASE}"]
+                              f"systemctl stop --job-mode=ignore-requirements {RELEASE}"]
     assert node.now_active() == []
     # The drop-in was for that stop only.
     assert not (node.tmp / "run-systemd" / f"{RELEASE}.d").exists()
@@ -242,9 +257,9 @@ def test_keep_whose_daemon_reload_fails_leaves_no_drop_in_and_refuses(node: Node
     assert "run it yourself" in p.stderr  # the reload that undoes it failed too
 
 
-def test_keep_whose_release_unit_stop_is_forbidden_refuses(node: Node) -> None:
+def test_keep_whose_release_unit_stop_fails_refuses(node: Node) -> None:
     node.held("pgdata: unpublish /srv/pg")
-    (node.tmp / f"policy-forbids-{RELEASE}").write_text("")
+    (node.tmp / "stop-fails").write_text("")
     p = node.run("remove", RBD_RECONCILER_REMOVE="keep")
     assert p.returncode == 1 and "policy-rc.d" in p.stderr
     assert not (node.tmp / "run-systemd" / f"{RELEASE}.d").exists()
@@ -325,6 +340,6 @@ def test_keep_with_an_operators_drop_in_that_sets_execstop_again(node: Node) -> 
     (node.tmp / "calls").write_text("")
     p = node.run("remove", RBD_RECONCILER_REMOVE="keep")
     assert p.returncode == 1 and "ExecStop" in p.stderr
-    assert f"deb-systemd-invoke stop {RELEASE}" not in node.calls()
+    assert not [c for c in node.calls() if c.startswith("systemctl stop")]
     assert sorted(node.now_active()) == sorted([DAEMON, RELEASE])
     assert not (node.tmp / "run-systemd" / f"{RELEASE}.d").exists()
