@@ -236,10 +236,12 @@ def _apply_here(args: argparse.Namespace, config: Config, release: bool
 
 
 def cmd_release(args: argparse.Namespace, config: Config) -> int:
-    if getattr(args, "dry_run", False) and not args.all:
-        print("rbd-reconciler: release --dry-run goes with --all (what release --all would "
-              "take down); for volumes by name, `plan` says what would be done",
-              file=sys.stderr)
+    if getattr(args, "dry_run", False) and (not args.all or getattr(args, "orphans", False)):
+        # Never past here to a sweep or an apply that acts: --dry-run
+        # promises nothing is done.
+        print("rbd-reconciler: release --dry-run goes with --all alone (what release --all "
+              "would take down); status lists the leftovers --orphans would remove, and "
+              "`plan` what would be done to volumes by name", file=sys.stderr)
         return EXIT_USAGE
     if getattr(args, "orphans", False):
         from reconciler.cli.orphans import cmd_release_orphans

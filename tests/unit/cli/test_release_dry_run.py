@@ -57,3 +57,19 @@ def test_another_tools_mapping_is_said_and_does_not_count(
     assert f"not ours: {other}" in out and "nothing to take down" in out
     rc, out = _run(monkeypatch, capsys, [], output="json", not_ours=(other,))
     assert rc == 0 and json.loads(out) == {"held": [], "notOurs": [other]}
+
+
+@pytest.mark.parametrize("extra", [["--orphans"], ["--all", "--orphans"]])
+def test_dry_run_never_reaches_the_orphans_sweep(monkeypatch: pytest.MonkeyPatch,
+                                                  extra: list[str]) -> None:
+    """`--dry-run` promises nothing is done: with --orphans it is refused
+    (usage), never a sweep that removes."""
+    from reconciler.cli import orphans, reconcile
+    from reconciler.cli.exits import EXIT_USAGE
+    from reconciler.cli.main import build_parser
+
+    swept: list[object] = []
+    monkeypatch.setattr(orphans, "cmd_release_orphans", lambda *a: swept.append(a) or 0)
+    args = build_parser().parse_args(["release", "--dry-run", *extra])
+    assert reconcile.cmd_release(args, None) == EXIT_USAGE  # type: ignore[arg-type]
+    assert swept == []
