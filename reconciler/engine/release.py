@@ -97,6 +97,12 @@ class Ours:
     fuse: FuseMounts  # where the last resort looks
 
 
+def _ours(config: Config, node: Node, step_timeout: float, fuse: FuseMounts) -> Ours:
+    """The config read once: the files, the daemon's records, the planner's context."""
+    return Ours(node, context(config, node), load_desired(config).volumes,
+                read_json(config.state_dir / "managed.json", {}) or {}, step_timeout, fuse)
+
+
 def sync_all(timeout: float) -> str | None:
     """sync(1) within ``timeout``. A sync stuck on a dead cluster (D state,
     unkillable) is left behind rather than waited for: the unmounts that
@@ -210,9 +216,7 @@ def held_now(config: Config, step_timeout: float) -> tuple[list[str], list[str]]
     done and no lock is taken (the daemon may hold it: the package's prerm
     asks while it runs)."""
     node = Node.from_config(config, Runner(timeout=step_timeout), read_only=True)
-    fuse = FuseMounts(config.ceph, config.state_dir / "fuse")
-    ours = Ours(node, context(config, node), load_desired(config).volumes,
-                read_json(config.state_dir / "managed.json", {}) or {}, step_timeout, fuse)
+    ours = _ours(config, node, step_timeout, FuseMounts(config.ceph, config.state_dir / "fuse"))
     planned = _plan_release(ours, node)
     return planned.held_of_ours(), planned.not_ours
 
@@ -237,8 +241,7 @@ def _release(config: Config, step_timeout: float, deadline: float, fuse: FuseMou
     with locked_within(config.state_dir, limit.budget(step_timeout)):
         out.phase = "looking at what is ours"  # the files and the records first
         node = Node.from_config(config, Runner(timeout=step_timeout))
-        ours = Ours(node, context(config, node), load_desired(config).volumes,
-                    read_json(config.state_dir / "managed.json", {}) or {}, step_timeout, fuse)
+        ours = _ours(config, node, step_timeout, fuse)
         for _ in range(2):  # once more only after forcing off what did not answer
             if _release_round(ours, limit, out):
                 return out
