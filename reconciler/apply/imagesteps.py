@@ -15,6 +15,7 @@ from reconciler.apply.outcomes import FreezeExpired, StepRefused
 from reconciler.drivers import ceph
 from reconciler.facts import meta
 from reconciler.facts.claim import parse as parse_claim
+from reconciler.facts.text import shown_name
 from reconciler.plan.steps import (
     CloneImage,
     CreateImage,
@@ -124,7 +125,8 @@ class ImageSteps(ChainState):
                               "UTF-8 text; unknown, not absent")
         owner = found.meta.get(meta.OWNER)
         if owner != self.node.config.node_name:
-            raise StepRefused(f"{step.pool}/{step.image} is owned by {owner or 'nobody'}")
+            raise StepRefused(f"{step.pool}/{step.image} is owned by "
+                              f"{shown_name(owner) if owner else 'nobody'}")
         holder = parse_claim(found.meta.get(meta.HOLDER))
         if holder is not None and holder.node != self.node.config.node_name:
             raise StepRefused(f"{step.pool}/{step.image} is claimed by node {holder.node}")
@@ -133,6 +135,6 @@ class ImageSteps(ChainState):
                               f"{', '.join(found.watchers)}")
         if found.snaps:
             raise StepRefused(f"{step.pool}/{step.image} still has snapshots: "
-                              f"{', '.join(s.name for s in found.snaps)}")
+                              f"{', '.join(shown_name(s.name) for s in found.snaps)}")
         ceph.remove_image(cluster, step.pool, step.image)
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from reconciler.facts.text import shown_name
+
 
 @dataclass(frozen=True)
 class Claim:
@@ -41,22 +43,31 @@ class Claim:
 
 def parse(raw: str | None) -> Claim | None:
     """None: unclaimed. A value that is not our JSON is the plain node name an
-    earlier version recorded (informational then, a claim now)."""
+    earlier version recorded (informational then, a claim now). Anyone with
+    the pool's key may have written it: a name no node config allows comes
+    back escaped and bounded (it reaches messages), and so do the addresses;
+    the compare-and-set compares the raw value, never this."""
     if not raw:
         return None
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested too deeply
-        return Claim(raw.strip())
+        return Claim(shown_name(raw.strip()))
     if not isinstance(doc, dict) or not isinstance(doc.get("node"), str):
-        return Claim(raw.strip())
-    return Claim(doc["node"], _addrs(doc.get("clients")),
-                 doc.get("takenFrom") if isinstance(doc.get("takenFrom"), str) else None,
+        return Claim(shown_name(raw.strip()))
+    taken_from = doc.get("takenFrom")
+    return Claim(shown_name(doc["node"]), _addrs(doc.get("clients")),
+                 shown_name(taken_from) if isinstance(taken_from, str) else None,
                  _addrs(doc.get("fenced")))
 
 
+MAX_ADDRS = 64  # a node's mapping has a client or two; a fence adds a few
+
+
 def _addrs(value: object) -> tuple[str, ...]:
-    return tuple(str(a) for a in value) if isinstance(value, list) else ()
+    if not isinstance(value, list):
+        return ()
+    return tuple(shown_name(str(a)) for a in value[:MAX_ADDRS])
 
 
 def parse_blocklist(text: str) -> dict[str, str]:

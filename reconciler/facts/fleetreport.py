@@ -29,6 +29,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from reconciler.facts.text import FORBIDDEN, NODE_NAME
+from reconciler.facts.text import clip as text_clip
+
 FORMAT = 1
 MAX_REPORT_BYTES = 16 * 1024
 MAX_FIELDS = 32
@@ -40,28 +43,15 @@ MAX_COUNTER = 2**63 - 1
 HEALTHY, FAILED, CONVERGING = "Healthy", "Failed", "Converging"
 HEALTHS = (HEALTHY, FAILED, CONVERGING)
 
-# The node config's nodeName pattern (schemas/config.schema.json).
-NODE_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9._]{0,251}[A-Za-z0-9])?")
 WAVE_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 COMMIT = re.compile(r"[0-9a-f]{40}([0-9a-f]{24})?")  # SHA-1 or SHA-256
 PHASE = re.compile(r"[A-Za-z]{1,32}")
-# Control and bidi characters hide what a text says (spec/diagnostics.py
-# refuses the same ones in specs; facts may not import spec); so do the
-# invisible format characters (soft hyphen, zero widths, word joiners, BOM,
-# annotations). A lone surrogate (JSON may escape one) cannot be encoded:
-# it would crash whatever prints another node's text.
-FORBIDDEN = re.compile(
-    r"[\x00-\x1f\x7f-\x9f\xad\u061c\u200b-\u200f\u2028\u2029\u202a-\u202e\u2060-\u2069"
-    r"\ud800-\udfff\ufeff\ufff9-\ufffb]")
 MAX_WRITTEN_AT = 40
 
 
 def clip(text: str, limit: int = MAX_REASON) -> str:
-    """``text`` as a report may carry it: control and bidi characters
-    escaped, at most ``limit`` characters (the end cut, marked "…")."""
-    if FORBIDDEN.search(text):
-        text = FORBIDDEN.sub(lambda m: repr(m.group())[1:-1], text)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    """``text`` as a report may carry it (facts/text.py)."""
+    return text_clip(text, limit)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from reconciler.facts import meta
+from reconciler.facts.text import shown_name
 from reconciler.plan.steps import DeleteImage, SetImageMeta, SetQos
 from reconciler.plan.types import Refused
 from reconciler.plan.volumeview import VolumeView
@@ -57,7 +58,7 @@ class ImageRules(VolumeView):
         if owner != self.ctx.node_name:
             self.plan.withheld.append(
                 f"refusing to delete {v.image.spec}: it was not created by this node "
-                f"(owner: {owner or 'none recorded'}); the image is kept")
+                f"(owner: {shown_name(owner) if owner else 'none recorded'}); the image is kept")
             return
         if (other := self.claimed_elsewhere()) is not None:
             self.plan.claimed_by = other.node

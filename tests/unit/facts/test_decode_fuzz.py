@@ -27,7 +27,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from reconciler.facts import claim, kmsg, luks, meta, parsers
+from reconciler.facts import claim, kmsg, luks, meta, parsers, text
 from reconciler.facts.observed import Mount
 from reconciler.facts.uevent import Uevent, parse_uevent
 
@@ -167,10 +167,31 @@ def test_a_claim_is_a_claim_nobody_or_unreadable(raw: bytes) -> None:
 def test_a_claim_of_any_json_is_a_claim_or_nobody(doc: object) -> None:
     got = claim.parse(json.dumps(doc))
     assert got is None or (isinstance(got, claim.Claim) and isinstance(got.node, str))
+    if got is not None:
+        _shown_safely(got)
+
+
+def _shown_safely(got: claim.Claim) -> None:
+    """Whatever wrote it, what a claim shows can go to a terminal or a log."""
+    for name in (got.node, got.taken_from or "", *got.clients, *got.fenced):
+        assert not text.FORBIDDEN.search(name) and len(name) <= text.MAX_NAME, name
+    assert len(got.clients) <= claim.MAX_ADDRS and len(got.fenced) <= claim.MAX_ADDRS
+
+
+@FUZZ
+@given(st.text(max_size=400), st.text(max_size=40))
+@example("evil\x1b]0;pwned\x07\nnode-a", "a\u202eb")
+def test_a_claim_shows_a_name_no_node_config_allows_escaped(node: str, other: str) -> None:
+    got = claim.parse(json.dumps({"node": node, "takenFrom": other,
+                                  "clients": [other] * 100, "fenced": [node]}))
+    assert got is not None
+    _shown_safely(got)
+    if text.NODE_NAME.fullmatch(node):
+        assert got.node == node  # a name a node may have is that name
 
 
 def test_a_claim_nested_too_deeply_is_a_foreign_name() -> None:
-    assert claim.parse(DEEP) == claim.Claim(DEEP)  # was: RecursionError
+    assert claim.parse(DEEP) == claim.Claim(text.shown_name(DEEP))  # was: RecursionError
 
 
 # -- command output ----------------------------------------------------------------

@@ -801,6 +801,14 @@ def test_delete_of_an_image_not_owned_is_refused_but_torn_down() -> None:
     assert actions(p) == ["unpublish", "unpublish", "unstage", "unmap"]
 
 
+def test_an_owner_written_by_a_hostile_hand_is_shown_escaped() -> None:
+    vol = volume(state="absent", reclaim="Delete")
+    w = converged(volume(), image_meta={meta.OWNER: "node-b\x1b[2J\nrbd-reconciler: ok"})
+    p = plan_one(vol, w)
+    withheld(p, "owner: node-b\\x1b[2J\\nrbd-reconciler: ok")
+    assert "\x1b" not in p.refused and "\n" not in p.refused
+
+
 def test_delete_without_owner_is_refused() -> None:
     vol = volume(state="absent", reclaim="Delete", mapper=None, stage=False)
     p = plan_one(vol, World().image("pgdata", 256 * MiB))
