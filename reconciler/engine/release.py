@@ -263,8 +263,9 @@ def _release(config: Config, step_timeout: float, deadline: float, fuse: FuseMou
         out.phase = "looking again"
         # Its own runner: the deadline's halt, had it come now, must not
         # refuse the listing commands of this last look.
-        again = _plan_release(ours, node.anew(Runner(timeout=step_timeout)))
-    out.left = again.held()
+        unlisted: list[str] = []  # what it could not list may still be held
+        again = _plan_release(ours, node.anew(Runner(timeout=step_timeout)), unlisted)
+    out.left = [*again.held(), *unlisted]
     # That look may itself have got stuck on a device nobody answers for:
     # the process could not end (engine/unwedge.py).
     out.forced += unwedge(fuse, set(), limit.until_end())

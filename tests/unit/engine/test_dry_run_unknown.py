@@ -40,3 +40,27 @@ def test_a_failed_listing_is_not_nothing_held(tmp_path: Path, monkeypatch: pytes
     assert rc == EXIT_FAILED, captured.out
     assert "nothing to take down" not in captured.out
     assert "listing nbd mappings failed" in captured.err
+
+
+def test_a_release_whose_last_look_could_not_list_is_not_ok(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``release --all`` itself: its last look is what it reports held; a
+    listing that failed there is not "0 thing(s) still held" (exit 0)."""
+    from reconciler.engine import release as engine_release
+
+    state, desired = tmp_path / "state", tmp_path / "desired"
+    for d in (state, desired):
+        d.mkdir(mode=0o700)
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(f"desiredDir: {desired}\nstateDir: {state}\nallowedRoots: [{tmp_path}]\n")
+    config = load_config(cfg)
+    monkeypatch.setattr(observe_node, "available_mappers", lambda: frozenset({"fuse", "nbd"}))
+    monkeypatch.setattr(engine_release, "sync_all", lambda _t: None)
+
+    def fails(self: kernelmapper.KernelMapper) -> list[object]:
+        raise CommandError(["rbd", "device", "list", "-t", "nbd"], 1, "timed out")
+
+    monkeypatch.setattr(kernelmapper.KernelMapper, "list", fails)
+    done = engine_release.release_all(config, 5.0, 30.0)
+    assert not done.ok
+    assert any("listing nbd mappings failed" in x for x in done.left), done.left
