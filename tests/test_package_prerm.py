@@ -44,7 +44,11 @@ for u in "$@"; do
           else
               cp "$T/after-release" "$T/held"
           fi ;;
-    start) grep -qx "$u" "$T/active" || echo "$u" >> "$T/active" ;;
+    start)  # as the real one: a unit that is not enabled is not started
+        if [ -e "$T/disabled-$u" ]; then
+            echo "$u is a disabled or a static unit, not starting it." >&2; continue
+        fi
+        grep -qx "$u" "$T/active" || echo "$u" >> "$T/active" ;;
     esac
 done
 exit 0
@@ -71,6 +75,9 @@ daemon-reload)
     while IFS= read -r v; do eff=$v; done < "$T/lines"
     printf '%s\n' "$eff" > "$T/loaded-execstop" ;;
 show) cat "$T/loaded-execstop" ;;  # show -p ExecStop --value
+start)  # enabled or not; no policy-rc.d on this way
+    shift
+    for v; do grep -qx "$v" "$T/active" || echo "$v" >> "$T/active"; done ;;
 stop)  # keep's stop of the release unit: no policy-rc.d on this way
     [ -e "$T/stop-fails" ] && exit 1
     case " $* " in
@@ -134,7 +141,8 @@ class Node:
         return (self.tmp / "calls").read_text().splitlines()
 
     def invoked(self) -> list[str]:
-        return [c for c in self.calls() if c.startswith(("deb-systemd-invoke", "systemctl stop"))]
+        return [c for c in self.calls()
+                if c.startswith(("deb-systemd-invoke", "systemctl stop", "systemctl start"))]
 
 
 @pytest.fixture
@@ -174,7 +182,7 @@ def test_release_that_leaves_something_held_refuses_and_starts_the_units_again(
     assert p.returncode == 1
     assert "still held after the release" in p.stderr and "pgdata: unstage busy" in p.stderr
     assert node.invoked() == [f"deb-systemd-invoke stop {DAEMON} {RELEASE}",
-                              f"deb-systemd-invoke start {DAEMON} {RELEASE}"]
+                              f"systemctl start {DAEMON} {RELEASE}"]
     assert sorted(node.now_active()) == sorted([DAEMON, RELEASE])
 
 
@@ -274,7 +282,7 @@ def test_a_daemon_still_starting_counts_as_running(node: Node) -> None:
     node.held("pgdata: unpublish /srv/pg", after_release=("pgdata: unstage busy",))
     p = node.run("remove", RBD_RECONCILER_REMOVE="release")
     assert p.returncode == 1
-    assert node.invoked()[-1] == f"deb-systemd-invoke start {DAEMON} {RELEASE}"
+    assert node.invoked()[-1] == f"systemctl start {DAEMON} {RELEASE}"
     # And a stop that a policy-rc.d forbids leaves it starting: refused.
     node.active()
     (node.tmp / "activating").write_text(f"{DAEMON}\n")
@@ -343,3 +351,17 @@ def test_keep_with_an_operators_drop_in_that_sets_execstop_again(node: Node) -> 
     assert not [c for c in node.calls() if c.startswith("systemctl stop")]
     assert sorted(node.now_active()) == sorted([DAEMON, RELEASE])
     assert not (node.tmp / "run-systemd" / f"{RELEASE}.d").exists()
+
+
+def test_a_refusal_starts_again_units_that_ran_without_being_enabled(node: Node) -> None:
+    # `systemctl start rbd-reconciler` without `enable` (trying it out; the
+    # package enables nothing): deb-systemd-invoke starts only enabled units,
+    # so after a refused release the daemon and the release unit stayed
+    # down, "starting again" said all the same, and nothing released what
+    # was left at shutdown.
+    for u in (DAEMON, RELEASE):
+        (node.tmp / f"disabled-{u}").write_text("")
+    node.held("pgdata: unpublish /srv/pg", after_release=("pgdata: unstage busy",))
+    p = node.run("remove", RBD_RECONCILER_REMOVE="release")
+    assert p.returncode == 1 and "still held after the release" in p.stderr
+    assert sorted(node.now_active()) == sorted([DAEMON, RELEASE])

@@ -15,7 +15,13 @@ import sys
 
 from reconciler.cli.exits import EXIT_CHANGES, EXIT_FAILED, EXIT_OK
 from reconciler.engine import Busy
-from reconciler.engine.release import Released, force_off_stuck, held_now, release_all
+from reconciler.engine.release import (
+    CannotTell,
+    Released,
+    force_off_stuck,
+    held_now,
+    release_all,
+)
 from reconciler.spec.config import Config
 from reconciler.spec.diagnostics import escaped
 
@@ -52,7 +58,12 @@ def _dry_run(args: argparse.Namespace, config: Config) -> int:
     (as ``plan``) when something; another tool's mappings are said, and
     count for nothing. The package's prerm asks before a removal
     (debian/rbd-reconciler.prerm)."""
-    held, not_ours = held_now(config, args.step_timeout)
+    try:
+        held, not_ours = held_now(config, args.step_timeout)
+    except CannotTell as exc:  # neither 0 nor 2: the prerm refuses, saying why
+        print(f"rbd-reconciler: release --all --dry-run cannot tell: {escaped(str(exc))}",
+              file=sys.stderr)
+        return EXIT_FAILED
     if args.output == "json":
         json.dump({"held": held, "notOurs": not_ours}, sys.stdout, indent=2)
         print()

@@ -310,7 +310,8 @@ class Passes:
         # READY=1 (daemon/readiness.py) does not wait for what is unknown:
         # its pool or image did not answer (Ceph unreachable at boot).
         self.loop.first_chains.not_waiting(unknown_why)
-        self.loop.first_chains.seen({vp.name for vp in plans} - set(unknown))
+        self.loop.first_chains.seen({vp.name for vp in plans} - set(unknown),
+                                    self.chains.in_flight())
         # Volumes in backoff or in flight were not observed: they keep their state.
         still = {n: m for n, m in self.conditions.active("unknown").items()
                  if n in current and n not in by_name}

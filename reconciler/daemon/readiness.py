@@ -83,13 +83,22 @@ class FirstChains:
                 return
             self.not_waited.update(why)
 
-    def seen(self, names: set[str]) -> None:
-        """Volumes a pass looked at and did not find unknown."""
+    def seen(self, names: set[str], inflight: dict[str, Future[None]] | None = None) -> None:
+        """Volumes a pass looked at and did not find unknown. ``inflight``:
+        the chains in flight after it (a copy); one of a volume not waited
+        for until now (Ceph answering again) is waited for from now on,
+        within the same limit: it converges on a cluster that answers."""
+        late: list[Future[None]] = []
         with self._lock:
             if self.ready:
                 return
             for name in names:
-                self.not_waited.pop(name, None)
+                if (self.not_waited.pop(name, None) is not None and self.deadline
+                        and inflight is not None and name in inflight):
+                    self.pending[name] = inflight[name]
+                    late.append(inflight[name])
+        for f in late:  # outside the lock: one already done calls back at once
+            f.add_done_callback(lambda _f: self.check())
 
     def begin(self, inflight: dict[str, Future[None]]) -> None:
         """The first pass ended: ``inflight`` is what it started (a copy)."""

@@ -120,7 +120,12 @@ def sync_all(timeout: float) -> str | None:
     return None if proc.returncode == 0 else f"sync exited {proc.returncode}"
 
 
-def _mappings(node: Node) -> list[Mapping]:
+class CannotTell(Exception):
+    """The dry run could not list what is mapped here: unknown, not nothing."""
+
+
+def _mappings(node: Node, unlisted: list[str] | None = None) -> list[Mapping]:
+    """``unlisted``: one line per listing that failed is added to it."""
     found = list(node.fuse.list())
     for kind in ("krbd", "nbd"):
         if kind in node.mappers_available:
@@ -128,12 +133,15 @@ def _mappings(node: Node) -> list[Mapping]:
                 found += node.mapper(kind).list()
             except Exception as exc:  # listing is best effort: say what was not seen
                 log.error("listing %s mappings failed: %s", kind, exc)
+                if unlisted is not None:
+                    unlisted.append(f"listing {kind} mappings failed: {exc}")
     return found
 
 
-def _plan_release(ours: Ours, node: Node) -> ReleasePlan:
+def _plan_release(ours: Ours, node: Node, unlisted: list[str] | None = None) -> ReleasePlan:
     """Look at what is ours now and ask plan/release.py what to do with it."""
-    candidates, unreadable = volumes_of_ours(ours.declared, ours.records, _mappings(node))
+    candidates, unreadable = volumes_of_ours(ours.declared, ours.records,
+                                             _mappings(node, unlisted))
     for line in unreadable:
         log.warning("%s", line)
     return plan_release(candidates, seen(candidates, node), ours.context, ours.step_timeout)
@@ -214,10 +222,15 @@ def held_now(config: Config, step_timeout: float) -> tuple[list[str], list[str]]
     refuses, when it may be ours) now, one line each, and apart the kernel
     mappings provably another tool's (which it leaves alone); nothing is
     done and no lock is taken (the daemon may hold it: the package's prerm
-    asks while it runs)."""
+    asks while it runs). CannotTell when a listing of the mappings failed:
+    what it would have shown (a volume found by identity alone) is unknown,
+    and "nothing" would let a removal go on (safety rule 7)."""
     node = Node.from_config(config, Runner(timeout=step_timeout), read_only=True)
     ours = _ours(config, node, step_timeout, FuseMounts(config.ceph, config.state_dir / "fuse"))
-    planned = _plan_release(ours, node)
+    unlisted: list[str] = []
+    planned = _plan_release(ours, node, unlisted)
+    if unlisted:
+        raise CannotTell("; ".join(unlisted))
     return planned.held_of_ours(), planned.not_ours
 
 
@@ -250,8 +263,9 @@ def _release(config: Config, step_timeout: float, deadline: float, fuse: FuseMou
         out.phase = "looking again"
         # Its own runner: the deadline's halt, had it come now, must not
         # refuse the listing commands of this last look.
-        again = _plan_release(ours, node.anew(Runner(timeout=step_timeout)))
-    out.left = again.held()
+        unlisted: list[str] = []  # what it could not list may still be held
+        again = _plan_release(ours, node.anew(Runner(timeout=step_timeout)), unlisted)
+    out.left = [*again.held(), *unlisted]
     # That look may itself have got stuck on a device nobody answers for:
     # the process could not end (engine/unwedge.py).
     out.forced += unwedge(fuse, set(), limit.until_end())

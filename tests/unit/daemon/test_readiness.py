@@ -180,3 +180,24 @@ def test_a_reason_cannot_smuggle_assignments_into_sd_notify(said: list[str]) -> 
     assert len(status) == 1 and "\n" not in status[0] and "\x1b" not in status[0]
     assert "MAINPID=1" in status[0]  # said, escaped, on the one line
     assert said[-1] == "READY=1"
+
+
+def test_an_unknown_volume_whose_chain_starts_before_ready_is_waited_for(
+        said: list[str]) -> None:
+    """Unknown at the first pass (Ceph not answering), then seen by a pass
+    while other first chains still run (Ceph back): its chain is converging
+    on a cluster that answers, so READY=1 waits for it too. Else READY=1
+    came at the others' end, its volume still being mapped, and, its name
+    taken back by ``seen``, said nothing of it: an application ordered
+    After= the daemon wrote into its empty publish directory."""
+    first = FirstChains()
+    first.not_waiting({"late": "unknown: cannot see pool 'rbd'"})
+    a, late = running(), running()
+    first.begin({"a": a})
+    first.seen({"late"}, {"a": a, "late": late})  # the next pass: its chain started
+    a.set_result(None)
+    first.check()
+    assert "READY=1" not in said
+    late.set_result(None)
+    assert said[-1] == "READY=1"
+    assert not [s for s in said if "not waited for" in s]
