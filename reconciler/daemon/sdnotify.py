@@ -10,12 +10,19 @@ from __future__ import annotations
 import os
 import socket
 
+from reconciler.facts.text import clip
+
+MAX_MESSAGE = 2048
+
 
 def notify(message: str) -> bool:
     """Send ``READY=1``, ``STATUS=...``, ``WATCHDOG=1`` ...; False without systemd.
     One assignment: the protocol separates them by newlines, so a text's own
-    (a reason quoted in STATUS=) is sent escaped, never as one of its own."""
-    message = message.replace("\r", "\\r").replace("\n", "\\n")
+    (a reason quoted in STATUS=) is sent escaped, never as one of its own;
+    so are control and bidi characters (`systemctl status` shows it to the
+    operator) and a lone surrogate (it cannot be encoded); at most
+    MAX_MESSAGE characters."""
+    message = clip(message, MAX_MESSAGE)
     addr = os.environ.get("NOTIFY_SOCKET")
     if not addr:
         return False

@@ -271,6 +271,9 @@ class Observed:
     # stacked inside one of them. Empty: nobody, so it may be unmounted and
     # mapped again. Missing: not looked at (then it is never unmounted).
     mount_users: dict[str, tuple[MountUser, ...]] = field(default_factory=dict)
+    # Mapper kinds ("krbd", "nbd") whose listing of mappings failed, with why:
+    # a volume not found mapped may be mapped by one; unknown, not unmapped.
+    mappings_unlisted: dict[str, str] = field(default_factory=dict)
 
     @cached_property
     def top_mounts(self) -> dict[str, Mount]:

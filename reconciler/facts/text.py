@@ -8,8 +8,8 @@ carry an escape sequence for the operator's terminal, a line break that
 forges a log line, or a megabyte. What is compared stays the raw value;
 what is shown goes through here.
 
-Imported by apply/imagesteps.py; facts/claim.py, facts/fleetreport.py;
-plan/image.py.
+Imported by apply/imagesteps.py; daemon/sdnotify.py; facts/claim.py,
+facts/fleetreport.py; plan/image.py.
 """
 
 from __future__ import annotations

@@ -215,12 +215,14 @@ def observe(node: Node, volumes: Iterable[Volume], all_watchers: bool = False,
     mountinfo = procfs.mountinfo()
     mounts = parse_mountinfo(mountinfo)
     mappings: list[Mapping] = list(node.fuse.list(mountinfo=mountinfo))
+    unlisted: dict[str, str] = {}
     for kind in ("krbd", "nbd"):
         if kind in node.mappers_available:
             try:
                 mappings += node.mapper(kind).list()
-            except CommandError as exc:
+            except CommandError as exc:  # what it maps is unknown, not unmapped
                 log.warning("listing %s mappings failed: %s", kind, exc)
+                unlisted[kind] = str(exc)
     watchers_for = None if all_watchers else _watchers_needed(
         volumes, mappings, node.mappers_available)
     # Only the devices of wanted images: a stuck probe of another costs nothing.
@@ -278,7 +280,8 @@ def observe(node: Node, volumes: Iterable[Volume], all_watchers: bool = False,
                     path_rdev=path_rdev, symlinks=symlinks, intents=intents,
                     freezes=freezes, crypts=crypts, io_limits=io_limits, io_errors=io_errors,
                     groups=imgs.groups, group_errors=imgs.group_errors, stalled=stalled,
-                    blocklist=imgs.blocklist, mount_users=mount_users)
+                    blocklist=imgs.blocklist, mount_users=mount_users,
+                    mappings_unlisted=unlisted)
 
 
 def _dead_fuse_users(node: Node, mappings: list[Mapping], wanted: set[tuple[str, str]],

@@ -155,10 +155,23 @@ class VolumeView:
             return why
         if (why := self.meta_unreadable()) is not None:
             return why
+        if (why := self.mapping_unlisted()) is not None:
+            return why
         for dev in (self.raw, self.dev):
             if dev is not None and dev.unknown:
                 return f"cannot read {dev.path}: {dev.unknown}"
         return None
+
+    def mapping_unlisted(self) -> str | None:
+        """Not found mapped while a listing of mappings failed: it may be
+        mapped all the same, by that mapper whatever the spec says now (it
+        may have changed). "Unmapped" would lead to a second map, or to the
+        delete of an image in use."""
+        if self.mapping is not None or not self.obs.mappings_unlisted:
+            return None
+        kind, why = sorted(self.obs.mappings_unlisted.items())[0]
+        return (f"listing the {kind} mappings failed ({why}): whether "
+                f"{self.v.image.spec} is mapped here is unknown, not unmapped")
 
     def meta_unreadable(self) -> str | None:
         """A value of ours (or a QoS limit) in the image's image-meta that is

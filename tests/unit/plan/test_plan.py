@@ -767,6 +767,27 @@ def test_pool_not_listed_refuses_delete_too() -> None:
     refused(plan_one(vol, w), "cannot see pool 'rbd'", "not listed")
 
 
+def _unlisted(w: World) -> Observed:
+    return replace(w.observed(), mappings_unlisted={"krbd": "rbd device list: timed out"})
+
+
+def test_a_volume_not_found_mapped_while_a_listing_failed_is_unknown() -> None:
+    # Created and not found mapped: a map now could be the second one.
+    vol = volume()
+    w = World().image("pgdata", 256 * MiB, meta=owned_meta(vol))
+    refused(plan_one(vol, _unlisted(w)), "listing the krbd mappings failed",
+            "rbd device list: timed out", "unknown, not unmapped")
+    # Going away with reclaimPolicy Delete: no delete of an image maybe in use.
+    gone = volume(state="absent", reclaim="Delete", mapper=None, stage=False)
+    p = plan_one(gone, _unlisted(World().image("pgdata", 256 * MiB, meta=owned_meta(gone))))
+    assert "delete image" not in actions(p) and "unknown, not unmapped" in p.refused
+
+
+def test_a_volume_found_mapped_is_known_though_another_listing_failed() -> None:
+    vol = volume()
+    assert plan_one(vol, _unlisted(converged(vol))).steps == []
+
+
 def test_adopting_a_missing_image_is_refused() -> None:
     refused(plan_one(volume(size=None), World()), "does not exist", "no size is given")
 
