@@ -201,3 +201,35 @@ def test_an_unknown_volume_whose_chain_starts_before_ready_is_waited_for(
     late.set_result(None)
     assert said[-1] == "READY=1"
     assert not [s for s in said if "not waited for" in s]
+
+
+def test_a_record_that_does_not_load_stops_no_other_probe(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """service._probe_first_chains: one record that does not load (written
+    by another version) is left out; the others are probed as ever, so a
+    volume whose pool does not answer is still not waited for."""
+    import threading
+    from types import SimpleNamespace
+
+    from test_plan import volume
+
+    from reconciler.daemon import service
+    from reconciler.observe.ceph import CephView
+    from reconciler.spec.model import volume_to_dict
+
+    asked: list[set[tuple[str, str]]] = []
+
+    def observe_images(_ceph: object, wanted: set[tuple[str, str]], *_a: object) -> CephView:
+        asked.append(wanted)
+        return CephView(errors={"rbd": "timed out"})
+
+    monkeypatch.setattr(service, "observe_images", observe_images)
+    good = volume_to_dict(volume())
+    fake = SimpleNamespace(
+        config=SimpleNamespace(ceph=None, observe_timeout_seconds=5.0),
+        node=SimpleNamespace(ceph_session=None), lock=threading.Lock(),
+        records={"pgdata": {"volume": good}, "bad": {"volume": {"name": "bad"}},
+                 "worse": {"volume": "not a mapping"}})
+    got = service.Daemon._probe_first_chains(fake, ["bad", "worse", "pgdata"])  # type: ignore[arg-type]
+    assert asked == [{("rbd", "pgdata")}]
+    assert list(got) == ["pgdata"] and "did not answer within 5 s" in got["pgdata"]
