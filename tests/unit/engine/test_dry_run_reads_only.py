@@ -15,20 +15,13 @@ import pytest
 
 from reconciler.drivers import kernelmapper
 from reconciler.engine.release import held_now
-from reconciler.observe import node as observe_node
-from reconciler.spec.config import load_config
+from reconciler.spec.config import Config
 
 
-def test_the_dry_run_leaves_the_nbd_records_alone(tmp_path: Path,
+def test_the_dry_run_leaves_the_nbd_records_alone(tmp_path: Path, nbd_node_config: Config,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    state, desired = tmp_path / "state", tmp_path / "desired"
-    for d in (state, desired):
-        d.mkdir(mode=0o700)
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(f"desiredDir: {desired}\nstateDir: {state}\nallowedRoots: [{tmp_path}]\n")
-    config = load_config(cfg)
+    config, state = nbd_node_config, nbd_node_config.state_dir
     # nbd here, nothing connected; one record of an earlier boot.
-    monkeypatch.setattr(observe_node, "available_mappers", lambda: frozenset({"fuse", "nbd"}))
     monkeypatch.setattr(kernelmapper, "nbd_any_connected", lambda *_a, **_k: False)
     records = state / "nbd.json"
     records.write_text(json.dumps({"/dev/nbd0": {"pool": "p", "image": "i",

@@ -8,7 +8,6 @@ shutdown. So the dry run cannot tell (exit 1), never "nothing"."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import pytest
 
@@ -16,26 +15,23 @@ from reconciler.cli import release as cli_release
 from reconciler.cli.exits import EXIT_FAILED
 from reconciler.drivers import kernelmapper
 from reconciler.drivers.run import CommandError
-from reconciler.observe import node as observe_node
-from reconciler.spec.config import load_config
+from reconciler.spec.config import Config
 
 
-def test_a_failed_listing_is_not_nothing_held(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
-    state, desired = tmp_path / "state", tmp_path / "desired"
-    for d in (state, desired):
-        d.mkdir(mode=0o700)
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(f"desiredDir: {desired}\nstateDir: {state}\nallowedRoots: [{tmp_path}]\n")
-    config = load_config(cfg)
-    monkeypatch.setattr(observe_node, "available_mappers", lambda: frozenset({"fuse", "nbd"}))
-
+def _listing_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     def fails(self: kernelmapper.KernelMapper) -> list[object]:
         raise CommandError(["rbd", "device", "list", "-t", "nbd"], 1, "timed out")
 
     monkeypatch.setattr(kernelmapper.KernelMapper, "list", fails)
+
+
+def test_a_failed_listing_is_not_nothing_held(nbd_node_config: Config,
+                                              monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+
+    _listing_fails(monkeypatch)
     args = argparse.Namespace(paths=[], dry_run=True, output="text", step_timeout=5.0)
-    rc = cli_release.cmd_release_all(args, config)
+    rc = cli_release.cmd_release_all(args, nbd_node_config)
     captured = capsys.readouterr()
     assert rc == EXIT_FAILED, captured.out
     assert "nothing to take down" not in captured.out
@@ -43,24 +39,14 @@ def test_a_failed_listing_is_not_nothing_held(tmp_path: Path, monkeypatch: pytes
 
 
 def test_a_release_whose_last_look_could_not_list_is_not_ok(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        nbd_node_config: Config, monkeypatch: pytest.MonkeyPatch) -> None:
     """``release --all`` itself: its last look is what it reports held; a
     listing that failed there is not "0 thing(s) still held" (exit 0)."""
     from reconciler.engine import release as engine_release
 
-    state, desired = tmp_path / "state", tmp_path / "desired"
-    for d in (state, desired):
-        d.mkdir(mode=0o700)
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(f"desiredDir: {desired}\nstateDir: {state}\nallowedRoots: [{tmp_path}]\n")
-    config = load_config(cfg)
-    monkeypatch.setattr(observe_node, "available_mappers", lambda: frozenset({"fuse", "nbd"}))
     monkeypatch.setattr(engine_release, "sync_all", lambda _t: None)
 
-    def fails(self: kernelmapper.KernelMapper) -> list[object]:
-        raise CommandError(["rbd", "device", "list", "-t", "nbd"], 1, "timed out")
-
-    monkeypatch.setattr(kernelmapper.KernelMapper, "list", fails)
-    done = engine_release.release_all(config, 5.0, 30.0)
+    _listing_fails(monkeypatch)
+    done = engine_release.release_all(nbd_node_config, 5.0, 30.0)
     assert not done.ok
     assert any("listing nbd mappings failed" in x for x in done.left), done.left
