@@ -192,7 +192,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         p.add_argument("--dry-run", action="store_true",
                        help="with --all: only say what it would take down (one 'held:' line "
                             "each; another tool's kernel mappings, left alone, as 'not ours:'); "
-                            "exit 0 when nothing of ours, 2 when something")
+                            "exit 0 when nothing of ours, 2 when something, 1 when it cannot "
+                            "tell (a listing of the mappings failed)")
         p.add_argument("--step-timeout", type=_positive_seconds, default=30.0, metavar="SECONDS",
                        help="with --all or --orphans: deadline of the sync and of each "
                             "unmount/unmap command (default: 30)")
