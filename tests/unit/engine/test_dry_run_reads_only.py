@@ -12,15 +12,16 @@ import os
 from pathlib import Path
 
 import pytest
+from release_config import nbd_node_config
 
 from reconciler.drivers import kernelmapper
 from reconciler.engine.release import held_now
-from reconciler.spec.config import Config
 
 
-def test_the_dry_run_leaves_the_nbd_records_alone(tmp_path: Path, nbd_node_config: Config,
+def test_the_dry_run_leaves_the_nbd_records_alone(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    config, state = nbd_node_config, nbd_node_config.state_dir
+    config = nbd_node_config(tmp_path, monkeypatch)
+    state = config.state_dir
     # nbd here, nothing connected; one record of an earlier boot.
     monkeypatch.setattr(kernelmapper, "nbd_any_connected", lambda *_a, **_k: False)
     records = state / "nbd.json"

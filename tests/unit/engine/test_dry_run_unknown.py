@@ -8,14 +8,15 @@ shutdown. So the dry run cannot tell (exit 1), never "nothing"."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
+from release_config import nbd_node_config
 
 from reconciler.cli import release as cli_release
 from reconciler.cli.exits import EXIT_FAILED
 from reconciler.drivers import kernelmapper
 from reconciler.drivers.run import CommandError
-from reconciler.spec.config import Config
 
 
 def _listing_fails(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -25,13 +26,13 @@ def _listing_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kernelmapper.KernelMapper, "list", fails)
 
 
-def test_a_failed_listing_is_not_nothing_held(nbd_node_config: Config,
-                                              monkeypatch: pytest.MonkeyPatch,
+def test_a_failed_listing_is_not_nothing_held(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str]) -> None:
+    config = nbd_node_config(tmp_path, monkeypatch)
 
     _listing_fails(monkeypatch)
     args = argparse.Namespace(paths=[], dry_run=True, output="text", step_timeout=5.0)
-    rc = cli_release.cmd_release_all(args, nbd_node_config)
+    rc = cli_release.cmd_release_all(args, config)
     captured = capsys.readouterr()
     assert rc == EXIT_FAILED, captured.out
     assert "nothing to take down" not in captured.out
@@ -39,14 +40,15 @@ def test_a_failed_listing_is_not_nothing_held(nbd_node_config: Config,
 
 
 def test_a_release_whose_last_look_could_not_list_is_not_ok(
-        nbd_node_config: Config, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``release --all`` itself: its last look is what it reports held; a
     listing that failed there is not "0 thing(s) still held" (exit 0)."""
+    config = nbd_node_config(tmp_path, monkeypatch)
     from reconciler.engine import release as engine_release
 
     monkeypatch.setattr(engine_release, "sync_all", lambda _t: None)
 
     _listing_fails(monkeypatch)
-    done = engine_release.release_all(nbd_node_config, 5.0, 30.0)
+    done = engine_release.release_all(config, 5.0, 30.0)
     assert not done.ok
     assert any("listing nbd mappings failed" in x for x in done.left), done.left

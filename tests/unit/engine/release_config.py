@@ -1,4 +1,4 @@
-"""A node config over a temporary state and desired directory, with nbd
+"""For the release tests: a node config over a temporary state and desired directory, with nbd
 "available" (the engine's release looks at what nbd maps)."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from reconciler.observe import node as observe_node
 from reconciler.spec.config import Config, load_config
 
 
-@pytest.fixture
 def nbd_node_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Config:
     state, desired = tmp_path / "state", tmp_path / "desired"
     for d in (state, desired):
