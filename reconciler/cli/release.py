@@ -99,10 +99,11 @@ def _report_release(args: argparse.Namespace, done: Released) -> int:
                 print(f"  {s.status:<7} {s.step.action:<16} {s.step.target}{msg}")
         if done.sync:
             print(f"warning: {done.sync}", file=sys.stderr)
+        # As the dry run's lines: a listing's error quotes a command's output.
         for line in done.forced:
-            print(f"forced: {line}", file=sys.stderr)
+            print(f"forced: {escaped(line)}", file=sys.stderr)
         for line in done.left:
-            print(f"not released: {line}", file=sys.stderr)
+            print(f"not released: {escaped(line)}", file=sys.stderr)
         # A volume released in a second round (after forcing) counts once.
         released = len({o.name for o in done.outcomes
                         if o.steps and o.status in ("ok", "changed")})

@@ -386,17 +386,18 @@ class Daemon:
         answer within observeTimeoutSeconds (name -> why). Their images
         only, read from their header, each pool and image bounded."""
         config, node = self.config, self.node
-        with self.lock:
-            recorded = {n: self.records[n]["volume"] for n in names if n in self.records}
         images: dict[str, tuple[str, str]] = {}
-        for n, doc in recorded.items():
-            try:  # one record that does not load stops no other's probe
-                v = volume_from_dict(doc)
-            except (AttributeError, KeyError, TypeError, ValueError) as exc:
-                log.warning("readiness: the record of %s does not load: %s", n, exc)
-                continue
-            if v.image.pool:
-                images[n] = (v.image.pool, v.image.name)
+        with self.lock:  # read as a whole, as a pass may change the records
+            for n in names:
+                if n not in self.records:
+                    continue
+                try:  # one record that does not load stops no other's probe
+                    v = volume_from_dict(self.records[n]["volume"])
+                except (AttributeError, KeyError, TypeError, ValueError) as exc:
+                    log.warning("readiness: the record of %s does not load: %s", n, exc)
+                    continue
+                if v.image.pool:
+                    images[n] = (v.image.pool, v.image.name)
         if not images:
             return {}
         timeout = config.observe_timeout_seconds
